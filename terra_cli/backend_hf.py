@@ -1,0 +1,114 @@
+"""The transformers reference backend: a plain KV-cached token loop over `modeling_hf`.
+
+Readable rather than fast; it is what the vLLM backend is checked and benchmarked against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .config import FrameLayout
+from .modeling_hf import LlamaActionForCausalLM, load_model
+from .world_model import FrameCallback, Sampling, check_generation_inputs
+
+
+def pick_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def pick_dtype(dtype: str | None, device: str) -> torch.dtype:
+    if dtype in (None, "auto"):
+        # bf16 is what Terra was trained in; CPU matmuls are fastest and exact in fp32.
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
+
+
+def sample_next(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, generators: list[torch.Generator]) -> torch.Tensor:
+    """Next image code per row of logits (R, V). The special id and anything above is never drawn."""
+    logits = logits[:, : layout.image_vocab_size].float()
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    # One generator per rollout, so a rollout's tokens do not depend on what it is batched with.
+    return torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)])
+
+
+@torch.inference_mode()
+def generate_frames(
+    model: LlamaActionForCausalLM,
+    context_tokens: np.ndarray,
+    action_waypoints: np.ndarray,
+    num_frames: int,
+    sampling: Sampling,
+    on_frame: FrameCallback | None = None,
+) -> np.ndarray:
+    layout = model.layout
+    context, actions = check_generation_inputs(layout, context_tokens, action_waypoints, num_frames)
+    device = model.lm_head.weight.device
+    rollouts, k = context.shape[:2]
+    generators = [torch.Generator(device=device).manual_seed(sampling.rollout_seed(r)) for r in range(rollouts)]
+    frames = torch.empty((rollouts, num_frames, layout.image_tokens), dtype=torch.long, device=device)
+    frames[:, :k] = torch.from_numpy(context).to(device)
+    actions_t = torch.from_numpy(actions).to(device)
+    placeholders = torch.full((rollouts, layout.action_tokens), layout.action_placeholder_id, device=device)
+
+    # Prefill: every context frame followed by its action slots.
+    prompt = torch.cat([frames[:, :k], placeholders.unsqueeze(1).expand(-1, k, -1)], dim=2).reshape(rollouts, -1)
+    positions = torch.arange(prompt.shape[1], device=device).expand(rollouts, -1)
+    cache = DynamicCache(config=model.config)
+    logits, cache = model(prompt, positions, actions_t[:, :k].reshape(rollouts, -1, 3), cache, use_cache=True, logits_to_keep=1)
+    next_position = prompt.shape[1]
+
+    for f in range(k, num_frames):
+        for i in range(layout.image_tokens):
+            token = sample_next(logits[:, -1], layout, sampling, generators)
+            frames[:, f, i] = token
+            step_ids, step_actions = token[:, None], None
+            if i == layout.image_tokens - 1:
+                if f == num_frames - 1:
+                    break
+                # The frame's last code and its action slots go in together; the last slot
+                # predicts the first code of the next frame.
+                step_ids = torch.cat([step_ids, placeholders], dim=1)
+                step_actions = actions_t[:, f]
+            n = step_ids.shape[1]
+            positions = torch.arange(next_position, next_position + n, device=device).expand(rollouts, -1)
+            logits, cache = model(step_ids, positions, step_actions, cache, use_cache=True, logits_to_keep=1)
+            next_position += n
+        if on_frame is not None:
+            on_frame(f, frames[:, f].cpu().numpy())
+    return frames.cpu().numpy()
+
+
+class HfBackend:
+    name = "hf"
+
+    def __init__(self, checkpoint_dir=None, *, device: str | None = None, dtype: str | None = None, model=None):
+        self.device = pick_device(device)
+        self.model = model if model is not None else load_model(checkpoint_dir, self.device, pick_dtype(dtype, self.device))
+        self.config = self.model.config
+
+    def generate(self, context_tokens, action_waypoints, num_frames, sampling, on_frame=None) -> np.ndarray:
+        return generate_frames(self.model, context_tokens, action_waypoints, num_frames, sampling, on_frame)
+
+    def close(self) -> None:
+        self.model = None

@@ -1,0 +1,129 @@
+"""`LlamaActionConfig`: Terra's world-model config, read from its released `config.json` unchanged.
+
+The token layout every backend shares lives here too (`FrameLayout`), so that the transformers
+reference, the vLLM model and the pipeline cannot disagree about where a frame starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from huggingface_hub.dataclasses import strict
+from transformers import AutoConfig, LlamaConfig
+
+from .errors import TerraError
+
+ARCH_V1 = "LlamaActionForCausalLM"
+ARCH_V2 = "LlamaActionV2ForCausalLM"
+SUPPORTED_ARCHITECTURES = (ARCH_V1, ARCH_V2)
+
+
+class ConfigError(TerraError, ValueError):
+    """A config.json that cannot describe a Terra world model."""
+
+
+@strict
+class LlamaActionConfig(LlamaConfig):
+    """Llama decoder over image tokens with per-frame action embeddings.
+
+    Field defaults are the values of Terra's released `world_model/config.json`.
+    """
+
+    model_type = "llama_action"
+
+    action_dim: int = 3
+    # The published config class reads `num_action_embeddings` from the key `num_action_tokens`
+    # (default 5) while the released files carry both keys. We read both and insist they agree.
+    num_action_tokens: int | None = None
+    num_action_embeddings: int | None = None
+    num_image_patches: int = 576
+    num_spatio_embeddings: int = 582
+    num_temporal_embeddings: int = 25
+    llm_model_type: str = "llama"
+
+    def __post_init__(self, **kwargs):
+        tokens, embeddings = self.num_action_tokens, self.num_action_embeddings
+        if tokens is not None and embeddings is not None and tokens != embeddings:
+            raise ConfigError(
+                f"config.json has num_action_tokens={tokens} but num_action_embeddings={embeddings}; "
+                "Terra uses one value for both (6 in the released models): make them equal"
+            )
+        resolved = tokens if tokens is not None else embeddings
+        if resolved is None:
+            resolved = 6
+        self.num_action_tokens = self.num_action_embeddings = resolved
+        super().__post_init__(**kwargs)
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        if self.num_spatio_embeddings != self.num_image_patches + self.num_action_embeddings:
+            raise ConfigError(
+                f"num_spatio_embeddings ({self.num_spatio_embeddings}) must equal num_image_patches "
+                f"({self.num_image_patches}) + num_action_embeddings ({self.num_action_embeddings}): "
+                "one spatial slot per position of a frame"
+            )
+        if self.llm_model_type != "llama":
+            raise ConfigError(f"llm_model_type {self.llm_model_type!r} is not supported; only 'llama' is")
+        if self.vocab_size < 2:
+            raise ConfigError("vocab_size must hold the image codes plus one special id")
+        archs = self.architectures or [ARCH_V1]
+        unknown = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+        if unknown:
+            raise ConfigError(
+                f"architecture {unknown[0]!r} is not a Terra world model; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+    # --- derived, not stored -------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        return (self.architectures or [ARCH_V1])[0]
+
+    @property
+    def layout(self) -> "FrameLayout":
+        return FrameLayout(
+            image_tokens=self.num_image_patches,
+            action_tokens=self.num_action_embeddings,
+            max_frames=self.num_temporal_embeddings,
+            image_vocab_size=self.vocab_size - 1,
+        )
+
+
+@dataclass(frozen=True)
+class FrameLayout:
+    """Where things sit in Terra's interleaved sequence.
+
+    Frame k occupies positions [k * frame_stride, (k + 1) * frame_stride): first `image_tokens`
+    image codes, then `action_tokens` action embeddings. Image codes are 0..image_vocab_size-1
+    (0 is a valid code); `special_id` = image_vocab_size is Terra's bos/eos/pad and is never an
+    image token. Action slots carry `action_placeholder_id` (= vocab size, outside the embedding
+    table) so that no real code can be mistaken for an action slot.
+    """
+
+    image_tokens: int = 576
+    action_tokens: int = 6
+    max_frames: int = 25
+    image_vocab_size: int = 2**18
+
+    @property
+    def frame_stride(self) -> int:
+        return self.image_tokens + self.action_tokens
+
+    @property
+    def special_id(self) -> int:
+        return self.image_vocab_size
+
+    @property
+    def action_placeholder_id(self) -> int:
+        return self.image_vocab_size + 1
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_frames * self.frame_stride
+
+
+def register_auto_config() -> None:
+    """Make `AutoConfig.from_pretrained` understand `model_type: llama_action` (idempotent)."""
+    AutoConfig.register(LlamaActionConfig.model_type, LlamaActionConfig, exist_ok=True)
+
+
+register_auto_config()

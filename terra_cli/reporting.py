@@ -1,0 +1,44 @@
+"""Rich progress for generation: one step per generated frame, with tokens/s."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class FrameProgress:
+    def __init__(self, console: Console, total_frames: int, tokens_per_frame: int, rollouts: int = 1):
+        self.tokens_per_frame = tokens_per_frame * rollouts
+        self.progress = Progress(
+            TextColumn("[bold]generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("frames  {task.fields[rate]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        self.task = self.progress.add_task("generate", total=total_frames, rate="")
+        self.started = self.last = 0.0
+        self.elapsed = 0.0
+        self.frame_seconds: list[float] = []
+
+    def __enter__(self):
+        self.progress.__enter__()
+        self.started = self.last = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.elapsed = time.perf_counter() - self.started
+        return self.progress.__exit__(*exc)
+
+    def frame_done(self, frame_index: int, frame_tokens) -> None:
+        now = time.perf_counter()
+        seconds = now - self.last
+        self.last = now
+        self.frame_seconds.append(seconds)
+        rate = f"{self.tokens_per_frame / seconds:,.0f} tok/s" if seconds > 0 else ""
+        self.progress.update(self.task, advance=1, rate=rate)

@@ -1,0 +1,137 @@
+"""The one small interface both world-model backends implement, and what they share.
+
+A backend takes context frames as tokens and per-frame action waypoints and returns every
+frame's tokens. It knows nothing about images, files or the CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+from .config import FrameLayout, LlamaActionConfig
+from .errors import TerraError
+
+# on_frame(frame_index, frame_tokens (rollouts, image_tokens)) after each generated frame.
+FrameCallback = Callable[[int, np.ndarray], None]
+
+
+class InputError(TerraError, ValueError):
+    """Inputs that cannot be generated from (wrong shape, too few actions, too many frames)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings. temperature 0 is greedy; top_k 0 and top_p 1.0 mean no filter."""
+
+    temperature: float = 0.9  # Terra's default
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise InputError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def rollout_seed(self, rollout: int) -> int:
+        return self.seed + rollout
+
+
+class WorldModelBackend(Protocol):
+    name: str
+    config: LlamaActionConfig
+
+    def generate(
+        self,
+        context_tokens: np.ndarray,
+        action_waypoints: np.ndarray,
+        num_frames: int,
+        sampling: Sampling,
+        on_frame: FrameCallback | None = None,
+    ) -> np.ndarray:
+        """context_tokens (R, K, 576) int, action_waypoints (R, >= num_frames - 1, 6, 3) float
+        -> all frames' tokens, context included, (R, num_frames, 576) int64."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def check_generation_inputs(
+    layout: FrameLayout, context_tokens: np.ndarray, action_waypoints: np.ndarray, num_frames: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate and normalise the inputs of `generate` (one round: at most `layout.max_frames`).
+
+    Returns (context int64 (R, K, T), actions float32 (R, num_frames - 1, A, 3)).
+    """
+    context = np.asarray(context_tokens)
+    if context.ndim == 2:
+        context = context[None]
+    if context.ndim != 3 or context.shape[2] != layout.image_tokens:
+        raise InputError(f"context tokens must have shape (frames, {layout.image_tokens}), got {np.shape(context_tokens)}")
+    if not np.issubdtype(context.dtype, np.integer):
+        raise InputError(f"context tokens must be integers, got {context.dtype}")
+    if context.size and (context.min() < 0 or context.max() >= layout.image_vocab_size):
+        raise InputError(
+            f"context tokens must be image codes in [0, {layout.image_vocab_size - 1}], "
+            f"found {int(context.min())}..{int(context.max())}"
+        )
+    rollouts, k = context.shape[:2]
+    if k < 1:
+        raise InputError("at least one context frame is needed")
+    if not k < num_frames <= layout.max_frames:
+        raise InputError(
+            f"--frames must be more than the {k} context frame(s) and at most {layout.max_frames} per round, got {num_frames}"
+        )
+    actions = np.asarray(action_waypoints, dtype=np.float32)
+    if actions.ndim == 3:
+        actions = actions[None]
+    if actions.ndim != 4 or actions.shape[2:] != (layout.action_tokens, 3):
+        raise InputError(f"actions must have shape (frames, {layout.action_tokens}, 3), got {np.shape(action_waypoints)}")
+    if actions.shape[0] == 1 and rollouts > 1:
+        actions = np.broadcast_to(actions, (rollouts, *actions.shape[1:]))
+    if context.shape[0] == 1 and actions.shape[0] > 1:
+        context = np.broadcast_to(context, (actions.shape[0], *context.shape[1:]))
+    if actions.shape[0] != context.shape[0]:
+        raise InputError(f"{context.shape[0]} context rollouts but {actions.shape[0]} action rollouts")
+    if actions.shape[1] < num_frames - 1:
+        raise InputError(
+            f"{num_frames} frames need actions for at least {num_frames - 1} frames (the last frame's is never used), "
+            f"got {actions.shape[1]}"
+        )
+    if not np.isfinite(actions).all():
+        raise InputError("actions contain NaN or inf")
+    return np.ascontiguousarray(context, dtype=np.int64), np.ascontiguousarray(actions[:, : num_frames - 1])
+
+
+def resolve_backend_name(requested: str) -> str:
+    """'auto' -> 'vllm' when vLLM is importable and a device it supports is present, else 'hf'."""
+    if requested in ("hf", "vllm"):
+        return requested
+    if requested != "auto":
+        raise InputError(f"--backend must be auto, vllm or hf, got {requested!r}")
+    try:
+        from .backend_vllm import vllm_available
+    except ImportError:
+        return "hf"
+    return "vllm" if vllm_available() else "hf"
+
+
+def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype: str | None = None, **options) -> WorldModelBackend:
+    name = resolve_backend_name(name)
+    if name == "vllm":
+        from .backend_vllm import VllmBackend
+
+        return VllmBackend(checkpoint_dir, device=device, dtype=dtype, **options)
+    from .backend_hf import HfBackend
+
+    return HfBackend(checkpoint_dir, device=device, dtype=dtype)

@@ -1,0 +1,25 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_terra(*args, cwd=None, timeout=600, env=None):
+    """Run the installed CLI in a real subprocess (python -m keeps it on this interpreter)."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "terra_cli", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, timeout=timeout, env=full_env,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    from terra_cli.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_world_model"))

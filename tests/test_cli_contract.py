@@ -1,0 +1,64 @@
+"""`terra generate` token contract through a real subprocess, and the CLI's error handling."""
+
+import numpy as np
+
+from terra_cli.backend_hf import generate_frames
+from terra_cli.modeling_hf import load_model
+from terra_cli.world_model import Sampling
+
+from conftest import run_terra
+
+
+def write_inputs(tmp_path, frames=4, context_frames=2, seed=0):
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(0, 512, size=(context_frames, 576)).astype(np.int32)
+    acts = rng.normal(size=(frames, 6, 3)).astype(np.float32)
+    np.save(tmp_path / "ctx.npy", ctx)
+    np.save(tmp_path / "acts.npy", acts)
+    return ctx, acts
+
+
+def test_generate_no_decode_contract_hf(tmp_path, tiny_checkpoint):
+    ctx, acts = write_inputs(tmp_path)
+    args = ["generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",
+            "--actions", tmp_path / "acts.npy", "--frames", 4, "--temperature", 0, "--backend", "hf",
+            "--no-decode", "--save-tokens", tmp_path / "out.npy"]
+    result = run_terra(*args)
+    assert result.returncode == 0, result.stderr
+    assert "backend: hf" in result.stderr
+    tokens = np.load(tmp_path / "out.npy")
+    assert tokens.shape == (4, 576) and tokens.dtype == np.int64
+    np.testing.assert_array_equal(tokens[:2], ctx)
+    expected = generate_frames(load_model(tiny_checkpoint), ctx, acts, 4, Sampling(temperature=0))[0]
+    np.testing.assert_array_equal(tokens, expected)
+
+    # An existing output is never overwritten without --overwrite.
+    again = run_terra(*args)
+    assert again.returncode != 0 and "already exists" in again.stderr and "Traceback" not in again.stderr
+    assert run_terra(*args, "--overwrite").returncode == 0
+
+
+def test_generate_bad_inputs_give_one_line_errors(tmp_path, tiny_checkpoint):
+    write_inputs(tmp_path)
+    base = ["generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",
+            "--temperature", 0, "--backend", "hf", "--no-decode", "--save-tokens", tmp_path / "o.npy"]
+    np.save(tmp_path / "bad_shape.npy", np.zeros((4, 5, 3), dtype=np.float32))
+    cases = {
+        "shape (frames, 6, 3)": ["--actions", tmp_path / "bad_shape.npy", "--frames", 4],
+        "at least 5 frames": ["--actions", tmp_path / "acts.npy", "--frames", 6],
+        "does not exist": ["--actions", tmp_path / "missing.npy", "--frames", 4],
+    }
+    for message, extra in cases.items():
+        result = run_terra(*base, *extra)
+        assert result.returncode == 2, (message, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr
+    missing_model = run_terra("generate", "--model", tmp_path / "nope", "--context-tokens", tmp_path / "ctx.npy",
+                              "--actions", tmp_path / "acts.npy", "--frames", 4, "--backend", "hf",
+                              "--no-decode", "--save-tokens", tmp_path / "o.npy")
+    assert missing_model.returncode == 2 and "does not exist" in missing_model.stderr
+
+
+def test_info_describes_a_checkpoint(tiny_checkpoint):
+    result = run_terra("info", tiny_checkpoint)
+    assert result.returncode == 0, result.stderr
+    assert "LlamaActionForCausalLM" in result.stdout and "576 per frame" in result.stdout

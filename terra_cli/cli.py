@@ -134,35 +134,6 @@ def _load_context_tokens(path: Path):
     return arr.astype(np.int64)
 
 
-# --------------------------------------------------------------------------------------------
-@app.command()
-@friendly_errors
-def tokenize():
-    """Frames <-> tokens with Terra's image tokenizer."""
-    not_implemented("tokenize")
-
-
-@app.command()
-@friendly_errors
-def bench():
-    """Benchmark the transformers reference against the vLLM backend."""
-    not_implemented("bench")
-
-
-@actions_app.command("convert")
-@friendly_errors
-def actions_convert():
-    """Write the (frames, 6, 3) array an actions input becomes."""
-    not_implemented("actions convert")
-
-
-@actions_app.command("plot")
-@friendly_errors
-def actions_plot():
-    """Draw the waypoints of each frame, top-down."""
-    not_implemented("actions plot")
-
-
 @app.command()
 @friendly_errors
 def info(model: str = typer.Argument(..., help="World-model directory or hub id.")):
@@ -182,6 +153,10 @@ def info(model: str = typer.Argument(..., help="World-model directory or hub id.
     out.print(f"  actions        {layout.action_tokens} waypoints x {config.action_dim} per frame")
     out.print(f"  frames/round   {layout.max_frames}")
     out.print(f"  weights        {len(files)} file(s), {size / 1e6:.1f} MB")
+
+
+# Each larger command lives in its own module and registers itself on `app` / `actions_app`.
+from . import cli_actions, cli_bench, cli_tokenize  # noqa: E402,F401
 
 
 def main() -> None:

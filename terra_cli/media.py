@@ -1,0 +1,214 @@
+"""Reading frames (image folders, single images, videos) and writing videos / PNG frames.
+
+Frames are RGB uint8 arrays of shape (H, W, 3). Resizing and normalisation belong to the tokenizer
+(`tokenizer_decoder.ImageTokenizer.preprocess`). Every user-fixable problem raises `MediaError` with
+a one-line message naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .errors import TerraError
+from .io_utils import atomic_path
+
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".ppm"})
+VIDEO_EXTENSIONS = frozenset({".mp4", ".avi", ".mov", ".webm", ".gif", ".mkv", ".m4v", ".mpg", ".mpeg"})
+
+
+class MediaError(TerraError):
+    """An input that cannot be read as frames, or frames that cannot be written."""
+
+
+def natural_key(name: str) -> list:
+    """Sort key putting frame2 before frame10: digit runs compare as numbers."""
+    return [(0, int(part), part) if part.isdigit() else (1, 0, part.lower()) for part in re.split(r"(\d+)", name)]
+
+
+def list_images(folder: str | os.PathLike) -> list[Path]:
+    """The image files of a folder (not recursive, hidden files skipped), in natural order."""
+    folder = Path(folder)
+    files = [
+        p for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
+    ]
+    return sorted(files, key=lambda p: natural_key(p.name))
+
+
+def is_video(path: str | os.PathLike) -> bool:
+    return Path(path).suffix.lower() in VIDEO_EXTENSIONS
+
+
+def read_image(path: str | os.PathLike) -> np.ndarray:
+    """One image file -> RGB uint8 (H, W, 3)."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))
+    except FileNotFoundError as exc:
+        raise MediaError(f"image {path} does not exist") from exc
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise MediaError(f"cannot read image {path}: {_short(exc)}") from exc
+
+
+def count_frames(path: str | os.PathLike, max_frames: int | None = None) -> int | None:
+    """How many frames `iter_frames` will yield, when that is cheap to know (None for some videos)."""
+    path = Path(path)
+    if path.is_dir():
+        n = len(list_images(path))
+    elif path.is_file() and is_video(path):
+        n = _video_frame_count(path)
+    elif path.is_file():
+        n = 1
+    else:
+        return None
+    if n is None:
+        return None
+    return min(n, max_frames) if max_frames is not None else n
+
+
+def iter_frames(path: str | os.PathLike, max_frames: int | None = None) -> Iterator[np.ndarray]:
+    """Yield RGB uint8 frames from a folder of images, a single image, or a video file."""
+    path = Path(path)
+    if max_frames is not None and max_frames < 1:
+        raise MediaError(f"max frames must be at least 1, got {max_frames}")
+    if not path.exists():
+        raise MediaError(f"input {path} does not exist")
+    if path.is_dir():
+        files = list_images(path)
+        if not files:
+            raise MediaError(f"folder {path} has no images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+        for file in files[:max_frames]:
+            yield read_image(file)
+        return
+    if is_video(path):
+        yield from _iter_video(path, max_frames)
+        return
+    yield read_image(path)
+
+
+def read_frames(path: str | os.PathLike, max_frames: int | None = None) -> list[np.ndarray]:
+    """All frames of a folder of images (natural order), a single image, or a video, as RGB uint8 arrays."""
+    return list(iter_frames(path, max_frames))
+
+
+def _iter_video(path: Path, max_frames: int | None) -> Iterator[np.ndarray]:
+    import imageio.v2 as iio
+
+    try:
+        reader = iio.get_reader(str(path), format="FFMPEG")
+    except Exception as exc:  # imageio/ffmpeg raise many kinds of errors for unreadable files
+        raise MediaError(f"cannot read video {path}: {_short(exc)}") from exc
+    count = 0
+    try:
+        while max_frames is None or count < max_frames:
+            try:
+                frame = reader.get_next_data()
+            except IndexError:
+                break
+            except Exception as exc:
+                raise MediaError(f"cannot read video {path} (frame {count}): {_short(exc)}") from exc
+            count += 1
+            yield _as_rgb(np.asarray(frame))
+    finally:
+        reader.close()
+    if count == 0:
+        raise MediaError(f"video {path} has no frames")
+
+
+def _video_frame_count(path: Path) -> int | None:
+    import imageio.v2 as iio
+
+    try:
+        reader = iio.get_reader(str(path), format="FFMPEG")
+    except Exception:
+        return None
+    try:
+        n = reader.count_frames()
+        return int(n) if n and n > 0 else None
+    except Exception:
+        return None
+    finally:
+        reader.close()
+
+
+def _as_rgb(frame: np.ndarray) -> np.ndarray:
+    if frame.ndim == 2:
+        frame = np.stack([frame] * 3, axis=-1)
+    if frame.shape[-1] == 4:
+        frame = frame[..., :3]
+    return np.ascontiguousarray(frame, dtype=np.uint8)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text and text[0] else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+def _check_frames(frames: Sequence[np.ndarray], what: str) -> list[np.ndarray]:
+    frames = [np.asarray(f) for f in frames]
+    if not frames:
+        raise MediaError(f"no frames to write to {what}")
+    shape = frames[0].shape
+    for i, f in enumerate(frames):
+        if f.dtype != np.uint8 or f.ndim != 3 or f.shape[2] != 3:
+            raise MediaError(f"{what}: frame {i} is not an RGB uint8 (H, W, 3) array ({f.dtype} {f.shape})")
+        if f.shape != shape:
+            raise MediaError(f"{what}: frame {i} is {f.shape[1]}x{f.shape[0]}, frame 0 is {shape[1]}x{shape[0]}")
+    return frames
+
+
+def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: float = 10) -> Path:
+    """Write frames as an H.264 mp4, atomically: a temporary file beside `path`, then os.replace."""
+    import imageio.v2 as iio
+
+    path = Path(path)
+    frames = _check_frames(frames, str(path))
+    with atomic_path(path) as tmp:
+        try:
+            writer = iio.get_writer(
+                str(tmp), format="FFMPEG", fps=fps, codec="libx264", quality=8,
+                macro_block_size=2, ffmpeg_log_level="error",
+            )
+            try:
+                for frame in frames:
+                    writer.append_data(frame)
+            finally:
+                writer.close()
+        except MediaError:
+            raise
+        except Exception as exc:
+            raise MediaError(f"cannot write video {path}: {_short(exc)}") from exc
+    return path
+
+
+def frame_filename(index: int, prefix: str = "frame") -> str:
+    return f"{prefix}_{index:04d}.png"
+
+
+def write_frames(
+    directory: str | os.PathLike, frames: Sequence[np.ndarray], prefix: str = "frame", start: int = 0
+) -> list[Path]:
+    """Write frames as PNGs `<prefix>_0000.png`, ... (numbered from `start`) into `directory`, each atomically."""
+    from PIL import Image
+
+    directory = Path(directory)
+    frames = _check_frames(frames, str(directory))
+    if directory.exists() and not directory.is_dir():
+        raise MediaError(f"cannot write frames into {directory}: it is a file")
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index, frame in enumerate(frames, start):
+        target = directory / frame_filename(index, prefix)
+        with atomic_path(target) as tmp:
+            Image.fromarray(frame).save(tmp, format="PNG")
+        paths.append(target)
+    return paths

@@ -1,0 +1,328 @@
+"""`ImageTokenizer`: RGB frames <-> (18 x 32 = 576) LFQ tokens per frame, in bounded-size batches.
+
+Preprocessing follows Terra's `generate.py`: PIL `convert("RGB")`, `resize((512, 288))` with PIL's
+default filter, `x / 127.5 - 1` as float32, CHW. Decoded frames are clamped to [-1, 1] and mapped
+back with `((x + 1) / 2 * 255).astype(uint8)` (truncation, as Terra's `to_np_images` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from terra_cli.checkpoint import (
+    WEIGHTS_NAME,
+    CheckpointError,
+    check_state_dict,
+    read_state_dict,
+    resolve_checkpoint_dir,
+    weight_files,
+)
+from terra_cli.errors import TerraError
+
+from .config import TokenizerConfig
+from .modules import LFQTokenizerModel, build_model, expected_shapes, indices_to_codes
+
+FRAME_HEIGHT = 288
+FRAME_WIDTH = 512
+DEFAULT_BATCH_SIZE = 8
+
+# The reference LFQ's buffers are non-persistent, so a checkpoint should not carry them; when one
+# does (a port that made them persistent), they are checked against what they must hold and dropped.
+_OPTIONAL_QUANTIZE_KEYS = ("quantize.mask", "quantize.zero", "quantize.codebook", "quantize.pre_mask", "quantize.post_mask")
+
+
+class TokenizerInputError(TerraError, ValueError):
+    """Frames or tokens the tokenizer cannot take."""
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise TokenizerInputError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TokenizerInputError(f"device {device} asked for, but no CUDA GPU is available")
+    return dev
+
+
+class ImageTokenizer:
+    """Terra's LFQ image tokenizer and decoder.
+
+    >>> tok = ImageTokenizer.from_pretrained("turing-motors/Terra", subfolder="lfq_tokenizer_B_256")
+    >>> tokens = tok.tokenize(frames)          # (N, 576) int64
+    >>> images = tok.decode_tokens(tokens)     # (N, 288, 512, 3) uint8
+    """
+
+    def __init__(
+        self,
+        model: LFQTokenizerModel,
+        *,
+        device: str | torch.device | None = "auto",
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        image_size: tuple[int, int] = (FRAME_HEIGHT, FRAME_WIDTH),
+        source: str | None = None,
+    ):
+        if batch_size < 1:
+            raise TokenizerInputError(f"batch size must be at least 1, got {batch_size}")
+        height, width = image_size
+        f = model.config.downsample_factor
+        if height % f or width % f:
+            raise TokenizerInputError(f"image size {height}x{width} must be a multiple of {f} in both sides")
+        self.device = pick_device(device)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.config = model.config
+        self.batch_size = batch_size
+        self.image_size = (height, width)
+        self.source = source
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: TokenizerConfig, *, seed: int | None = 0, **kwargs) -> "ImageTokenizer":
+        """Random weights (for tests and smoke runs); `seed` makes them reproducible."""
+        with _seeded(seed):
+            model = build_model(config, "cpu")
+        return cls(model, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        dir_or_hub_id: str | os.PathLike,
+        subfolder: str | None = None,
+        *,
+        device: str | torch.device | None = "auto",
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        image_size: tuple[int, int] = (FRAME_HEIGHT, FRAME_WIDTH),
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> "ImageTokenizer":
+        """Load config.json + model.safetensors strictly (every key, every shape, nothing extra)."""
+        directory = resolve_checkpoint_dir(dir_or_hub_id, subfolder, revision=revision, cache_dir=cache_dir)
+        config = TokenizerConfig.load(directory)
+        model = build_model(config, "meta")
+        state = read_state_dict(weight_files(directory), dtype=torch.float32)
+        _drop_optional_quantize_buffers(state, config, directory)
+        check_state_dict(expected_shapes(model), state, f"tokenizer checkpoint {directory}")
+        model.load_state_dict(state, strict=True, assign=True)
+        return cls(model, device=device, batch_size=batch_size, image_size=image_size, source=str(directory))
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write config.json + model.safetensors (float32) in the layout `from_pretrained` reads."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save(directory)
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.model.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+        return directory
+
+    # -- geometry -------------------------------------------------------------------------------
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        return self.config.latent_hw(*self.image_size)
+
+    @property
+    def tokens_per_frame(self) -> int:
+        h, w = self.latent_hw
+        return h * w
+
+    @property
+    def codebook_size(self) -> int:
+        return self.config.codebook_size
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    # -- pixels <-> tensors ---------------------------------------------------------------------
+    def resize_frames(self, images: Sequence) -> list[np.ndarray]:
+        """PIL images or uint8 arrays -> RGB uint8 (H, W, 3) at the tokenizer's size, resized as Terra does."""
+        height, width = self.image_size
+        return [np.asarray(_to_pil(image, i).convert("RGB").resize((width, height))) for i, image in enumerate(images)]
+
+    def preprocess(self, images: Sequence) -> torch.Tensor:
+        """PIL images or uint8 HxWx3 arrays -> float32 (B, 3, H, W) in [-1, 1] on the CPU."""
+        height, width = self.image_size
+        arrays = [(frame / 127.5 - 1.0).astype(np.float32) for frame in self.resize_frames(images)]
+        if not arrays:
+            return torch.empty((0, 3, height, width))
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+
+    @staticmethod
+    def postprocess(pixels: torch.Tensor) -> np.ndarray:
+        """(B, 3, H, W) in [-1, 1] -> uint8 (B, H, W, 3)."""
+        x = pixels.detach().float().clamp(-1.0, 1.0).cpu()
+        x = (x + 1.0) / 2.0
+        return (255 * x.permute(0, 2, 3, 1).numpy()).astype(np.uint8)
+
+    # -- latents ----------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) in [-1, 1] -> pre-quantization latents (B, z_channels, H/16, W/16), float32."""
+        outs = []
+        for chunk in _chunks(pixels, self.batch_size):
+            with self._autocast():
+                outs.append(self.model.encode(chunk.to(self.device, torch.float32)).float())
+        return torch.cat(outs) if outs else pixels.new_empty((0, self.config.z_channels, *self.latent_hw))
+
+    @torch.inference_mode()
+    def quantize(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents -> (+-1 codes of the same shape, (B, h*w) int64 token indices)."""
+        return self.model.quantize(latents)
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """(B, z_channels, h, w) codes -> (B, 3, 16h, 16w) pixels, float32, not clamped."""
+        outs = []
+        for chunk in _chunks(codes, self.batch_size):
+            with self._autocast():
+                outs.append(self.model.decode(chunk.to(self.device, torch.float32)).float())
+        if not outs:
+            h, w = codes.shape[-2:]
+            f = self.config.downsample_factor
+            return codes.new_empty((0, self.config.out_ch, h * f, w * f), dtype=torch.float32)
+        return torch.cat(outs)
+
+    def tokens_to_codes(self, tokens) -> torch.Tensor:
+        """(B, h*w) token indices -> (B, z_channels, h, w) +-1 codes."""
+        t = self._check_tokens(tokens)
+        h, w = self.latent_hw
+        codes = indices_to_codes(t.reshape(-1, h, w), self.config.z_channels)
+        return codes.permute(0, 3, 1, 2).contiguous()
+
+    # -- frames <-> tokens ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def tokenize(self, images: Sequence, *, on_batch: Callable[[int], None] | None = None) -> np.ndarray:
+        """Frames (PIL images or uint8 HxWx3 arrays, any size) -> (N, 576) int64 tokens.
+
+        Frames are preprocessed and encoded `batch_size` at a time; `on_batch(n)` is called after each
+        batch with the number of frames it held.
+        """
+        images = list(images)
+        out = np.empty((len(images), self.tokens_per_frame), dtype=np.int64)
+        for start in range(0, len(images), self.batch_size):
+            batch = images[start:start + self.batch_size]
+            pixels = self.preprocess(batch).to(self.device)
+            with self._autocast():
+                latents = self.model.encode(pixels)
+            _, indices = self.model.quantize(latents)
+            out[start:start + len(batch)] = indices.cpu().numpy()
+            if on_batch is not None:
+                on_batch(len(batch))
+        return out
+
+    @torch.inference_mode()
+    def decode_tokens(self, tokens, *, on_batch: Callable[[int], None] | None = None) -> np.ndarray:
+        """(N, 576) (or (576,)) token indices -> (N, H, W, 3) uint8 frames, `batch_size` frames at a time."""
+        t = self._check_tokens(tokens)
+        height, width = self.image_size
+        frames = np.empty((t.shape[0], height, width, 3), dtype=np.uint8)
+        for start in range(0, t.shape[0], self.batch_size):
+            codes = self.tokens_to_codes(t[start:start + self.batch_size]).to(self.device)
+            with self._autocast():
+                pixels = self.model.decode(codes)
+            frames[start:start + codes.shape[0]] = self.postprocess(pixels)
+            if on_batch is not None:
+                on_batch(codes.shape[0])
+        return frames
+
+    def reconstruct(self, images: Sequence) -> tuple[np.ndarray, np.ndarray]:
+        """Frames -> (tokens, decoded frames)."""
+        tokens = self.tokenize(images)
+        return tokens, self.decode_tokens(tokens)
+
+    def _check_tokens(self, tokens) -> torch.Tensor:
+        t = torch.as_tensor(np.asarray(tokens) if not isinstance(tokens, torch.Tensor) else tokens)
+        per_frame = self.tokens_per_frame
+        if t.ndim == 1 and t.numel() % per_frame == 0:
+            t = t.reshape(-1, per_frame)
+        if t.ndim != 2 or t.shape[1] != per_frame:
+            raise TokenizerInputError(f"tokens must have shape (frames, {per_frame}), got {tuple(t.shape)}")
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+            raise TokenizerInputError(f"tokens must be integers, got {t.dtype}")
+        t = t.long()
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.codebook_size):
+            raise TokenizerInputError(
+                f"token values must lie in [0, {self.codebook_size}), got {int(t.min())}..{int(t.max())}"
+            )
+        return t.cpu()
+
+
+# ---------------------------------------------------------------------------------------------
+def psnr(reference: np.ndarray, reconstruction: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB of two uint8 images of the same shape (inf when identical)."""
+    a = np.asarray(reference, dtype=np.float64)
+    b = np.asarray(reconstruction, dtype=np.float64)
+    if a.shape != b.shape:
+        raise TokenizerInputError(f"PSNR needs images of the same shape, got {a.shape} and {b.shape}")
+    mse = float(np.mean((a - b) ** 2))
+    return float("inf") if mse == 0 else 10.0 * np.log10(255.0**2 / mse)
+
+
+def _to_pil(image, index: int):
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    arr = np.asarray(image)
+    if arr.dtype != np.uint8:
+        raise TokenizerInputError(f"frame {index}: expected a uint8 image array, got {arr.dtype}")
+    if arr.ndim == 3 and arr.shape[2] == 1:
+        arr = arr[:, :, 0]
+    if not (arr.ndim == 2 or (arr.ndim == 3 and arr.shape[2] in (3, 4))):
+        raise TokenizerInputError(f"frame {index}: expected an HxWx3 image array, got shape {arr.shape}")
+    return Image.fromarray(arr)
+
+
+def _chunks(x: torch.Tensor, size: int) -> Iterable[torch.Tensor]:
+    for start in range(0, x.shape[0], size):
+        yield x[start:start + size]
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None):
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _drop_optional_quantize_buffers(state: dict[str, torch.Tensor], config: TokenizerConfig, directory) -> None:
+    """Check and remove `quantize.*` buffers a port may have saved; refuse ones that disagree with us."""
+    bits = config.z_channels
+    lsb_first = 2 ** torch.arange(bits, dtype=torch.long)
+    for key in _OPTIONAL_QUANTIZE_KEYS:
+        if key not in state:
+            continue
+        value = state.pop(key)
+        if key == "quantize.mask":
+            v = value.long().flatten()
+            if v.numel() == bits and torch.equal(v, lsb_first.flip(0)):
+                raise CheckpointError(
+                    f"tokenizer checkpoint {directory}: quantize.mask is most-significant-bit first "
+                    "(Open-MAGVIT2's first release); this build reads channel 0 as the least significant bit"
+                )
+            if not torch.equal(v, lsb_first):
+                raise CheckpointError(f"tokenizer checkpoint {directory}: quantize.mask {v.tolist()} is not 2**arange({bits})")
+        elif key == "quantize.codebook":
+            if tuple(value.shape) != (config.codebook_size, bits):
+                raise CheckpointError(
+                    f"tokenizer checkpoint {directory}: quantize.codebook has shape {tuple(value.shape)}, "
+                    f"config wants ({config.codebook_size}, {bits})"
+                )
+            probe = torch.tensor([0, 1, config.codebook_size - 1, config.codebook_size // 3])
+            if not torch.equal(value[probe].float(), indices_to_codes(probe, bits)):
+                raise CheckpointError(f"tokenizer checkpoint {directory}: quantize.codebook is not the +-1 bit table")

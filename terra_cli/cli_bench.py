@@ -1,10 +1,116 @@
 """`terra bench`."""
 
-from .cli import app, friendly_errors, not_implemented
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .cli import app, console, friendly_errors, out
+
+EPILOG = (
+    "Examples:\n\n"
+    "  terra bench --hf-vs-vllm --out results.json --plot results.png      # Terra-size model, random weights (GPU)\n\n"
+    "  terra bench --hf-vs-vllm --model ckpt/world_model --batch 1,8 --hf-frames 2\n\n"
+    "  terra bench --hf-vs-vllm --model tiny_ckpt --device cpu --frames 4 --context-frames 2 --batch 1,2   # smoke test"
+)
 
 
-@app.command()
+def _parse_batches(text: str) -> list[int]:
+    from .world_model import InputError
+
+    try:
+        batches = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise InputError(f"--batch takes comma-separated rollout counts like 1,8,32, got {text!r}") from None
+    if not batches or batches[0] < 1:
+        raise InputError(f"--batch needs positive rollout counts, got {text!r}")
+    return batches
+
+
+def _parse_vllm_args(items: list[str]) -> dict:
+    import json
+
+    from .world_model import InputError
+
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InputError(f"--vllm-arg takes key=value, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+@app.command(epilog=EPILOG)
 @friendly_errors
-def bench():
-    """Benchmark the transformers reference against the vLLM backend."""
-    not_implemented("bench")
+def bench(
+    hf_vs_vllm: bool = typer.Option(False, "--hf-vs-vllm", help="Compare the transformers reference with vLLM."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model dir or hub id (default: Terra's config, random weights)."),
+    frames: int = typer.Option(25, help="Frames per run, context included."),
+    context_frames: int = typer.Option(3, help="Context frames."),
+    batch: str = typer.Option("1,8,32,64", help="vLLM parallel rollouts to measure, comma-separated."),
+    hf_frames: Optional[int] = typer.Option(None, help="Generated frames for the slow reference (default: all)."),
+    temperature: float = typer.Option(0.9, help="Sampling temperature (Terra's 0.9)."),
+    seed: int = typer.Option(0, help="Seed for inputs and sampling."),
+    device: str = typer.Option("auto", help="cuda, cpu or auto."),
+    dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32."),
+    skip_hf: bool = typer.Option(False, "--skip-hf", help="Measure vLLM only."),
+    vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM engine argument key=value (repeatable)."),
+    out_json: Optional[Path] = typer.Option(None, "--out", help="Write results (with the environment) as JSON."),
+    plot: Optional[Path] = typer.Option(None, help="Write a PNG chart."),
+    overwrite: bool = typer.Option(False, help="Replace existing outputs."),
+):
+    """Measure generation speed: transformers reference vs vLLM, and vLLM with parallel rollouts."""
+    from .bench import BenchPlan, plot_results, run_bench, save_results
+    from .io_utils import check_writable
+    from .world_model import InputError
+
+    if not hf_vs_vllm:
+        raise InputError("say what to measure: terra bench --hf-vs-vllm")
+    for path in (out_json, plot):
+        if path is not None:
+            check_writable(path, overwrite)
+    if context_frames < 1 or frames <= context_frames:
+        raise InputError(f"--frames ({frames}) must be more than --context-frames ({context_frames}), which must be >= 1")
+    plan = BenchPlan(
+        frames=frames, context_frames=context_frames, batches=_parse_batches(batch), hf_frames=hf_frames,
+        temperature=temperature, seed=seed, device=device, dtype=dtype, run_hf=not skip_hf,
+        vllm_options=_parse_vllm_args(vllm_arg),
+    )
+    results = run_bench(model, plan, log=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False))
+    results["command"] = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    _print_table(results)
+    if out_json:
+        save_results(results, out_json)
+        console.print(f"results -> {out_json}")
+    if plot:
+        plot_results(results, plot)
+        console.print(f"chart -> {plot}")
+
+
+def _print_table(results: dict) -> None:
+    table = Table(title=f"terra bench: {results['model']}")
+    for col in ("backend", "rollouts", "start-up s", "first frame s", "s/frame (mean ± sd)", "tokens/s", "frames/s",
+                "GPU mem GB", "prefix hit"):
+        table.add_column(col, justify="right" if col != "backend" else "left")
+    for r in results["runs"]:
+        table.add_row(
+            r["backend"], str(r["rollouts"]), f"{r['startup_s']:.1f}", f"{r['first_frame_s']:.3f}",
+            f"{r['s_per_frame_mean']:.3f} ± {r['s_per_frame_stdev']:.3f}", f"{r['tokens_per_s']:,.0f}",
+            f"{r['frames_per_s']:.2f}", "-" if r["peak_gpu_memory_gb"] is None else f"{r['peak_gpu_memory_gb']:.1f}",
+            "-" if r["prefix_cache_hit_rate"] is None else f"{r['prefix_cache_hit_rate']:.1%}",
+        )
+    out.print(table)
+    if results.get("speedup_vllm_over_hf"):
+        out.print(f"vLLM (1 rollout) is [bold]{results['speedup_vllm_over_hf']}x[/] faster per frame than the transformers reference")
+    for r in results["runs"]:
+        if r["notes"]:
+            out.print(f"[dim]{r['backend']} x{r['rollouts']}: {r['notes']}[/]")

@@ -1,0 +1,301 @@
+"""`terra bench --hf-vs-vllm`: the transformers reference and the vLLM backend on the same GPU,
+the same context tokens and the same actions, plus vLLM throughput with parallel rollouts.
+
+Engine start-up is timed separately from generation; per-frame times are wall-clock between
+finished frames, so they include vLLM's per-frame prompt re-submission.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .actions import preset_actions
+from .world_model import Sampling
+
+
+@dataclass
+class RunResult:
+    backend: str
+    rollouts: int
+    generated_frames: int
+    frame_seconds: list[float]
+    startup_seconds: float
+    tokens_per_frame: int
+    peak_gpu_memory_gb: float | None = None
+    prefix_cache_hit_rate: float | None = None
+    notes: str = ""
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.frame_seconds)
+
+    def summary(self) -> dict:
+        s = self.frame_seconds
+        total = self.total_seconds
+        return {
+            "backend": self.backend,
+            "rollouts": self.rollouts,
+            "generated_frames": self.generated_frames,
+            "startup_s": round(self.startup_seconds, 3),
+            "first_frame_s": round(s[0], 4) if s else None,
+            "s_per_frame_mean": round(statistics.fmean(s), 4) if s else None,
+            "s_per_frame_stdev": round(statistics.pstdev(s), 4) if len(s) > 1 else 0.0,
+            "s_per_frame_min": round(min(s), 4) if s else None,
+            "s_per_frame_max": round(max(s), 4) if s else None,
+            "tokens_per_s": round(self.rollouts * self.tokens_per_frame * len(s) / total, 1) if total else None,
+            "frames_per_s": round(self.rollouts * len(s) / total, 3) if total else None,
+            "peak_gpu_memory_gb": self.peak_gpu_memory_gb,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "frame_seconds": [round(x, 4) for x in s],
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class BenchPlan:
+    frames: int = 25
+    context_frames: int = 3
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    hf_frames: int | None = None  # generated frames for the (slow) reference; None: all
+    temperature: float = 0.9
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    run_hf: bool = True
+    run_vllm: bool = True
+    vllm_options: dict = field(default_factory=dict)
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import vllm
+
+        env["vllm"] = vllm.__version__
+    except ImportError:
+        env["vllm"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_memory_gb"] = round(props.total_memory / 2**30, 1)
+        try:
+            import subprocess
+
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20,
+            ).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
+    else:
+        env["gpu"] = None
+        env["cpu"] = platform.processor() or platform.machine()
+    return env
+
+
+def bench_inputs(layout, context_frames: int, frames: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded random context codes and a gentle left curve, identical for every backend."""
+    rng = np.random.default_rng(seed)
+    context = rng.integers(0, layout.image_vocab_size, size=(context_frames, layout.image_tokens), dtype=np.int64)
+    actions = preset_actions("left", frames, 30.0)
+    return context, actions
+
+
+def write_random_terra_checkpoint(out_dir: Path, device: str, seed: int = 0) -> Path:
+    """Terra's exact released config with random weights (transformers' init), in bf16."""
+    import torch
+
+    from .checkpoint import save_checkpoint
+    from .config import LlamaActionConfig
+    from .modeling_hf import build_model
+    from .testing import TERRA_WORLD_MODEL_CONFIG
+
+    config = LlamaActionConfig.from_dict(dict(TERRA_WORLD_MODEL_CONFIG))
+    torch.manual_seed(seed)
+    model = build_model(config, device=device, dtype=torch.bfloat16)
+    save_checkpoint(model, config, out_dir, max_shard_bytes=1 << 30)
+    del model
+    return out_dir
+
+
+def _gpu_used_gb() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return round((total - free) / 2**30, 2)
+
+
+def run_hf(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None]) -> RunResult:
+    import torch
+
+    from .backend_hf import HfBackend
+
+    generated = plan.frames - plan.context_frames
+    frames = plan.context_frames + (min(plan.hf_frames, generated) if plan.hf_frames else generated)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    backend = HfBackend(checkpoint_dir, device=plan.device, dtype=plan.dtype)
+    startup = time.perf_counter() - started
+    times = _timed_generate(backend, context, actions, frames, Sampling(temperature=plan.temperature, seed=plan.seed), log, "hf")
+    peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+    backend.close()
+    del backend
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    note = f"measured over the first {frames - plan.context_frames} of {generated} generated frames" if frames < plan.frames else ""
+    return RunResult("hf", 1, len(times), times, startup, context.shape[-1], peak, None, note)
+
+
+def _timed_generate(backend, context, actions, frames, sampling, log, label, rollouts=1) -> list[float]:
+    times: list[float] = []
+    last = [time.perf_counter()]
+
+    def on_frame(index, _tokens):
+        now = time.perf_counter()
+        times.append(now - last[0])
+        last[0] = now
+        log(f"{label}: frame {index + 1}/{frames}  {times[-1]:.3f} s")
+
+    ctx = np.broadcast_to(context, (rollouts, *context.shape))
+    acts = np.broadcast_to(actions, (rollouts, *actions.shape))
+    last[0] = time.perf_counter()
+    backend.generate(ctx, acts, frames, sampling, on_frame=on_frame)
+    return times
+
+
+def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None]) -> list[RunResult]:
+    from .backend_vllm import VllmBackend
+
+    started = time.perf_counter()
+    backend = VllmBackend(checkpoint_dir, device=plan.device, dtype=plan.dtype,
+                          max_rollouts=max(plan.batches), **plan.vllm_options)
+    startup = time.perf_counter() - started
+    log(f"vllm: engine ready in {startup:.1f} s")
+    sampling = Sampling(temperature=plan.temperature, seed=plan.seed)
+    # Warm-up: the first requests after start-up pay one-off costs (allocator, graph replays).
+    backend.generate(context, actions, plan.context_frames + 1, sampling)
+    results = []
+    for rollouts in plan.batches:
+        times = _timed_generate(backend, context, actions, plan.frames, sampling, log, f"vllm x{rollouts}", rollouts)
+        prompts = np.array(backend.last_prompt_tokens[1:], dtype=float)
+        cached = np.array(backend.last_cached_tokens[1:], dtype=float)
+        hit = round(float(cached.sum() / prompts.sum()), 4) if prompts.size else None
+        results.append(RunResult("vllm", rollouts, len(times), times, startup, context.shape[-1],
+                                 _gpu_used_gb(), hit, "peak memory: whole GPU in use (weights + KV cache reservation)"))
+    backend.close()
+    return results
+
+
+def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = print) -> dict:
+    import torch
+
+    from .backend_hf import pick_device
+    from .checkpoint import load_config, resolve_checkpoint_dir
+
+    plan.device = pick_device(plan.device)
+    tmp = None
+    if model is None:
+        tmp = tempfile.TemporaryDirectory(prefix="terra-bench-")
+        log("building Terra's released config (2.04B parameters) with random bf16 weights ...")
+        checkpoint_dir = write_random_terra_checkpoint(Path(tmp.name), plan.device, plan.seed)
+        model_label = "random weights, Terra world_model config (2,043,973,632 parameters, bf16)"
+    else:
+        checkpoint_dir = resolve_checkpoint_dir(model, "world_model")
+        model_label = str(checkpoint_dir)
+    layout = load_config(checkpoint_dir).layout
+    context, actions = bench_inputs(layout, plan.context_frames, plan.frames, plan.seed)
+    runs: list[RunResult] = []
+    try:
+        if plan.run_hf:
+            runs.append(run_hf(checkpoint_dir, plan, context, actions, log))
+        if plan.run_vllm:
+            runs.extend(run_vllm(checkpoint_dir, plan, context, actions, log))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    summaries = [r.summary() for r in runs]
+    hf = next((s for s in summaries if s["backend"] == "hf"), None)
+    one = next((s for s in summaries if s["backend"] == "vllm" and s["rollouts"] == 1), None)
+    speedup = None
+    if hf and one and one["s_per_frame_mean"]:
+        speedup = round(hf["s_per_frame_mean"] / one["s_per_frame_mean"], 2)
+    return {
+        "command": None,
+        "model": model_label,
+        "plan": {k: v for k, v in asdict(plan).items()},
+        "environment": environment(),
+        "runs": summaries,
+        "speedup_vllm_over_hf": speedup,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch_cuda": torch.cuda.is_available(),
+    }
+
+
+def plot_results(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .io_utils import atomic_path
+
+    runs = results["runs"]
+    singles = [r for r in runs if r["rollouts"] == 1]
+    batched = sorted((r for r in runs if r["backend"] == "vllm"), key=lambda r: r["rollouts"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = [r["backend"] for r in singles]
+    means = [r["s_per_frame_mean"] for r in singles]
+    errs = [r["s_per_frame_stdev"] for r in singles]
+    bars = ax1.bar(labels, means, yerr=errs, color=["#888888" if l == "hf" else "#2a7ab9" for l in labels], capsize=4)
+    ax1.bar_label(bars, labels=[f"{m:.2f} s" for m in means])
+    ax1.set_ylabel("seconds per generated frame (1 rollout)")
+    title = "s/frame"
+    if results.get("speedup_vllm_over_hf"):
+        title += f"  (vLLM {results['speedup_vllm_over_hf']}x faster)"
+    ax1.set_title(title)
+    if batched:
+        xs = [r["rollouts"] for r in batched]
+        ax2.plot(xs, [r["frames_per_s"] for r in batched], "o-", color="#2a7ab9")
+        for x, r in zip(xs, batched):
+            ax2.annotate(f"{r['frames_per_s']:.1f}", (x, r["frames_per_s"]), textcoords="offset points", xytext=(0, 6), ha="center")
+        ax2.set_xscale("log", base=2)
+        ax2.set_xticks(xs, [str(x) for x in xs])
+    ax2.set_xlabel("parallel rollouts")
+    ax2.set_ylabel("generated frames / s (aggregate)")
+    ax2.set_title("vLLM throughput")
+    env = results["environment"]
+    fig.suptitle(f"{results['model']}\n{env.get('gpu') or env.get('cpu')}, vLLM {env.get('vllm')}, torch {env.get('torch')}", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png", dpi=120)
+    plt.close(fig)
+
+
+def save_results(results: dict, path: Path) -> None:
+    from .io_utils import atomic_path
+
+    with atomic_path(Path(path)) as tmp:
+        tmp.write_text(json.dumps(results, indent=2))

@@ -54,7 +54,8 @@ def parse_args(argv=None):
                         "(default: --max-minutes minus data time; with --steps the schedule follows steps)")
     # model
     p.add_argument("--ch", type=int, default=64)
-    p.add_argument("--ch-mult", default="1,1,2,2,4", help="5 levels = 16x downsampling (576 tokens at 288x512)")
+    p.add_argument("--ch-mult", default="1,1,2,2,2",
+                   help="5 levels = 16x downsampling (576 tokens at 288x512); the default keeps the file < 20 MiB")
     p.add_argument("--num-res-blocks", type=int, default=1)
     p.add_argument("--z-channels", type=int, default=10, help="codebook size 2**z_channels (10 to 12)")
     # optimisation
@@ -292,7 +293,7 @@ def main(argv=None) -> int:
 
     model.train()
     t_seg = time.time()
-    agg: dict[str, float] = {}
+    agg: dict = {}
     n_agg = 0
     last_saved = step
     stop_reason = "steps"
@@ -324,13 +325,14 @@ def main(argv=None) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         step += 1
+        # Accumulated on the device: no GPU sync per step.
         for k, v in (("loss", loss), ("l1", l1), ("l2", l2), ("commit", commit), ("entropy", ent),
                      ("sample_ent", ent_s), ("codebook_ent", ent_c)):
-            agg[k] = agg.get(k, 0.0) + float(v.detach())
+            agg[k] = agg.get(k, 0.0) + v.detach()
         n_agg += 1
         row = None
         if step % args.log_every == 0 or step == args.steps:
-            row = {k: v / n_agg for k, v in agg.items()}
+            row = {k: float(v) / n_agg for k, v in agg.items()}
             agg, n_agg = {}, 0
         if step % args.val_every == 0 or step == args.steps:
             row = (row or {}) | validate()

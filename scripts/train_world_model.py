@@ -407,8 +407,8 @@ def main(argv=None) -> int:
             batch = make_batch(*sample_windows(train_ids, args.batch_size, rng))
             loss, acc = loss_of(batch)
             (loss / args.grad_accum).backward()
-            agg_loss += float(loss.detach()) / args.grad_accum
-            agg_acc += float(acc) / args.grad_accum
+            agg_loss = agg_loss + loss.detach() / args.grad_accum  # on the device: no sync per step
+            agg_acc = agg_acc + acc / args.grad_accum
             tokens_seen += batch[0].numel()
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -418,7 +418,8 @@ def main(argv=None) -> int:
         row = None
         if step % args.log_every == 0 or step == args.steps:
             now = time.time()
-            row = {"loss": agg_loss / n_agg, "acc": agg_acc / n_agg, "tokens_per_s": tokens_seen / max(now - t_log, 1e-9)}
+            row = {"loss": float(agg_loss) / n_agg, "acc": float(agg_acc) / n_agg,
+                   "tokens_per_s": tokens_seen / max(now - t_log, 1e-9)}
             agg_loss = agg_acc = 0.0
             n_agg, tokens_seen, t_log = 0, 0, now
         if step % args.val_every == 0 or step == args.steps:

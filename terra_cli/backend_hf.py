@@ -48,8 +48,11 @@ def sample_next(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, g
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
-    # One generator per rollout, so a rollout's tokens do not depend on what it is batched with.
-    return torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)])
+    # Exponential race (argmax of p / Exp(1) draws a code with probability p): one kernel per
+    # row, where torch.multinomial over 2^18 codes is slow on GPU. One generator per rollout,
+    # so a rollout's tokens do not depend on what it is batched with.
+    race = torch.stack([torch.empty_like(p).exponential_(generator=g) for p, g in zip(probs, generators)])
+    return (probs / race).argmax(dim=-1)
 
 
 @torch.inference_mode()
@@ -67,8 +70,8 @@ def generate_frames(
     rollouts, k = context.shape[:2]
     generators = [torch.Generator(device=device).manual_seed(sampling.rollout_seed(r)) for r in range(rollouts)]
     frames = torch.empty((rollouts, num_frames, layout.image_tokens), dtype=torch.long, device=device)
-    frames[:, :k] = torch.from_numpy(context).to(device)
-    actions_t = torch.from_numpy(actions).to(device)
+    frames[:, :k] = torch.tensor(context, device=device)
+    actions_t = torch.tensor(actions, device=device)
     placeholders = torch.full((rollouts, layout.action_tokens), layout.action_placeholder_id, device=device)
 
     # Prefill: every context frame followed by its action slots.

@@ -139,8 +139,9 @@ class VllmBackend:
         tokens = self.config.layout.image_tokens
         return SamplingParams(
             n=1,
+            # Exactly one frame: eos is ignored and the special id is -inf in the model's logits,
+            # so nothing stops a frame early (min_tokens would only add a logits pass per step).
             max_tokens=tokens,
-            min_tokens=tokens,
             ignore_eos=True,
             temperature=sampling.temperature,
             top_k=sampling.top_k,

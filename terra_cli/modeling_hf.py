@@ -88,7 +88,8 @@ class LlamaActionForCausalLM(LlamaPreTrainedModel):
                 got = None if action_waypoints is None else tuple(action_waypoints.shape)
                 raise ValueError(f"{n_slots} action slots per row need action_waypoints of shape "
                                  f"({input_ids.shape[0]}, {n_slots}, 3), got {got}")
-            action_embeds = self.action_projection(action_waypoints.to(embeds.dtype))
+            # .to(): under autocast the projection may run in another dtype than the lookup.
+            action_embeds = self.action_projection(action_waypoints.to(embeds.dtype)).to(embeds.dtype)
             embeds = embeds.masked_scatter(is_action.unsqueeze(-1), action_embeds)
         return embeds + self.pos_embedding_spatio_temporal(position_ids).to(embeds.dtype)
 

@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from .actions import DEFAULT_SPEED_KMH
 from .errors import TerraError
 
 app = typer.Typer(
@@ -59,79 +60,196 @@ def not_implemented(what: str) -> None:
 @app.command(
     epilog=(
         "Examples:\n\n"
+        "  terra generate out.mp4 --frames 25 --actions left\n\n"
+        "  terra generate out.mp4 --context clip.mp4 --actions acts.npy --frames 50 --seed 1 --save-frames frames/\n\n"
+        "  terra generate out.mp4 --model turing-motors/Terra --variant world_model_v2 --context frames/ --actions traj.json\n\n"
         "  terra generate --model ckpt/world_model --context-tokens ctx.npy --actions acts.npy \\\n"
         "      --frames 10 --temperature 0 --backend hf --no-decode --save-tokens out.npy"
     )
 )
 @friendly_errors
 def generate(
-    output: Optional[Path] = typer.Argument(None, help="Video to write (.mp4); not needed with --no-decode."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model directory or hub id."),
-    context_tokens: Optional[Path] = typer.Option(None, help="Context as tokens: int .npy of shape (frames, 576)."),
-    actions: str = typer.Option(..., "--actions", "-a", help="Actions: .npy of shape (frames, 6, 3) or (frames*6, 3)."),
-    frames: int = typer.Option(25, "--frames", "-n", help="Total frames, context included."),
+    output: Optional[Path] = typer.Argument(None, metavar="[OUTPUT.mp4]", help="Video to write (H.264 .mp4, 10 fps, 512x288); not needed with --no-decode."),
+    actions: str = typer.Option(..., "--actions", "-a", help=(
+        "Trajectory: a preset (straight, left, right, stop, accelerate; driven at --speed), a .npy of shape "
+        "(frames, 6, 3) or (frames*6, 3) with (lateral y m, forward x m, time s) waypoints, or ACT-Bench "
+        ".json/.jsonl ('instruction_trajs'). Files need rows for at least frames-1 frames.")),
+    frames: int = typer.Option(25, "--frames", "-n", help="Total frames, context included (max 100; above 25 runs in rounds re-seeded with the last 3 frames)."),
+    context: Optional[list[Path]] = typer.Option(None, "--context", "-c", help="Context: a folder of images (natural order), image file(s) (repeat the option), or a video. Default: the embedded sample road."),
+    context_frames: Optional[int] = typer.Option(None, "--context-frames", "-k", min=1, help="Use the LAST K frames of --context (the most recent). Default 3, or fewer when fewer are given; with --context-tokens, all rows."),
+    context_tokens: Optional[Path] = typer.Option(None, help="Context as tokens instead of images: int .npy of shape (frames, 576); skips the encoder."),
+    speed: float = typer.Option(DEFAULT_SPEED_KMH, "--speed", help="Speed in km/h for preset actions."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model directory or hub id (default: the embedded terra-mini)."),
+    variant: str = typer.Option("world_model", help="Subfolder of turing-motors/Terra (or of a local snapshot): world_model or world_model_v2; each comes with its tokenizer."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Image tokenizer directory or hub id (overrides the one paired with --model)."),
     temperature: float = typer.Option(0.9, help="Sampling temperature; 0 is greedy."),
     top_k: int = typer.Option(0, help="Keep the k most likely codes (0: off)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1.0: off)."),
     seed: int = typer.Option(0, help="Random seed; the same seed gives the same video."),
-    backend: str = typer.Option("auto", help="auto, vllm or hf."),
+    backend: str = typer.Option("auto", help="auto (vLLM when installed and usable, else hf), vllm or hf."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:1 ... (auto: GPU when there is one)."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs into this folder."),
     save_tokens: Optional[Path] = typer.Option(None, help="Write all frames' tokens, context included, (N, 576) int64 .npy."),
-    no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video."),
+    no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video (needs --save-tokens)."),
     overwrite: bool = typer.Option(False, help="Replace existing outputs."),
 ):
-    """Generate future frames from context frames and a trajectory."""
+    """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
     import numpy as np
 
     from . import actions as actions_mod
-    from .checkpoint import resolve_checkpoint_dir
-    from .io_utils import atomic_save_npy, check_writable
-    from .pipeline import generate_tokens
+    from . import pipeline as pl
+    from .checkpoint import load_config
+    from .io_utils import atomic_save_npy
+    from .media import write_frames, write_video
     from .reporting import FrameProgress
-    from .world_model import InputError, Sampling, load_backend
+    from .world_model import InputError, Sampling, load_backend, resolve_backend_name
 
-    if not no_decode:
-        not_implemented("generate with decoding (use --no-decode --save-tokens)")
-    if model is None or context_tokens is None:
-        raise InputError("--model and --context-tokens are needed until the embedded default and image context land")
-    if save_tokens is None:
-        raise InputError("--no-decode needs --save-tokens FILE.npy, or there is nothing to write")
-    check_writable(save_tokens, overwrite)
+    # 1. Everything that can be checked without a model, outputs first.
+    outputs = pl.check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite)
+    if context and context_tokens is not None:
+        raise InputError("give --context (images/video) or --context-tokens, not both")
+    pl.check_frame_count(frames, context_frames)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    waypoints = actions_mod.resolve_actions(actions, frames=frames, speed_kmh=actions_mod.DEFAULT_SPEED_KMH)
-    context = _load_context_tokens(context_tokens)
-    checkpoint_dir = resolve_checkpoint_dir(model)
+    waypoints = actions_mod.resolve_actions(actions, frames=frames, speed_kmh=speed)
+    pl.check_actions_cover(waypoints, frames)
+    context_ids = pl.load_context_tokens(context_tokens, context_frames) if context_tokens is not None else None
+    images = pl.read_context_frames(context, context_frames) if context else None
+    backend_name = resolve_backend_name(backend)
 
+    # 2. The model pair; the world model's config is cheap and settles the rest of the checks.
+    choice = pl.resolve_model(model, variant, tokenizer)
+    config = load_config(choice.world_model_dir)
+    layout = config.layout
+    needs_tokenizer = outputs.decode or context_ids is None
+    if needs_tokenizer and choice.tokenizer is None:
+        raise InputError(
+            f"--model {model} comes without an image tokenizer: pass --tokenizer DIR_OR_HUB_ID "
+            "(or --no-decode with --context-tokens to stay in tokens)"
+        )
+    console.print(f"model: [bold]{choice.label}[/]", highlight=False, soft_wrap=True)
+    tok = None
+    if needs_tokenizer:
+        started = time.perf_counter()
+        tok = pl.load_tokenizer(choice, device)
+        pl.check_tokenizer_matches(tok, config)
+        console.print(f"tokenizer: {tok.source}  ({time.perf_counter() - started:.1f} s to load)", highlight=False, soft_wrap=True)
+
+    # 3. Context -> tokens.
+    if context_ids is None:
+        if images is None:
+            from .default_model import sample_context_frames
+
+            images = list(sample_context_frames(context_frames or pl.DEFAULT_CONTEXT_FRAMES))
+            console.print(f"context: {len(images)} frame(s) of the embedded sample road", highlight=False)
+        else:
+            console.print(f"context: last {len(images)} frame(s) of {', '.join(map(str, context))}", highlight=False, soft_wrap=True)
+        with _StepProgress("encoding", len(images)) as step:
+            context_ids = tok.tokenize(images, on_batch=step.advance)
+    else:
+        console.print(f"context: {context_ids.shape[0]} frame(s) of tokens from {context_tokens}", highlight=False, soft_wrap=True)
+    k = context_ids.shape[0]
+    pl.check_frame_count(frames, k)
+    rounds = pl.plan_rounds(k, frames, layout.max_frames)
+
+    # 4. Generate, frame by frame; Ctrl-C keeps what is finished when --save-tokens is given.
     started = time.perf_counter()
-    world_model = load_backend(backend, checkpoint_dir, device=device, dtype=dtype)
-    console.print(f"backend: [bold]{world_model.name}[/]  model: {checkpoint_dir}  ({time.perf_counter() - started:.1f} s to load)")
-    generated = frames - context.shape[0]
-    with FrameProgress(console, generated, world_model.config.layout.image_tokens) as progress:
-        tokens = generate_tokens(world_model, context, waypoints, frames, sampling, on_frame=progress.frame_done)
-    world_model.close()
-    atomic_save_npy(save_tokens, tokens[0].astype(np.int64))
-    elapsed = progress.elapsed
+    world_model = load_backend(backend_name, choice.world_model_dir, device=device, dtype=dtype)
+    auto = " (auto)" if backend == "auto" else ""
     console.print(
-        f"{frames} frames ({generated} generated) in {elapsed:.1f} s, {elapsed / max(generated, 1):.2f} s/frame, "
-        f"backend {world_model.name}; tokens -> {save_tokens}"
+        f"backend: [bold]{world_model.name}[/]{auto}  model: {choice.world_model_dir}  "
+        f"({time.perf_counter() - started:.1f} s to load)", highlight=False, soft_wrap=True,
+    )
+    generated = frames - k
+    if len(rounds) > 1:
+        console.print(f"{frames} frames in {len(rounds)} rounds of at most {layout.max_frames} "
+                      f"(each re-seeded with the last {pl.RESEED_FRAMES} frames)", highlight=False)
+    progress = FrameProgress(console, generated, layout.image_tokens)
+    recorder = pl.TokenRecorder(context_ids, frames, on_frame=progress.frame_done)
+    try:
+        with progress:
+            tokens = pl.generate_tokens(world_model, context_ids, waypoints, frames, sampling, on_frame=recorder.frame_done)[0]
+    except KeyboardInterrupt:
+        _save_interrupted(recorder, outputs.tokens, frames)
+    finally:
+        world_model.close()
+    tokens = tokens.astype(np.int64)
+    gen_seconds = progress.elapsed
+
+    # 5. Write: tokens first (cheapest), then decode and write frames / video, each atomically.
+    try:
+        if outputs.tokens is not None:
+            atomic_save_npy(outputs.tokens, tokens)
+        if outputs.decode:
+            with _StepProgress("decoding", len(tokens)) as step:
+                pictures = tok.decode_tokens(tokens, on_batch=step.advance)
+            if outputs.frames_dir is not None:
+                if outputs.overwrite and outputs.frames_dir.is_dir():
+                    for stale in outputs.frames_dir.glob("frame_*.png"):
+                        stale.unlink()
+                write_frames(outputs.frames_dir, list(pictures))
+            if outputs.video is not None:
+                write_video(outputs.video, list(pictures), fps=10)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted while writing; no partial video was left behind[/]")
+        raise typer.Exit(130) from None
+
+    written = [f"video -> {outputs.video}" if outputs.video else None,
+               f"frames -> {outputs.frames_dir}/" if outputs.frames_dir else None,
+               f"tokens -> {outputs.tokens}" if outputs.tokens else None]
+    console.print(
+        f"{frames} frames ({k} context + {generated} generated, {len(rounds)} round(s)) in {gen_seconds:.1f} s, "
+        f"{gen_seconds / max(generated, 1):.2f} s/frame, backend {world_model.name}, model {choice.label}; "
+        + "; ".join(w for w in written if w),
+        highlight=False, soft_wrap=True,
     )
 
 
-def _load_context_tokens(path: Path):
-    import numpy as np
+def _save_interrupted(recorder, tokens_path: Optional[Path], total: int) -> None:
+    from .io_utils import atomic_save_npy
 
-    from .world_model import InputError
+    if tokens_path is not None:
+        done = recorder.finished()
+        atomic_save_npy(tokens_path, done)
+        console.print(f"[yellow]interrupted:[/] saved {done.shape[0]} of {total} frames' tokens "
+                      f"(context included) -> {tokens_path}", highlight=False, soft_wrap=True)
+    else:
+        console.print("[yellow]interrupted:[/] nothing written (pass --save-tokens to keep finished frames)")
+    raise typer.Exit(130)
 
-    if not path.is_file():
-        raise InputError(f"context tokens file {path} does not exist")
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot read {path} as a .npy array: {exc}") from exc
-    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-        raise InputError(f"{path}: context tokens must be an int array (frames, 576), got {arr.dtype} {arr.shape}")
-    return arr.astype(np.int64)
+
+class _StepProgress:
+    """A progress bar for encoding / decoding, shown only once the step takes over a second."""
+
+    def __init__(self, label: str, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("frames"),
+                                 TimeElapsedColumn(), console=console, transient=False, auto_refresh=False)
+        self.task = self.progress.add_task(label, total=total)
+        self.label = label
+        self.started = 0.0
+        self.shown = False
+
+    def __enter__(self):
+        self.started = time.perf_counter()
+        return self
+
+    def advance(self, n: int) -> None:
+        self.progress.update(self.task, advance=n)
+        if not self.shown and time.perf_counter() - self.started > 1.0:
+            self.progress.start()
+            self.shown = True
+        if self.shown:
+            self.progress.refresh()
+
+    def __exit__(self, *exc):
+        if self.shown:
+            self.progress.stop()
+        elif exc[0] is None:
+            console.print(f"{self.label}: {self.progress.tasks[0].completed:.0f} frames in "
+                          f"{time.perf_counter() - self.started:.1f} s", highlight=False)
+        return False
 
 
 @app.command()
@@ -156,7 +274,7 @@ def info(model: str = typer.Argument(..., help="World-model directory or hub id.
 
 
 # Each larger command lives in its own module and registers itself on `app` / `actions_app`.
-from . import cli_actions, cli_bench, cli_tokenize  # noqa: E402,F401
+from . import cli_actions, cli_bench, cli_eval, cli_tokenize  # noqa: E402,F401
 
 
 def main() -> None:

@@ -1,0 +1,157 @@
+"""`terra eval`: score a world model + tokenizer against the synthetic road world (see terra_cli/evaluate.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .cli import app, console, friendly_errors, out
+
+EPILOG = (
+    "Examples:\n\n"
+    "  terra eval --out eval.json --plot eval.png --strip strip.png          # embedded terra-mini, defaults\n\n"
+    "  terra eval --seeds 20 --frames 8 --presets left,right,straight --backend hf --device cpu\n\n"
+    "  terra eval --model ckpt/world_model --tokenizer ckpt/tokenizer --temperature 0.9"
+)
+
+
+@app.command(name="eval", epilog=EPILOG)
+@friendly_errors
+def eval_command(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model dir (default: the embedded terra-mini)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Tokenizer dir (default: the embedded terra-mini tokenizer)."),
+    seeds: int = typer.Option(10, help="Held-out synthetic worlds per preset (world seeds 1000, 1001, ...); 20 for the full eval (~2x the time)."),
+    ceiling_seeds: int = typer.Option(4, help="Seeds on which the tokenizer ceiling (encode + decode of the true frames) is measured."),
+    presets: str = typer.Option("left,right,straight", help="Action presets to drive, comma-separated."),
+    context_frames: int = typer.Option(3, help="True frames given as context."),
+    frames: int = typer.Option(8, help="Frames per rollout, context included (generated = frames - context)."),
+    speed: float = typer.Option(30.0, help="Preset speed in km/h."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature; eval defaults to 0 = greedy (deterministic)."),
+    top_k: int = typer.Option(0, help="Top-k filter when sampling (0: none)."),
+    top_p: float = typer.Option(1.0, help="Top-p filter when sampling (1.0: none)."),
+    seed: int = typer.Option(0, help="Sampling seed (rollout i uses seed + i) when --temperature > 0."),
+    backend: str = typer.Option("auto", help="auto (vLLM when available, else hf), hf or vllm."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
+    dtype: str = typer.Option("auto", help="World-model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32."),
+    out_json: Optional[Path] = typer.Option(None, "--out", "-o", help="Write every number (config, per frame, per seed, summary, environment) as JSON."),
+    plot: Optional[Path] = typer.Option(None, help="Write a PNG: PSNR per frame and lateral motion per seed."),
+    strip: Optional[Path] = typer.Option(None, help="Write a PNG strip: true vs generated frames, first seed of each preset."),
+    overwrite: bool = typer.Option(False, help="Replace existing outputs."),
+):
+    """Evaluate the world model on held-out synthetic worlds: PSNR/SSIM vs the truth and a copy-last-frame
+    baseline, the tokenizer's ceiling, and whether the generated motion follows left/right commands."""
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .evaluate import EvalPlan, build_results, evaluate_preset, parse_presets, plot_eval, save_json, save_strip
+    from .io_utils import check_writable
+
+    plan = EvalPlan(
+        presets=parse_presets(presets), seeds=seeds, context_frames=context_frames, frames=frames,
+        speed_kmh=speed, ceiling_seeds=ceiling_seeds, temperature=temperature, top_k=top_k, top_p=top_p, sampling_seed=seed,
+    )
+    plan.validate()
+    from .world_model import Sampling, load_backend, resolve_backend_name
+
+    Sampling(temperature=temperature, top_k=top_k, top_p=top_p)  # validates before any loading
+    backend_name = resolve_backend_name(backend)
+    for path in (out_json, plot, strip):
+        if path is not None:
+            check_writable(path, overwrite)
+
+    from tokenizer_decoder import ImageTokenizer
+
+    from .checkpoint import resolve_checkpoint_dir
+    from .default_model import default_tokenizer_dir, default_world_model_dir
+
+    started = time.perf_counter()
+    model_dir = resolve_checkpoint_dir(model) if model is not None else default_world_model_dir()
+    tok_dir = tokenizer if tokenizer is not None else str(default_tokenizer_dir())
+    dev = device
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tok = ImageTokenizer.from_pretrained(tok_dir, device=dev)
+    wm = load_backend(backend_name, model_dir, device=dev, dtype=None if dtype == "auto" else dtype,
+                      **({"max_rollouts": plan.seeds} if backend_name == "vllm" else {}))
+    seconds_load = time.perf_counter() - started
+    console.print(
+        f"eval: model {model_dir}, tokenizer {tok.source}, backend: {backend_name} on {dev}; "
+        f"{plan.seeds} world(s) x {len(plan.presets)} preset(s) ({','.join(plan.presets)}), "
+        f"{plan.context_frames} context + {plan.generated_frames} generated frames, "
+        + ("greedy" if temperature == 0 else f"temperature {temperature}")
+        + f"; loaded in {seconds_load:.1f} s",
+        highlight=False, soft_wrap=True,
+    )
+
+    results = []
+    progress = Progress(
+        TextColumn("[bold]{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(), TextColumn("frames"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
+    )
+    total = len(plan.presets) * plan.generated_frames
+    try:
+        with progress:
+            task = progress.add_task("eval", total=total, stage="")
+            for name in plan.presets:
+                res = evaluate_preset(
+                    name, plan, tok, wm,
+                    on_frame=lambda _i, _t: progress.update(task, advance=1),
+                    on_stage=lambda msg: progress.update(task, stage=msg),
+                )
+                results.append(res)
+            progress.update(task, stage="done")
+    finally:
+        close = getattr(wm, "close", None)
+        if close is not None:
+            close()
+    from .bench import environment
+
+    report = build_results(
+        plan, results, model=str(model_dir), tokenizer=str(tok.source), backend=backend_name, device=dev,
+        seconds_total=time.perf_counter() - started, seconds_load=seconds_load, environment=environment(),
+    )
+    _print_table(report)
+    if out_json is not None:
+        save_json(report, out_json)
+    if plot is not None:
+        plot_eval(report, plot)
+    if strip is not None:
+        save_strip(results, strip)
+    written = [str(p) for p in (out_json, plot, strip) if p is not None]
+    console.print(
+        f"eval took {report['seconds']['total']:.1f} s (generation {report['seconds']['generate']:.1f} s)"
+        + (f"; wrote {', '.join(written)}" if written else ""),
+        highlight=False, soft_wrap=True,
+    )
+
+
+def _print_table(report: dict) -> None:
+    from rich.table import Table
+
+    from .evaluate import _fmt
+
+    s = report["summary"]
+    n = len(s["summary_frames"])
+    table = Table(title=f"terra eval: means over seeds, generated frames 1-{n}", title_justify="left")
+    for col in ("preset", "seeds", "PSNR gen", "PSNR copy", "SSIM gen", "SSIM copy", "PSNR tok ceiling",
+                "lateral gen (m)", "lateral true (m)", "commanded (m)", "sign ok"):
+        table.add_column(col, justify="left" if col == "preset" else "right")
+    for name, res in report["presets"].items():
+        p = res["summary"]
+        acc = p.get("sign_accuracy")
+        table.add_row(
+            name, str(len(res["per_seed"])), _fmt(p["psnr_generated"]), _fmt(p["psnr_copy_baseline"]),
+            _fmt(p["ssim_generated"]), _fmt(p["ssim_copy_baseline"]), _fmt(p["psnr_tokenizer_ceiling"]),
+            f"{_fmt(p['lateral_generated_mean_m'])} ± {_fmt(p['lateral_generated_std_m'])}",
+            _fmt(p["lateral_true_mean_m"]), _fmt(p["lateral_commanded_m"]),
+            "-" if acc is None else f"{acc:.0%}",
+        )
+    table.add_section()
+    table.add_row("all", "", _fmt(s["psnr_generated_frames_1_5"]), _fmt(s["psnr_copy_baseline_frames_1_5"]),
+                  _fmt(s["ssim_generated_frames_1_5"]), _fmt(s["ssim_copy_baseline_frames_1_5"]),
+                  _fmt(s["psnr_tokenizer_ceiling_frames_1_5"]), "", "", "",
+                  "-" if s.get("sign_accuracy_left_right") is None else f"{s['sign_accuracy_left_right']:.0%}")
+    out.print(table)

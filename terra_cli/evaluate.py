@@ -1,0 +1,494 @@
+"""`terra eval`: how well a world model predicts terra's synthetic road world, as plain functions.
+
+For every preset (left, right, straight, ...) and every seed s = 0..N-1 the synthetic world renders
+the ground truth: world `EVAL_WORLD_SEED_BASE + s` (1000, 1001, ...), ego starting at arc length 0
+in the world's ego lane, driving the preset at `speed_kmh`. The first K frames are tokenized as the
+context; the world model generates the remaining frames under the same actions (all seeds of a
+preset in one batched `generate` call); the tokens are decoded and compared with the true frames.
+
+Held out: the training scripts draw a world seed per rollout at random from [0, 2**31 - 1)
+(`synthetic_world.rollout_spec`, data seed 0 for the tokenizer, data seed 1 for the world model),
+not from a small range; `training_world_seeds` recomputes them and the tests check that none falls
+in the evaluation range (start poses and action sequences differ from training too).
+
+Metrics, per generated frame j = 1..F-K (j counts from the last context frame):
+* PSNR / SSIM of the decoded generated frame vs the true frame;
+* the copy baseline: the last true context frame vs the true frame j (a model that predicts
+  "nothing changes");
+* the tokenizer ceiling: PSNR of the tokenizer's own reconstruction of the true frame j (what a
+  perfect token prediction would score), on the first `ceiling_seeds` seeds only (the tokenizer
+  takes ~0.8 s per frame each way on a 2-core CPU);
+* action following: the apparent lateral motion (m, + left) from the last context frame to the last
+  generated frame, summed over consecutive frames with `estimate_lateral_motion` on the generated
+  frames (the last context frame as the tokenizer reconstructs it, then the generated frames). The
+  same estimate on the true frames and the commanded lateral offset (from the action waypoints)
+  are reported beside it; for left/right, the fraction of seeds whose estimated sign is right.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import TerraError
+
+EVAL_WORLD_SEED_BASE = 1000
+SUMMARY_FRAMES = 5  # summary PSNR averages generated frames 1..5 (fewer when fewer are generated)
+EXPECTED_SIGN = {"left": 1.0, "right": -1.0}
+TRAINING_DATA_SEEDS = (0, 1)  # scripts/train_tokenizer.py, scripts/train_world_model.py (--data-seed defaults)
+
+
+class EvalError(TerraError):
+    """Options of `terra eval` that cannot be evaluated."""
+
+
+@dataclass
+class EvalPlan:
+    presets: list[str] = field(default_factory=lambda: ["left", "right", "straight"])
+    seeds: int = 20
+    context_frames: int = 3
+    frames: int = 8
+    speed_kmh: float = 30.0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    sampling_seed: int = 0
+    world_seed_base: int = EVAL_WORLD_SEED_BASE
+    ceiling_seeds: int = 4  # the tokenizer ceiling is measured on the first few seeds (encode+decode is slow on CPU)
+
+    def validate(self) -> None:
+        from .actions import PRESETS
+
+        if not self.presets:
+            raise EvalError("--presets needs at least one preset")
+        unknown = [p for p in self.presets if p not in PRESETS]
+        if unknown:
+            raise EvalError(f"unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)}")
+        if len(set(self.presets)) != len(self.presets):
+            raise EvalError(f"--presets lists a preset twice: {','.join(self.presets)}")
+        if self.seeds < 1:
+            raise EvalError(f"--seeds must be at least 1, got {self.seeds}")
+        if self.context_frames < 1:
+            raise EvalError(f"--context-frames must be at least 1, got {self.context_frames}")
+        if self.frames <= self.context_frames:
+            raise EvalError(f"--frames ({self.frames}) must be more than --context-frames ({self.context_frames})")
+        if self.ceiling_seeds < 0:
+            raise EvalError(f"--ceiling-seeds must be >= 0, got {self.ceiling_seeds}")
+        if not 0 < self.speed_kmh <= 200:
+            raise EvalError(f"--speed must be in (0, 200] km/h, got {self.speed_kmh}")
+
+    @property
+    def generated_frames(self) -> int:
+        return self.frames - self.context_frames
+
+    def world_seeds(self) -> list[int]:
+        return [self.world_seed_base + s for s in range(self.seeds)]
+
+
+def parse_presets(text: str) -> list[str]:
+    return [p.strip().lower() for p in text.split(",") if p.strip()]
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics (pure functions, unit-tested)
+
+
+def training_world_seeds(data_seed: int, n_rollouts: int) -> set[int]:
+    """World seeds of the first `n_rollouts` rollouts of a training data seed (as `rollout_spec` draws them)."""
+    from .synthetic_world import _rng
+
+    return {int(_rng(0xDA7A, data_seed, i).integers(0, 2**31 - 1)) for i in range(n_rollouts)}
+
+
+def per_frame_psnr(frames: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """(F,) PSNR of frames[i] vs truth[i]."""
+    from .synthetic_world import psnr
+
+    return np.array([psnr(a, b) for a, b in zip(frames, truth)], np.float64)
+
+
+def per_frame_ssim(frames: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    from .synthetic_world import ssim
+
+    return np.array([ssim(a, b) for a, b in zip(frames, truth)], np.float64)
+
+
+def copy_baseline(last_context: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """(F, H, W, 3): the "nothing changes" prediction, the last context frame repeated for every frame."""
+    return np.broadcast_to(last_context, truth.shape)
+
+
+def lateral_from_last_context(last_context: np.ndarray, frames: np.ndarray) -> float:
+    """Apparent lateral motion (m, + left) from `last_context` to the last of `frames`, summed frame to frame."""
+    return float(_lateral_motion(np.concatenate([last_context[None], frames]))[-1])
+
+
+def _lateral_motion(frames: np.ndarray) -> np.ndarray:
+    from .synthetic_world import estimate_lateral_motion
+
+    return estimate_lateral_motion(frames)
+
+
+def commanded_lateral(actions: np.ndarray, context_frames: int, frames: int) -> float:
+    """Lateral offset (m, + left) of the ego at frame `frames - 1` in the ego frame of frame `context_frames - 1`."""
+    from .synthetic_world import rollout_poses
+
+    poses = rollout_poses(np.asarray(actions)[:frames])
+    x0, y0, th0 = poses[context_frames - 1]
+    x1, y1, _ = poses[frames - 1]
+    return float(-math.sin(th0) * (x1 - x0) + math.cos(th0) * (y1 - y0))
+
+
+def sign_accuracy(values, expected_sign: float) -> float:
+    """Fraction of `values` whose sign is `expected_sign` (+1 or -1); zero counts as wrong."""
+    values = np.asarray(values, np.float64)
+    if values.size == 0:
+        return float("nan")
+    return float(np.mean(np.sign(values) == np.sign(expected_sign)))
+
+
+def finite_mean(values) -> float:
+    arr = np.asarray(values, np.float64)
+    arr = arr[np.isfinite(arr)]
+    return float(arr.mean()) if arr.size else float("nan")
+
+
+def clean(obj):
+    """JSON-safe copy: numpy scalars/arrays to Python, NaN/inf to None (JSON has neither)."""
+    if isinstance(obj, dict):
+        return {str(k): clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return clean(obj.tolist())
+    if isinstance(obj, (np.floating, float)):
+        v = float(obj)
+        return round(v, 5) if math.isfinite(v) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class PresetResult:
+    """Arrays over (seeds, generated frames) and (seeds,) for one preset."""
+
+    name: str
+    world_seeds: list[int]
+    psnr_generated: np.ndarray
+    psnr_copy: np.ndarray
+    ssim_generated: np.ndarray
+    ssim_copy: np.ndarray
+    psnr_tokenizer: np.ndarray
+    lateral_generated: np.ndarray
+    lateral_true: np.ndarray
+    lateral_commanded: float
+    seconds_generate: float
+    seconds_total: float
+    strip_true: np.ndarray = None  # (K-last + generated, H, W, 3) of the first seed, for the strip picture
+    strip_generated: np.ndarray = None
+
+    def summary(self, summary_frames: int) -> dict:
+        n = min(summary_frames, self.psnr_generated.shape[1])
+        out = {
+            "psnr_generated": finite_mean(self.psnr_generated[:, :n]),
+            "psnr_copy_baseline": finite_mean(self.psnr_copy[:, :n]),
+            "ssim_generated": finite_mean(self.ssim_generated[:, :n]),
+            "ssim_copy_baseline": finite_mean(self.ssim_copy[:, :n]),
+            "psnr_tokenizer_ceiling": finite_mean(self.psnr_tokenizer[:, :n]),
+            "lateral_generated_mean_m": finite_mean(self.lateral_generated),
+            "lateral_generated_std_m": float(np.std(self.lateral_generated)),
+            "lateral_true_mean_m": finite_mean(self.lateral_true),
+            "lateral_commanded_m": self.lateral_commanded,
+        }
+        if self.name in EXPECTED_SIGN:
+            out["sign_accuracy"] = sign_accuracy(self.lateral_generated, EXPECTED_SIGN[self.name])
+            out["sign_accuracy_true_frames"] = sign_accuracy(self.lateral_true, EXPECTED_SIGN[self.name])
+        else:
+            out["abs_lateral_generated_mean_m"] = finite_mean(np.abs(self.lateral_generated))
+            out["abs_lateral_true_mean_m"] = finite_mean(np.abs(self.lateral_true))
+        return out
+
+    def to_json(self, summary_frames: int) -> dict:
+        g = self.psnr_generated.shape[1]
+        return {
+            "per_frame": {
+                "frame_index": list(range(1, g + 1)),
+                "psnr_generated": [finite_mean(c) for c in self.psnr_generated.T],
+                "psnr_copy_baseline": [finite_mean(c) for c in self.psnr_copy.T],
+                "ssim_generated": [finite_mean(c) for c in self.ssim_generated.T],
+                "ssim_copy_baseline": [finite_mean(c) for c in self.ssim_copy.T],
+                "psnr_tokenizer_ceiling": [finite_mean(c) for c in self.psnr_tokenizer.T],
+            },
+            "per_seed": [
+                {
+                    "seed": i,
+                    "world_seed": ws,
+                    "psnr_generated": self.psnr_generated[i],
+                    "psnr_copy_baseline": self.psnr_copy[i],
+                    "ssim_generated": self.ssim_generated[i],
+                    "ssim_copy_baseline": self.ssim_copy[i],
+                    "psnr_tokenizer_ceiling": self.psnr_tokenizer[i],
+                    "lateral_generated_m": self.lateral_generated[i],
+                    "lateral_true_m": self.lateral_true[i],
+                }
+                for i, ws in enumerate(self.world_seeds)
+            ],
+            "summary": self.summary(summary_frames),
+            "seconds": {"generate": self.seconds_generate, "total": self.seconds_total},
+        }
+
+
+def evaluate_preset(
+    name: str,
+    plan: EvalPlan,
+    tokenizer,
+    backend,
+    *,
+    on_frame: Callable[[int, np.ndarray], None] | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> PresetResult:
+    """Render, tokenize, generate (all seeds in one call), decode and score one preset."""
+    from .actions import preset_actions
+    from .synthetic_world import render_rollout
+    from .world_model import Sampling
+
+    stage = on_stage or (lambda _msg: None)
+    started = time.perf_counter()
+    K, F, G = plan.context_frames, plan.frames, plan.generated_frames
+    R = plan.seeds
+    actions = preset_actions(name, F, plan.speed_kmh)
+    world_seeds = plan.world_seeds()
+
+    stage(f"{name}: rendering {R} true rollouts")
+    truth = np.stack([render_rollout(ws, actions) for ws in world_seeds])  # (R, F, H, W, 3)
+
+    C = min(plan.ceiling_seeds, R)
+    H, W = truth.shape[2:4]
+    stage(f"{name}: tokenizing {R * K + C * G} true frames")
+    images = list(truth[:, :K].reshape(R * K, H, W, 3)) + list(truth[:C, K:].reshape(C * G, H, W, 3))
+    all_tokens = tokenizer.tokenize(images)
+    context = all_tokens[: R * K].reshape(R, K, -1)
+    target_tokens = all_tokens[R * K:].reshape(C, G, -1)
+
+    stage(f"{name}: generating {G} frame(s) x {R} rollout(s)")
+    sampling = Sampling(temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, seed=plan.sampling_seed)
+    t0 = time.perf_counter()
+    tokens = backend.generate(context, np.broadcast_to(actions, (R, *actions.shape)), F, sampling, on_frame=on_frame)
+    seconds_generate = time.perf_counter() - t0
+    tokens = np.asarray(tokens)
+    if tokens.shape[:2] != (R, F):
+        raise EvalError(f"the world model returned tokens of shape {tokens.shape}, expected ({R}, {F}, ...)")
+
+    stage(f"{name}: decoding and scoring")
+    # Decode the generated frames, the last context frame of every seed, the true frames of the ceiling seeds.
+    decoded = tokenizer.decode_tokens(np.concatenate([
+        tokens[:, K:].reshape(R * G, -1), context[:, K - 1], target_tokens.reshape(C * G, -1)]))
+    generated = decoded[: R * G].reshape(R, G, H, W, 3)
+    recon_last = decoded[R * G: R * G + R]
+    recon_target = decoded[R * G + R:].reshape(C, G, H, W, 3)
+
+    psnr_gen = np.empty((R, G))
+    psnr_copy = np.empty((R, G))
+    ssim_gen = np.empty((R, G))
+    ssim_copy = np.empty((R, G))
+    psnr_tok = np.full((R, G), np.nan)
+    lat_gen = np.empty(R)
+    lat_true = np.empty(R)
+    for r in range(R):
+        target = truth[r, K:]
+        last = truth[r, K - 1]
+        copy = copy_baseline(last, target)
+        psnr_gen[r] = per_frame_psnr(generated[r], target)
+        psnr_copy[r] = per_frame_psnr(copy, target)
+        ssim_gen[r] = per_frame_ssim(generated[r], target)
+        ssim_copy[r] = per_frame_ssim(copy, target)
+        if r < C:
+            psnr_tok[r] = per_frame_psnr(recon_target[r], target)
+        lat_gen[r] = lateral_from_last_context(recon_last[r], generated[r])
+        lat_true[r] = lateral_from_last_context(last, target)
+    return PresetResult(
+        name=name,
+        world_seeds=world_seeds,
+        psnr_generated=psnr_gen,
+        psnr_copy=psnr_copy,
+        ssim_generated=ssim_gen,
+        ssim_copy=ssim_copy,
+        psnr_tokenizer=psnr_tok,
+        lateral_generated=lat_gen,
+        lateral_true=lat_true,
+        lateral_commanded=commanded_lateral(actions, K, F),
+        seconds_generate=seconds_generate,
+        seconds_total=time.perf_counter() - started,
+        strip_true=truth[0, K - 1:],
+        strip_generated=np.concatenate([recon_last[:1], generated[0]]),
+    )
+
+
+def build_results(plan: EvalPlan, results: list[PresetResult], *, model: str, tokenizer: str, backend: str,
+                  device: str, seconds_total: float, seconds_load: float, environment: dict) -> dict:
+    n = min(SUMMARY_FRAMES, plan.generated_frames)
+    everything = lambda attr: np.concatenate([getattr(r, attr)[:, :n].ravel() for r in results])  # noqa: E731
+    summary = {
+        "summary_frames": list(range(1, n + 1)),
+        "psnr_generated_frames_1_5": finite_mean(everything("psnr_generated")),
+        "psnr_copy_baseline_frames_1_5": finite_mean(everything("psnr_copy")),
+        "ssim_generated_frames_1_5": finite_mean(everything("ssim_generated")),
+        "ssim_copy_baseline_frames_1_5": finite_mean(everything("ssim_copy")),
+        "psnr_tokenizer_ceiling_frames_1_5": finite_mean(everything("psnr_tokenizer")),
+    }
+    by_name = {r.name: r for r in results}
+    for name, sign in EXPECTED_SIGN.items():
+        if name in by_name:
+            summary[f"sign_accuracy_{name}"] = sign_accuracy(by_name[name].lateral_generated, sign)
+    if "left" in by_name and "right" in by_name:
+        both = np.concatenate([by_name["left"].lateral_generated, -by_name["right"].lateral_generated])
+        summary["sign_accuracy_left_right"] = sign_accuracy(both, 1.0)
+    if "straight" in by_name:
+        summary["abs_lateral_straight_mean_m"] = finite_mean(np.abs(by_name["straight"].lateral_generated))
+    config = asdict(plan)
+    config.update({
+        "model": model, "tokenizer": tokenizer, "backend": backend, "device": device,
+        "generated_frames": plan.generated_frames, "world_seeds": plan.world_seeds(),
+        "sampling": "greedy" if plan.temperature == 0 else f"temperature {plan.temperature}",
+    })
+    return clean({
+        "config": config,
+        "presets": {r.name: r.to_json(SUMMARY_FRAMES) for r in results},
+        "summary": summary,
+        "seconds": {"total": seconds_total, "load": seconds_load,
+                    "generate": sum(r.seconds_generate for r in results)},
+        "environment": environment,
+    })
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs
+
+
+PRESET_COLORS = {"left": "#2a7ab9", "right": "#d0542c", "straight": "#3a9a48", "stop": "#8a4fb0", "accelerate": "#c79a16"}
+
+
+def save_json(results: dict, path: Path) -> None:
+    import json
+
+    from .io_utils import atomic_path
+
+    with atomic_path(Path(path)) as tmp:
+        tmp.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+
+
+def plot_eval(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .io_utils import atomic_path
+
+    presets = results["presets"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    ceiling = None
+    for name, res in presets.items():
+        pf = res["per_frame"]
+        x = pf["frame_index"]
+        col = PRESET_COLORS.get(name, None)
+        ax1.plot(x, _nan(pf["psnr_generated"]), "o-", color=col, label=f"{name}: generated")
+        ax1.plot(x, _nan(pf["psnr_copy_baseline"]), "s--", color=col, alpha=0.6, label=f"{name}: copy last context")
+        ceil = np.array(_nan(pf["psnr_tokenizer_ceiling"]))
+        ceiling = ceil if ceiling is None else ceiling + ceil
+    if ceiling is not None:
+        ax1.plot(x, ceiling / len(presets), "k:", lw=2, label="tokenizer reconstruction (ceiling)")
+    ax1.set_xlabel("generated frame (1 = first after the context, 10 Hz)")
+    ax1.set_ylabel("PSNR vs true frame (dB)")
+    ax1.set_xticks(x)
+    ax1.set_title("prediction quality (mean over seeds)")
+    ax1.legend(fontsize=7)
+    ax1.grid(alpha=0.3)
+
+    names = list(presets)
+    rng = np.random.default_rng(0)
+    for i, name in enumerate(names):
+        res = presets[name]
+        lat = np.array(_nan([s["lateral_generated_m"] for s in res["per_seed"]]))
+        true = np.array(_nan([s["lateral_true_m"] for s in res["per_seed"]]))
+        col = PRESET_COLORS.get(name, None)
+        jitter = rng.uniform(-0.12, 0.12, size=len(lat))
+        ax2.scatter(i + jitter, lat, color=col, s=18, alpha=0.8, label="generated (per seed)" if i == 0 else None)
+        ax2.scatter(i + 0.3 + jitter * 0.3, true, color=col, marker="x", s=18, alpha=0.5,
+                    label="true frames (per seed)" if i == 0 else None)
+        cmd = res["summary"]["lateral_commanded_m"]
+        ax2.hlines(cmd, i - 0.25, i + 0.4, color="k", lw=1.5, label="commanded offset" if i == 0 else None)
+        acc = res["summary"].get("sign_accuracy")
+        if acc is not None:
+            ax2.annotate(f"sign {acc:.0%}", (i, np.nanmax(np.concatenate([lat, [cmd]]))), textcoords="offset points",
+                         xytext=(0, 8), ha="center", fontsize=8)
+    ax2.axhline(0, color="grey", lw=0.8)
+    ax2.set_xticks(range(len(names)), names)
+    ax2.set_ylabel("lateral motion, last context -> last frame (m, + left)")
+    ax2.set_title("action following (estimated from lane markings)")
+    ax2.legend(fontsize=7)
+    ax2.grid(alpha=0.3, axis="y")
+    cfg = results["config"]
+    s = results["summary"]
+    fig.suptitle(
+        f"{Path(str(cfg['model'])).name}: {cfg['seeds']} held-out worlds x {len(names)} presets, {cfg['context_frames']} context + "
+        f"{cfg['generated_frames']} generated frames, {cfg['sampling']}, {cfg['backend']} | PSNR frames 1-{len(s['summary_frames'])}: "
+        f"generated {_fmt(s['psnr_generated_frames_1_5'])} dB vs copy {_fmt(s['psnr_copy_baseline_frames_1_5'])} dB",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def strip_image(results: list[PresetResult], max_columns: int = 5, scale: float = 0.5) -> np.ndarray:
+    """Rows true / generated of the first seed of each preset: last context frame, then generated frames."""
+    from PIL import Image, ImageDraw
+
+    label_w = 96
+    rows = []
+    for r in results:
+        for kind, frames in (("true", r.strip_true), ("generated", r.strip_generated)):
+            frames = frames[:max_columns]
+            h, w = frames.shape[1:3]
+            sw, sh = int(w * scale), int(h * scale)
+            row = Image.new("RGB", (label_w + len(frames) * (sw + 2), sh + 2), (255, 255, 255))
+            draw = ImageDraw.Draw(row)
+            draw.text((4, sh // 2 - 12), f"{r.name}\n{kind}\nworld {r.world_seeds[0]}", fill=(0, 0, 0))
+            for j, f in enumerate(frames):
+                tile = Image.fromarray(np.ascontiguousarray(f)).resize((sw, sh), Image.BILINEAR)
+                x = label_w + j * (sw + 2)
+                row.paste(tile, (x, 1))
+                draw.text((x + 4, 3), "ctx" if j == 0 else f"+{j}", fill=(255, 255, 0))
+            rows.append(np.asarray(row))
+    width = max(r.shape[1] for r in rows)
+    rows = [np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in rows]
+    return np.concatenate(rows)
+
+
+def save_strip(results: list[PresetResult], path: Path) -> None:
+    from PIL import Image
+
+    from .io_utils import atomic_path
+
+    with atomic_path(Path(path)) as tmp:
+        Image.fromarray(strip_image(results)).save(tmp, format="PNG")
+
+
+def _nan(values):
+    return [float("nan") if v is None else v for v in values]
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.2f}"

@@ -427,7 +427,7 @@ def plot_eval(results: dict, path: Path) -> None:
         ax2.scatter(i + 0.3 + jitter * 0.3, true, color=col, marker="x", s=18, alpha=0.5,
                     label="true frames (per seed)" if i == 0 else None)
         cmd = res["summary"]["lateral_commanded_m"]
-        ax2.hlines(cmd, i - 0.25, i + 0.4, color="k", lw=1.5, label="commanded offset" if i == 0 else None)
+        ax2.hlines(cmd, i - 0.25, i + 0.4, color="k", lw=1.5, label="commanded offset (translation only;\nthe estimate also sees the yaw)" if i == 0 else None)
         acc = res["summary"].get("sign_accuracy")
         if acc is not None:
             ax2.annotate(f"sign {acc:.0%}", (i, np.nanmax(np.concatenate([lat, [cmd]]))), textcoords="offset points",
@@ -441,7 +441,7 @@ def plot_eval(results: dict, path: Path) -> None:
     cfg = results["config"]
     s = results["summary"]
     fig.suptitle(
-        f"{Path(str(cfg['model'])).name}: {cfg['seeds']} held-out worlds x {len(names)} presets, {cfg['context_frames']} context + "
+        f"{'/'.join(Path(str(cfg['model'])).parts[-2:])}: {cfg['seeds']} held-out worlds x {len(names)} presets, {cfg['context_frames']} context + "
         f"{cfg['generated_frames']} generated frames, {cfg['sampling']}, {cfg['backend']} | PSNR frames 1-{len(s['summary_frames'])}: "
         f"generated {_fmt(s['psnr_generated_frames_1_5'])} dB vs copy {_fmt(s['psnr_copy_baseline_frames_1_5'])} dB",
         fontsize=9,
@@ -470,7 +470,8 @@ def strip_image(results: list[PresetResult], max_columns: int = 5, scale: float 
                 tile = Image.fromarray(np.ascontiguousarray(f)).resize((sw, sh), Image.BILINEAR)
                 x = label_w + j * (sw + 2)
                 row.paste(tile, (x, 1))
-                draw.text((x + 4, 3), "ctx" if j == 0 else f"+{j}", fill=(255, 255, 0))
+                label = f"+{j}" if j else ("last context" if kind == "true" else "last context (tokenizer)")
+                draw.text((x + 4, 3), label, fill=(255, 255, 0))
             rows.append(np.asarray(row))
     width = max(r.shape[1] for r in rows)
     rows = [np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in rows]

@@ -89,6 +89,7 @@ def generate(
     backend: str = typer.Option("auto", help="auto (vLLM when installed and usable, else hf), vllm or hf."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:1 ... (auto: GPU when there is one)."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    threads: int = typer.Option(0, min=0, help="CPU threads for the token loop (0: auto, 1 for small models with --backend hf on CPU)."),
     save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs into this folder."),
     save_tokens: Optional[Path] = typer.Option(None, help="Write all frames' tokens, context included, (N, 576) int64 .npy."),
     no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video (needs --save-tokens)."),
@@ -153,12 +154,17 @@ def generate(
     rounds = pl.plan_rounds(k, frames, layout.max_frames)
 
     # 4. Generate, frame by frame; Ctrl-C keeps what is finished when --save-tokens is given.
+    import torch
+
+    default_threads = torch.get_num_threads()
+    loop_threads = pl.generation_threads(threads, config, backend_name, device)
     started = time.perf_counter()
     world_model = load_backend(backend_name, choice.world_model_dir, device=device, dtype=dtype)
     auto = " (auto)" if backend == "auto" else ""
     console.print(
         f"backend: [bold]{world_model.name}[/]{auto}  model: {choice.world_model_dir}  "
-        f"({time.perf_counter() - started:.1f} s to load)", highlight=False, soft_wrap=True,
+        f"({time.perf_counter() - started:.1f} s to load)" + (f", {loop_threads} CPU thread(s)" if loop_threads else ""),
+        highlight=False, soft_wrap=True,
     )
     generated = frames - k
     if len(rounds) > 1:
@@ -167,11 +173,14 @@ def generate(
     progress = FrameProgress(console, generated, layout.image_tokens)
     recorder = pl.TokenRecorder(context_ids, frames, on_frame=progress.frame_done)
     try:
+        if loop_threads:
+            torch.set_num_threads(loop_threads)
         with progress:
             tokens = pl.generate_tokens(world_model, context_ids, waypoints, frames, sampling, on_frame=recorder.frame_done)[0]
     except KeyboardInterrupt:
         _save_interrupted(recorder, outputs.tokens, frames)
     finally:
+        torch.set_num_threads(default_threads)  # decoding images is convolutions: all threads again
         world_model.close()
     tokens = tokens.astype(np.int64)
     gen_seconds = progress.elapsed

@@ -115,6 +115,8 @@ def generate(
     waypoints = actions_mod.resolve_actions(actions, frames=frames, speed_kmh=speed)
     pl.check_actions_cover(waypoints, frames)
     context_ids = pl.load_context_tokens(context_tokens, context_frames) if context_tokens is not None else None
+    if context_ids is not None:
+        pl.check_frame_count(frames, context_ids.shape[0])
     images = pl.read_context_frames(context, context_frames) if context else None
     backend_name = resolve_backend_name(backend)
 

@@ -25,11 +25,17 @@ def check_writable(path: Path, overwrite: bool) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise OutputError(f"cannot write {path}: {parent} is not a directory")
-    probe = parent
+    blocker = unwritable_ancestor(parent)
+    if blocker is not None:
+        raise OutputError(f"cannot write {path}: {blocker} is not writable")
+
+
+def unwritable_ancestor(directory: Path) -> Path | None:
+    """The nearest existing folder at or above `directory` if we cannot create files in it."""
+    probe = Path(directory)
     while not probe.exists():
         probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise OutputError(f"cannot write {path}: {probe} is not writable")
+    return None if os.access(probe, os.W_OK) else probe
 
 
 @contextlib.contextmanager

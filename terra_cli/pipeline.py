@@ -7,7 +7,6 @@ Media and the image tokenizer come in through `media.py` and `tokenizer_decoder`
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import TerraError
+from .io_utils import unwritable_ancestor
 from .world_model import FrameCallback, InputError, Sampling, WorldModelBackend
 
 # Terra's long-video schedule: each new round re-seeds with this many frames of the last one.
@@ -159,11 +159,9 @@ def check_frames_dir(directory: Path, overwrite: bool) -> None:
         raise GenerateOptionError(f"--save-frames {directory} is a file; pass a folder for the PNG frames")
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
         raise GenerateOptionError(f"--save-frames {directory} is not empty; pass --overwrite to write into it")
-    probe = directory
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise GenerateOptionError(f"cannot write frames into {directory}: {probe} is not writable")
+    blocker = unwritable_ancestor(directory)
+    if blocker is not None:
+        raise GenerateOptionError(f"cannot write frames into {directory}: {blocker} is not writable")
 
 
 # -- which model -------------------------------------------------------------------------------

@@ -211,31 +211,18 @@ def prepare_data(args, load_tokenizer):
 
 
 def make_config(args, image_vocab: int):
-    from terra_cli.config import ARCH_V1, LlamaActionConfig
+    from terra_cli.config import layout_config
 
-    special = image_vocab
-    return LlamaActionConfig(
-        architectures=[ARCH_V1],
+    return layout_config(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        hidden_act="silu",
-        rms_norm_eps=1e-6,
-        vocab_size=image_vocab + 1,
-        bos_token_id=special,
-        eos_token_id=special,
-        pad_token_id=special,
-        max_position_embeddings=MAX_FRAMES * (IMAGE_TOKENS + ACTION_TOKENS),
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        num_image_patches=IMAGE_TOKENS,
-        num_action_tokens=ACTION_TOKENS,
-        num_action_embeddings=ACTION_TOKENS,
-        num_spatio_embeddings=IMAGE_TOKENS + ACTION_TOKENS,
-        num_temporal_embeddings=MAX_FRAMES,
-        dtype="float32",
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        image_vocab=image_vocab,
+        image_tokens=IMAGE_TOKENS,
+        action_tokens=ACTION_TOKENS,
+        max_frames=MAX_FRAMES,
     )
 
 

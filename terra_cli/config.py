@@ -121,6 +121,43 @@ class FrameLayout:
         return self.max_frames * self.frame_stride
 
 
+def layout_config(
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    image_vocab: int,
+    architecture: str = ARCH_V1,
+    image_tokens: int = 576,
+    action_tokens: int = 6,
+    max_frames: int = 25,
+) -> LlamaActionConfig:
+    """A float32 config of any decoder size with Terra's token layout: `image_vocab` codes plus
+    the special id, `image_tokens` + `action_tokens` positions per frame, `max_frames` per round."""
+    special = image_vocab
+    return LlamaActionConfig(
+        architectures=[architecture],
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=image_vocab + 1,
+        bos_token_id=special,
+        eos_token_id=special,
+        pad_token_id=special,
+        max_position_embeddings=max_frames * (image_tokens + action_tokens),
+        num_image_patches=image_tokens,
+        num_action_tokens=action_tokens,
+        num_action_embeddings=action_tokens,
+        num_spatio_embeddings=image_tokens + action_tokens,
+        num_temporal_embeddings=max_frames,
+        torch_dtype="float32",
+    )
+
+
 def register_auto_config() -> None:
     """Make `AutoConfig.from_pretrained` understand `model_type: llama_action` (idempotent)."""
     AutoConfig.register(LlamaActionConfig.model_type, LlamaActionConfig, exist_ok=True)

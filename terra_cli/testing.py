@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ARCH_V1, LlamaActionConfig
+from .config import ARCH_V1, LlamaActionConfig, layout_config
 
 # Terra's released world_model/config.json, value for value.
 TERRA_WORLD_MODEL_CONFIG = {
@@ -57,25 +57,17 @@ def tiny_config(
     max_frames: int = 25,
 ) -> LlamaActionConfig:
     """A small model with Terra's token layout (576 image tokens + 6 action slots per frame)."""
-    special = image_vocab
-    return LlamaActionConfig(
-        architectures=[architecture],
+    return layout_config(
+        architecture=architecture,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=image_vocab + 1,
-        bos_token_id=special,
-        eos_token_id=special,
-        pad_token_id=special,
-        max_position_embeddings=max_frames * (image_tokens + action_tokens),
-        num_image_patches=image_tokens,
-        num_action_tokens=action_tokens,
-        num_action_embeddings=action_tokens,
-        num_spatio_embeddings=image_tokens + action_tokens,
-        num_temporal_embeddings=max_frames,
-        torch_dtype="float32",
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        image_vocab=image_vocab,
+        image_tokens=image_tokens,
+        action_tokens=action_tokens,
+        max_frames=max_frames,
     )
 
 

@@ -55,8 +55,36 @@ def sample_next(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, g
     return (probs / race).argmax(dim=-1)
 
 
-@torch.inference_mode()
+def _attention_backends(device: torch.device):
+    """SDPA kernels for the token loop.
+
+    On an H100, torch's default choice is cuDNN attention, which builds an execution plan for
+    every key length it has not seen, i.e. for every decode step of a new frame: measured 76.7
+    ms/step on fresh lengths against 14.0 once planned, and 19.6 / 14.7 with flash or
+    memory-efficient attention (scripts/gpu_profile.py hf, benchmarks/README.md).
+    """
+    from contextlib import nullcontext
+
+    if device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def generate_frames(
+    model: LlamaActionForCausalLM,
+    context_tokens: np.ndarray,
+    action_waypoints: np.ndarray,
+    num_frames: int,
+    sampling: Sampling,
+    on_frame: FrameCallback | None = None,
+) -> np.ndarray:
+    with torch.inference_mode(), _attention_backends(model.lm_head.weight.device):
+        return _generate_frames(model, context_tokens, action_waypoints, num_frames, sampling, on_frame)
+
+
+def _generate_frames(
     model: LlamaActionForCausalLM,
     context_tokens: np.ndarray,
     action_waypoints: np.ndarray,

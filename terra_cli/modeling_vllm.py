@@ -215,6 +215,18 @@ class LlamaActionForCausalLM(nn.Module, SupportsMultiModal):
         embeds = self.action_projection(waypoints.to(device=weight.device, dtype=weight.dtype))
         return tuple(embeds.unbind(0))  # one (num_action_tokens, hidden) tensor per frame
 
+    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *, is_multimodal=None) -> torch.Tensor:
+        # vLLM calls this eagerly before every step, decode steps included. Action slots hold an
+        # id just past the table: clamping keeps their lookup in range on the GPU, where the
+        # inherited version copies vLLM's per-step CPU mask to the GPU to zero them, even in
+        # decode steps that have no action slot. Their rows are overwritten just below.
+        embeds = self.model.embed_input_ids(input_ids.clamp(max=self.config.vocab_size - 1))
+        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
+            return embeds
+        mask = is_multimodal.to(device=embeds.device, non_blocking=True)
+        embeds[mask] = torch.cat(list(multimodal_embeddings)).to(embeds.dtype)
+        return embeds
+
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 

@@ -186,7 +186,8 @@ def _timed_generate(backend, context, actions, frames, sampling, log, label, rol
     return times
 
 
-def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None]) -> list[RunResult]:
+def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None],
+             on_run: Callable[[RunResult], None] = lambda run: None) -> list[RunResult]:
     from .backend_vllm import VllmBackend
 
     started = time.perf_counter()
@@ -205,13 +206,15 @@ def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Calla
         hit = round(float(cached.sum() / prompts.sum()), 4) if prompts.size else None
         results.append(RunResult("vllm", rollouts, len(times), times, startup, context.shape[-1],
                                  _gpu_used_gb(), hit, "peak memory: whole GPU in use (weights + KV cache reservation)"))
+        on_run(results[-1])
     backend.close()
     return results
 
 
-def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = print) -> dict:
-    import torch
-
+def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = print,
+              on_update: Callable[[dict], None] | None = None) -> dict:
+    """Run the plan; `on_update(partial results)` after every finished run, so a long bench that
+    is interrupted still leaves what it measured (marked `"partial": true`)."""
     from .backend_hf import pick_device
     from .checkpoint import load_config, resolve_checkpoint_dir
 
@@ -228,14 +231,25 @@ def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = p
     layout = load_config(checkpoint_dir).layout
     context, actions = bench_inputs(layout, plan.context_frames, plan.frames, plan.seed)
     runs: list[RunResult] = []
+    environment_info = environment()
+
+    def add(run: RunResult) -> None:
+        runs.append(run)
+        if on_update is not None:
+            on_update(_results(model_label, plan, environment_info, runs, partial=True))
+
     try:
         if plan.run_hf:
-            runs.append(run_hf(checkpoint_dir, plan, context, actions, log))
+            add(run_hf(checkpoint_dir, plan, context, actions, log))
         if plan.run_vllm:
-            runs.extend(run_vllm(checkpoint_dir, plan, context, actions, log))
+            run_vllm(checkpoint_dir, plan, context, actions, log, on_run=add)
     finally:
         if tmp is not None:
             tmp.cleanup()
+    return _results(model_label, plan, environment_info, runs, partial=False)
+
+
+def _results(model_label: str, plan: BenchPlan, environment_info: dict, runs: list[RunResult], partial: bool) -> dict:
     summaries = [r.summary() for r in runs]
     hf = next((s for s in summaries if s["backend"] == "hf"), None)
     one = next((s for s in summaries if s["backend"] == "vllm" and s["rollouts"] == 1), None)
@@ -245,12 +259,12 @@ def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = p
     return {
         "command": None,
         "model": model_label,
+        "partial": partial,
         "plan": {k: v for k, v in asdict(plan).items()},
-        "environment": environment(),
+        "environment": environment_info,
         "runs": summaries,
         "speedup_vllm_over_hf": speedup,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch_cuda": torch.cuda.is_available(),
     }
 
 

@@ -85,8 +85,15 @@ def bench(
         temperature=temperature, seed=seed, device=device, dtype=dtype, run_hf=not skip_hf,
         vllm_options=_parse_vllm_args(vllm_arg),
     )
-    results = run_bench(model, plan, log=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False))
-    results["command"] = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    def save_partial(partial: dict) -> None:
+        # A bench takes minutes: keep what is measured so far if it is interrupted.
+        if out_json:
+            save_results(dict(partial, command=command), out_json)
+
+    results = run_bench(model, plan, log=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False), on_update=save_partial)
+    results["command"] = command
     _print_table(results)
     if out_json:
         save_results(results, out_json)

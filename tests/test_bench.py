@@ -1,0 +1,53 @@
+"""`terra bench --hf-vs-vllm` on a tiny model on CPU: the command runs end to end and reports
+what it promises. No timing is asserted here; measured speeds live in benchmarks/."""
+
+import json
+
+import pytest
+
+from conftest import run_terra
+
+
+def test_partial_results_are_reported_after_every_run(tiny_checkpoint):
+    from terra_cli.bench import BenchPlan, run_bench
+
+    updates = []
+    plan = BenchPlan(frames=3, context_frames=2, hf_frames=1, device="cpu", run_vllm=False)
+    final = run_bench(str(tiny_checkpoint), plan, log=lambda msg: None, on_update=updates.append)
+    assert [u["partial"] for u in updates] == [True]
+    assert [r["backend"] for r in updates[0]["runs"]] == ["hf"]
+    assert final["partial"] is False
+    (hf,) = final["runs"]
+    assert hf["generated_frames"] == 1 and len(hf["frame_seconds"]) == 1
+    assert hf["tokens_per_s"] > 0 and hf["s_per_frame_mean"] > 0
+
+
+@pytest.mark.vllm
+def test_bench_cli_smoke_on_cpu(tmp_path, tiny_checkpoint):
+    pytest.importorskip("vllm")
+    out_json, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = ["bench", "--hf-vs-vllm", "--model", tiny_checkpoint, "--device", "cpu", "--frames", 4,
+            "--context-frames", 2, "--hf-frames", 1, "--batch", "2,1", "--out", out_json, "--plot", plot]
+    result = run_terra(*args, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out_json.read_text())
+    assert results["partial"] is False
+    assert results["command"].startswith("terra bench --hf-vs-vllm")
+    assert {"torch", "transformers", "vllm", "python"} <= results["environment"].keys()
+    runs = {(r["backend"], r["rollouts"]): r for r in results["runs"]}
+    assert sorted(runs) == [("hf", 1), ("vllm", 1), ("vllm", 2)]
+    assert runs["hf", 1]["generated_frames"] == 1  # --hf-frames limits the slow reference only
+    for key in (("vllm", 1), ("vllm", 2)):
+        run = runs[key]
+        assert run["generated_frames"] == 2 and len(run["frame_seconds"]) == 2
+        assert run["startup_s"] > 0 and run["first_frame_s"] == run["frame_seconds"][0]
+        # Frame 2 re-submits frame 1's prompt: most of it must come from the prefix cache.
+        assert 0.5 < run["prefix_cache_hit_rate"] <= 1.0
+        assert run["frames_per_s"] == pytest.approx(run["rollouts"] * 2 / sum(run["frame_seconds"]), rel=0.02)
+    assert results["speedup_vllm_over_hf"] == pytest.approx(
+        runs["hf", 1]["s_per_frame_mean"] / runs["vllm", 1]["s_per_frame_mean"], rel=0.02)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "faster per frame than the transformers reference" in result.stdout
+    # Outputs are not overwritten without asking.
+    again = run_terra(*args)
+    assert again.returncode != 0 and "--overwrite" in again.stderr

@@ -277,8 +277,9 @@ def evaluate_preset(
     stage(f"{name}: tokenizing {R * K + C * G} true frames")
     images = list(truth[:, :K].reshape(R * K, H, W, 3)) + list(truth[:C, K:].reshape(C * G, H, W, 3))
     all_tokens = tokenizer.tokenize(images)
-    context = all_tokens[: R * K].reshape(R, K, -1)
-    target_tokens = all_tokens[R * K:].reshape(C, G, -1)
+    T = all_tokens.shape[-1]
+    context = all_tokens[: R * K].reshape(R, K, T)
+    target_tokens = all_tokens[R * K:].reshape(C, G, T)  # explicit T: C may be 0
 
     stage(f"{name}: generating {G} frame(s) x {R} rollout(s)")
     sampling = Sampling(temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, seed=plan.sampling_seed)
@@ -292,7 +293,7 @@ def evaluate_preset(
     stage(f"{name}: decoding and scoring")
     # Decode the generated frames, the last context frame of every seed, the true frames of the ceiling seeds.
     decoded = tokenizer.decode_tokens(np.concatenate([
-        tokens[:, K:].reshape(R * G, -1), context[:, K - 1], target_tokens.reshape(C * G, -1)]))
+        tokens[:, K:].reshape(R * G, T), context[:, K - 1], target_tokens.reshape(C * G, T)]))
     generated = decoded[: R * G].reshape(R, G, H, W, 3)
     recon_last = decoded[R * G: R * G + R]
     recon_target = decoded[R * G + R:].reshape(C, G, H, W, 3)

@@ -129,3 +129,21 @@ def test_eval_bad_preset_is_one_line_error(tmp_path):
     result = run_terra("eval", "--presets", "left,sideways", "--out", tmp_path / "e.json")
     assert result.returncode == 2
     assert "unknown preset 'sideways'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_eval_without_tokenizer_ceiling(tmp_path):
+    """--ceiling-seeds 0 skips the ceiling (it used to crash reshaping an empty token array)."""
+    from terra_cli.testing import tiny_config, write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "wm", tiny_config(image_vocab=1024, layers=1))
+    out, plot = tmp_path / "eval.json", tmp_path / "eval.png"
+    result = run_terra("eval", "--model", model, "--seeds", 1, "--frames", 4, "--presets", "straight",
+                       "--backend", "hf", "--device", "cpu", "--ceiling-seeds", 0, "--out", out, "--plot", plot,
+                       timeout=300)
+    assert result.returncode == 0, result.stderr + result.stdout
+    data = json.loads(out.read_text())
+    assert data["summary"]["psnr_tokenizer_ceiling_frames_1_5"] is None
+    assert math.isfinite(data["summary"]["psnr_generated_frames_1_5"])
+    assert data["presets"]["straight"]["per_seed"][0]["psnr_tokenizer_ceiling"] == [None]
+    with Image.open(plot) as im:
+        assert im.size[0] > 100

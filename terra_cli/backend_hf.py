@@ -72,19 +72,8 @@ def _attention_backends(device: torch.device):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+@torch.inference_mode()
 def generate_frames(
-    model: LlamaActionForCausalLM,
-    context_tokens: np.ndarray,
-    action_waypoints: np.ndarray,
-    num_frames: int,
-    sampling: Sampling,
-    on_frame: FrameCallback | None = None,
-) -> np.ndarray:
-    with torch.inference_mode(), _attention_backends(model.lm_head.weight.device):
-        return _generate_frames(model, context_tokens, action_waypoints, num_frames, sampling, on_frame)
-
-
-def _generate_frames(
     model: LlamaActionForCausalLM,
     context_tokens: np.ndarray,
     action_waypoints: np.ndarray,
@@ -105,28 +94,29 @@ def _generate_frames(
     # Prefill: every context frame followed by its action slots.
     prompt = torch.cat([frames[:, :k], placeholders.unsqueeze(1).expand(-1, k, -1)], dim=2).reshape(rollouts, -1)
     positions = torch.arange(prompt.shape[1], device=device).expand(rollouts, -1)
-    cache = DynamicCache(config=model.config)
-    logits, cache = model(prompt, positions, actions_t[:, :k].reshape(rollouts, -1, 3), cache, use_cache=True, logits_to_keep=1)
-    next_position = prompt.shape[1]
+    with _attention_backends(device):
+        cache = DynamicCache(config=model.config)
+        logits, cache = model(prompt, positions, actions_t[:, :k].reshape(rollouts, -1, 3), cache, use_cache=True, logits_to_keep=1)
+        next_position = prompt.shape[1]
 
-    for f in range(k, num_frames):
-        for i in range(layout.image_tokens):
-            token = sample_next(logits[:, -1], layout, sampling, generators)
-            frames[:, f, i] = token
-            step_ids, step_actions = token[:, None], None
-            if i == layout.image_tokens - 1:
-                if f == num_frames - 1:
-                    break
-                # The frame's last code and its action slots go in together; the last slot
-                # predicts the first code of the next frame.
-                step_ids = torch.cat([step_ids, placeholders], dim=1)
-                step_actions = actions_t[:, f]
-            n = step_ids.shape[1]
-            positions = torch.arange(next_position, next_position + n, device=device).expand(rollouts, -1)
-            logits, cache = model(step_ids, positions, step_actions, cache, use_cache=True, logits_to_keep=1)
-            next_position += n
-        if on_frame is not None:
-            on_frame(f, frames[:, f].cpu().numpy())
+        for f in range(k, num_frames):
+            for i in range(layout.image_tokens):
+                token = sample_next(logits[:, -1], layout, sampling, generators)
+                frames[:, f, i] = token
+                step_ids, step_actions = token[:, None], None
+                if i == layout.image_tokens - 1:
+                    if f == num_frames - 1:
+                        break
+                    # The frame's last code and its action slots go in together; the last slot
+                    # predicts the first code of the next frame.
+                    step_ids = torch.cat([step_ids, placeholders], dim=1)
+                    step_actions = actions_t[:, f]
+                n = step_ids.shape[1]
+                positions = torch.arange(next_position, next_position + n, device=device).expand(rollouts, -1)
+                logits, cache = model(step_ids, positions, step_actions, cache, use_cache=True, logits_to_keep=1)
+                next_position += n
+            if on_frame is not None:
+                on_frame(f, frames[:, f].cpu().numpy())
     return frames.cpu().numpy()
 
 

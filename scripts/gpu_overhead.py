@@ -23,7 +23,7 @@ def main():
     parser.add_argument("--vllm-arg", action="append", default=[])
     args = parser.parse_args()
     from terra_cli.backend_vllm import VllmBackend
-    from terra_cli.bench import bench_inputs, write_random_terra_checkpoint
+    from terra_cli.bench import bench_inputs, timed_generate, write_random_terra_checkpoint
     from terra_cli.world_model import Sampling
 
     ckpt = Path(args.checkpoint)
@@ -40,18 +40,7 @@ def main():
     context, actions = bench_inputs(layout, 3, args.frames, seed=0)
     sampling = Sampling(temperature=args.temperature, seed=1)
     backend.generate(context, actions, 4, sampling)  # warm-up
-    times = []
-    last = [time.perf_counter()]
-
-    def on_frame(i, _):
-        now = time.perf_counter()
-        times.append(now - last[0])
-        last[0] = now
-
-    ctx = [context] * args.rollouts
-    acts = [actions] * args.rollouts
-    last[0] = time.perf_counter()
-    backend.generate(ctx, acts, args.frames, sampling, on_frame=on_frame)
+    _, times = timed_generate(backend, context, actions, args.frames, sampling, rollouts=args.rollouts)
     backend.close()
     row = {
         "label": args.label, "options": options, "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_USE_V2")},

@@ -81,11 +81,10 @@ def run_vllm(args) -> None:
         from terra_cli.modeling_vllm import LlamaActionForCausalLM
 
         LlamaActionForCausalLM.embed_input_ids = SupportsMultiModal.embed_input_ids
-    import numpy as np
     from vllm import SamplingParams
 
     from terra_cli.backend_vllm import VllmBackend
-    from terra_cli.bench import bench_inputs, write_random_terra_checkpoint
+    from terra_cli.bench import bench_inputs, timed_generate, write_random_terra_checkpoint
     from terra_cli.world_model import Sampling
 
     ckpt = Path(args.checkpoint)
@@ -101,22 +100,12 @@ def run_vllm(args) -> None:
     context, actions = bench_inputs(layout, max(contexts), frames_needed, seed=0)
     sampling = Sampling(temperature=args.temperature, seed=1)
     for k in contexts:
-        ctx = np.broadcast_to(context[:k], (args.rollouts, k, layout.image_tokens))
-        acts = np.broadcast_to(actions, (args.rollouts, *actions.shape))
-        backend.generate(ctx[:1], acts[:1], k + 1, sampling)  # warm-up + prefix cache
-        times, last = [], [time.perf_counter()]
-
-        def on_frame(i, _):
-            now = time.perf_counter()
-            times.append(now - last[0])
-            last[0] = now
-
-        last[0] = time.perf_counter()
-        backend.generate(ctx, acts, k + args.timed_frames, sampling, on_frame=on_frame)
+        backend.generate(context[:k], actions, k + 1, sampling)  # warm-up + prefix cache
+        _, times = timed_generate(backend, context[:k], actions, k + args.timed_frames, sampling, rollouts=args.rollouts)
         # The profiled part: `steps` decode steps of the same prompts (all cached but one frame).
         slots = [layout.action_placeholder_id] * layout.action_tokens
-        prompt = [t for j in range(k) for t in (*ctx[0, j].tolist(), *slots)]
-        requests = [{"prompt_token_ids": prompt, "multi_modal_data": {"action": [acts[0, j] for j in range(k)]}}] * args.rollouts
+        prompt = [t for j in range(k) for t in (*context[j].tolist(), *slots)]
+        requests = [{"prompt_token_ids": prompt, "multi_modal_data": {"action": [actions[j] for j in range(k)]}}] * args.rollouts
         params = [SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=args.temperature, seed=r, detokenize=False)
                   for r in range(args.rollouts)]
         backend.llm.generate(requests, params, use_tqdm=False)

@@ -13,6 +13,7 @@ import numpy as np
 def main():
     from terra_cli.actions import preset_actions
     from terra_cli.backend_vllm import VllmBackend
+    from terra_cli.bench import timed_generate
     from terra_cli.default_model import default_tokenizer_dir, default_world_model_dir, sample_context_frames
     from terra_cli.media import MediaError, write_video
     from terra_cli.world_model import Sampling
@@ -24,15 +25,8 @@ def main():
     t0 = time.perf_counter()
     backend = VllmBackend(default_world_model_dir(), device="cuda", max_rollouts=4)
     startup = time.perf_counter() - t0
-    times, last = [], [time.perf_counter()]
-
-    def on_frame(i, _):
-        now = time.perf_counter()
-        times.append(now - last[0])
-        last[0] = now
-
-    last[0] = time.perf_counter()
-    tokens = backend.generate(context, preset_actions("left", 25, 30.0), 25, Sampling(temperature=0.9, seed=0), on_frame=on_frame)[0]
+    tokens, times = timed_generate(backend, context, preset_actions("left", 25, 30.0), 25, Sampling(temperature=0.9, seed=0))
+    tokens = tokens[0]
     backend.close()
     frames = tokenizer.decode_tokens(tokens)
     try:

@@ -158,7 +158,7 @@ def run_hf(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callabl
     started = time.perf_counter()
     backend = HfBackend(checkpoint_dir, device=plan.device, dtype=plan.dtype)
     startup = time.perf_counter() - started
-    times = _timed_generate(backend, context, actions, frames, Sampling(temperature=plan.temperature, seed=plan.seed), log, "hf")
+    _, times = timed_generate(backend, context, actions, frames, Sampling(temperature=plan.temperature, seed=plan.seed), log, "hf")
     peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
     backend.close()
     del backend
@@ -169,7 +169,8 @@ def run_hf(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callabl
     return RunResult("hf", 1, len(times), times, startup, context.shape[-1], peak, None, note)
 
 
-def _timed_generate(backend, context, actions, frames, sampling, log, label, rollouts=1) -> list[float]:
+def timed_generate(backend, context, actions, frames, sampling, log=lambda msg: None, label="", rollouts=1):
+    """`rollouts` copies of one context (K, T) and actions -> (tokens, seconds between finished frames)."""
     times: list[float] = []
     last = [time.perf_counter()]
 
@@ -182,8 +183,8 @@ def _timed_generate(backend, context, actions, frames, sampling, log, label, rol
     ctx = np.broadcast_to(context, (rollouts, *context.shape))
     acts = np.broadcast_to(actions, (rollouts, *actions.shape))
     last[0] = time.perf_counter()
-    backend.generate(ctx, acts, frames, sampling, on_frame=on_frame)
-    return times
+    tokens = backend.generate(ctx, acts, frames, sampling, on_frame=on_frame)
+    return tokens, times
 
 
 def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None],
@@ -200,7 +201,7 @@ def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Calla
     backend.generate(context, actions, plan.context_frames + 1, sampling)
     results = []
     for rollouts in plan.batches:
-        times = _timed_generate(backend, context, actions, plan.frames, sampling, log, f"vllm x{rollouts}", rollouts)
+        _, times = timed_generate(backend, context, actions, plan.frames, sampling, log, f"vllm x{rollouts}", rollouts)
         prompts = np.array(backend.last_prompt_tokens[1:], dtype=float)
         cached = np.array(backend.last_cached_tokens[1:], dtype=float)
         hit = round(float(cached.sum() / prompts.sum()), 4) if prompts.size else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,8 +48,26 @@ def friendly_errors(fn):
 
 
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")):
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    verbose: bool = typer.Option(False, "--verbose", help="Keep vLLM's INFO logs (engine set-up, compilation, ...); by default it logs only warnings and errors. VLLM_LOGGING_LEVEL in the environment wins over both."),
+):
     _state["debug"] = debug
+    quiet_vllm_logging(verbose)
+
+
+def quiet_vllm_logging(verbose: bool = False, environ=None) -> None:
+    """Let vLLM log warnings and errors only, unless `--verbose` or the user's own VLLM_LOGGING_LEVEL.
+
+    vLLM reads VLLM_LOGGING_LEVEL from the environment: into its default logging config at
+    `import vllm`, and again when an engine applies its LoggingConfig. The root callback calls this
+    before any command runs, so before vLLM is first imported. Only the CLI calls it: importing
+    terra_cli as a library leaves vLLM's defaults alone.
+    """
+    environ = os.environ if environ is None else environ
+    if verbose or environ.get("VLLM_LOGGING_LEVEL"):  # an empty value counts as unset
+        return
+    environ["VLLM_LOGGING_LEVEL"] = "WARNING"
 
 
 def not_implemented(what: str) -> None:

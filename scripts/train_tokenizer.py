@@ -26,18 +26,17 @@ OUT/tokenizer (config.json + model.safetensors) and checks that it loads strictl
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
-import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-T_START = time.time()
+import _train_common as common
+from _train_common import log
+
 H, W = 288, 512
 
 
@@ -93,20 +92,8 @@ def parse_args(argv=None):
     return args
 
 
-def log(msg: str) -> None:
-    print(f"[{time.time() - T_START:7.1f}s] {msg}", flush=True)
-
-
 # ----------------------------------------------------------------------------------------------
 # Data: rendered once into OUT/data/frames.npy (uint8 memmap)
-
-
-def _render_job(job):
-    from terra_cli.synthetic_world import render_dataset_rollout
-
-    seed, index, frames = job
-    imgs, _ = render_dataset_rollout(seed, index, frames)
-    return index, imgs
 
 
 def prepare_frames(args) -> np.ndarray:
@@ -121,22 +108,13 @@ def prepare_frames(args) -> np.ndarray:
         return np.load(path, mmap_mode="r")
     meta_path.unlink(missing_ok=True)
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(n, H, W, 3))
-    workers = args.workers if args.workers is not None else max(1, (os.cpu_count() or 2) - 1)
-    jobs = [(args.data_seed, i, args.rollout_frames) for i in range(n_roll)]
+    workers = common.render_workers(args.workers)
     t0 = time.time()
-    done = 0
-    if workers > 0:
-        ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
-        with ctx.Pool(workers) as pool:
-            for index, imgs in pool.imap_unordered(_render_job, jobs, chunksize=4):
-                arr[index * args.rollout_frames:(index + 1) * args.rollout_frames] = imgs
-                done += 1
-                if done % max(1, n_roll // 10) == 0:
-                    log(f"data: {done}/{n_roll} rollouts rendered")
-    else:
-        for job in jobs:
-            index, imgs = _render_job(job)
-            arr[index * args.rollout_frames:(index + 1) * args.rollout_frames] = imgs
+    rollouts = common.render_rollouts(args.data_seed, n_roll, args.rollout_frames, workers, chunksize=4)
+    for done, (index, imgs, _) in enumerate(rollouts, 1):
+        arr[index * args.rollout_frames:(index + 1) * args.rollout_frames] = imgs
+        if workers > 0 and done % max(1, n_roll // 10) == 0:
+            log(f"data: {done}/{n_roll} rollouts rendered")
     arr.flush()
     del arr
     meta_path.write_text(json.dumps(meta))
@@ -211,41 +189,15 @@ def main(argv=None) -> int:
     train_ids = np.arange(0, n_total - n_val)
     val_ids = np.arange(n_total - n_val, n_total)
 
-    ckpt_dir = args.out / "ckpt"
-    ckpt_path = ckpt_dir / "state.pt"
-    step, train_seconds = 0, 0.0
-    if args.resume and ckpt_path.is_file():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        if state["config"] != config.as_plain_dict():
-            raise SystemExit(f"--resume: {ckpt_path} was trained with {state['config']}, not {config.as_plain_dict()}")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step, train_seconds = state["step"], state["train_seconds"]
-        torch.set_rng_state(state["torch_rng"])
-        log(f"resumed from {ckpt_path} at step {step} ({train_seconds / 60:.1f} training minutes)")
-    elif args.resume:
-        log(f"--resume: no {ckpt_path}, starting fresh")
+    ckpt_path = args.out / "ckpt" / "state.pt"
+    step, train_seconds = common.load_state(args.resume, ckpt_path, model, opt, config.as_plain_dict(),
+                                            "--resume: {path} was trained with {saved}, not {wanted}")
     rng = np.random.default_rng([args.seed, step])
 
     encoder, decoder = model.encoder, model.decoder
     if args.compile:
         encoder, decoder = torch.compile(encoder), torch.compile(decoder)
-    deadline = T_START + args.max_minutes * 60 - (25 if not args.smoke else 0)  # leave time to save
-    sched_seconds = (args.schedule_minutes * 60 if args.schedule_minutes
-                     else max(deadline - time.time() + train_seconds, 1.0))
-
-    def lr_at(step_i: int, seconds: float) -> float:
-        if step_i < args.warmup:
-            return args.lr * (step_i + 1) / args.warmup
-        progress = step_i / args.steps if args.steps else seconds / sched_seconds
-        progress = min(max(progress, 0.0), 1.0)
-        return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    def autocast():
-        if device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        import contextlib
-        return contextlib.nullcontext()
+    deadline, sched_seconds = common.deadline_and_schedule(args, train_seconds, save_margin_s=25)
 
     def to_pixels(batch_u8: np.ndarray) -> torch.Tensor:
         x = torch.from_numpy(np.ascontiguousarray(batch_u8)).to(device, non_blocking=True)
@@ -253,12 +205,7 @@ def main(argv=None) -> int:
         return x.contiguous(memory_format=torch.channels_last) if device.type == "cuda" else x
 
     def save_state():
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "train_seconds": train_seconds, "config": config.as_plain_dict(),
-                    "torch_rng": torch.get_rng_state(), "args": vars(args) | {"out": str(args.out)}}, tmp)
-        os.replace(tmp, ckpt_path)
+        common.save_state(ckpt_path, model, opt, step, train_seconds, config.as_plain_dict(), args)
 
     @torch.no_grad()
     def validate() -> dict:
@@ -267,10 +214,10 @@ def main(argv=None) -> int:
         for start in range(0, len(val_ids), max(1, args.batch_size)):
             ids = val_ids[start:start + args.batch_size]
             x = to_pixels(frames[ids])
-            with autocast():
+            with common.autocast(device):
                 z = model.encode(x)
             codes, indices = model.quantize(z.float())
-            with autocast():
+            with common.autocast(device):
                 rec = model.decode(codes)
             rec_u8 = ImageTokenizer.postprocess(rec)
             psnrs += [psnr(frames[i], r) for i, r in zip(ids, rec_u8)]
@@ -285,11 +232,7 @@ def main(argv=None) -> int:
     csv_path = args.out / "log.csv"
     fields = ["step", "time_s", "lr", "loss", "l1", "l2", "commit", "entropy", "sample_ent", "codebook_ent",
               "val_psnr", "codes_used", "perplexity"]
-    new_csv = not csv_path.is_file() or not args.resume
-    csv_file = open(csv_path, "w" if new_csv else "a", newline="")
-    writer = csv.DictWriter(csv_file, fieldnames=fields)
-    if new_csv:
-        writer.writeheader()
+    csv_file, writer = common.open_csv_log(csv_path, fields, args.resume)
 
     model.train()
     t_seg = time.time()
@@ -303,17 +246,17 @@ def main(argv=None) -> int:
         if time.time() >= deadline:
             stop_reason = "time"
             break
-        lr = lr_at(step, train_seconds + time.time() - t_seg)
+        lr = common.lr_at(args, sched_seconds, step, train_seconds + time.time() - t_seg)
         for g in opt.param_groups:
             g["lr"] = lr
         ids = np.sort(rng.choice(train_ids, size=args.batch_size, replace=len(train_ids) < args.batch_size))
         x = to_pixels(frames[ids])
-        with autocast():
+        with common.autocast(device):
             z = encoder(x)
         zf = z.float()
         commit, ent, ent_s, ent_c = lfq_losses(zf, args.entropy_inv_temp)
         q = zf + (torch.where(zf > 0, 1.0, -1.0) - zf).detach()  # straight-through
-        with autocast():
+        with common.autocast(device):
             rec = decoder(q)
         rec = rec.float()
         l1 = (rec - x).abs().mean()
@@ -339,9 +282,7 @@ def main(argv=None) -> int:
         if row is not None:
             now = train_seconds + time.time() - t_seg
             row |= {"step": step, "time_s": round(now, 1), "lr": lr}
-            writer.writerow({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items() if k in fields})
-            csv_file.flush()
-            log(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+            common.write_row(csv_file, writer, row)
         if step % args.ckpt_every == 0:
             train_seconds += time.time() - t_seg
             t_seg = time.time()
@@ -363,7 +304,7 @@ def main(argv=None) -> int:
     sample = np.asarray(frames[val_ids[:1]])
     x = to_pixels(sample)
     model.eval()
-    with torch.no_grad(), autocast():
+    with torch.no_grad(), common.autocast(device):
         rec = ImageTokenizer.postprocess(model(x)[0])
     from PIL import Image
 

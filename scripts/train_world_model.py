@@ -26,20 +26,17 @@ OUT/world_model with `terra_cli.checkpoint.save_checkpoint` (Terra's format; loa
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import hashlib
 import json
-import math
-import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-T_START = time.time()
+import _train_common as common
+from _train_common import log
+
 IMAGE_TOKENS, ACTION_TOKENS, MAX_FRAMES = 576, 6, 25
 
 
@@ -104,20 +101,8 @@ def parse_args(argv=None):
     return args
 
 
-def log(msg: str) -> None:
-    print(f"[{time.time() - T_START:7.1f}s] {msg}", flush=True)
-
-
 # ----------------------------------------------------------------------------------------------
 # Data
-
-
-def _render_job(job):
-    from terra_cli.synthetic_world import render_dataset_rollout
-
-    seed, index, frames = job
-    imgs, actions = render_dataset_rollout(seed, index, frames)
-    return index, imgs, actions
 
 
 def _tokenizer_fingerprint(tok_dir: Path | None) -> str:
@@ -147,15 +132,9 @@ def prepare_data(args, load_tokenizer):
             return np.load(tok_path), np.load(act_path), saved["codebook_size"], None
     meta_path.unlink(missing_ok=True)
 
-    workers = args.workers if args.workers is not None else max(1, (os.cpu_count() or 2) - 1)
-    jobs = [(args.data_seed, i, args.rollout_frames) for i in range(args.n_rollouts)]
-    pool = None
-    if workers > 0:  # fork before CUDA is initialised
-        ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
-        pool = ctx.Pool(workers)
-        results = pool.imap_unordered(_render_job, jobs, chunksize=2)
-    else:
-        results = map(_render_job, jobs)
+    workers = common.render_workers(args.workers)
+    # The pool forks here, before the tokenizer initialises CUDA.
+    results = common.render_rollouts(args.data_seed, args.n_rollouts, args.rollout_frames, workers, chunksize=2)
 
     import torch
 
@@ -166,7 +145,7 @@ def prepare_data(args, load_tokenizer):
     tokens = np.zeros((args.n_rollouts, F, IMAGE_TOKENS), tok_dtype)
     actions = np.zeros((args.n_rollouts, F, ACTION_TOKENS, 3), np.float32)
     model, device = tok.model, tok.device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    autocast = common.autocast(device)
 
     pending_imgs, pending_where = [], []
 
@@ -195,9 +174,6 @@ def prepare_data(args, load_tokenizer):
         if done % max(1, args.n_rollouts // 10) == 0:
             log(f"data: {done}/{args.n_rollouts} rollouts rendered and tokenized")
     flush()
-    if pool is not None:
-        pool.close()
-        pool.join()
     np.save(tok_path, tokens)
     np.save(act_path, actions)
     meta_path.write_text(json.dumps(meta | {"codebook_size": codebook}))
@@ -275,39 +251,14 @@ def main(argv=None) -> int:
     tokens_t = torch.from_numpy(tokens.astype(np.int64))
     actions_t = torch.from_numpy(actions)
 
-    ckpt_dir = args.out / "ckpt"
-    ckpt_path = ckpt_dir / "state.pt"
+    ckpt_path = args.out / "ckpt" / "state.pt"
     config_dict = config.to_diff_dict()
-    step, train_seconds = 0, 0.0
-    if args.resume and ckpt_path.is_file():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        if state["config"] != config_dict:
-            raise SystemExit(f"--resume: {ckpt_path} holds a model of another config")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step, train_seconds = state["step"], state["train_seconds"]
-        torch.set_rng_state(state["torch_rng"])
-        log(f"resumed from {ckpt_path} at step {step} ({train_seconds / 60:.1f} training minutes)")
-    elif args.resume:
-        log(f"--resume: no {ckpt_path}, starting fresh")
+    step, train_seconds = common.load_state(args.resume, ckpt_path, model, opt, config_dict,
+                                            "--resume: {path} holds a model of another config")
     rng = np.random.default_rng([args.seed, step])
 
     fwd = torch.compile(model) if args.compile else model
-    deadline = T_START + args.max_minutes * 60 - (20 if not args.smoke else 0)
-    sched_seconds = (args.schedule_minutes * 60 if args.schedule_minutes
-                     else max(deadline - time.time() + train_seconds, 1.0))
-
-    def lr_at(step_i: int, seconds: float) -> float:
-        if step_i < args.warmup:
-            return args.lr * (step_i + 1) / args.warmup
-        progress = step_i / args.steps if args.steps else seconds / sched_seconds
-        progress = min(max(progress, 0.0), 1.0)
-        return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    def autocast():
-        if device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    deadline, sched_seconds = common.deadline_and_schedule(args, train_seconds, save_margin_s=20)
 
     T = args.seq_frames
     stride = layout.frame_stride
@@ -334,7 +285,7 @@ def main(argv=None) -> int:
 
     def loss_of(batch):
         seq, pos, acts, labels = batch
-        with autocast():
+        with common.autocast(device):
             logits, _ = fwd(seq, pos, acts)
         logits = logits[:, :-1].float()
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
@@ -358,20 +309,11 @@ def main(argv=None) -> int:
         return {"val_loss": float(np.mean(losses)), "val_acc": float(np.mean(accs))}
 
     def save_state():
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "train_seconds": train_seconds,
-                    "config": config_dict, "torch_rng": torch.get_rng_state(),
-                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}, tmp)
-        os.replace(tmp, ckpt_path)
+        common.save_state(ckpt_path, model, opt, step, train_seconds, config_dict, args)
 
     csv_path = args.out / "log.csv"
     fields = ["step", "time_s", "lr", "loss", "acc", "tokens_per_s", "val_loss", "val_acc"]
-    new_csv = not csv_path.is_file() or not args.resume
-    csv_file = open(csv_path, "w" if new_csv else "a", newline="")
-    writer = csv.DictWriter(csv_file, fieldnames=fields)
-    if new_csv:
-        writer.writeheader()
+    csv_file, writer = common.open_csv_log(csv_path, fields, args.resume)
 
     t_seg = time.time()
     t_log = time.time()
@@ -386,7 +328,7 @@ def main(argv=None) -> int:
         if time.time() >= deadline:
             stop_reason = "time"
             break
-        lr = lr_at(step, train_seconds + time.time() - t_seg)
+        lr = common.lr_at(args, sched_seconds, step, train_seconds + time.time() - t_seg)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
@@ -413,9 +355,7 @@ def main(argv=None) -> int:
             row = (row or {}) | validate()
         if row is not None:
             row |= {"step": step, "time_s": round(train_seconds + time.time() - t_seg, 1), "lr": lr}
-            writer.writerow({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items() if k in fields})
-            csv_file.flush()
-            log(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+            common.write_row(csv_file, writer, row)
         if step % args.ckpt_every == 0:
             train_seconds += time.time() - t_seg
             t_seg = time.time()

@@ -36,7 +36,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     from terra_cli.backend_hf import HfBackend
-    from terra_cli.backend_vllm import VllmBackend
+    from terra_cli.backend_vllm import VllmBackend, interleave
     from terra_cli.bench import bench_inputs, environment, write_random_terra_checkpoint
     from terra_cli.checkpoint import load_config
     from terra_cli.world_model import Sampling
@@ -65,8 +65,8 @@ def main() -> None:
     startup = time.perf_counter() - t0
     print(f"vllm engine ready in {startup:.1f} s", flush=True)
     slots = [layout.action_placeholder_id] * layout.action_tokens
-    prompt = [t for j in range(k) for t in (*context[j].tolist(), *slots)]
-    request = {"prompt_token_ids": prompt, "multi_modal_data": {"action": [actions[j] for j in range(k)]}}
+    prompt = [t for j in range(k) for t in (*context[j].tolist(), *slots)]  # the reference's layout
+    request = {"prompt_token_ids": interleave(context[:k], backend.action_rows.ids_for(actions[:k]))}
     params = SamplingParams(temperature=0, max_tokens=layout.image_tokens, min_tokens=layout.image_tokens,
                             ignore_eos=True, logprobs=args.topk, detokenize=False)
     t0 = time.perf_counter()

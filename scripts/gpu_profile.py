@@ -75,15 +75,9 @@ def profiler():
 def run_vllm(args) -> None:
     if not args.multiprocess:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if args.stock_embed:  # A/B: vLLM's inherited multimodal embedding instead of ours
-        from vllm.model_executor.models.interfaces import SupportsMultiModal
-
-        from terra_cli.modeling_vllm import LlamaActionForCausalLM
-
-        LlamaActionForCausalLM.embed_input_ids = SupportsMultiModal.embed_input_ids
     from vllm import SamplingParams
 
-    from terra_cli.backend_vllm import VllmBackend
+    from terra_cli.backend_vllm import VllmBackend, interleave
     from terra_cli.bench import bench_inputs, timed_generate, write_random_terra_checkpoint
     from terra_cli.world_model import Sampling
 
@@ -103,9 +97,8 @@ def run_vllm(args) -> None:
         backend.generate(context[:k], actions, k + 1, sampling)  # warm-up + prefix cache
         _, times = timed_generate(backend, context[:k], actions, k + args.timed_frames, sampling, rollouts=args.rollouts)
         # The profiled part: `steps` decode steps of the same prompts (all cached but one frame).
-        slots = [layout.action_placeholder_id] * layout.action_tokens
-        prompt = [t for j in range(k) for t in (*context[j].tolist(), *slots)]
-        requests = [{"prompt_token_ids": prompt, "multi_modal_data": {"action": [actions[j] for j in range(k)]}}] * args.rollouts
+        prompt = interleave(context[:k], backend.action_rows.ids_for(actions[:k]))
+        requests = [{"prompt_token_ids": prompt}] * args.rollouts
         params = [SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=args.temperature, seed=r, detokenize=False)
                   for r in range(args.rollouts)]
         backend.llm.generate(requests, params, use_tqdm=False)
@@ -119,7 +112,6 @@ def run_vllm(args) -> None:
             backend.llm.generate(requests, one, use_tqdm=False)
             admissions.append(round(1000 * (time.perf_counter() - t1), 1))
         row_base = {"label": label, "backend": "vllm", "options": options, "rollouts": args.rollouts, "context_frames": k,
-                    "stock_embed": args.stock_embed,
                     "env": {k2: v for k2, v in os.environ.items() if k2.startswith(("VLLM_USE_", "VLLM_ENABLE_"))},
                     "startup_s": round(startup, 1), "frame_seconds": [round(t, 3) for t in times],
                     "s_per_frame": round(statistics.fmean(times), 4),
@@ -220,7 +212,6 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--vllm-arg", action="append", default=[])
     parser.add_argument("--multiprocess", action="store_true", help="engine in its own process (timings only)")
-    parser.add_argument("--stock-embed", action="store_true")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     (run_vllm if args.backend == "vllm" else run_hf)(args)

@@ -1,13 +1,16 @@
 """The vLLM backend: paged KV cache, CUDA graphs and prefix caching for Terra's frame loop.
 
 Each frame is one `LLM.generate` call for all rollouts at once: the prompt is the previous prompt
-plus the 576 generated codes plus 6 action slots (with one more action item). Automatic prefix
-caching finds every earlier full KV block again, so each call prefills about one frame, not the
-history; `last_cached_tokens` keeps vLLM's count so callers and tests can check it.
+plus the 576 generated codes plus the 6 action ids of that frame. Action ids name rows of the
+model's action table (see modeling_vllm.py); `ActionRows` hands them out by content, so the same
+waypoints always get the same ids and automatic prefix caching finds every earlier full KV block
+again: each call prefills about one frame, not the history. `last_cached_tokens` keeps vLLM's
+count so callers and tests can check it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -74,6 +77,67 @@ def check_checkpoint(checkpoint_dir: Path) -> None:
     check_state_dict(expected, found, str(checkpoint_dir))
 
 
+def interleave(frame_tokens: np.ndarray, action_ids: np.ndarray) -> list[int]:
+    """(K, 576) codes and (K, 6) action ids -> one prompt: frame, its actions, next frame, ..."""
+    return np.concatenate([frame_tokens, action_ids], axis=1).reshape(-1).tolist()
+
+
+def _write_rows(first_rows, waypoints, model) -> None:
+    # Module level, so that it pickles when the engine runs in its own process.
+    while not hasattr(model, "write_action_rows") and hasattr(model, "unwrap"):
+        model = model.unwrap()  # a CUDA-graph wrapper around the model
+    model.write_action_rows(first_rows, waypoints)
+
+
+def _table_rows(model) -> int:
+    while not hasattr(model, "action_table_rows") and hasattr(model, "unwrap"):
+        model = model.unwrap()
+    return model.action_table_rows()
+
+
+class ActionRows:
+    """Which rows of the engine's action table hold which frame's waypoints.
+
+    Rows are handed out by content (the float32 bytes of a frame's (6, 3) waypoints), so a prompt
+    re-sent with the same actions has the same ids and hits the prefix cache, and ids never
+    change meaning while a cached block refers to them: when the table is full, the prefix cache
+    is emptied before any row is reused.
+    """
+
+    def __init__(self, llm, layout):
+        self.llm = llm
+        self.layout = layout
+        self.capacity = int(llm.apply_model(_table_rows)[0]) // layout.action_tokens  # in frames
+        self.first_row: dict[bytes, int] = {}
+
+    def ids_for(self, waypoints: np.ndarray) -> np.ndarray:
+        """(R, F, 6, 3) float32 waypoints -> (R, F, 6) action ids, new rows written to the engine."""
+        frames = np.ascontiguousarray(waypoints, dtype=np.float32).reshape(-1, self.layout.action_tokens, 3)
+        keys = [frame.tobytes() for frame in frames]
+        new = list(dict.fromkeys(key for key in keys if key not in self.first_row))
+        if len(self.first_row) + len(new) > self.capacity:
+            if len(set(keys)) > self.capacity:
+                raise RuntimeError(
+                    f"{len(set(keys))} distinct action frames in one call, but the engine's action table holds "
+                    f"{self.capacity}; raise max_rollouts"
+                )
+            # Between generate calls nothing is in flight, so the cache can be emptied safely.
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache while rows of the action table were reused")
+            self.first_row.clear()
+            new = list(dict.fromkeys(keys))
+        if new:
+            start = len(self.first_row)
+            for i, key in enumerate(new):
+                self.first_row[key] = (start + i) * self.layout.action_tokens
+            first_rows = np.array([self.first_row[key] for key in new], dtype=np.int64)
+            waypoints_new = np.stack([np.frombuffer(key, dtype=np.float32).reshape(self.layout.action_tokens, 3) for key in new])
+            self.llm.apply_model(functools.partial(_write_rows, first_rows, waypoints_new))
+        first = np.array([self.first_row[key] for key in keys], dtype=np.int64)
+        ids = self.layout.action_placeholder_id + first[:, None] + np.arange(self.layout.action_tokens)
+        return ids.reshape(*waypoints.shape[:-2], self.layout.action_tokens)
+
+
 class VllmBackend:
     name = "vllm"
 
@@ -113,6 +177,9 @@ class VllmBackend:
         # 1 rollout, 1.55 vs 1.67 at 8; benchmarks/README.md). VLLM_ENABLE_V1_MULTIPROCESSING=1
         # in the environment restores vLLM's default.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            # Action rows reach an engine in another process as a pickled function call.
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
 
         kwargs = dict(
@@ -122,8 +189,6 @@ class VllmBackend:
             max_model_len=layout.max_positions,
             max_num_seqs=max_rollouts,
             enable_prefix_caching=True,
-            # One action item per frame; a round never has more frames than temporal slots.
-            limit_mm_per_prompt={"action": layout.max_frames},
             # Terra's bos/eos must not become a stop token (it is also masked in the logits).
             generation_config="vllm",
             enforce_eager=enforce_eager,
@@ -135,6 +200,7 @@ class VllmBackend:
             os.environ.setdefault("CUDA_VISIBLE_DEVICES", device.split(":", 1)[1])
         kwargs.update(engine_kwargs)
         self.llm = LLM(**kwargs)
+        self.action_rows = ActionRows(self.llm, layout)
         self.last_cached_tokens: list[list[int]] = []  # per frame: cached prompt tokens per rollout
         self.last_prompt_tokens: list[list[int]] = []
 
@@ -167,14 +233,14 @@ class VllmBackend:
         layout = self.config.layout
         context, actions = check_generation_inputs(layout, context_tokens, action_waypoints, num_frames)
         rollouts, k = context.shape[:2]
-        slots = [layout.action_placeholder_id] * layout.action_tokens
+        # (R, num_frames - 1, 6): every action id this call will use, written to the engine now.
+        action_ids = self.action_rows.ids_for(actions[:, : num_frames - 1])
         frames = np.zeros((rollouts, num_frames, layout.image_tokens), dtype=np.int64)
         frames[:, :k] = context
-        prompts = [[t for j in range(k) for t in (*context[r, j].tolist(), *slots)] for r in range(rollouts)]
-        items = [[actions[r, j] for j in range(k)] for r in range(rollouts)]
+        prompts = [interleave(context[r], action_ids[r, :k]) for r in range(rollouts)]
         self.last_cached_tokens, self.last_prompt_tokens = [], []
         for f in range(k, num_frames):
-            requests = [{"prompt_token_ids": prompts[r], "multi_modal_data": {"action": items[r]}} for r in range(rollouts)]
+            requests = [{"prompt_token_ids": prompts[r]} for r in range(rollouts)]
             params = [self._sampling_params(sampling, r, f) for r in range(rollouts)]
             outputs = self.llm.generate(requests, params, use_tqdm=False)
             self.last_cached_tokens.append([o.num_cached_tokens or 0 for o in outputs])
@@ -185,8 +251,7 @@ class VllmBackend:
                     raise RuntimeError(f"vLLM returned {len(codes)} codes for a frame, expected {layout.image_tokens}")
                 frames[r, f] = codes
                 if f < num_frames - 1:
-                    prompts[r] = prompts[r] + codes + slots
-                    items[r] = items[r] + [actions[r, f]]
+                    prompts[r] = prompts[r] + codes + action_ids[r, f].tolist()
             if on_frame is not None:
                 on_frame(f, frames[:, f].copy())
         return frames

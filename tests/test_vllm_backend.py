@@ -57,6 +57,31 @@ def test_prefix_caching_makes_each_frame_prefill_about_one_frame(engine):
             assert hit >= prompt - 582 - 128, (prompt, hit)
 
 
+def test_same_actions_reuse_their_rows_and_a_new_call_hits_the_cache(engine):
+    context, actions = inputs(rollouts=1, context_frames=2, frames=3, seed=5)
+    engine.generate(context, actions, 3, GREEDY)
+    ids_before = engine.action_rows.ids_for(actions[:, :2])
+    engine.generate(context, actions, 3, GREEDY)
+    np.testing.assert_array_equal(engine.action_rows.ids_for(actions[:, :2]), ids_before)
+    # The whole first prompt of the repeated call was computed before (up to a partial block).
+    (prompt,), (hit,) = engine.last_prompt_tokens[0], engine.last_cached_tokens[0]
+    assert hit >= prompt - 128, (prompt, hit)
+
+
+def test_a_full_action_table_is_recycled_without_changing_results(engine, tiny_checkpoint, monkeypatch):
+    rows = engine.action_rows
+    monkeypatch.setattr(rows, "capacity", 4)  # frames: room for one call below, not for two
+    context, actions = inputs(rollouts=1, context_frames=1, frames=4, seed=6)
+    engine.generate(context, actions, 4, GREEDY)
+    other = actions + 1.0
+    got = engine.generate(context, other, 4, GREEDY)
+    assert len(rows.first_row) == 3  # emptied, then only the second call's frames
+    reference = HfBackend(tiny_checkpoint, device="cpu", dtype="float32").generate(context, other, 4, GREEDY)
+    np.testing.assert_array_equal(got, reference)
+    with pytest.raises(RuntimeError, match="distinct action frames"):
+        engine.generate(np.repeat(context, 2, axis=0), np.concatenate([actions, other]), 4, GREEDY)
+
+
 def test_sampling_is_seeded_and_never_draws_the_special_id(engine):
     context, actions = inputs(rollouts=2, frames=3, seed=2)
     hot = Sampling(temperature=1.5, seed=11)

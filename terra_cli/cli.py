@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .actions import DEFAULT_SPEED_KMH
+from . import cli_options as opts
 from .errors import TerraError
 
 app = typer.Typer(
@@ -97,22 +97,22 @@ def generate(
     context: Optional[list[Path]] = typer.Option(None, "--context", "-c", help="Context: a folder of images (natural order), image file(s) (repeat the option), or a video. Default: the embedded sample road."),
     context_frames: Optional[int] = typer.Option(None, "--context-frames", "-k", min=1, help="Use the LAST K frames of --context (the most recent). Default 3, or fewer when fewer are given; with --context-tokens, all rows."),
     context_tokens: Optional[Path] = typer.Option(None, help="Context as tokens instead of images: int .npy of shape (frames, 576); skips the encoder."),
-    speed: float = typer.Option(DEFAULT_SPEED_KMH, "--speed", help="Speed in km/h for preset actions."),
+    speed: float = opts.speed_option(),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model directory or hub id (default: the embedded terra-mini)."),
     variant: str = typer.Option("world_model", help="Subfolder of turing-motors/Terra (or of a local snapshot): world_model or world_model_v2; each comes with its tokenizer."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Image tokenizer directory or hub id (overrides the one paired with --model)."),
-    temperature: float = typer.Option(0.9, help="Sampling temperature; 0 is greedy."),
-    top_k: int = typer.Option(0, help="Keep the k most likely codes (0: off)."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1.0: off)."),
+    temperature: float = opts.temperature_option(),
+    top_k: int = opts.top_k_option(),
+    top_p: float = opts.top_p_option(),
     seed: int = typer.Option(0, help="Random seed; the same seed gives the same video."),
-    backend: str = typer.Option("auto", help="auto (vLLM when installed and usable, else hf), vllm or hf."),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:1 ... (auto: GPU when there is one)."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    backend: str = opts.backend_option(),
+    device: str = opts.device_option(),
+    dtype: str = opts.dtype_option(),
     threads: int = typer.Option(0, min=0, help="CPU threads for the token loop (0: auto, 1 for small models with --backend hf on CPU)."),
     save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs into this folder."),
     save_tokens: Optional[Path] = typer.Option(None, help="Write all frames' tokens, context included, (N, 576) int64 .npy."),
     no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video (needs --save-tokens)."),
-    overwrite: bool = typer.Option(False, help="Replace existing outputs."),
+    overwrite: bool = opts.overwrite_option(),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
     import numpy as np

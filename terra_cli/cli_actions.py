@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from .cli import actions_app, console, friendly_errors
+from .cli_options import DEFAULT_SPEED_KMH
 
 _INPUT_HELP = (
     "Actions: .npy (frames, 6, 3) or (frames*6, 3); ACT-Bench .json/.jsonl with 'instruction_trajs' "
@@ -16,9 +17,6 @@ _INPUT_HELP = (
 _FRAMES_HELP = "Frames to produce for a preset (needed there); for a file, keep at most this many."
 _SPEED_HELP = "Preset speed in km/h (start speed for stop and accelerate)."
 _PLOT_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")
-
-
-DEFAULT_SPEED_KMH = 30.0  # = actions.DEFAULT_SPEED_KMH; kept here so `terra --help` need not import numpy
 
 
 def _speed_option():

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from . import cli_options as opts
 from .cli import app, console, friendly_errors, out
 
 EPILOG = (
@@ -58,15 +59,15 @@ def bench(
     context_frames: int = typer.Option(3, help="Context frames."),
     batch: str = typer.Option("1,8,32,64", help="vLLM parallel rollouts to measure, comma-separated."),
     hf_frames: Optional[int] = typer.Option(None, help="Generated frames for the slow reference (default: all)."),
-    temperature: float = typer.Option(0.9, help="Sampling temperature (Terra's 0.9)."),
+    temperature: float = opts.temperature_option(),
     seed: int = typer.Option(0, help="Seed for inputs and sampling."),
-    device: str = typer.Option("auto", help="cuda, cpu or auto."),
-    dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32."),
+    device: str = opts.device_option(),
+    dtype: str = opts.dtype_option(),
     skip_hf: bool = typer.Option(False, "--skip-hf", help="Measure vLLM only."),
     vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM engine argument key=value (repeatable)."),
     out_json: Optional[Path] = typer.Option(None, "--out", help="Write results (with the environment) as JSON."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG chart."),
-    overwrite: bool = typer.Option(False, help="Replace existing outputs."),
+    overwrite: bool = opts.overwrite_option(),
 ):
     """Measure generation speed: transformers reference vs vLLM, and vLLM with parallel rollouts."""
     from .bench import BenchPlan, plot_results, run_bench, save_results

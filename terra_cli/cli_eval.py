@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from . import cli_options as opts
 from .cli import app, console, friendly_errors, out
 
 EPILOG = (
@@ -28,18 +29,18 @@ def eval_command(
     presets: str = typer.Option("left,right,straight", help="Action presets to drive, comma-separated."),
     context_frames: int = typer.Option(3, help="True frames given as context."),
     frames: int = typer.Option(8, help="Frames per rollout, context included (generated = frames - context)."),
-    speed: float = typer.Option(30.0, help="Preset speed in km/h."),
+    speed: float = opts.speed_option(),
     temperature: float = typer.Option(0.0, help="Sampling temperature; eval defaults to 0 = greedy (deterministic)."),
-    top_k: int = typer.Option(0, help="Top-k filter when sampling (0: none)."),
-    top_p: float = typer.Option(1.0, help="Top-p filter when sampling (1.0: none)."),
+    top_k: int = opts.top_k_option(),
+    top_p: float = opts.top_p_option(),
     seed: int = typer.Option(0, help="Sampling seed (rollout i uses seed + i) when --temperature > 0."),
-    backend: str = typer.Option("auto", help="auto (vLLM when available, else hf), hf or vllm."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda ..."),
-    dtype: str = typer.Option("auto", help="World-model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32."),
+    backend: str = opts.backend_option(),
+    device: str = opts.device_option(),
+    dtype: str = opts.dtype_option(),
     out_json: Optional[Path] = typer.Option(None, "--out", "-o", help="Write every number (config, per frame, per seed, summary, environment) as JSON."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG: PSNR per frame and lateral motion per seed."),
     strip: Optional[Path] = typer.Option(None, help="Write a PNG strip: true vs generated frames, first seed of each preset."),
-    overwrite: bool = typer.Option(False, help="Replace existing outputs."),
+    overwrite: bool = opts.overwrite_option(),
 ):
     """Evaluate the world model on held-out synthetic worlds: PSNR/SSIM vs the truth and a copy-last-frame
     baseline, the tokenizer's ceiling, and whether the generated motion follows left/right commands."""

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from . import cli_options as opts
 from .cli import app, console, friendly_errors, out
 from .errors import TerraError
 
@@ -75,10 +76,10 @@ def tokenize(
     out_path: Path = typer.Option(..., "--out", "-o", help="Tokens to write: int64 .npy of shape (frames, 576)."),
     reconstruct: Optional[Path] = typer.Option(None, "--reconstruct", "-r", help="Decode the tokens again, write the frames as PNGs into this folder and print per-frame PSNR."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Tokenizer directory (config.json + model.safetensors) or hub id, e.g. turing-motors/Terra/lfq_tokenizer_B_256."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1 ... (auto: GPU when there is one)."),
+    device: str = opts.device_option(),
     batch_size: int = typer.Option(8, "--batch-size", "-b", min=1, help="Frames per forward pass; bounds memory use."),
     max_frames: Optional[int] = typer.Option(None, "--max-frames", min=1, help="Read at most this many frames."),
-    overwrite: bool = typer.Option(False, help="Replace existing outputs."),
+    overwrite: bool = opts.overwrite_option(),
 ):
     """Turn frames into Terra's image tokens (18 x 32 = 576 per frame), and optionally back into frames."""
     import numpy as np

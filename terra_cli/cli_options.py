@@ -1,0 +1,46 @@
+"""Options that several `terra` commands share: declared once here, so flag, default and help agree.
+
+Each function returns a fresh `typer.Option` to use as a parameter default, e.g.
+`device: str = device_option()`. Options whose default or meaning differs between commands
+(--model, --tokenizer, --frames, --context-frames, --seed, eval's greedy --temperature, --out,
+--plot), and options of one command only (bench's --vllm-arg), stay with their command.
+"""
+
+from __future__ import annotations
+
+import typer
+
+DEFAULT_SPEED_KMH = 30.0  # = actions.DEFAULT_SPEED_KMH (a test checks it); here so `terra --help` need not import numpy
+TERRA_TEMPERATURE = 0.9  # Terra's sampling temperature
+
+
+def temperature_option():
+    return typer.Option(TERRA_TEMPERATURE, "--temperature", help="Sampling temperature (Terra's 0.9); 0 is greedy.")
+
+
+def top_k_option():
+    return typer.Option(0, "--top-k", help="Keep the k most likely codes (0: off).")
+
+
+def top_p_option():
+    return typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0: off).")
+
+
+def backend_option():
+    return typer.Option("auto", "--backend", help="auto (vLLM when installed and usable, else hf), vllm or hf.")
+
+
+def device_option():
+    return typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1 ... (auto: GPU when there is one).")
+
+
+def dtype_option():
+    return typer.Option("auto", "--dtype", help="World-model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
+
+
+def speed_option():
+    return typer.Option(DEFAULT_SPEED_KMH, "--speed", help="Speed in km/h for preset actions.")
+
+
+def overwrite_option():
+    return typer.Option(False, "--overwrite/--no-overwrite", help="Replace existing outputs.")

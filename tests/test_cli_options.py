@@ -1,0 +1,37 @@
+"""Options shared by several commands (terra_cli/cli_options.py) read the same everywhere."""
+
+import typer.main
+
+from terra_cli import actions, cli_options
+from terra_cli.cli import app
+from terra_cli.world_model import Sampling
+
+SHARED = {
+    "temperature": ["generate", "bench"],
+    "top_k": ["generate", "eval"],
+    "top_p": ["generate", "eval"],
+    "backend": ["generate", "eval"],
+    "device": ["generate", "eval", "bench", "tokenize"],
+    "dtype": ["generate", "eval", "bench"],
+    "speed": ["generate", "eval"],
+    "overwrite": ["generate", "eval", "bench", "tokenize"],
+}
+
+
+def _params(command: str) -> dict:
+    group = typer.main.get_command(app)
+    return {p.name: p for p in group.commands[command].params}
+
+
+def test_shared_options_are_declared_once():
+    for name, commands in SHARED.items():
+        seen = {(tuple(p.opts), tuple(p.secondary_opts), p.default, p.help)
+                for p in (_params(c)[name] for c in commands)}
+        assert len(seen) == 1, (name, seen)
+
+
+def test_shared_defaults_match_the_library():
+    assert cli_options.DEFAULT_SPEED_KMH == actions.DEFAULT_SPEED_KMH
+    assert cli_options.TERRA_TEMPERATURE == Sampling().temperature
+    assert _params("eval")["temperature"].default == 0.0  # eval stays greedy by default
+    assert _params("generate")["overwrite"].secondary_opts == ["--no-overwrite"]

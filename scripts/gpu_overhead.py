@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 def write_plain_llama(like_dir: Path, out_dir: Path) -> Path:
     """vLLM's stock Llama with the decoder dimensions of `like_dir`'s world model, random bf16 weights."""
@@ -77,6 +79,39 @@ class PlainLlamaLoop:
         del self.llm
 
 
+def profile_steps(backend, context, actions, args) -> dict:
+    """One request of `--profile-steps` decode steps on the 3 context frames, under torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    from gpu_profile import kernel_stats
+
+    layout = backend.layout if args.plain else backend.config.layout
+    k, slots = len(context), layout.action_tokens
+
+    def interleave(ids):
+        return np.concatenate([context, np.asarray(ids).reshape(k, slots)], axis=1).reshape(-1).tolist()
+
+    if args.plain:
+        request = {"prompt_token_ids": interleave(np.zeros((k, slots), dtype=np.int64))}
+    elif hasattr(backend, "action_rows"):
+        request = {"prompt_token_ids": interleave(backend.action_rows.ids_for(actions[:k]))}
+    else:  # a checkout from before the action table (multimodal "action" items), for A/B runs
+        placeholder = layout.action_placeholder_id
+        request = {"prompt_token_ids": interleave(np.full((k, slots), placeholder)),
+                   "multi_modal_data": {"action": list(actions[:k])}}
+    params = SamplingParams(max_tokens=args.profile_steps, ignore_eos=True, temperature=args.temperature, seed=1, detokenize=False)
+    backend.llm.generate([request], params, use_tqdm=False)  # the prompt is cached from here on
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        backend.llm.generate([request], params, use_tqdm=False)
+    stats = kernel_stats(prof, args.profile_steps, args.label)
+    launches = {e.key: e.count for e in prof.key_averages() if e.key in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync")}
+    stats["cpu_launches_per_step"] = {k: round(v / args.profile_steps, 1) for k, v in launches.items()}
+    return stats
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("label")
@@ -86,6 +121,8 @@ def main():
     parser.add_argument("--rollouts", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--vllm-arg", action="append", default=[])
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="then profile this many decode steps (GPU-busy time, kernels and CPU launches per step)")
     args = parser.parse_args()
     from terra_cli.backend_vllm import VllmBackend
     from terra_cli.bench import bench_inputs, timed_generate, write_random_terra_checkpoint
@@ -115,6 +152,7 @@ def main():
     sampling = Sampling(temperature=args.temperature, seed=1)
     timed_generate(backend, context, actions, 4, sampling, rollouts=args.rollouts)  # warm-up
     _, times = timed_generate(backend, context, actions, args.frames, sampling, rollouts=args.rollouts)
+    profile = profile_steps(backend, context, actions, args) if args.profile_steps else {}
     backend.close()
     row = {
         "label": args.label, "checkpoint": str(ckpt), "plain_llama": args.plain, "options": options,
@@ -122,6 +160,7 @@ def main():
         "rollouts": args.rollouts, "temperature": args.temperature, "startup_s": round(startup, 1),
         "s_per_frame": round(statistics.fmean(times), 4), "frames": [round(t, 3) for t in times],
         "ms_per_step": round(1000 * statistics.fmean(times) / layout.image_tokens, 3),
+        **profile,
     }
     print(json.dumps(row), flush=True)
     with open(Path(os.environ.get("OUT", ".")) / "overhead.jsonl", "a") as f:

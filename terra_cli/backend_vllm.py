@@ -82,17 +82,19 @@ def interleave(frame_tokens: np.ndarray, action_ids: np.ndarray) -> list[int]:
     return np.concatenate([frame_tokens, action_ids], axis=1).reshape(-1).tolist()
 
 
-def _write_rows(first_rows, waypoints, model) -> None:
-    # Module level, so that it pickles when the engine runs in its own process.
+def _terra_model(model):
     while not hasattr(model, "write_action_rows") and hasattr(model, "unwrap"):
         model = model.unwrap()  # a CUDA-graph wrapper around the model
-    model.write_action_rows(first_rows, waypoints)
+    return model
+
+
+# Module-level functions for LLM.apply_model, so that they pickle when the engine runs in its own process.
+def _write_rows(first_rows, waypoints, model) -> None:
+    _terra_model(model).write_action_rows(first_rows, waypoints)
 
 
 def _table_rows(model) -> int:
-    while not hasattr(model, "action_table_rows") and hasattr(model, "unwrap"):
-        model = model.unwrap()
-    return model.action_table_rows()
+    return _terra_model(model).action_table_rows()
 
 
 class ActionRows:

@@ -57,12 +57,13 @@ class PlainLlamaLoop:
                        generation_config="vllm", gpu_memory_utilization=0.85, seed=0, **options)
 
     def generate(self, context, actions, num_frames, sampling, on_frame=None):
-        import numpy as np
         from vllm import SamplingParams
+
+        from terra_cli.backend_vllm import interleave
 
         rollouts, k = context.shape[:2]
         slots = [0] * self.layout.action_tokens
-        prompts = [[t for j in range(k) for t in (*context[r, j].tolist(), *slots)] for r in range(rollouts)]
+        prompts = [interleave(context[r], np.zeros((k, len(slots)), dtype=np.int64)) for r in range(rollouts)]
         frames = np.zeros((rollouts, num_frames, self.layout.image_tokens), dtype=np.int64)
         for f in range(k, num_frames):
             params = [SamplingParams(max_tokens=self.layout.image_tokens, ignore_eos=True, temperature=sampling.temperature,
@@ -86,21 +87,14 @@ def profile_steps(backend, context, actions, args) -> dict:
     from vllm import SamplingParams
 
     from gpu_profile import kernel_stats
+    from terra_cli.backend_vllm import interleave
 
-    layout = backend.layout if args.plain else backend.config.layout
-    k, slots = len(context), layout.action_tokens
-
-    def interleave(ids):
-        return np.concatenate([context, np.asarray(ids).reshape(k, slots)], axis=1).reshape(-1).tolist()
-
+    k = len(context)
     if args.plain:
-        request = {"prompt_token_ids": interleave(np.zeros((k, slots), dtype=np.int64))}
-    elif hasattr(backend, "action_rows"):
-        request = {"prompt_token_ids": interleave(backend.action_rows.ids_for(actions[:k]))}
-    else:  # a checkout from before the action table (multimodal "action" items), for A/B runs
-        placeholder = layout.action_placeholder_id
-        request = {"prompt_token_ids": interleave(np.full((k, slots), placeholder)),
-                   "multi_modal_data": {"action": list(actions[:k])}}
+        action_ids = np.zeros((k, backend.layout.action_tokens), dtype=np.int64)
+    else:
+        action_ids = backend.action_rows.ids_for(actions[:k])
+    request = {"prompt_token_ids": interleave(context, action_ids)}
     params = SamplingParams(max_tokens=args.profile_steps, ignore_eos=True, temperature=args.temperature, seed=1, detokenize=False)
     backend.llm.generate([request], params, use_tqdm=False)  # the prompt is cached from here on
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -138,7 +132,6 @@ def main():
         key, _, value = item.partition("=")
         options[key] = json.loads(value)
     layout = load_config(ckpt).layout
-    t0 = time.perf_counter()
     if args.plain:
         plain_dir = Path(f"/tmp/plain_{ckpt.name}_{abs(hash(str(ckpt))) % 10**6}")
         if not (plain_dir / "config.json").exists():
@@ -146,6 +139,7 @@ def main():
         t0 = time.perf_counter()
         backend = PlainLlamaLoop(plain_dir, layout, max(args.rollouts, 1), **options)
     else:
+        t0 = time.perf_counter()
         backend = VllmBackend(ckpt, max_rollouts=max(args.rollouts, 1), **options)
     startup = time.perf_counter() - t0
     context, actions = bench_inputs(layout, 3, args.frames, seed=0)

@@ -116,6 +116,7 @@ class ActionRows:
         """(R, F, 6, 3) float32 waypoints -> (R, F, 6) action ids, new rows written to the engine."""
         frames = np.ascontiguousarray(waypoints, dtype=np.float32).reshape(-1, self.layout.action_tokens, 3)
         keys = [frame.tobytes() for frame in frames]
+        frame_of = dict(zip(keys, frames))
         new = list(dict.fromkeys(key for key in keys if key not in self.first_row))
         if len(self.first_row) + len(new) > self.capacity:
             if len(set(keys)) > self.capacity:
@@ -133,7 +134,7 @@ class ActionRows:
             for i, key in enumerate(new):
                 self.first_row[key] = (start + i) * self.layout.action_tokens
             first_rows = np.array([self.first_row[key] for key in new], dtype=np.int64)
-            waypoints_new = np.stack([np.frombuffer(key, dtype=np.float32).reshape(self.layout.action_tokens, 3) for key in new])
+            waypoints_new = np.stack([frame_of[key] for key in new])
             self.llm.apply_model(functools.partial(_write_rows, first_rows, waypoints_new))
         first = np.array([self.first_row[key] for key in keys], dtype=np.int64)
         ids = self.layout.action_placeholder_id + first[:, None] + np.arange(self.layout.action_tokens)

@@ -12,6 +12,7 @@ Appends one JSON line per run to $OUT/overhead.jsonl: s/frame and ms/token after
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -115,6 +116,8 @@ def main():
     parser.add_argument("--rollouts", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--vllm-arg", action="append", default=[])
+    parser.add_argument("--gc-off", action="store_true",
+                        help="Python's cyclic garbage collector off while frames are generated")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="then profile this many decode steps (GPU-busy time, kernels and CPU launches per step)")
     args = parser.parse_args()
@@ -132,6 +135,7 @@ def main():
         key, _, value = item.partition("=")
         options[key] = json.loads(value)
     layout = load_config(ckpt).layout
+    recorded_options = json.loads(json.dumps(options))  # vLLM adds its own objects to the dicts it is given
     if args.plain:
         plain_dir = Path(f"/tmp/plain_{ckpt.name}_{abs(hash(str(ckpt))) % 10**6}")
         if not (plain_dir / "config.json").exists():
@@ -145,11 +149,15 @@ def main():
     context, actions = bench_inputs(layout, 3, args.frames, seed=0)
     sampling = Sampling(temperature=args.temperature, seed=1)
     timed_generate(backend, context, actions, 4, sampling, rollouts=args.rollouts)  # warm-up
+    if args.gc_off:
+        gc.collect()
+        gc.disable()
     _, times = timed_generate(backend, context, actions, args.frames, sampling, rollouts=args.rollouts)
+    gc.enable()
     profile = profile_steps(backend, context, actions, args) if args.profile_steps else {}
     backend.close()
     row = {
-        "label": args.label, "checkpoint": str(ckpt), "plain_llama": args.plain, "options": options,
+        "label": args.label, "checkpoint": str(ckpt), "plain_llama": args.plain, "options": recorded_options, "gc_off": args.gc_off,
         "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_USE_V2", "VLLM_ENABLE"))},
         "rollouts": args.rollouts, "temperature": args.temperature, "startup_s": round(startup, 1),
         "s_per_frame": round(statistics.fmean(times), 4), "frames": [round(t, 3) for t in times],

@@ -114,6 +114,8 @@ def main():
     parser.add_argument("--plain", action="store_true", help="vLLM's stock Llama of the same size, no actions")
     parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--rollouts", type=int, default=1)
+    parser.add_argument("--max-rollouts", type=int, default=0,
+                        help="the engine's max_num_seqs (default: --rollouts), e.g. 64 as `terra bench` uses")
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--vllm-arg", action="append", default=[])
     parser.add_argument("--gc-off", action="store_true",
@@ -141,10 +143,10 @@ def main():
         if not (plain_dir / "config.json").exists():
             write_plain_llama(ckpt, plain_dir)
         t0 = time.perf_counter()
-        backend = PlainLlamaLoop(plain_dir, layout, max(args.rollouts, 1), **options)
+        backend = PlainLlamaLoop(plain_dir, layout, max(args.max_rollouts, args.rollouts, 1), **options)
     else:
         t0 = time.perf_counter()
-        backend = VllmBackend(ckpt, max_rollouts=max(args.rollouts, 1), **options)
+        backend = VllmBackend(ckpt, max_rollouts=max(args.max_rollouts, args.rollouts, 1), **options)
     startup = time.perf_counter() - t0
     context, actions = bench_inputs(layout, 3, args.frames, seed=0)
     sampling = Sampling(temperature=args.temperature, seed=1)
@@ -159,7 +161,7 @@ def main():
     row = {
         "label": args.label, "checkpoint": str(ckpt), "plain_llama": args.plain, "options": recorded_options, "gc_off": args.gc_off,
         "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_USE_V2", "VLLM_ENABLE"))},
-        "rollouts": args.rollouts, "temperature": args.temperature, "startup_s": round(startup, 1),
+        "rollouts": args.rollouts, "max_rollouts": max(args.max_rollouts, args.rollouts, 1), "temperature": args.temperature, "startup_s": round(startup, 1),
         "s_per_frame": round(statistics.fmean(times), 4), "frames": [round(t, 3) for t in times],
         "ms_per_step": round(1000 * statistics.fmean(times) / layout.image_tokens, 3),
         **profile,

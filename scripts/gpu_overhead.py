@@ -1,7 +1,8 @@
 """Per-step overhead experiment for the vLLM backend on one GPU.
 
   python3 scripts/gpu_overhead.py LABEL [--checkpoint DIR|mini] [--plain] [--frames 9] [--rollouts 1]
-                                        [--temperature 0.9] [--vllm-arg key=json ...]
+                                        [--max-rollouts N] [--temperature 0.9] [--gc-off]
+                                        [--profile-steps N] [--vllm-arg key=json ...]
 
 `--checkpoint mini` is the embedded terra-mini; the default is a random Terra-size checkpoint.
 `--plain` runs vLLM's own LlamaForCausalLM with the same decoder dimensions and random weights on

@@ -139,15 +139,16 @@ def main():
         options[key] = json.loads(value)
     layout = load_config(ckpt).layout
     recorded_options = json.loads(json.dumps(options))  # vLLM adds its own objects to the dicts it is given
+    engine_seqs = max(args.max_rollouts, args.rollouts, 1)
     if args.plain:
         plain_dir = Path(f"/tmp/plain_{ckpt.name}_{abs(hash(str(ckpt))) % 10**6}")
         if not (plain_dir / "config.json").exists():
             write_plain_llama(ckpt, plain_dir)
         t0 = time.perf_counter()
-        backend = PlainLlamaLoop(plain_dir, layout, max(args.max_rollouts, args.rollouts, 1), **options)
+        backend = PlainLlamaLoop(plain_dir, layout, engine_seqs, **options)
     else:
         t0 = time.perf_counter()
-        backend = VllmBackend(ckpt, max_rollouts=max(args.max_rollouts, args.rollouts, 1), **options)
+        backend = VllmBackend(ckpt, max_rollouts=engine_seqs, **options)
     startup = time.perf_counter() - t0
     context, actions = bench_inputs(layout, 3, args.frames, seed=0)
     sampling = Sampling(temperature=args.temperature, seed=1)
@@ -162,7 +163,7 @@ def main():
     row = {
         "label": args.label, "checkpoint": str(ckpt), "plain_llama": args.plain, "options": recorded_options, "gc_off": args.gc_off,
         "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_USE_V2", "VLLM_ENABLE"))},
-        "rollouts": args.rollouts, "max_rollouts": max(args.max_rollouts, args.rollouts, 1), "temperature": args.temperature, "startup_s": round(startup, 1),
+        "rollouts": args.rollouts, "max_rollouts": engine_seqs, "temperature": args.temperature, "startup_s": round(startup, 1),
         "s_per_frame": round(statistics.fmean(times), 4), "frames": [round(t, 3) for t in times],
         "ms_per_step": round(1000 * statistics.fmean(times) / layout.image_tokens, 3),
         **profile,

@@ -116,19 +116,19 @@ class ActionRows:
         """(R, F, 6, 3) float32 waypoints -> (R, F, 6) action ids, new rows written to the engine."""
         frames = np.ascontiguousarray(waypoints, dtype=np.float32).reshape(-1, self.layout.action_tokens, 3)
         keys = [frame.tobytes() for frame in frames]
-        frame_of = dict(zip(keys, frames))
-        new = list(dict.fromkeys(key for key in keys if key not in self.first_row))
+        frame_of = dict(zip(keys, frames))  # distinct keys, in order of first use
+        new = [key for key in frame_of if key not in self.first_row]
         if len(self.first_row) + len(new) > self.capacity:
-            if len(set(keys)) > self.capacity:
+            if len(frame_of) > self.capacity:
                 raise RuntimeError(
-                    f"{len(set(keys))} distinct action frames in one call, but the engine's action table holds "
+                    f"{len(frame_of)} distinct action frames in one call, but the engine's action table holds "
                     f"{self.capacity}; raise max_rollouts"
                 )
             # Between generate calls nothing is in flight, so the cache can be emptied safely.
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache while rows of the action table were reused")
             self.first_row.clear()
-            new = list(dict.fromkeys(keys))
+            new = list(frame_of)
         if new:
             start = len(self.first_row)
             for i, key in enumerate(new):

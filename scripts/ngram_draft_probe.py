@@ -21,25 +21,33 @@ import json
 import os
 import subprocess
 import sys
+import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 
-def run(temperature: float, speculative: dict | None, frames: int, seeded: bool) -> tuple[np.ndarray, dict]:
-    from terra_cli.actions import preset_actions
-    from terra_cli.backend_vllm import VllmBackend
-    from terra_cli.default_model import default_tokenizer_dir, default_world_model_dir
+def probe_inputs(frames: int) -> tuple[np.ndarray, np.ndarray]:
+    """(3, 576) context tokens of held-out world 1003 and its (frames, 6, 3) `left` waypoints."""
+    from terra_cli.actions import DEFAULT_SPEED_KMH, preset_actions
+    from terra_cli.default_model import default_tokenizer_dir
     from terra_cli.synthetic_world import render_rollout
-    from terra_cli.world_model import Sampling
     from tokenizer_decoder.tokenizer import ImageTokenizer
 
-    actions = preset_actions("left", frames, 30.0)
+    actions = preset_actions("left", frames, DEFAULT_SPEED_KMH)
     images = render_rollout(1003, actions)  # world seed 1003: held out from terra-mini's training
     tokenizer = ImageTokenizer.from_pretrained(default_tokenizer_dir(), device="cpu")
-    context = np.asarray(tokenizer.tokenize(list(images[:3])))[None]
+    return np.asarray(tokenizer.tokenize(list(images[:3]))), actions
+
+
+def run(context: np.ndarray, actions: np.ndarray, temperature: float, speculative: dict | None,
+        seeded: bool) -> tuple[np.ndarray, dict]:
+    from terra_cli.backend_vllm import VllmBackend
+    from terra_cli.bench import timed_generate
+    from terra_cli.default_model import default_world_model_dir
+    from terra_cli.world_model import Sampling
+
     options = {"disable_log_stats": False}  # the speculation counters come from the stats
     if speculative:
         options["speculative_config"] = speculative
@@ -61,15 +69,13 @@ def run(temperature: float, speculative: dict | None, frames: int, seeded: bool)
 
     try:
         sampling = Sampling(temperature=temperature, seed=1)
-        backend.generate(context, actions[None], 4, sampling)  # warm-up
+        timed_generate(backend, context, actions, 4, sampling)  # warm-up
         before = counters()
-        start = time.perf_counter()
-        tokens = backend.generate(context, actions[None], frames, sampling)
-        seconds = time.perf_counter() - start
+        tokens, seconds = timed_generate(backend, context, actions, len(actions), sampling)
         counted = {name: value - before[name] for name, value in counters().items()}
     finally:
         backend.close()
-    stats = {"s_per_frame": round(seconds / (frames - 3), 4)}
+    stats = {"s_per_frame": round(statistics.fmean(seconds), 4)}
     if speculative:
         drafted, accepted, steps = counted["draft_tokens"], counted["accepted_tokens"], counted["drafts"]
         stats.update(drafted=drafted, accepted=accepted, acceptance=round(accepted / max(drafted, 1), 3),
@@ -78,9 +84,10 @@ def run(temperature: float, speculative: dict | None, frames: int, seeded: bool)
 
 
 def one_run(args) -> None:
-    """A single engine in this process; tokens and stats go to the files named by the parent."""
+    """A single engine in this process; inputs come from, tokens and stats go to, the parent's files."""
     speculative = json.loads(args.one) or None
-    tokens, stats = run(float(args.temperature), speculative, args.frames, not args.no_seed)
+    inputs = np.load(args.inputs)
+    tokens, stats = run(inputs["context"], inputs["actions"], float(args.temperature), speculative, not args.no_seed)
     np.save(args.tokens_out, tokens)
     Path(args.stats_out).write_text(json.dumps(stats))
 
@@ -88,7 +95,7 @@ def one_run(args) -> None:
 def in_subprocess(args, temperature: float, speculative: dict | None, scratch: Path) -> tuple[np.ndarray, dict]:
     name = f"{temperature}-{'draft' if speculative else 'plain'}"
     command = [sys.executable, __file__, "--one", json.dumps(speculative), "--temperature", str(temperature),
-               "--frames", str(args.frames),
+               "--inputs", str(scratch / "inputs.npz"),
                "--tokens-out", str(scratch / f"{name}.npy"), "--stats-out", str(scratch / f"{name}.json")]
     if args.no_seed:
         command.append("--no-seed")
@@ -104,6 +111,7 @@ def main() -> None:
     parser.add_argument("--no-seed", action="store_true")
     parser.add_argument("--method", default="ngram", choices=["ngram", "ngram_gpu"])
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--inputs", help=argparse.SUPPRESS)
     parser.add_argument("--tokens-out", help=argparse.SUPPRESS)
     parser.add_argument("--stats-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -112,6 +120,8 @@ def main() -> None:
         return
     speculative = {"method": args.method, "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     with tempfile.TemporaryDirectory() as scratch:
+        context, actions = probe_inputs(args.frames)
+        np.savez(Path(scratch) / "inputs.npz", context=context, actions=actions)
         for temperature in (float(t) for t in args.temperature.split(",")):
             drafted_tokens, stats = in_subprocess(args, temperature, speculative, Path(scratch))
             plain_tokens, plain_stats = in_subprocess(args, temperature, None, Path(scratch))

@@ -28,7 +28,7 @@ def write_plain_llama(like_dir: Path, out_dir: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from terra_cli.checkpoint import load_config
+    from terra_cli.models.checkpoint import load_config
 
     terra = load_config(like_dir)
     config = LlamaConfig(
@@ -61,7 +61,7 @@ class PlainLlamaLoop:
     def generate(self, context, actions, num_frames, sampling, on_frame=None):
         from vllm import SamplingParams
 
-        from terra_cli.backend_vllm import interleave
+        from terra_cli.backends.vllm import interleave
 
         rollouts, k = context.shape[:2]
         slots = [0] * self.layout.action_tokens
@@ -89,7 +89,7 @@ def profile_steps(backend, context, actions, args) -> dict:
     from vllm import SamplingParams
 
     from gpu_profile import kernel_stats
-    from terra_cli.backend_vllm import interleave
+    from terra_cli.backends.vllm import interleave
 
     k = len(context)
     if args.plain:
@@ -124,11 +124,11 @@ def main():
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="then profile this many decode steps (GPU-busy time, kernels and CPU launches per step)")
     args = parser.parse_args()
-    from terra_cli.backend_vllm import VllmBackend
-    from terra_cli.bench import bench_inputs, timed_generate, write_random_terra_checkpoint
-    from terra_cli.checkpoint import load_config
-    from terra_cli.default_model import default_world_model_dir
-    from terra_cli.world_model import Sampling
+    from terra_cli.backends.vllm import VllmBackend
+    from terra_cli.bench.hf_vs_vllm import bench_inputs, timed_generate, write_random_terra_checkpoint
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.default import default_world_model_dir
+    from terra_cli.backends.base import Sampling
 
     ckpt = default_world_model_dir() if args.checkpoint == "mini" else Path(args.checkpoint)
     if not (ckpt / "config.json").exists():

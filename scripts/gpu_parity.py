@@ -35,11 +35,11 @@ def main() -> None:
 
     from vllm import SamplingParams
 
-    from terra_cli.backend_hf import HfBackend
-    from terra_cli.backend_vllm import VllmBackend, interleave
-    from terra_cli.bench import bench_inputs, environment, write_random_terra_checkpoint
-    from terra_cli.checkpoint import load_config
-    from terra_cli.world_model import Sampling
+    from terra_cli.backends.hf import HfBackend
+    from terra_cli.backends.vllm import VllmBackend, interleave
+    from terra_cli.bench.hf_vs_vllm import bench_inputs, environment, write_random_terra_checkpoint
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.backends.base import Sampling
 
     ckpt = Path(args.checkpoint)
     dev = args.device

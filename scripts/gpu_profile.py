@@ -77,9 +77,9 @@ def run_vllm(args) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import SamplingParams
 
-    from terra_cli.backend_vllm import VllmBackend, interleave
-    from terra_cli.bench import bench_inputs, timed_generate, write_random_terra_checkpoint
-    from terra_cli.world_model import Sampling
+    from terra_cli.backends.vllm import VllmBackend, interleave
+    from terra_cli.bench.hf_vs_vllm import bench_inputs, timed_generate, write_random_terra_checkpoint
+    from terra_cli.backends.base import Sampling
 
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").exists():
@@ -151,9 +151,9 @@ def run_hf(args) -> None:
     import torch
     from transformers.cache_utils import DynamicCache
 
-    from terra_cli.backend_hf import HfBackend, _attention_backends, sample_next
-    from terra_cli.bench import bench_inputs, write_random_terra_checkpoint
-    from terra_cli.world_model import Sampling
+    from terra_cli.backends.hf import HfBackend, _attention_backends, sample_next
+    from terra_cli.bench.hf_vs_vllm import bench_inputs, write_random_terra_checkpoint
+    from terra_cli.backends.base import Sampling
 
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").exists():

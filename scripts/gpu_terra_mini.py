@@ -12,11 +12,11 @@ import numpy as np
 
 def main():
     from terra_cli.actions import preset_actions
-    from terra_cli.backend_vllm import VllmBackend
-    from terra_cli.bench import timed_generate
-    from terra_cli.default_model import default_tokenizer_dir, default_world_model_dir, sample_context_frames
-    from terra_cli.media import MediaError, write_video
-    from terra_cli.world_model import Sampling
+    from terra_cli.backends.vllm import VllmBackend
+    from terra_cli.bench.hf_vs_vllm import timed_generate
+    from terra_cli.models.default import default_tokenizer_dir, default_world_model_dir, sample_context_frames
+    from terra_cli.media.frames import MediaError, write_video
+    from terra_cli.backends.base import Sampling
     from tokenizer_decoder import ImageTokenizer
 
     out = Path(os.environ.get("OUT", "."))

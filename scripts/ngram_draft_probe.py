@@ -31,8 +31,8 @@ import numpy as np
 def probe_inputs(frames: int) -> tuple[np.ndarray, np.ndarray]:
     """(3, 576) context tokens of held-out world 1003 and its (frames, 6, 3) `left` waypoints."""
     from terra_cli.actions import DEFAULT_SPEED_KMH, preset_actions
-    from terra_cli.default_model import default_tokenizer_dir
-    from terra_cli.synthetic_world import render_rollout
+    from terra_cli.models.default import default_tokenizer_dir
+    from terra_cli.synthetic.world import render_rollout
     from tokenizer_decoder.tokenizer import ImageTokenizer
 
     actions = preset_actions("left", frames, DEFAULT_SPEED_KMH)
@@ -43,10 +43,10 @@ def probe_inputs(frames: int) -> tuple[np.ndarray, np.ndarray]:
 
 def run(context: np.ndarray, actions: np.ndarray, temperature: float, speculative: dict | None,
         seeded: bool) -> tuple[np.ndarray, dict]:
-    from terra_cli.backend_vllm import VllmBackend
-    from terra_cli.bench import timed_generate
-    from terra_cli.default_model import default_world_model_dir
-    from terra_cli.world_model import Sampling
+    from terra_cli.backends.vllm import VllmBackend
+    from terra_cli.bench.hf_vs_vllm import timed_generate
+    from terra_cli.models.default import default_world_model_dir
+    from terra_cli.backends.base import Sampling
 
     options = {"disable_log_stats": False}  # the speculation counters come from the stats
     if speculative:

@@ -187,7 +187,7 @@ def prepare_data(args, load_tokenizer):
 
 
 def make_config(args, image_vocab: int):
-    from terra_cli.config import layout_config
+    from terra_cli.models.config import layout_config
 
     return layout_config(
         hidden_size=args.hidden,
@@ -219,8 +219,8 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from terra_cli.checkpoint import save_checkpoint
-    from terra_cli.modeling_hf import build_model, load_model
+    from terra_cli.models.checkpoint import save_checkpoint
+    from terra_cli.models.modeling_hf import build_model, load_model
     from tokenizer_decoder.tokenizer import pick_device
 
     device = pick_device(args.device)

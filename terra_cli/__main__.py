@@ -1,3 +1,3 @@
-from .cli import main
+from terra_cli.cli import main
 
 main()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import TerraError
+from terra_cli.errors import TerraError
 
 WAYPOINTS_PER_FRAME = 6
 FRAME_DT = 0.1  # s between frames (10 Hz)

@@ -6,6 +6,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# What the CLI sets before any command; tests that build backends directly need it too.
+from terra_cli.runtime import configure_vllm_env  # noqa: E402
+
+configure_vllm_env()
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -20,6 +24,6 @@ def run_terra(*args, cwd=None, timeout=600, env=None):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    from terra_cli.testing import write_tiny_checkpoint
+    from terra_cli.models.testing import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_world_model"))

@@ -36,7 +36,7 @@ def act_bench_trajs(acts, seed=1):
 
 def test_constants_match_terra():
     np.testing.assert_allclose(A.WAYPOINT_TIMES, TIMES)
-    from terra_cli import cli_actions
+    from terra_cli.cli import actions as cli_actions
 
     assert cli_actions.DEFAULT_SPEED_KMH == A.DEFAULT_SPEED_KMH
 

@@ -9,7 +9,7 @@ from conftest import run_terra
 
 
 def test_partial_results_are_reported_after_every_run(tiny_checkpoint):
-    from terra_cli.bench import BenchPlan, run_bench
+    from terra_cli.bench.hf_vs_vllm import BenchPlan, run_bench
 
     updates = []
     plan = BenchPlan(frames=3, context_frames=2, hf_frames=1, device="cpu", run_vllm=False)

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from terra_cli.backend_hf import generate_frames
-from terra_cli.modeling_hf import load_model
-from terra_cli.world_model import Sampling
+from terra_cli.backends.hf import generate_frames
+from terra_cli.models.modeling_hf import load_model
+from terra_cli.backends.base import Sampling
 
 from conftest import run_terra
 

@@ -8,31 +8,33 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from terra_cli.cli import app, quiet_vllm_logging
+from terra_cli.cli import app
+from terra_cli.runtime import configure_vllm_env
 
 from conftest import REPO
 
 
-def test_quiet_vllm_logging_sets_warning_only_when_unset():
+def _level(verbose, **env):
+    configure_vllm_env(verbose, env)
+    return env.get("VLLM_LOGGING_LEVEL")
+
+
+def test_configure_vllm_env_sets_warning_only_when_unset():
+    assert _level(False) == "WARNING"
+    assert _level(False, VLLM_LOGGING_LEVEL="DEBUG") == "DEBUG"  # the user's choice wins
+    assert _level(False, VLLM_LOGGING_LEVEL="") == "WARNING"  # empty is unset (vLLM would reject "")
+    assert _level(True) is None  # --verbose: vLLM's own default, INFO
+    assert _level(True, VLLM_LOGGING_LEVEL="ERROR") == "ERROR"
+
+
+def test_configure_vllm_env_keeps_the_engine_in_process_unless_told_otherwise():
     env = {}
-    quiet_vllm_logging(False, env)
-    assert env == {"VLLM_LOGGING_LEVEL": "WARNING"}
-
-    env = {"VLLM_LOGGING_LEVEL": "DEBUG"}
-    quiet_vllm_logging(False, env)
-    assert env == {"VLLM_LOGGING_LEVEL": "DEBUG"}  # the user's choice wins
-
-    env = {"VLLM_LOGGING_LEVEL": ""}
-    quiet_vllm_logging(False, env)
-    assert env == {"VLLM_LOGGING_LEVEL": "WARNING"}  # empty is unset (vLLM would reject "")
-
-    env = {}
-    quiet_vllm_logging(True, env)
-    assert env == {}  # --verbose: vLLM's own default, INFO
-
-    env = {"VLLM_LOGGING_LEVEL": "ERROR"}
-    quiet_vllm_logging(True, env)
-    assert env == {"VLLM_LOGGING_LEVEL": "ERROR"}
+    configure_vllm_env(False, env)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    configure_vllm_env(False, env)
+    # An engine in its own process gets action rows as pickled calls; the user's cache size wins.
+    assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
 @pytest.mark.parametrize(
@@ -61,11 +63,11 @@ def _python(code: str, env_extra: dict | None = None) -> subprocess.CompletedPro
 
 def test_importing_the_library_keeps_vllm_defaults():
     result = _python(
-        "import os, terra_cli, terra_cli.cli, terra_cli.pipeline, terra_cli.world_model\n"
+        "import os, terra_cli, terra_cli.cli, terra_cli.pipeline.video, terra_cli.backends.vllm, terra_cli.backends.hf\n"
         "print(repr(os.environ.get('VLLM_LOGGING_LEVEL')))"
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "None"
+    assert result.stdout.strip() == "None"  # and nothing else of vLLM's environment either
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -74,8 +76,8 @@ def test_vllm_honours_the_level(verbose):
     # The real vLLM logger, set up the way an engine sets it up (LoggingConfig from the environment),
     # without starting an engine. vLLM logs to stdout by default.
     result = _python(
-        "from terra_cli.cli import quiet_vllm_logging\n"
-        f"quiet_vllm_logging({verbose})\n"
+        "from terra_cli.runtime import configure_vllm_env\n"
+        f"configure_vllm_env({verbose})\n"
         "from vllm.config.logging import LoggingConfig\n"
         "from vllm.logger import configure_logging, init_logger\n"
         "configure_logging(LoggingConfig())\n"

@@ -2,9 +2,10 @@
 
 import typer.main
 
-from terra_cli import actions, cli_options
+from terra_cli import actions
+from terra_cli.cli import options as cli_options
 from terra_cli.cli import app
-from terra_cli.world_model import Sampling
+from terra_cli.backends.base import Sampling
 
 SHARED = {
     "temperature": ["generate", "bench"],

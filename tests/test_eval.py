@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from terra_cli.evaluate import (
+from terra_cli.evaluation.run import (
     EVAL_WORLD_SEED_BASE,
     EvalError,
     EvalPlan,
@@ -21,8 +21,9 @@ from terra_cli.evaluate import (
     sign_accuracy,
     training_world_seeds,
 )
-from terra_cli.synthetic_world import psnr
+from terra_cli.synthetic.world import psnr
 
+from terra_cli.models.default import default_tokenizer_dir
 from conftest import run_terra
 
 
@@ -61,7 +62,7 @@ def test_commanded_lateral_signs():
 
 def test_lateral_estimate_on_true_frames_follows_the_turn():
     from terra_cli.actions import preset_actions
-    from terra_cli.synthetic_world import render_rollout
+    from terra_cli.synthetic.world import render_rollout
 
     for name, sign in (("left", 1), ("right", -1)):
         frames = render_rollout(EVAL_WORLD_SEED_BASE, preset_actions(name, 6, 30.0))
@@ -91,13 +92,13 @@ def test_plan_validation(kwargs, message):
 def test_eval_command_end_to_end(tmp_path):
     """The brief's smoke run, on a tiny random world model in terra-mini's token format (the real one
     needs ~80 ms per token step on a 2-core CPU: 5 min for this run); the embedded tokenizer is real."""
-    from terra_cli.testing import tiny_config, write_tiny_checkpoint
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "wm", tiny_config(image_vocab=1024, layers=1))
     out = tmp_path / "eval.json"
     plot = tmp_path / "eval.png"
     strip = tmp_path / "strip.png"
-    args = ["eval", "--model", model, "--seeds", 2, "--frames", 4, "--context-frames", 3,
+    args = ["eval", "--model", model, "--tokenizer", default_tokenizer_dir(), "--seeds", 2, "--frames", 4, "--context-frames", 3,
             "--presets", "left,right", "--backend", "hf", "--device", "cpu", "--ceiling-seeds", 1,
             "--out", out, "--plot", plot, "--strip", strip]
     result = run_terra(*args, timeout=300)
@@ -133,11 +134,11 @@ def test_eval_bad_preset_is_one_line_error(tmp_path):
 
 def test_eval_without_tokenizer_ceiling(tmp_path):
     """--ceiling-seeds 0 skips the ceiling (it used to crash reshaping an empty token array)."""
-    from terra_cli.testing import tiny_config, write_tiny_checkpoint
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "wm", tiny_config(image_vocab=1024, layers=1))
     out, plot = tmp_path / "eval.json", tmp_path / "eval.png"
-    result = run_terra("eval", "--model", model, "--seeds", 1, "--frames", 4, "--presets", "straight",
+    result = run_terra("eval", "--model", model, "--tokenizer", default_tokenizer_dir(), "--seeds", 1, "--frames", 4, "--presets", "straight",
                        "--backend", "hf", "--device", "cpu", "--ceiling-seeds", 0, "--out", out, "--plot", plot,
                        timeout=300)
     assert result.returncode == 0, result.stderr + result.stdout

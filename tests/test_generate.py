@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from terra_cli.pipeline import RESEED_FRAMES, plan_rounds
+from terra_cli.pipeline.rounds import RESEED_FRAMES, plan_rounds
 
 from conftest import run_terra
 
@@ -19,7 +19,7 @@ HF = ("--backend", "hf", "--device", "cpu")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from terra_cli.default_model import default_tokenizer_dir
+    from terra_cli.models.default import default_tokenizer_dir
     from tokenizer_decoder import ImageTokenizer
 
     return ImageTokenizer.from_pretrained(str(default_tokenizer_dir()), device="cpu")
@@ -34,8 +34,8 @@ def assert_fails(result, message):
 def test_default_model_video_tokens_frames_and_determinism(tmp_path, tokenizer):
     import imageio.v2 as iio
 
-    from terra_cli.default_model import DEFAULT_MODEL_LABEL, sample_context_frames
-    from terra_cli.media import read_frames
+    from terra_cli.models.default import DEFAULT_MODEL_LABEL, sample_context_frames
+    from terra_cli.media.frames import read_frames
 
     video, tokens_path, frames_dir = tmp_path / "out.mp4", tmp_path / "t.npy", tmp_path / "frames"
     args = ["generate", video, "--frames", 4, "--actions", "left", "--seed", 3, *HF,
@@ -80,8 +80,8 @@ def test_default_model_video_tokens_frames_and_determinism(tmp_path, tokenizer):
 
 
 def test_context_from_png_folder_and_video(tmp_path, tokenizer):
-    from terra_cli.media import read_frames, write_frames, write_video
-    from terra_cli.synthetic_world import render_rollout
+    from terra_cli.media.frames import read_frames, write_frames, write_video
+    from terra_cli.synthetic.world import render_rollout
     from terra_cli.actions import preset_actions
 
     clip = render_rollout(11, preset_actions("straight", 5, 40.0))
@@ -99,9 +99,9 @@ def test_context_from_png_folder_and_video(tmp_path, tokenizer):
 
 
 def test_thirty_frames_run_in_two_rounds(tmp_path, tiny_checkpoint):
-    from terra_cli.backend_hf import generate_frames
-    from terra_cli.modeling_hf import load_model
-    from terra_cli.world_model import Sampling
+    from terra_cli.backends.hf import generate_frames
+    from terra_cli.models.modeling_hf import load_model
+    from terra_cli.backends.base import Sampling
 
     rng = np.random.default_rng(1)
     ctx = rng.integers(0, 512, size=(3, 576))
@@ -172,6 +172,6 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_checkpoint):
 
 
 def _default_tokenizer():
-    from terra_cli.default_model import default_tokenizer_dir
+    from terra_cli.models.default import default_tokenizer_dir
 
     return default_tokenizer_dir()

@@ -5,7 +5,7 @@ import pytest
 from PIL import Image
 
 from terra_cli.errors import TerraError
-from terra_cli.media import (
+from terra_cli.media.frames import (
     MediaError,
     count_frames,
     iter_frames,

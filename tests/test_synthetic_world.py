@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from terra_cli import synthetic_world as sw
+from terra_cli.synthetic import world as sw
 from terra_cli.actions import WAYPOINT_TIMES, preset_actions, summarize_actions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_train_tokenizer_smoke_writes_a_loadable_tokenizer(smoke_tokenizer):
 def test_train_world_model_smoke_writes_a_loadable_checkpoint(tmp_path, smoke_tokenizer, with_tokenizer):
     import torch
 
-    from terra_cli.modeling_hf import load_model
+    from terra_cli.models.modeling_hf import load_model
 
     out = tmp_path / "wm"
     extra = ["--tokenizer", smoke_tokenizer / "tokenizer"] if with_tokenizer else []

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from terra_cli.checkpoint import CheckpointError
+from terra_cli.models.checkpoint import CheckpointError
 from tokenizer_decoder import (
     TERRA_TOKENIZER_CONFIG,
     ImageTokenizer,

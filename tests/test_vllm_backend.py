@@ -6,10 +6,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from terra_cli.backend_hf import HfBackend  # noqa: E402
-from terra_cli.config import ARCH_V2  # noqa: E402
-from terra_cli.testing import tiny_config, write_tiny_checkpoint  # noqa: E402
-from terra_cli.world_model import Sampling  # noqa: E402
+from terra_cli.backends.hf import HfBackend  # noqa: E402
+from terra_cli.models.config import ARCH_V2  # noqa: E402
+from terra_cli.models.testing import tiny_config, write_tiny_checkpoint  # noqa: E402
+from terra_cli.backends.base import Sampling  # noqa: E402
 
 from conftest import run_terra  # noqa: E402
 
@@ -19,7 +19,7 @@ GREEDY = Sampling(temperature=0)
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    from terra_cli.backend_vllm import VllmBackend
+    from terra_cli.backends.vllm import VllmBackend
 
     backend = VllmBackend(tiny_checkpoint, max_rollouts=8)
     yield backend
@@ -108,7 +108,7 @@ def test_cli_vllm_backend_matches_hf(tmp_path, tiny_checkpoint):
 
 
 def test_v2_action_mlp_loads_and_matches_the_reference(tmp_path):
-    from terra_cli.backend_vllm import VllmBackend
+    from terra_cli.backends.vllm import VllmBackend
 
     checkpoint = write_tiny_checkpoint(tmp_path / "v2", tiny_config(ARCH_V2), seed=4)
     context, actions = inputs(rollouts=2, frames=3, seed=4)
@@ -123,8 +123,8 @@ def test_v2_action_mlp_loads_and_matches_the_reference(tmp_path):
 def test_mismatched_checkpoint_is_refused_before_the_engine_starts(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from terra_cli.backend_vllm import VllmBackend
-    from terra_cli.checkpoint import CheckpointError
+    from terra_cli.backends.vllm import VllmBackend
+    from terra_cli.models.checkpoint import CheckpointError
 
     checkpoint = write_tiny_checkpoint(tmp_path / "bad")
     state = load_file(checkpoint / "model.safetensors")

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from terra_cli.backend_hf import generate_frames, sample_next
-from terra_cli.checkpoint import CheckpointError, load_config, resolve_checkpoint_dir, weight_files
-from terra_cli.config import ARCH_V2, ConfigError, LlamaActionConfig
-from terra_cli.modeling_hf import MODEL_CLASSES, build_model, load_model
-from terra_cli.testing import TERRA_WORLD_MODEL_CONFIG, tiny_config, write_tiny_checkpoint
-from terra_cli.world_model import InputError, Sampling
+from terra_cli.backends.hf import generate_frames, sample_next
+from terra_cli.models.checkpoint import CheckpointError, load_config, resolve_checkpoint_dir, weight_files
+from terra_cli.models.config import ARCH_V2, ConfigError, LlamaActionConfig
+from terra_cli.models.modeling_hf import MODEL_CLASSES, build_model, load_model
+from terra_cli.models.testing import TERRA_WORLD_MODEL_CONFIG, tiny_config, write_tiny_checkpoint
+from terra_cli.backends.base import InputError, Sampling
 from transformers.cache_utils import DynamicCache
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from terra_cli.checkpoint import CheckpointError
+from .errors import CheckpointError
 
 CONFIG_NAME = "config.json"
 MODEL_TYPE = "terra_lfq_tokenizer"

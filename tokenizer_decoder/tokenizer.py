@@ -16,17 +16,16 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from terra_cli.checkpoint import (
+from .checkpoint import (
     WEIGHTS_NAME,
-    CheckpointError,
     check_state_dict,
     read_state_dict,
     resolve_checkpoint_dir,
     weight_files,
 )
-from terra_cli.errors import TerraError
 
 from .config import TokenizerConfig
+from .errors import CheckpointError, TokenizerInputError
 from .modules import LFQTokenizerModel, build_model, expected_shapes, indices_to_codes
 
 FRAME_HEIGHT = 288
@@ -38,8 +37,6 @@ DEFAULT_BATCH_SIZE = 8
 _OPTIONAL_QUANTIZE_KEYS = ("quantize.mask", "quantize.zero", "quantize.codebook", "quantize.pre_mask", "quantize.post_mask")
 
 
-class TokenizerInputError(TerraError, ValueError):
-    """Frames or tokens the tokenizer cannot take."""
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, LlamaConfig
 
-from .errors import TerraError
+from terra_cli.errors import TerraError
 
 ARCH_V1 = "LlamaActionForCausalLM"
 ARCH_V2 = "LlamaActionV2ForCausalLM"

@@ -22,7 +22,7 @@ from transformers import LlamaModel
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 
-from .config import ARCH_V1, ARCH_V2, LlamaActionConfig
+from terra_cli.models.config import ARCH_V1, ARCH_V2, LlamaActionConfig
 
 
 class SpatioTemporalEmbedding(nn.Module):
@@ -137,7 +137,7 @@ def load_model(checkpoint_dir, device: str | torch.device = "cpu", dtype: torch.
     """Load a checkpoint strictly: built on the meta device, filled with the file's tensors."""
     from pathlib import Path
 
-    from .checkpoint import check_state_dict, load_config, read_state_dict, weight_files
+    from terra_cli.models.checkpoint import check_state_dict, load_config, read_state_dict, weight_files
 
     checkpoint_dir = Path(checkpoint_dir)
     config = load_config(checkpoint_dir)

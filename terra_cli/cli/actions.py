@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from .cli import actions_app, console, friendly_errors
-from .cli_options import DEFAULT_SPEED_KMH
+from terra_cli.cli.app import actions_app, console, friendly_errors
+from terra_cli.cli.options import DEFAULT_SPEED_KMH
 
 _INPUT_HELP = (
     "Actions: .npy (frames, 6, 3) or (frames*6, 3); ACT-Bench .json/.jsonl with 'instruction_trajs' "
@@ -43,8 +43,8 @@ def actions_convert(
     """Write the (frames, 6, 3) float32 array an actions input becomes."""
     import numpy as np
 
-    from .actions import resolve_actions, summarize_actions
-    from .io_utils import OutputError, atomic_save_npy, check_writable
+    from terra_cli.actions import resolve_actions, summarize_actions
+    from terra_cli.media.atomic import OutputError, atomic_save_npy, check_writable
 
     if output.suffix.lower() != ".npy":
         raise OutputError(f"{output}: the output must be a .npy file")
@@ -78,8 +78,8 @@ def actions_plot(
     overwrite: bool = typer.Option(False, help="Replace OUTPUT if it exists."),
 ):
     """Draw each frame's waypoints top-down: lateral across (left on the left), forward up."""
-    from .actions import resolve_actions
-    from .io_utils import OutputError, atomic_path, check_writable
+    from terra_cli.actions import resolve_actions
+    from terra_cli.media.atomic import OutputError, atomic_path, check_writable
 
     if output.suffix.lower() not in _PLOT_SUFFIXES:
         raise OutputError(f"{output}: the picture must end in {', '.join(_PLOT_SUFFIXES)}")

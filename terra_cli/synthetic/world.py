@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .actions import (
+from terra_cli.actions import (
     FRAME_DT,
     PRESETS,
     TRAJ_DT,

@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from .actions import preset_actions
-from .world_model import Sampling
+from terra_cli.actions import preset_actions
+from terra_cli.backends.base import Sampling
 
 
 @dataclass
@@ -124,10 +124,10 @@ def write_random_terra_checkpoint(out_dir: Path, device: str, seed: int = 0) -> 
     """Terra's exact released config with random weights (transformers' init), in bf16."""
     import torch
 
-    from .checkpoint import save_checkpoint
-    from .config import LlamaActionConfig
-    from .modeling_hf import build_model
-    from .testing import TERRA_WORLD_MODEL_CONFIG
+    from terra_cli.models.checkpoint import save_checkpoint
+    from terra_cli.models.config import LlamaActionConfig
+    from terra_cli.models.modeling_hf import build_model
+    from terra_cli.models.testing import TERRA_WORLD_MODEL_CONFIG
 
     config = LlamaActionConfig.from_dict(dict(TERRA_WORLD_MODEL_CONFIG))
     torch.manual_seed(seed)
@@ -149,7 +149,7 @@ def _gpu_used_gb() -> float | None:
 def run_hf(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None]) -> RunResult:
     import torch
 
-    from .backend_hf import HfBackend
+    from terra_cli.backends.hf import HfBackend
 
     generated = plan.frames - plan.context_frames
     frames = plan.context_frames + (min(plan.hf_frames, generated) if plan.hf_frames else generated)
@@ -189,7 +189,7 @@ def timed_generate(backend, context, actions, frames, sampling, log=lambda msg: 
 
 def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None],
              on_run: Callable[[RunResult], None] = lambda run: None) -> list[RunResult]:
-    from .backend_vllm import VllmBackend
+    from terra_cli.backends.vllm import VllmBackend
 
     started = time.perf_counter()
     backend = VllmBackend(checkpoint_dir, device=plan.device, dtype=plan.dtype,
@@ -216,10 +216,11 @@ def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = p
               on_update: Callable[[dict], None] | None = None) -> dict:
     """Run the plan; `on_update(partial results)` after every finished run, so a long bench that
     is interrupted still leaves what it measured (marked `"partial": true`)."""
-    from .backend_hf import pick_device
-    from .checkpoint import load_config, resolve_checkpoint_dir
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import resolve_world_model_dir
+    from terra_cli.runtime import resolve_device
 
-    plan.device = pick_device(plan.device)
+    plan.device = resolve_device(plan.device)
     tmp = None
     if model is None:
         tmp = tempfile.TemporaryDirectory(prefix="terra-bench-")
@@ -227,7 +228,7 @@ def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = p
         checkpoint_dir = write_random_terra_checkpoint(Path(tmp.name), plan.device, plan.seed)
         model_label = "random weights, Terra world_model config (2,043,973,632 parameters, bf16)"
     else:
-        checkpoint_dir = resolve_checkpoint_dir(model, "world_model")
+        checkpoint_dir = resolve_world_model_dir(model)
         model_label = str(checkpoint_dir)
     layout = load_config(checkpoint_dir).layout
     context, actions = bench_inputs(layout, plan.context_frames, plan.frames, plan.seed)
@@ -275,7 +276,7 @@ def plot_results(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .io_utils import atomic_path
+    from terra_cli.media.atomic import atomic_path
 
     runs = results["runs"]
     singles = [r for r in runs if r["rollouts"] == 1]
@@ -310,7 +311,7 @@ def plot_results(results: dict, path: Path) -> None:
 
 
 def save_results(results: dict, path: Path) -> None:
-    from .io_utils import atomic_path
+    from terra_cli.media.atomic import atomic_path
 
     with atomic_path(Path(path)) as tmp:
         tmp.write_text(json.dumps(results, indent=2))

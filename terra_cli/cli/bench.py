@@ -10,8 +10,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from . import cli_options as opts
-from .cli import app, console, friendly_errors, out
+from terra_cli.cli import options as opts
+from terra_cli.cli.app import app, console, friendly_errors, out
 
 EPILOG = (
     "Examples:\n\n"
@@ -22,7 +22,7 @@ EPILOG = (
 
 
 def _parse_batches(text: str) -> list[int]:
-    from .world_model import InputError
+    from terra_cli.backends.base import InputError
 
     try:
         batches = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -36,7 +36,7 @@ def _parse_batches(text: str) -> list[int]:
 def _parse_vllm_args(items: list[str]) -> dict:
     import json
 
-    from .world_model import InputError
+    from terra_cli.backends.base import InputError
 
     options = {}
     for item in items:
@@ -70,9 +70,9 @@ def bench(
     overwrite: bool = opts.overwrite_option(),
 ):
     """Measure generation speed: transformers reference vs vLLM, and vLLM with parallel rollouts."""
-    from .bench import BenchPlan, plot_results, run_bench, save_results
-    from .io_utils import check_writable
-    from .world_model import InputError
+    from terra_cli.bench.hf_vs_vllm import BenchPlan, plot_results, run_bench, save_results
+    from terra_cli.media.atomic import check_writable
+    from terra_cli.backends.base import InputError
 
     if not hf_vs_vllm:
         raise InputError("say what to measure: terra bench --hf-vs-vllm")

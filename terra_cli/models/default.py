@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-ASSETS = Path(__file__).resolve().parent / "assets" / "terra-mini"
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "terra-mini"
 DEFAULT_MODEL_LABEL = "terra-mini (embedded; trained on terra's synthetic road world, not Terra's released weights)"
 SAMPLE_WORLD_SEED = 7
 SAMPLE_SPEED_KMH = 30.0
@@ -29,7 +29,7 @@ def default_tokenizer_dir() -> Path:
 
 def sample_context_frames(count: int = 3) -> np.ndarray:
     """The embedded context sample: `count` frames of the synthetic road, driving straight."""
-    from .actions import preset_actions
-    from .synthetic_world import render_rollout
+    from terra_cli.actions import preset_actions
+    from terra_cli.synthetic.world import render_rollout
 
     return render_rollout(SAMPLE_WORLD_SEED, preset_actions("straight", count, SAMPLE_SPEED_KMH))

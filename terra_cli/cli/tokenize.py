@@ -10,50 +10,17 @@ from typing import Optional
 
 import typer
 
-from . import cli_options as opts
-from .cli import app, console, friendly_errors, out
-from .errors import TerraError
-
-TERRA_TOKENIZER_SUBFOLDER = "lfq_tokenizer_B_256"
-
+from terra_cli.cli import options as opts
+from terra_cli.cli.app import app, console, friendly_errors, out
+from terra_cli.errors import TerraError
 
 class TokenizeInputError(TerraError):
     """Options of `terra tokenize` that do not fit together."""
 
 
-def split_tokenizer_spec(spec: str) -> tuple[str, Optional[str]]:
-    """`owner/name/sub/folder` -> (`owner/name`, `sub/folder`); Terra's hub repo defaults to its B_256 tokenizer.
-
-    Local directories are passed through with Terra's subfolder as a fallback-tolerant hint
-    (`resolve_checkpoint_dir` tries DIR/lfq_tokenizer_B_256 first, then DIR).
-    """
-    from .checkpoint import TERRA_HUB_ID
-
-    path = Path(spec).expanduser()
-    if path.exists():
-        return spec, TERRA_TOKENIZER_SUBFOLDER
-    parts = spec.strip("/").split("/")
-    if len(parts) > 2 and not spec.startswith((".", "/", "~")):
-        return "/".join(parts[:2]), "/".join(parts[2:])
-    if spec == TERRA_HUB_ID:
-        return spec, TERRA_TOKENIZER_SUBFOLDER
-    return spec, None
-
-
-def _default_tokenizer() -> str:
-    try:
-        from .default_model import default_tokenizer_dir
-    except ImportError:
-        raise TokenizeInputError(
-            "--tokenizer is required: pass a tokenizer directory (config.json + model.safetensors) "
-            "or a hub id such as turing-motors/Terra/lfq_tokenizer_B_256"
-        ) from None
-    return str(default_tokenizer_dir())
-
-
 def _check_reconstruct_dir(directory: Path, overwrite: bool) -> None:
-    from .io_utils import OutputError
-    from .media import list_images
+    from terra_cli.media.atomic import OutputError
+    from terra_cli.media.frames import list_images
 
     if directory.exists() and not directory.is_dir():
         raise OutputError(f"--reconstruct {directory} is a file; pass a folder for the decoded frames")
@@ -86,8 +53,8 @@ def tokenize(
 
     from tokenizer_decoder import ImageTokenizer, psnr
 
-    from .io_utils import atomic_save_npy, check_writable
-    from .media import count_frames, iter_frames, write_frames
+    from terra_cli.media.atomic import atomic_save_npy, check_writable
+    from terra_cli.media.frames import count_frames, iter_frames, write_frames
 
     check_writable(out_path, overwrite)
     if reconstruct is not None:
@@ -98,9 +65,13 @@ def tokenize(
     first = next(frames)
     total = count_frames(input, max_frames)
 
-    spec, subfolder = split_tokenizer_spec(tokenizer if tokenizer is not None else _default_tokenizer())
+    from terra_cli.models.resolve import resolve_model
+    from terra_cli.runtime import resolve_device
+
+    device = resolve_device(device)
+    spec = resolve_model(None, tokenizer=tokenizer).tokenizer  # the embedded terra-mini tokenizer by default
     started = time.perf_counter()
-    tok = ImageTokenizer.from_pretrained(spec, subfolder, device=device, batch_size=batch_size)
+    tok = ImageTokenizer.from_pretrained(spec.source, spec.subfolder, device=device, batch_size=batch_size)
     console.print(
         f"tokenizer: {tok.source}  ({tok.num_parameters() / 1e6:.1f}M parameters, {tok.device}, "
         f"{time.perf_counter() - started:.1f} s to load)",
@@ -160,7 +131,7 @@ class _progress:
 def _print_psnr_table(scores: list[float]) -> None:
     from rich.table import Table
 
-    from .media import frame_filename
+    from terra_cli.media.frames import frame_filename
 
     table = Table(title="reconstruction PSNR", title_justify="left")
     table.add_column("frame", justify="right")

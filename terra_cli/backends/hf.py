@@ -9,26 +9,9 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .config import FrameLayout
-from .modeling_hf import LlamaActionForCausalLM, load_model
-from .world_model import FrameCallback, Sampling, check_generation_inputs
-
-
-def pick_device(device: str | None) -> str:
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def pick_dtype(dtype: str | None, device: str) -> torch.dtype:
-    if dtype in (None, "auto"):
-        # bf16 is what Terra was trained in; CPU matmuls are fastest and exact in fp32.
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    try:
-        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                "float16": torch.float16, "fp16": torch.float16}[dtype]
-    except KeyError:
-        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
+from terra_cli.models.config import FrameLayout
+from terra_cli.models.modeling_hf import LlamaActionForCausalLM, load_model
+from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
 
 
 def sample_next(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, generators: list[torch.Generator]) -> torch.Tensor:
@@ -124,8 +107,10 @@ class HfBackend:
     name = "hf"
 
     def __init__(self, checkpoint_dir=None, *, device: str | None = None, dtype: str | None = None, model=None):
-        self.device = pick_device(device)
-        self.model = model if model is not None else load_model(checkpoint_dir, self.device, pick_dtype(dtype, self.device))
+        from terra_cli.runtime import resolve_device, resolve_dtype
+
+        self.device = resolve_device(device)
+        self.model = model if model is not None else load_model(checkpoint_dir, self.device, resolve_dtype(dtype, self.device))
         self.config = self.model.config
 
     def generate(self, context_tokens, action_waypoints, num_frames, sampling, on_frame=None) -> np.ndarray:

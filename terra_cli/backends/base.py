@@ -11,15 +11,11 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .config import FrameLayout, LlamaActionConfig
-from .errors import TerraError
+from terra_cli.models.config import FrameLayout, LlamaActionConfig
+from terra_cli.errors import InputError  # noqa: F401  (part of the backend interface)
 
 # on_frame(frame_index, frame_tokens (rollouts, image_tokens)) after each generated frame.
 FrameCallback = Callable[[int, np.ndarray], None]
-
-
-class InputError(TerraError, ValueError):
-    """Inputs that cannot be generated from (wrong shape, too few actions, too many frames)."""
 
 
 @dataclass(frozen=True)
@@ -111,27 +107,3 @@ def check_generation_inputs(
     if not np.isfinite(actions).all():
         raise InputError("actions contain NaN or inf")
     return np.ascontiguousarray(context, dtype=np.int64), np.ascontiguousarray(actions[:, : num_frames - 1])
-
-
-def resolve_backend_name(requested: str) -> str:
-    """'auto' -> 'vllm' when vLLM is importable and a device it supports is present, else 'hf'."""
-    if requested in ("hf", "vllm"):
-        return requested
-    if requested != "auto":
-        raise InputError(f"--backend must be auto, vllm or hf, got {requested!r}")
-    try:
-        from .backend_vllm import vllm_available
-    except ImportError:
-        return "hf"
-    return "vllm" if vllm_available() else "hf"
-
-
-def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype: str | None = None, **options) -> WorldModelBackend:
-    name = resolve_backend_name(name)
-    if name == "vllm":
-        from .backend_vllm import VllmBackend
-
-        return VllmBackend(checkpoint_dir, device=device, dtype=dtype, **options)
-    from .backend_hf import HfBackend
-
-    return HfBackend(checkpoint_dir, device=device, dtype=dtype)

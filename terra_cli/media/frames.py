@@ -14,8 +14,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .errors import TerraError
-from .io_utils import atomic_path
+from terra_cli.errors import TerraError
+from terra_cli.media.atomic import atomic_directory, atomic_path
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".ppm"})
 VIDEO_EXTENSIONS = frozenset({".mp4", ".avi", ".mov", ".webm", ".gif", ".mkv", ".m4v", ".mpg", ".mpeg"})
@@ -166,13 +166,15 @@ def _check_frames(frames: Sequence[np.ndarray], what: str) -> list[np.ndarray]:
     return frames
 
 
-def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: float = 10) -> Path:
-    """Write frames as an H.264 mp4, atomically: a temporary file beside `path`, then os.replace."""
+def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: float = 10, overwrite: bool = True) -> Path:
+    """Write frames as an H.264 mp4, atomically, and only once the written file reads back as a
+    video of every frame: ffmpeg can fail late (a full disk while writing the trailer) and still
+    leave a file, which must not replace anything."""
     import imageio.v2 as iio
 
     path = Path(path)
     frames = _check_frames(frames, str(path))
-    with atomic_path(path) as tmp:
+    with atomic_path(path, overwrite) as tmp:
         try:
             writer = iio.get_writer(
                 str(tmp), format="FFMPEG", fps=fps, codec="libx264", quality=8,
@@ -185,8 +187,16 @@ def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: floa
                 writer.close()
         except MediaError:
             raise
+        except OSError:
+            raise  # atomic_path names the path and the cause (no space, permissions)
         except Exception as exc:
             raise MediaError(f"cannot write video {path}: {_short(exc)}") from exc
+        written = _video_frame_count(tmp) if tmp.stat().st_size else 0
+        if written != len(frames):
+            raise MediaError(f"cannot write video {path}: the encoder wrote {written or 'no'} readable frame(s) of "
+                             f"{len(frames)} (is the disk full?); nothing was written")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
     return path
 
 
@@ -197,7 +207,8 @@ def frame_filename(index: int, prefix: str = "frame") -> str:
 def write_frames(
     directory: str | os.PathLike, frames: Sequence[np.ndarray], prefix: str = "frame", start: int = 0
 ) -> list[Path]:
-    """Write frames as PNGs `<prefix>_0000.png`, ... (numbered from `start`) into `directory`, each atomically."""
+    """Write frames as PNGs `<prefix>_0000.png`, ... (numbered from `start`) into `directory`, each
+    atomically. To replace a whole folder, write into `atomic_directory` (or `write_frame_folder`)."""
     from PIL import Image
 
     directory = Path(directory)
@@ -212,3 +223,14 @@ def write_frames(
             Image.fromarray(frame).save(tmp, format="PNG")
         paths.append(target)
     return paths
+
+
+def write_frame_folder(directory: str | os.PathLike, frames: Sequence[np.ndarray], overwrite: bool = False) -> list[Path]:
+    """All frames as a new folder, built beside `directory` and swapped in whole: an interrupted
+    run leaves the old folder (or none), never a mix; a non-empty folder is replaced only with `overwrite`."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise MediaError(f"cannot write frames into {directory}: it is a file")
+    with atomic_directory(directory, overwrite) as tmp:
+        names = [p.name for p in write_frames(tmp, frames)]
+    return [directory / name for name in names]

@@ -1,4 +1,4 @@
-"""Rich progress for generation: one step per generated frame, with tokens/s."""
+"""Rich progress bars: frames generated (tokens/s, ETA) and encode/decode steps; one place for all commands."""
 
 from __future__ import annotations
 
@@ -42,3 +42,37 @@ class FrameProgress:
         self.frame_seconds.append(seconds)
         rate = f"{self.tokens_per_frame / seconds:,.0f} tok/s" if seconds > 0 else ""
         self.progress.update(self.task, advance=1, rate=rate)
+
+
+class StepProgress:
+    """A progress bar for encoding / decoding, shown only once the step takes over a second."""
+
+    def __init__(self, console: Console, label: str, total: int):
+        self.console = console
+        self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("frames"),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
+                                 auto_refresh=False)
+        self.task = self.progress.add_task(label, total=total)
+        self.label = label
+        self.started = 0.0
+        self.shown = False
+
+    def __enter__(self):
+        self.started = time.perf_counter()
+        return self
+
+    def advance(self, n: int) -> None:
+        self.progress.update(self.task, advance=n)
+        if not self.shown and time.perf_counter() - self.started > 1.0:
+            self.progress.start()
+            self.shown = True
+        if self.shown:
+            self.progress.refresh()
+
+    def __exit__(self, *exc):
+        if self.shown:
+            self.progress.stop()
+        elif exc[0] is None:
+            self.console.print(f"{self.label}: {self.progress.tasks[0].completed:.0f} frames in "
+                               f"{time.perf_counter() - self.started:.1f} s", highlight=False)
+        return False

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ARCH_V1, LlamaActionConfig, layout_config
+from terra_cli.models.config import ARCH_V1, LlamaActionConfig, layout_config
 
 # Terra's released world_model/config.json, value for value.
 TERRA_WORLD_MODEL_CONFIG = {
@@ -73,8 +73,8 @@ def tiny_config(
 
 def write_tiny_checkpoint(out_dir: Path, config: LlamaActionConfig | None = None, seed: int = 0, **save_kwargs) -> Path:
     """A randomly initialised world model saved as config.json + safetensors (Terra's names)."""
-    from .checkpoint import save_checkpoint
-    from .modeling_hf import build_model
+    from terra_cli.models.checkpoint import save_checkpoint
+    from terra_cli.models.modeling_hf import build_model
 
     config = config or tiny_config()
     torch.manual_seed(seed)

@@ -1,7 +1,9 @@
-"""Finding and loading checkpoints in Terra's layout: config.json + safetensors (one file, or shards
-with `model.safetensors.index.json`), from a local directory or a hub repo id plus subfolder.
+"""Strict safetensors checkpoints: config.json + `model.safetensors` (or shards with
+`model.safetensors.index.json`), from a local directory or a hub repo id plus subfolder.
 
-Loading is strict: every key the model expects must be present with its shape, and nothing else.
+Shared by the image tokenizer and terra's world model (which imports it from here, so that this
+package never imports terra_cli). Loading is strict: every expected key must be present with its
+shape, and nothing else.
 """
 
 from __future__ import annotations
@@ -12,18 +14,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from .config import ConfigError, LlamaActionConfig
-from .errors import TerraError
+from .errors import CheckpointError
 
-TERRA_HUB_ID = "turing-motors/Terra"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-
-
-class CheckpointError(TerraError):
-    """A checkpoint that cannot be found or does not match the model it should fill."""
 
 
 def looks_like_hub_id(spec: str) -> bool:
@@ -77,23 +72,6 @@ def _download_from_hub(repo_id, subfolder, *, revision, cache_dir, required_file
     if not (folder / required_file).is_file():
         raise CheckpointError(f"{repo_id}{'/' + subfolder if subfolder else ''} has no {required_file}")
     return folder
-
-
-def load_config(checkpoint_dir: Path) -> LlamaActionConfig:
-    config_path = Path(checkpoint_dir) / "config.json"
-    try:
-        raw = json.loads(config_path.read_text())
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{config_path} is missing") from exc
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
-    model_type = raw.get("model_type")
-    if model_type != LlamaActionConfig.model_type:
-        raise CheckpointError(f"{config_path} has model_type {model_type!r}; a Terra world model has 'llama_action'")
-    try:
-        return LlamaActionConfig.from_dict(raw)
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{config_path}: {exc}") from exc
 
 
 def weight_files(checkpoint_dir: Path) -> list[Path]:
@@ -152,30 +130,3 @@ def check_state_dict(expected: dict[str, torch.Size], found: dict[str, torch.Ten
         problems.append("shape mismatch: " + "; ".join(mismatched[:4]) + (" ..." if len(mismatched) > 4 else ""))
     if problems:
         raise CheckpointError(f"{where} does not match its config: " + " | ".join(problems))
-
-
-def save_checkpoint(model: torch.nn.Module, config, out_dir: Path, max_shard_bytes: int | None = None) -> None:
-    """Write config.json + safetensors in Terra's layout (sharded with an index if asked)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out_dir)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if max_shard_bytes is None:
-        save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
-        return
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    (out_dir / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

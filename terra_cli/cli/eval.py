@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from . import cli_options as opts
-from .cli import app, console, friendly_errors, out
+from terra_cli.cli import options as opts
+from terra_cli.cli.app import app, console, friendly_errors, out
 
 EPILOG = (
     "Examples:\n\n"
@@ -44,18 +44,17 @@ def eval_command(
 ):
     """Evaluate the world model on held-out synthetic worlds: PSNR/SSIM vs the truth and a copy-last-frame
     baseline, the tokenizer's ceiling, and whether the generated motion follows left/right commands."""
-    import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .evaluate import EvalPlan, build_results, evaluate_preset, parse_presets, plot_eval, save_json, save_strip
-    from .io_utils import check_writable
+    from terra_cli.evaluation.run import EvalPlan, build_results, evaluate_preset, parse_presets, plot_eval, save_json, save_strip
+    from terra_cli.media.atomic import check_writable
 
     plan = EvalPlan(
         presets=parse_presets(presets), seeds=seeds, context_frames=context_frames, frames=frames,
         speed_kmh=speed, ceiling_seeds=ceiling_seeds, temperature=temperature, top_k=top_k, top_p=top_p, sampling_seed=seed,
     )
     plan.validate()
-    from .world_model import Sampling, load_backend, resolve_backend_name
+    from terra_cli.backends import Sampling, load_backend, resolve_backend_name
 
     Sampling(temperature=temperature, top_k=top_k, top_p=top_p)  # validates before any loading
     backend_name = resolve_backend_name(backend)
@@ -63,19 +62,21 @@ def eval_command(
         if path is not None:
             check_writable(path, overwrite)
 
-    from tokenizer_decoder import ImageTokenizer
+    from terra_cli.errors import InputError
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+    from terra_cli.runtime import resolve_device, resolve_dtype_name
 
-    from .checkpoint import resolve_checkpoint_dir
-    from .default_model import default_tokenizer_dir, default_world_model_dir
-
+    dev = resolve_device(device)
+    resolve_dtype_name(dtype, dev)
     started = time.perf_counter()
-    model_dir = resolve_checkpoint_dir(model) if model is not None else default_world_model_dir()
-    tok_dir = tokenizer if tokenizer is not None else str(default_tokenizer_dir())
-    dev = device
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    tok = ImageTokenizer.from_pretrained(tok_dir, device=dev)
-    wm = load_backend(backend_name, model_dir, device=dev, dtype=None if dtype == "auto" else dtype,
+    choice = resolve_model(model, "world_model", tokenizer)
+    if choice.tokenizer is None:
+        raise InputError(f"--model {model} comes without an image tokenizer: pass --tokenizer DIR_OR_HUB_ID")
+    model_dir = choice.world_model_dir
+    tok = load_tokenizer(choice.tokenizer, dev)
+    check_tokenizer_matches(tok, load_config(model_dir))
+    wm = load_backend(backend_name, model_dir, device=dev, dtype=dtype,
                       **({"max_rollouts": plan.seeds} if backend_name == "vllm" else {}))
     seconds_load = time.perf_counter() - started
     console.print(
@@ -108,7 +109,7 @@ def eval_command(
         close = getattr(wm, "close", None)
         if close is not None:
             close()
-    from .bench import environment
+    from terra_cli.bench.hf_vs_vllm import environment
 
     report = build_results(
         plan, results, model=str(model_dir), tokenizer=str(tok.source), backend=backend_name, device=dev,
@@ -132,7 +133,7 @@ def eval_command(
 def _print_table(report: dict) -> None:
     from rich.table import Table
 
-    from .evaluate import _fmt
+    from terra_cli.evaluation.run import _fmt
 
     s = report["summary"]
     n = len(s["summary_frames"])

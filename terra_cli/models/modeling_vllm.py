@@ -34,8 +34,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.llama import LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
-from .config import LlamaActionConfig
-from .modeling_hf import SpatioTemporalEmbedding, build_action_projection
+from terra_cli.models.config import LlamaActionConfig
+from terra_cli.models.modeling_hf import SpatioTemporalEmbedding, build_action_projection
 
 
 def action_table_rows(config: LlamaActionConfig, max_num_seqs: int) -> int:

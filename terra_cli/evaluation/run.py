@@ -35,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import TerraError
+from terra_cli.errors import TerraError
 
 EVAL_WORLD_SEED_BASE = 1000
 SUMMARY_FRAMES = 5  # summary PSNR averages generated frames 1..5 (fewer when fewer are generated)
@@ -62,7 +62,7 @@ class EvalPlan:
     ceiling_seeds: int = 4  # the tokenizer ceiling is measured on the first few seeds (encode+decode is slow on CPU)
 
     def validate(self) -> None:
-        from .actions import PRESETS
+        from terra_cli.actions import PRESETS
 
         if not self.presets:
             raise EvalError("--presets needs at least one preset")
@@ -100,20 +100,20 @@ def parse_presets(text: str) -> list[str]:
 
 def training_world_seeds(data_seed: int, n_rollouts: int) -> set[int]:
     """World seeds of the first `n_rollouts` rollouts of a training data seed (as `rollout_spec` draws them)."""
-    from .synthetic_world import _rng
+    from terra_cli.synthetic.world import _rng
 
     return {int(_rng(0xDA7A, data_seed, i).integers(0, 2**31 - 1)) for i in range(n_rollouts)}
 
 
 def per_frame_psnr(frames: np.ndarray, truth: np.ndarray) -> np.ndarray:
     """(F,) PSNR of frames[i] vs truth[i]."""
-    from .synthetic_world import psnr
+    from terra_cli.synthetic.world import psnr
 
     return np.array([psnr(a, b) for a, b in zip(frames, truth)], np.float64)
 
 
 def per_frame_ssim(frames: np.ndarray, truth: np.ndarray) -> np.ndarray:
-    from .synthetic_world import ssim
+    from terra_cli.synthetic.world import ssim
 
     return np.array([ssim(a, b) for a, b in zip(frames, truth)], np.float64)
 
@@ -129,14 +129,14 @@ def lateral_from_last_context(last_context: np.ndarray, frames: np.ndarray) -> f
 
 
 def _lateral_motion(frames: np.ndarray) -> np.ndarray:
-    from .synthetic_world import estimate_lateral_motion
+    from terra_cli.synthetic.world import estimate_lateral_motion
 
     return estimate_lateral_motion(frames)
 
 
 def commanded_lateral(actions: np.ndarray, context_frames: int, frames: int) -> float:
     """Lateral offset (m, + left) of the ego at frame `frames - 1` in the ego frame of frame `context_frames - 1`."""
-    from .synthetic_world import rollout_poses
+    from terra_cli.synthetic.world import rollout_poses
 
     poses = rollout_poses(np.asarray(actions)[:frames])
     x0, y0, th0 = poses[context_frames - 1]
@@ -258,9 +258,9 @@ def evaluate_preset(
     on_stage: Callable[[str], None] | None = None,
 ) -> PresetResult:
     """Render, tokenize, generate (all seeds in one call), decode and score one preset."""
-    from .actions import preset_actions
-    from .synthetic_world import render_rollout
-    from .world_model import Sampling
+    from terra_cli.actions import preset_actions
+    from terra_cli.synthetic.world import render_rollout
+    from terra_cli.backends.base import Sampling
 
     stage = on_stage or (lambda _msg: None)
     started = time.perf_counter()
@@ -382,7 +382,7 @@ PRESET_COLORS = {"left": "#2a7ab9", "right": "#d0542c", "straight": "#3a9a48", "
 def save_json(results: dict, path: Path) -> None:
     import json
 
-    from .io_utils import atomic_path
+    from terra_cli.media.atomic import atomic_path
 
     with atomic_path(Path(path)) as tmp:
         tmp.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
@@ -394,7 +394,7 @@ def plot_eval(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .io_utils import atomic_path
+    from terra_cli.media.atomic import atomic_path
 
     presets = results["presets"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
@@ -482,7 +482,7 @@ def strip_image(results: list[PresetResult], max_columns: int = 5, scale: float 
 def save_strip(results: list[PresetResult], path: Path) -> None:
     from PIL import Image
 
-    from .io_utils import atomic_path
+    from terra_cli.media.atomic import atomic_path
 
     with atomic_path(Path(path)) as tmp:
         Image.fromarray(strip_image(results)).save(tmp, format="PNG")

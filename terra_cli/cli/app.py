@@ -1,0 +1,87 @@
+"""The Typer app, the two consoles, and the one error formatter every command goes through."""
+
+from __future__ import annotations
+
+import functools
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from terra_cli.errors import USER_ERRORS
+
+app = typer.Typer(
+    name="terra",
+    help="Run the Terra action-conditioned driving world model: tokenize frames, generate video, benchmark.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+actions_app = typer.Typer(help="Convert and draw action trajectories.", no_args_is_help=True)
+app.add_typer(actions_app, name="actions")
+
+console = Console(stderr=True)
+out = Console()
+_state = {"debug": False}
+
+EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def say(text: str) -> None:
+    """A plain line on stderr: user-supplied text (paths, values) is never read as rich markup."""
+    console.print(escape(text), highlight=False, soft_wrap=True)
+
+
+def error_line(message: str) -> None:
+    console.print(f"[bold red]error:[/] {escape(' '.join(str(message).split()))}", highlight=False, soft_wrap=True)
+
+
+def friendly_errors(fn):
+    """The one error formatter: a user's mistake is one `error:` line and exit 2; anything else
+    (a bug, or a failure we did not foresee) is one line naming it, exit 1; --debug re-raises
+    for the traceback. Ctrl-C, SIGTERM and SIGHUP (see main) exit 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except USER_ERRORS as exc:
+            if _state["debug"]:
+                raise
+            error_line(str(exc))
+            raise typer.Exit(EXIT_USER_ERROR) from None
+        except KeyboardInterrupt:
+            if _state["debug"]:
+                raise
+            console.print("[yellow]interrupted[/]")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except MemoryError:
+            if _state["debug"]:
+                raise
+            error_line("out of memory: ask for fewer frames, rollouts or a smaller batch")
+            raise typer.Exit(EXIT_USER_ERROR) from None
+        except Exception as exc:  # the last line of defence, not a substitute for validation
+            if _state["debug"]:
+                raise
+            error_line(f"unexpected {type(exc).__name__}: {exc} (this is a bug in terra or a failure it did not "
+                       "foresee; run `terra --debug ...` for the traceback)")
+            raise typer.Exit(EXIT_INTERNAL_ERROR) from None
+
+    return wrapper
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    verbose: bool = typer.Option(False, "--verbose", help="Keep vLLM's INFO logs (engine set-up, compilation, ...); by default it logs only warnings and errors. VLLM_LOGGING_LEVEL in the environment wins over both."),
+):
+    from terra_cli.runtime import configure_vllm_env
+
+    _state["debug"] = debug
+    # Before any command imports vLLM or touches CUDA: a library caller does this itself.
+    configure_vllm_env(verbose)

@@ -1,0 +1,129 @@
+"""`terra generate`: parse options, build a VideoRequest, call `generate_video`, report."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from terra_cli.cli import options as opts
+from terra_cli.cli.app import EXIT_INTERRUPTED, app, console, friendly_errors, say
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  terra generate out.mp4 --frames 25 --actions left\n\n"
+        "  terra generate out.mp4 --context clip.mp4 --actions acts.npy --frames 50 --seed 1 --save-frames frames/\n\n"
+        "  terra generate out.mp4 --model turing-motors/Terra --variant world_model_v2 --context frames/ --actions traj.json\n\n"
+        "  terra generate --model ckpt/world_model --context-tokens ctx.npy --actions acts.npy \\\n"
+        "      --frames 10 --temperature 0 --backend hf --no-decode --save-tokens out.npy"
+    )
+)
+@friendly_errors
+def generate(
+    output: Optional[Path] = typer.Argument(None, metavar="[OUTPUT.mp4]", help="Video to write (H.264 .mp4, 10 fps, 512x288); not needed with --no-decode."),
+    actions: str = typer.Option(..., "--actions", "-a", help=(
+        "Trajectory: a preset (straight, left, right, stop, accelerate; driven at --speed), a .npy of shape "
+        "(frames, 6, 3) or (frames*6, 3) with (lateral y m, forward x m, time s) waypoints, or ACT-Bench "
+        ".json/.jsonl ('instruction_trajs'). Files need rows for at least frames-1 frames.")),
+    frames: int = typer.Option(25, "--frames", "-n", help="Total frames, context included (max 100; above 25 runs in rounds re-seeded with the last 3 frames)."),
+    context: Optional[list[Path]] = typer.Option(None, "--context", "-c", help="Context: a folder of images (natural order), image file(s) (repeat the option), or a video. Default: the embedded sample road."),
+    context_frames: Optional[int] = typer.Option(None, "--context-frames", "-k", min=1, help="Use the LAST K frames of --context (the most recent). Default 3, or fewer when fewer are given; with --context-tokens, all rows."),
+    context_tokens: Optional[Path] = typer.Option(None, help="Context as tokens instead of images: int .npy of shape (frames, 576); skips the encoder."),
+    speed: float = opts.speed_option(),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model directory or hub id (default: the embedded terra-mini)."),
+    variant: str = typer.Option("world_model", help="Subfolder of turing-motors/Terra (or of a local snapshot): world_model or world_model_v2; each comes with its tokenizer."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Image tokenizer directory or hub id (overrides the one paired with --model)."),
+    temperature: float = opts.temperature_option(),
+    top_k: int = opts.top_k_option(),
+    top_p: float = opts.top_p_option(),
+    seed: int = typer.Option(0, help="Random seed; the same seed gives the same video."),
+    backend: str = opts.backend_option(),
+    device: str = opts.device_option(),
+    dtype: str = opts.dtype_option(),
+    threads: int = typer.Option(0, min=0, help="CPU threads for the token loop (0: auto, 1 for small models with --backend hf on CPU)."),
+    save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs into this folder."),
+    save_tokens: Optional[Path] = typer.Option(None, help="Write all frames' tokens, context included, (N, 576) int64 .npy."),
+    no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video (needs --save-tokens)."),
+    overwrite: bool = opts.overwrite_option(),
+):
+    """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
+    from terra_cli.actions import resolve_actions
+    from terra_cli.backends import Sampling
+    from terra_cli.errors import InputError
+    from terra_cli.models.resolve import resolve_model
+    from terra_cli.pipeline import inputs
+    from terra_cli.pipeline.outputs import check_outputs
+    from terra_cli.pipeline.video import Engine, TokenBuffer, VideoRequest, generate_video
+    from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
+
+    # Everything that can be checked without a model, outputs first.
+    outputs = check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite)
+    if context and context_tokens is not None:
+        raise InputError("give --context (images/video) or --context-tokens, not both")
+    inputs.check_frame_count(frames, context_frames)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    device = resolve_device(device)
+    resolve_dtype_name(dtype, device)
+    generation_threads(threads, 0, "hf", device)  # range check only
+    waypoints = resolve_actions(actions, frames=frames, speed_kmh=speed)
+    inputs.check_actions_cover(waypoints, frames)
+    context_ids = inputs.load_context_tokens(context_tokens, context_frames) if context_tokens is not None else None
+    images = inputs.read_context_frames(context, context_frames) if context else None
+    label = (f" of {', '.join(map(str, context))}" if context else
+             f" from {context_tokens}" if context_tokens is not None else "")
+    request = VideoRequest(actions=waypoints, frames=frames, outputs=outputs, sampling=sampling,
+                           context_images=images, context_tokens=context_ids, context_frames=context_frames,
+                           context_label=label)
+    request.check()
+    choice = resolve_model(model, variant, tokenizer)
+    buffer = TokenBuffer()
+    try:
+        result = generate_video(request, choice, Engine(backend, device, dtype, threads), buffer=buffer,
+                                observer=CliObserver())
+    except KeyboardInterrupt:
+        _save_interrupted(buffer, outputs.tokens, frames, overwrite)
+    say(
+        f"{frames} frames ({result.context_frames} context + {result.generated_frames} generated, {result.rounds} round(s)) "
+        f"in {result.generation_seconds:.1f} s, {result.seconds_per_frame:.2f} s/frame, backend {result.backend}, "
+        f"model {choice.label}; " + "; ".join(result.written)
+    )
+
+
+def _save_interrupted(buffer, tokens_path: Optional[Path], total: int, overwrite: bool) -> None:
+    from terra_cli.media.atomic import atomic_save_npy
+
+    done = buffer.finished()
+    if tokens_path is not None and done.size:
+        atomic_save_npy(tokens_path, done, overwrite=overwrite)
+        say(f"interrupted: saved {done.shape[0]} of {total} frames' tokens (context included) -> {tokens_path}")
+    elif tokens_path is None:
+        say("interrupted: nothing written (pass --save-tokens to keep finished frames)")
+    else:
+        say("interrupted before any frame: nothing written")
+    raise typer.Exit(EXIT_INTERRUPTED)
+
+
+class CliObserver:
+    """generate_video's reports as console lines and rich progress bars (rate and ETA)."""
+
+    def message(self, text: str) -> None:
+        say(text)
+
+    @contextlib.contextmanager
+    def steps(self, label: str, total: int):
+        from terra_cli.cli.progress import StepProgress
+
+        with StepProgress(console, label, total) as step:
+            yield step.advance
+
+    @contextlib.contextmanager
+    def frames(self, total: int, tokens_per_frame: int):
+        from terra_cli.cli.progress import FrameProgress
+
+        with FrameProgress(console, total, tokens_per_frame) as progress:
+            yield progress.frame_done

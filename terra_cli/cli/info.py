@@ -1,0 +1,30 @@
+"""`terra info`: a world model's config and size."""
+
+from __future__ import annotations
+
+import typer
+
+from terra_cli.cli.app import app, friendly_errors, out
+
+
+@app.command()
+@friendly_errors
+def info(model: str = typer.Argument(..., help="World-model directory or hub id.")):
+    """Show a world model's config and size."""
+    from rich.markup import escape
+
+    from terra_cli.models.checkpoint import load_config, resolve_checkpoint_dir, weight_files
+
+    checkpoint_dir = resolve_checkpoint_dir(model)
+    config = load_config(checkpoint_dir)
+    files = weight_files(checkpoint_dir)
+    size = sum(f.stat().st_size for f in files)
+    layout = config.layout
+    out.print(f"[bold]{escape(str(checkpoint_dir))}[/]")
+    out.print(f"  architecture   {config.architecture}")
+    out.print(f"  decoder        {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+              f"{config.num_attention_heads} heads ({config.num_key_value_heads} kv)")
+    out.print(f"  image codes    {layout.image_vocab_size}, {layout.image_tokens} per frame")
+    out.print(f"  actions        {layout.action_tokens} waypoints x {config.action_dim} per frame")
+    out.print(f"  frames/round   {layout.max_frames}")
+    out.print(f"  weights        {len(files)} file(s), {size / 1e6:.1f} MB")

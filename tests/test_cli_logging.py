@@ -56,7 +56,9 @@ def test_root_callback_sets_the_level_before_any_command(monkeypatch, tiny_check
 
 
 def _python(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    # A fresh process, as a user starts one: none of what conftest's configure_vllm_env() set here.
+    ours = {"VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "TERRA_VLLM_STARTUP_LOG"}
+    env = {k: v for k, v in os.environ.items() if k not in ours}
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
 

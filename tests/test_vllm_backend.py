@@ -132,3 +132,11 @@ def test_mismatched_checkpoint_is_refused_before_the_engine_starts(tmp_path):
     save_file(state, checkpoint / "model.safetensors")
     with pytest.raises(CheckpointError, match="missing keys: lm_head.weight"):
         VllmBackend(checkpoint)
+
+
+def test_startup_is_reported_in_phases(engine):
+    """vLLM's own phase durations are read from the log configure_vllm_env routes to a file."""
+    phases = engine.startup
+    assert phases["import_vllm_s"] >= 0 and phases["engine_s"] > 0
+    assert phases["weights_s"] is not None and 0 <= phases["weights_s"] < phases["engine_s"]
+    assert phases["timeline"] and all(0 <= t <= phases["engine_s"] + 1 for t, _ in phases["timeline"])

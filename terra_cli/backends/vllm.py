@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
+from terra_cli.backends.vllm_startup import read_phases
 from terra_cli.models.checkpoint import check_state_dict, load_config, weight_files
 from terra_cli.errors import TerraError
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
@@ -141,6 +143,13 @@ class ActionRows:
         return ids.reshape(*waypoints.shape[:-2], self.layout.action_tokens)
 
 
+def _startup_log() -> Path | None:
+    from terra_cli.runtime import STARTUP_LOG_ENV
+
+    value = os.environ.get(STARTUP_LOG_ENV)
+    return Path(value) if value else None
+
+
 class VllmBackend:
     name = "vllm"
 
@@ -150,7 +159,7 @@ class VllmBackend:
         *,
         device: str | None = None,
         dtype: str | None = None,
-        max_rollouts: int = 64,
+        max_rollouts: int = 1,
         gpu_memory_utilization: float = 0.85,
         enforce_eager: bool = False,
         seed: int = 0,
@@ -181,7 +190,10 @@ class VllmBackend:
             )
         # fp32 on CPU keeps results comparable with the reference; bf16 is Terra's GPU dtype.
         dtype = resolve_dtype_name(dtype, device)
+        import_started = time.perf_counter()
         from vllm import LLM
+
+        imported = time.perf_counter()
 
         kwargs = dict(
             model=str(self.checkpoint_dir),
@@ -198,8 +210,16 @@ class VllmBackend:
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(engine_kwargs)
+        wall_started = time.time()
         self.llm = LLM(**kwargs)
+        engine_ready = time.perf_counter()
         self.action_rows = ActionRows(self.llm, layout)
+        # Start-up in phases (see vllm_startup.py); bench records it, --verbose prints it.
+        self.startup = {
+            "import_vllm_s": round(imported - import_started, 3),
+            "engine_s": round(engine_ready - imported, 3),
+            **read_phases(_startup_log(), wall_started, time.time()),
+        }
         self.last_cached_tokens: list[list[int]] = []  # per frame: cached prompt tokens per rollout
         self.last_prompt_tokens: list[list[int]] = []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -137,6 +138,28 @@ def write_random_terra_checkpoint(out_dir: Path, device: str, seed: int = 0) -> 
     return out_dir
 
 
+def random_model_cache() -> Path:
+    """Where the bench keeps its random Terra-size checkpoint (TERRA_CACHE, else ~/.cache/terra)."""
+    root = os.environ.get("TERRA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "terra"
+    return Path(root)
+
+
+def random_terra_checkpoint(device: str, seed: int, log: Callable[[str], None] = print) -> Path:
+    """Terra's config with random bf16 weights, written once per seed and reused: vLLM's compile
+    cache is keyed by the model path, so a fresh temporary directory each run would recompile
+    every time (benchmarks/README.md, start-up)."""
+    target = random_model_cache() / f"random-terra-seed{seed}"
+    if (target / "config.json").is_file():
+        log(f"random Terra-size model: {target} (reused)")
+        return target
+    log(f"building Terra's released config (2.04B parameters) with random bf16 weights -> {target} ...")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".random-terra-", dir=target.parent) as tmp:
+        write_random_terra_checkpoint(Path(tmp) / "ckpt", device, seed)
+        os.replace(Path(tmp) / "ckpt", target)
+    return target
+
+
 def _gpu_used_gb() -> float | None:
     import torch
 
@@ -188,7 +211,8 @@ def timed_generate(backend, context, actions, frames, sampling, log=lambda msg: 
 
 
 def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None],
-             on_run: Callable[[RunResult], None] = lambda run: None) -> list[RunResult]:
+             on_run: Callable[[RunResult], None] = lambda run: None,
+             on_startup: Callable[[dict], None] = lambda phases: None) -> list[RunResult]:
     from terra_cli.backends.vllm import VllmBackend
 
     started = time.perf_counter()
@@ -198,7 +222,11 @@ def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Calla
     log(f"vllm: engine ready in {startup:.1f} s")
     sampling = Sampling(temperature=plan.temperature, seed=plan.seed)
     # Warm-up: the first requests after start-up pay one-off costs (allocator, graph replays).
+    warm_started = time.perf_counter()
     backend.generate(context, actions, plan.context_frames + 1, sampling)
+    phases = dict(backend.startup, ready_s=round(startup, 3), first_frame_s=round(time.perf_counter() - warm_started, 3))
+    log("vllm start-up: " + ", ".join(f"{k} {v}" for k, v in phases.items() if k != "timeline" and v is not None))
+    on_startup(phases)
     results = []
     for rollouts in plan.batches:
         _, times = timed_generate(backend, context, actions, plan.frames, sampling, log, f"vllm x{rollouts}", rollouts)
@@ -221,11 +249,8 @@ def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = p
     from terra_cli.runtime import resolve_device
 
     plan.device = resolve_device(plan.device)
-    tmp = None
     if model is None:
-        tmp = tempfile.TemporaryDirectory(prefix="terra-bench-")
-        log("building Terra's released config (2.04B parameters) with random bf16 weights ...")
-        checkpoint_dir = write_random_terra_checkpoint(Path(tmp.name), plan.device, plan.seed)
+        checkpoint_dir = random_terra_checkpoint(plan.device, plan.seed, log)
         model_label = "random weights, Terra world_model config (2,043,973,632 parameters, bf16)"
     else:
         checkpoint_dir = resolve_world_model_dir(model)
@@ -233,25 +258,23 @@ def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = p
     layout = load_config(checkpoint_dir).layout
     context, actions = bench_inputs(layout, plan.context_frames, plan.frames, plan.seed)
     runs: list[RunResult] = []
+    startup: dict = {}
     environment_info = environment()
 
     def add(run: RunResult) -> None:
         runs.append(run)
         if on_update is not None:
-            on_update(_results(model_label, plan, environment_info, runs, partial=True))
+            on_update(_results(model_label, plan, environment_info, runs, partial=True, startup=startup))
 
-    try:
-        if plan.run_hf:
-            add(run_hf(checkpoint_dir, plan, context, actions, log))
-        if plan.run_vllm:
-            run_vllm(checkpoint_dir, plan, context, actions, log, on_run=add)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
-    return _results(model_label, plan, environment_info, runs, partial=False)
+    if plan.run_hf:
+        add(run_hf(checkpoint_dir, plan, context, actions, log))
+    if plan.run_vllm:
+        run_vllm(checkpoint_dir, plan, context, actions, log, on_run=add, on_startup=startup.update)
+    return _results(model_label, plan, environment_info, runs, partial=False, startup=startup)
 
 
-def _results(model_label: str, plan: BenchPlan, environment_info: dict, runs: list[RunResult], partial: bool) -> dict:
+def _results(model_label: str, plan: BenchPlan, environment_info: dict, runs: list[RunResult], partial: bool,
+             startup: dict | None = None) -> dict:
     summaries = [r.summary() for r in runs]
     hf = next((s for s in summaries if s["backend"] == "hf"), None)
     one = next((s for s in summaries if s["backend"] == "vllm" and s["rollouts"] == 1), None)
@@ -266,6 +289,7 @@ def _results(model_label: str, plan: BenchPlan, environment_info: dict, runs: li
         "environment": environment_info,
         "runs": summaries,
         "speedup_vllm_over_hf": speedup,
+        "vllm_startup": startup or None,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import typer
 from rich.console import Console
@@ -23,7 +24,7 @@ app.add_typer(actions_app, name="actions")
 
 console = Console(stderr=True)
 out = Console()
-_state = {"debug": False}
+_state = {"debug": False, "verbose": False, "started": time.perf_counter()}
 
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
@@ -83,5 +84,7 @@ def _root(
     from terra_cli.runtime import configure_vllm_env
 
     _state["debug"] = debug
+    _state["verbose"] = verbose
+    _state["started"] = time.perf_counter()
     # Before any command imports vLLM or touches CUDA: a library caller does this itself.
     configure_vllm_env(verbose)

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from terra_cli.cli import options as opts
-from terra_cli.cli.app import EXIT_INTERRUPTED, app, console, friendly_errors, say
+from terra_cli.cli.app import EXIT_INTERRUPTED, _state, app, console, friendly_errors, say
 
 
 @app.command(
@@ -91,6 +91,7 @@ def generate(
         f"{frames} frames ({result.context_frames} context + {result.generated_frames} generated, {result.rounds} round(s)) "
         f"in {result.generation_seconds:.1f} s, {result.seconds_per_frame:.2f} s/frame, backend {result.backend}, "
         f"model {choice.label}; " + "; ".join(result.written)
+        + f"; {time.perf_counter() - _state['started']:.1f} s in all"
     )
 
 
@@ -113,6 +114,13 @@ class CliObserver:
 
     def message(self, text: str) -> None:
         say(text)
+
+    def startup(self, phases: dict) -> None:
+        from terra_cli.cli.app import _state
+
+        if _state["verbose"]:
+            say("engine start-up: " + ", ".join(f"{k} {v}" for k, v in phases.items()
+                                                 if k != "timeline" and v is not None))
 
     @contextlib.contextmanager
     def steps(self, label: str, total: int):

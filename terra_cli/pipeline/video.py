@@ -33,6 +33,9 @@ class Observer:
     def message(self, text: str) -> None:
         pass
 
+    def startup(self, phases: dict) -> None:
+        """The engine's start-up in phases (vLLM backend only; see backends/vllm_startup.py)."""
+
     @contextlib.contextmanager
     def steps(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
         """Encoding / decoding: yields advance(n_frames)."""
@@ -183,6 +186,8 @@ def generate_video(
         f"backend: {world_model.name}{auto}  model: {model.world_model_dir}  ({time.perf_counter() - started:.1f} s to load)"
         + (f", {loop_threads} CPU thread(s)" if loop_threads else "")
     )
+    if getattr(world_model, "startup", None):
+        observer.startup(world_model.startup)
     if len(rounds) > 1:
         observer.message(f"{request.frames} frames in {len(rounds)} rounds of at most {layout.max_frames} "
                          f"(each re-seeded with the last {RESEED_FRAMES} frames)")

@@ -1,0 +1,88 @@
+"""Where a vLLM engine's start-up time goes.
+
+Two sources: our own clocks around `import vllm` and `LLM(...)`, and the durations vLLM logs for
+its phases (weight loading, torch.compile and whether its cache served the graphs, CUDA-graph
+capture, the engine's profile / KV-cache / warm-up step). vLLM logs those at INFO, which terra
+does not show by default, so `routing_config` builds a logging config (vLLM's own
+VLLM_LOGGING_CONFIG_PATH mechanism) that sends every INFO record to a file with sub-second
+timestamps while the console keeps the level the user asked for. `read_phases` turns that file
+into numbers; whatever no phase accounts for is reported as such, not hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+# Each phase: (name, pattern whose first group is seconds). Both vLLM 0.25 and 0.32 log these.
+PHASE_PATTERNS = (
+    ("weights_s", re.compile(r"Loading weights took ([\d.]+) s")),
+    ("model_load_s", re.compile(r"Model loading took .*? and ([\d.]+) s")),
+    ("compile_s", re.compile(r"torch\.compile took ([\d.]+) s in total")),
+    ("graph_capture_s", re.compile(r"Graph capturing finished in ([\d.]+) secs")),
+    ("engine_init_s", re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")),
+)
+CACHE_HIT = re.compile(r"Directly load (AOT compilation|the compiled graph)")
+TIMELINE_LINES = 80
+
+
+def routing_config(log_file: Path, console_level: str) -> dict:
+    """A logging.dictConfig for the `vllm` logger: console at `console_level`, file at INFO."""
+    console_level = console_level.upper()
+    file_level = "DEBUG" if console_level == "DEBUG" else "INFO"
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "console": {"format": "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                        "datefmt": "%m-%d %H:%M:%S"},
+            "timed": {"format": "%(created).3f %(message)s"},
+        },
+        "handlers": {
+            "console": {"class": "logging.StreamHandler", "formatter": "console", "level": console_level,
+                        "stream": "ext://sys.stdout"},
+            "file": {"class": "logging.FileHandler", "formatter": "timed", "level": file_level,
+                     "filename": str(log_file), "mode": "a", "encoding": "utf-8"},
+        },
+        "loggers": {"vllm": {"handlers": ["console", "file"], "level": file_level, "propagate": False}},
+    }
+
+
+def write_routing_config(folder: Path, console_level: str) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    log_file, config_file = folder / "vllm-startup.log", folder / "vllm-logging.json"
+    config_file.write_text(json.dumps(routing_config(log_file, console_level)))
+    return config_file, log_file
+
+
+def read_phases(log_file: Path | None, since: float, until: float) -> dict:
+    """vLLM's logged phases between two time.time() stamps, the cache verdict, and a timeline of
+    the INFO lines (seconds after `since`), so gaps between phases can be read off."""
+    result: dict = {name: None for name, _ in PHASE_PATTERNS}
+    result.update(compile_cache=None, timeline=[])
+    if log_file is None or not Path(log_file).is_file():
+        result["note"] = "vLLM's INFO log was not routed to terra (VLLM_LOGGING_CONFIG_PATH set by the user?)"
+        return result
+    compiled = False
+    for line in Path(log_file).read_text(encoding="utf-8", errors="replace").splitlines():
+        stamp, _, message = line.partition(" ")
+        try:
+            t = float(stamp)
+        except ValueError:
+            continue  # a continuation line of a multi-line record
+        if not since <= t <= until:
+            continue
+        for name, pattern in PHASE_PATTERNS:
+            match = pattern.search(message)
+            if match:
+                result[name] = round((result[name] or 0.0) + float(match.group(1)), 3)
+        if CACHE_HIT.search(message):
+            result["compile_cache"] = "hit"
+        if "Compiling a graph" in message:
+            compiled = True
+        if len(result["timeline"]) < TIMELINE_LINES:
+            result["timeline"].append([round(t - since, 3), message[:160]])
+    if result["compile_cache"] is None and compiled:
+        result["compile_cache"] = "miss"
+    return result

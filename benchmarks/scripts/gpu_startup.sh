@@ -18,7 +18,7 @@ startup)
   for run in cold warm1 warm2; do
     t0=$(stamp)
     timeout 280 terra bench --hf-vs-vllm --skip-hf --batch 1 --out "$OUT/startup-$run.json" 2>&1 | tee "$OUT/startup-$run.log" | grep -v "frame [0-9]*/"
-    echo "RUN $run wall $(echo "$(stamp) - $t0" | bc) s" | tee -a "$OUT/summary.txt"
+    echo "RUN $run wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$OUT/summary.txt"
   done
   ;;
 e2e)
@@ -29,7 +29,7 @@ e2e)
     rm -f /tmp/e2e-$run.npy; t0=$(stamp)
     timeout 200 terra --verbose generate --model "$model" --tokenizer "$tok" --frames 25 --actions left --backend vllm \
       --no-decode --save-tokens /tmp/e2e-$run.npy 2>&1 | tee "$OUT/e2e-vllm-$run.log" | grep -v "^INFO\|^(EngineCore"
-    echo "E2E vllm run $run: $(echo "$(stamp) - $t0" | bc) s command to file (25 frames, no decode)" | tee -a "$OUT/summary.txt"
+    echo "E2E vllm run $run: $(python3 -c "import time; print(round(time.time() - $t0, 1))") s command to file (25 frames, no decode)" | tee -a "$OUT/summary.txt"
   done
   t0=$(stamp)
   python3 - "$tok" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
@@ -42,7 +42,7 @@ PY
   t0=$(stamp)
   timeout 200 terra generate --model "$model" --tokenizer "$tok" --frames 5 --actions left --backend hf \
     --no-decode --save-tokens /tmp/e2e-hf.npy 2>&1 | tee "$OUT/e2e-hf.log"
-  echo "E2E hf: $(echo "$(stamp) - $t0" | bc) s command to file (5 frames = 2 generated, no decode)" | tee -a "$OUT/summary.txt"
+  echo "E2E hf: $(python3 -c "import time; print(round(time.time() - $t0, 1))") s command to file (5 frames = 2 generated, no decode)" | tee -a "$OUT/summary.txt"
   ;;
 *) echo "usage: $0 startup|e2e"; exit 2 ;;
 esac

@@ -143,6 +143,16 @@ class ActionRows:
         return ids.reshape(*waypoints.shape[:-2], self.layout.action_tokens)
 
 
+def kv_cache_bytes(config, max_rollouts: int, kv_cache_dtype: str | None = None) -> int:
+    """KV cache for `max_rollouts` full rounds, twice over (room for the prefix cache to keep
+    earlier frames), instead of most of the GPU: allocating 62 GiB is part of the start-up."""
+    layout = config.layout
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = 1 if kv_cache_dtype and kv_cache_dtype.startswith("fp8") else 2
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+    return max(1 << 30, 2 * max_rollouts * layout.max_positions * per_token)
+
+
 def _startup_log() -> Path | None:
     from terra_cli.runtime import STARTUP_LOG_ENV
 
@@ -163,6 +173,7 @@ class VllmBackend:
         gpu_memory_utilization: float = 0.85,
         enforce_eager: bool = False,
         seed: int = 0,
+        size_kv_cache: bool = True,
         **engine_kwargs,
     ):
         if importlib.util.find_spec("vllm") is None:
@@ -208,7 +219,10 @@ class VllmBackend:
             seed=seed,
         )
         if on_gpu:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            if "gpu_memory_utilization" in engine_kwargs or not size_kv_cache:
+                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            else:
+                kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(self.config, max_rollouts, engine_kwargs.get("kv_cache_dtype"))
         kwargs.update(engine_kwargs)
         wall_started = time.time()
         self.llm = LLM(**kwargs)

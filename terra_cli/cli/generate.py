@@ -113,7 +113,8 @@ class CliObserver:
     """generate_video's reports as console lines and rich progress bars (rate and ETA)."""
 
     def message(self, text: str) -> None:
-        say(text)
+        # --verbose: when, since the command started, so gaps in the end-to-end time can be read off.
+        say(f"[{time.perf_counter() - _state['started']:6.1f} s] {text}" if _state["verbose"] else text)
 
     def startup(self, phases: dict) -> None:
         from terra_cli.cli.app import _state
@@ -121,6 +122,10 @@ class CliObserver:
         if _state["verbose"]:
             say("engine start-up: " + ", ".join(f"{k} {v}" for k, v in phases.items()
                                                  if k != "timeline" and v is not None))
+
+    def timing(self, what: str, seconds: float) -> None:
+        if _state["verbose"]:
+            self.message(f"{what}: {seconds:.1f} s")
 
     @contextlib.contextmanager
     def steps(self, label: str, total: int):

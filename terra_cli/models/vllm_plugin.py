@@ -1,5 +1,9 @@
 """vLLM plugin (entry point `vllm.general_plugins`): runs in vLLM's front-end, engine core and
-every worker process, which in-script registration would not reach."""
+every worker process, which in-script registration would not reach.
+
+The classes are registered as objects, not as "module:Class" strings: for a string vLLM inspects
+the class in a subprocess the first time (about 28 s of a cold start on the H100 host, until
+VLLM_CACHE_ROOT/modelinfos holds the answer; benchmarks/README.md, start-up)."""
 
 from terra_cli.models.config import ARCH_V1, ARCH_V2
 
@@ -8,8 +12,9 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from terra_cli.models.config import register_auto_config
+    from terra_cli.models.modeling_vllm import LlamaActionForCausalLM, LlamaActionV2ForCausalLM
 
     register_auto_config()
-    for arch in (ARCH_V1, ARCH_V2):
+    for arch, cls in ((ARCH_V1, LlamaActionForCausalLM), (ARCH_V2, LlamaActionV2ForCausalLM)):
         if arch not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(arch, f"terra_cli.models.modeling_vllm:{arch}")
+            ModelRegistry.register_model(arch, cls)

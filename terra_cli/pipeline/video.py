@@ -36,6 +36,9 @@ class Observer:
     def startup(self, phases: dict) -> None:
         """The engine's start-up in phases (vLLM backend only; see backends/vllm_startup.py)."""
 
+    def timing(self, what: str, seconds: float) -> None:
+        """How long a step outside generation took (config, engine shutdown, writing)."""
+
     @contextlib.contextmanager
     def steps(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
         """Encoding / decoding: yields advance(n_frames)."""
@@ -207,9 +210,13 @@ def generate_video(
             seconds = time.perf_counter() - started
     finally:
         torch.set_num_threads(default_threads)  # decoding images is convolutions: all threads again
+        closing = time.perf_counter()
         world_model.close()
+        observer.timing("engine shutdown", time.perf_counter() - closing)
     tokens = buffer.finished()
+    writing = time.perf_counter()
     written = write_outputs(outputs, tokens, tokenizer, observer)
+    observer.timing("writing outputs", time.perf_counter() - writing)
     return VideoResult(tokens, k, len(rounds), seconds, world_model.name, written)
 
 

@@ -2,7 +2,8 @@
 # Start-up phases and end-to-end time of `terra generate` on one GPU (issue 18). Lab probe, not the
 # product. Run on the GPU host once vLLM's bundle is unpacked into /tmp/site
 # (../shared/notes/gpu-host.md); logs and JSON go to $OUT.
-#   bash benchmarks/scripts/gpu_startup.sh startup   # cold, warm, warm engine starts, same model dir
+#   [FRAMES=13] bash benchmarks/scripts/gpu_startup.sh startup   # cold, warm, warm engine starts, same model dir
+# On a fresh machine the first run is cold: no vLLM, Triton or inductor caches.
 #   bash benchmarks/scripts/gpu_startup.sh e2e       # terra generate, vLLM twice and the reference once
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
@@ -17,7 +18,7 @@ startup)
   rm -rf "$VLLM_CACHE_ROOT"
   for run in cold warm1 warm2; do
     t0=$(stamp)
-    timeout 280 terra bench --hf-vs-vllm --skip-hf --batch 1 --out "$OUT/startup-$run.json" 2>&1 | tee "$OUT/startup-$run.log" | grep -v "frame [0-9]*/"
+    timeout 280 terra bench --hf-vs-vllm --skip-hf --batch 1 --frames "${FRAMES:-25}" --out "$OUT/startup-$run.json" 2>&1 | tee "$OUT/startup-$run.log" | grep -v "frame [0-9]*/"
     echo "RUN $run wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$OUT/summary.txt"
   done
   ;;

@@ -153,6 +153,12 @@ def kv_cache_bytes(config, max_rollouts: int, kv_cache_dtype: str | None = None)
     return max(1 << 30, 2 * max_rollouts * layout.max_positions * per_token)
 
 
+def _gpu_memory_bytes() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory
+
+
 def _startup_log() -> Path | None:
     from terra_cli.runtime import STARTUP_LOG_ENV
 
@@ -219,10 +225,13 @@ class VllmBackend:
             seed=seed,
         )
         if on_gpu:
-            if "gpu_memory_utilization" in engine_kwargs or not size_kv_cache:
-                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kv_bytes = kv_cache_bytes(self.config, max_rollouts, engine_kwargs.get("kv_cache_dtype"))
+            weights = sum(f.stat().st_size for f in weight_files(self.checkpoint_dir))
+            if "gpu_memory_utilization" in engine_kwargs or not size_kv_cache or \
+                    kv_bytes + weights > 0.7 * _gpu_memory_bytes():
+                kwargs["gpu_memory_utilization"] = gpu_memory_utilization  # vLLM's own sizing
             else:
-                kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(self.config, max_rollouts, engine_kwargs.get("kv_cache_dtype"))
+                kwargs["kv_cache_memory_bytes"] = kv_bytes
         kwargs.update(engine_kwargs)
         wall_started = time.time()
         self.llm = LLM(**kwargs)

@@ -37,6 +37,7 @@ WAYPOINT_TIMES = TRAJ_TIMES[PATH_START::PATH_STEP][:WAYPOINTS_PER_FRAME]  # 0.45
 PRESETS = ("straight", "left", "right", "stop", "accelerate")
 DEFAULT_SPEED_KMH = 30.0
 MAX_SPEED_KMH = 200.0
+MAX_ACTION_FRAMES = 10_000  # 1000 s at 10 Hz; terra generates at most 100 frames
 TURN_MAX_YAW_RATE = math.radians(15.0)  # rad/s: a city turn at low speed
 TURN_MAX_LATERAL_ACCEL = 2.5  # m/s^2: caps the yaw rate at higher speeds (yaw rate = a_lat / v)
 STOP_DECEL = 3.0  # m/s^2: firm but comfortable braking (about 0.3 g)
@@ -64,8 +65,8 @@ def resolve_actions(spec: str, *, frames: int | None, speed_kmh: float = DEFAULT
     many frames as it holds; when `frames` is given and the file holds more, only the first
     `frames` are kept. Everything is validated: problems raise `ActionsError` with a one-line message.
     """
-    if frames is not None and frames < 1:
-        raise ActionsError(f"--frames must be at least 1, got {frames}")
+    if frames is not None and not 1 <= frames <= MAX_ACTION_FRAMES:
+        raise ActionsError(f"--frames must be at least 1 and at most {MAX_ACTION_FRAMES}, got {frames}")
     spec = str(spec)
     if spec.strip().lower() in PRESETS:
         name = spec.strip().lower()
@@ -121,6 +122,7 @@ def load_actions(spec: str | Path) -> np.ndarray:
         raise ActionsError(f"actions file {path} does not exist")
     if path.stat().st_size == 0:
         raise ActionsError(f"actions file {path} is empty")
+    _check_npy_header(path)
     try:
         arr = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
@@ -128,6 +130,21 @@ def load_actions(spec: str | Path) -> np.ndarray:
     if not isinstance(arr, np.ndarray):  # an .npz archive under a .npy name
         raise ActionsError(f"cannot read {path} as a .npy array: it is an .npz archive")
     return normalize_actions(arr, str(path))
+
+
+def _check_npy_header(path: Path) -> None:
+    """Refuse an array of more than MAX_ACTION_FRAMES frames from its header, before loading it."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _order, _dtype = read(f)
+    except Exception:  # not a plain .npy: np.load below says what it is
+        return
+    count = int(np.prod(shape, dtype=object)) if shape else 1
+    if count > MAX_ACTION_FRAMES * WAYPOINTS_PER_FRAME * 3:
+        raise ActionsError(f"{path} holds an array of shape {shape}; actions are at most {MAX_ACTION_FRAMES} "
+                           f"frames of (6, 3) waypoints")
 
 
 def normalize_actions(arr: np.ndarray, where: str = "actions") -> np.ndarray:
@@ -184,7 +201,9 @@ def _read_first_json_value(path: Path):
                     if line.strip():
                         try:
                             return json.loads(line)
-                        except json.JSONDecodeError:
+                        except RecursionError as exc:
+                            raise ActionsError(f"{path}: the JSON is nested too deeply to be ACT-Bench actions") from exc
+                        except ValueError:  # JSONDecodeError, or a number too long to convert
                             break  # maybe one pretty-printed object: try the whole file below
                 else:
                     raise ActionsError(f"actions file {path} is empty")
@@ -198,6 +217,10 @@ def _read_first_json_value(path: Path):
         value, _end = json.JSONDecoder().raw_decode(text)  # JSON, or the first record of JSONL
     except json.JSONDecodeError as exc:
         raise ActionsError(f"cannot read {path} as JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except RecursionError as exc:
+        raise ActionsError(f"{path}: the JSON is nested too deeply to be ACT-Bench actions") from exc
+    except ValueError as exc:  # an integer with more digits than Python converts
+        raise ActionsError(f"cannot read {path} as JSON: {_one_line(exc)}") from exc
     return value
 
 
@@ -214,11 +237,13 @@ def instruction_trajs_to_actions(trajs, where: str = "instruction_trajs") -> np.
         raise ActionsError(f"{where}: 'instruction_trajs' must be a list of per-frame trajectories, got {type(trajs).__name__}")
     if len(frames_list) == 0:
         raise ActionsError(f"{where}: 'instruction_trajs' is empty (no frames)")
+    if len(frames_list) > MAX_ACTION_FRAMES:
+        raise ActionsError(f"{where}: 'instruction_trajs' has {len(frames_list)} frames; at most {MAX_ACTION_FRAMES} are supported")
     out = np.empty((len(frames_list), WAYPOINTS_PER_FRAME, 3), dtype=np.float64)
     for i, frame in enumerate(frames_list):
         try:
             pts = np.asarray(frame, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ActionsError(f"{where}: frame {i} of 'instruction_trajs' is not a list of [x, y, z] numbers") from exc
         if pts.ndim != 2 or pts.shape[1] not in (2, 3):
             raise ActionsError(f"{where}: frame {i} of 'instruction_trajs' must be points [x, y, z], got shape {pts.shape}")

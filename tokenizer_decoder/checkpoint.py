@@ -19,6 +19,91 @@ from .errors import CheckpointError
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# A config or index larger than this is not one (Terra's index is ~40 KB): refuse before parsing.
+MAX_JSON_BYTES = 64 * 2**20
+# A safetensors header (JSON) above this is damaged or hostile (Terra's is ~30 KB).
+MAX_HEADER_BYTES = 100 * 2**20
+SAFETENSORS_DTYPES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+def read_json_object(path: Path, what: str = "file") -> dict:
+    """A JSON object from `path`, or a CheckpointError naming the file and what is wrong with it
+    (missing, too large, not UTF-8, not JSON, nested too deeply, numbers too large, not an object)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path} is {size} bytes; a {what} is far smaller (at most {MAX_JSON_BYTES} bytes): is it the right file?")
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} is missing") from exc
+    except IsADirectoryError as exc:
+        raise CheckpointError(f"{path} is a directory; the {what} must be a JSON file") from exc
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte {exc.start}); the {what} must be JSON") from exc
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except RecursionError as exc:
+        raise CheckpointError(f"{path} is nested too deeply to be a {what}") from exc
+    except ValueError as exc:  # e.g. an integer with more digits than Python converts
+        raise CheckpointError(f"{path} is not a valid {what}: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object (the {what}), got a JSON {type(raw).__name__}")
+    return raw
+
+
+def check_safetensors_header(path: Path) -> dict:
+    """Check a safetensors file's header before any tensor is read: a sane 8-byte length, a JSON
+    object header, and for every tensor a known dtype, a shape of non-negative integers and data
+    offsets that match that shape and lie inside the file. Returns the header."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path} is truncated ({size} bytes): not a safetensors file")
+            n = int.from_bytes(head, "little")
+            if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(f"{path} is damaged: its header claims {n} bytes but the file has {size} "
+                                      "(truncated, or not a safetensors file)")
+            text = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path} is damaged: its header is not JSON") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is damaged: its header is not a JSON object")
+    data_size = size - 8 - n
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        where = f"{path}: tensor {key!r}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where} has no dtype/shape/data_offsets entry")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{where} has dtype {dtype!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where} has shape {shape!r}; expected a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise CheckpointError(f"{where} has data_offsets {offsets!r}; expected [begin, end]")
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= begin <= end <= data_size or end - begin != numel * SAFETENSORS_DTYPES[dtype]:
+            raise CheckpointError(f"{where} is damaged: data_offsets {offsets} do not fit shape {shape} {dtype} "
+                                  f"inside the file ({data_size} data bytes; truncated?)")
+    return header
 
 
 def looks_like_hub_id(spec: str) -> bool:
@@ -79,11 +164,14 @@ def weight_files(checkpoint_dir: Path) -> list[Path]:
     checkpoint_dir = Path(checkpoint_dir)
     index = checkpoint_dir / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{index} is not a safetensors index (no weight_map)") from exc
-        files = [checkpoint_dir / name for name in sorted(set(weight_map.values()))]
+        weight_map = read_json_object(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} is not a safetensors index: 'weight_map' must be a non-empty object "
+                                  "of tensor name -> shard file name")
+        bad = [v for v in weight_map.values() if not isinstance(v, str)]
+        if bad:
+            raise CheckpointError(f"{index}: weight_map values must be shard file names, got {bad[0]!r}")
+        files = [confined_shard(checkpoint_dir, name, index) for name in sorted(set(weight_map.values()))]
     elif (checkpoint_dir / WEIGHTS_NAME).is_file():
         files = [checkpoint_dir / WEIGHTS_NAME]
     else:
@@ -92,6 +180,19 @@ def weight_files(checkpoint_dir: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"{checkpoint_dir} lacks the shard(s) its index names: {', '.join(missing)}")
     return files
+
+
+def confined_shard(checkpoint_dir: Path, name: str, index: Path) -> Path:
+    """A shard named by an index, which must be a plain file name inside the checkpoint folder:
+    no absolute paths, no `..`, no sub-folders, nothing a symlink leads out of the folder."""
+    if not name or name != Path(name).name or name in (".", ".."):
+        raise CheckpointError(f"{index} names shard {name!r}; shards must be plain file names inside {checkpoint_dir} "
+                              "(no folders, '..' or absolute paths)")
+    shard = checkpoint_dir / name
+    root = checkpoint_dir.resolve()
+    if shard.exists() and root not in shard.resolve().parents:
+        raise CheckpointError(f"{index} names shard {name!r}, which leads outside {checkpoint_dir} (a symlink?)")
+    return shard
 
 
 def _describe(keys: set[str], limit: int = 8) -> str:
@@ -103,7 +204,12 @@ def _describe(keys: set[str], limit: int = 8) -> str:
 def read_state_dict(files: list[Path], dtype: torch.dtype | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
+        check_safetensors_header(file)
+        try:
+            handle = safe_open(str(file), framework="pt", device=str(device))
+        except Exception as exc:  # safetensors raises its own SafetensorError for damaged files
+            raise CheckpointError(f"cannot read {file} as safetensors: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+        with handle as f:
             for key in f.keys():
                 if key in tensors:
                     raise CheckpointError(f"key {key} appears in more than one shard")

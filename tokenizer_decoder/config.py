@@ -56,6 +56,15 @@ class TokenizerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not self.ch_mult or any(m <= 0 for m in self.ch_mult):
             raise ValueError(f"ch_mult must be a non-empty list of positive integers, got {list(self.ch_mult)}")
+        # Upper bounds far above Terra's tokenizer (ch 128, 2 blocks, 5 levels): a hostile config
+        # must not make the tokenizer allocate without end.
+        for name, value, high in (("ch", self.ch, 1024), ("num_res_blocks", self.num_res_blocks, 16),
+                                  ("in_channels", self.in_channels, 16), ("out_ch", self.out_ch, 16),
+                                  ("len(ch_mult)", len(self.ch_mult), 8), ("max(ch_mult)", max(self.ch_mult), 16)):
+            if value > high:
+                raise ValueError(f"{name} is {value}; expected at most {high}")
+        if self.z_channels > 62:
+            raise ValueError(f"z_channels {self.z_channels} is too large for int64 token indices")
         if self.codebook_size != 2**self.z_channels:
             raise ValueError(
                 f"codebook_size {self.codebook_size} must be 2**z_channels = {2**self.z_channels} "
@@ -65,8 +74,6 @@ class TokenizerConfig:
         bad = sorted(w for w in widths if w % 32)
         if bad:
             raise ValueError(f"channel widths {bad} (ch x ch_mult) must be multiples of 32 for GroupNorm(32)")
-        if self.z_channels > 62:
-            raise ValueError(f"z_channels {self.z_channels} is too large for int64 token indices")
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -163,13 +170,10 @@ class TokenizerConfig:
 
     @classmethod
     def load(cls, directory: str | Path) -> "TokenizerConfig":
+        from .checkpoint import read_json_object
+
         path = Path(directory) / CONFIG_NAME
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise CheckpointError(f"{path} is missing") from exc
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+        raw = read_json_object(path, "tokenizer config")
         try:
             return cls.from_dict(raw)
         except (TypeError, ValueError) as exc:

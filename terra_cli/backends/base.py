@@ -6,6 +6,7 @@ frame's tokens. It knows nothing about images, files or the CLI.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -13,6 +14,10 @@ import numpy as np
 
 from terra_cli.models.config import FrameLayout, LlamaActionConfig
 from terra_cli.errors import InputError  # noqa: F401  (part of the backend interface)
+
+MAX_TEMPERATURE = 100.0  # far above any useful value; sampling at higher ones is uniform noise
+MAX_TOP_K = 2**24
+MAX_SEED = 2**63 - 2**16  # torch generators take 64-bit seeds; rollouts add their index
 
 # on_frame(frame_index, frame_tokens (rollouts, image_tokens)) after each generated frame.
 FrameCallback = Callable[[int, np.ndarray], None]
@@ -28,12 +33,15 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InputError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InputError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        # Written as `not (ok)` so that NaN, which fails every comparison, is refused too.
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise InputError(f"--temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, got {self.temperature}")
+        if not (0 <= self.top_k <= MAX_TOP_K):
+            raise InputError(f"--top-k must be from 0 (off) to {MAX_TOP_K}, got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise InputError(f"--top-p must be in (0, 1] (1.0: off), got {self.top_p}")
+        if not (0 <= self.seed <= MAX_SEED):
+            raise InputError(f"--seed must be from 0 to {MAX_SEED} (2**63 - rollouts), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -49,14 +49,14 @@ def vllm_available() -> bool:
 
 
 def _headers_state(files: list[Path]) -> dict[str, tuple]:
-    """Key -> shape from safetensors headers only (no tensor data is read)."""
-    from safetensors import safe_open
+    """Key -> shape from safetensors headers only (no tensor data is read), each header checked."""
+    from tokenizer_decoder.checkpoint import check_safetensors_header
 
     shapes = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
+        for key, entry in check_safetensors_header(file).items():
+            if key != "__metadata__":
+                shapes[key] = tuple(entry["shape"])
     return shapes
 
 

@@ -14,10 +14,13 @@ def info(model: str = typer.Argument(..., help="World-model directory or hub id.
     from rich.markup import escape
 
     from terra_cli.models.checkpoint import load_config, resolve_checkpoint_dir, weight_files
+    from tokenizer_decoder.checkpoint import check_safetensors_header
 
     checkpoint_dir = resolve_checkpoint_dir(model)
     config = load_config(checkpoint_dir)
     files = weight_files(checkpoint_dir)
+    for file in files:
+        check_safetensors_header(file)
     size = sum(f.stat().st_size for f in files)
     layout = config.layout
     out.print(f"[bold]{escape(str(checkpoint_dir))}[/]")

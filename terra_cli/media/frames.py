@@ -40,6 +40,16 @@ def list_images(folder: str | os.PathLike) -> list[Path]:
     return sorted(files, key=lambda p: natural_key(p.name))
 
 
+# Images above this many pixels are refused before decoding (Terra's frames are 512x288; a
+# decompression bomb would take gigabytes).
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def _too_large(path, width: int, height: int) -> str:
+    return (f"image {path} is {width}x{height} pixels, above the limit of {MAX_IMAGE_PIXELS} "
+            "(8192x8192); resize it first (Terra uses 512x288)")
+
+
 def is_video(path: str | os.PathLike) -> bool:
     return Path(path).suffix.lower() in VIDEO_EXTENSIONS
 
@@ -50,11 +60,17 @@ def read_image(path: str | os.PathLike) -> np.ndarray:
 
     path = Path(path)
     try:
-        with Image.open(path) as im:
+        with Image.open(path) as im:  # reads the header only: the size is known before decoding
+            width, height = im.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise MediaError(_too_large(path, width, height))
             return np.asarray(im.convert("RGB"))
     except FileNotFoundError as exc:
         raise MediaError(f"image {path} does not exist") from exc
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except Image.DecompressionBombError as exc:  # PIL's own limit, hit while opening
+        raise MediaError(f"image {path} is too large to decode safely ({_short(exc)}); "
+                         "resize it to at most 8192x8192 (Terra uses 512x288)") from exc
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombWarning) as exc:
         raise MediaError(f"cannot read image {path}: {_short(exc)}") from exc
 
 
@@ -116,7 +132,10 @@ def _iter_video(path: Path, max_frames: int | None) -> Iterator[np.ndarray]:
             except Exception as exc:
                 raise MediaError(f"cannot read video {path} (frame {count}): {_short(exc)}") from exc
             count += 1
-            yield _as_rgb(np.asarray(frame))
+            frame = np.asarray(frame)
+            if frame.ndim >= 2 and frame.shape[0] * frame.shape[1] > MAX_IMAGE_PIXELS:
+                raise MediaError(_too_large(path, frame.shape[1], frame.shape[0]))
+            yield _as_rgb(frame)
     finally:
         reader.close()
     if count == 0:

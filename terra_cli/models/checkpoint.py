@@ -12,12 +12,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from terra_cli.models.config import ConfigError, LlamaActionConfig
+from huggingface_hub.errors import StrictDataclassError
+
+from terra_cli.models.config import ConfigError, LlamaActionConfig, check_config_schema
 from tokenizer_decoder.checkpoint import (  # noqa: F401  (re-exported)
     INDEX_NAME,
     WEIGHTS_NAME,
     check_state_dict,
     looks_like_hub_id,
+    read_json_object,
     read_state_dict,
     resolve_checkpoint_dir,
     weight_files,
@@ -29,19 +32,15 @@ TERRA_HUB_ID = "turing-motors/Terra"
 
 def load_config(checkpoint_dir: Path) -> LlamaActionConfig:
     config_path = Path(checkpoint_dir) / "config.json"
-    try:
-        raw = json.loads(config_path.read_text())
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{config_path} is missing") from exc
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    raw = read_json_object(config_path, "world-model config")
     model_type = raw.get("model_type")
     if model_type != LlamaActionConfig.model_type:
         raise CheckpointError(f"{config_path} has model_type {model_type!r}; a Terra world model has 'llama_action'")
+    check_config_schema(raw, config_path)
     try:
         return LlamaActionConfig.from_dict(raw)
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{config_path}: {exc}") from exc
+    except (ConfigError, TypeError, ValueError, StrictDataclassError, ArithmeticError, AttributeError, KeyError) as exc:
+        raise CheckpointError(f"{config_path}: {' '.join(str(exc).split())}") from exc
 
 
 def save_checkpoint(model: torch.nn.Module, config, out_dir: Path, max_shard_bytes: int | None = None) -> None:

@@ -6,6 +6,7 @@ reference, the vLLM model and the pipeline cannot disagree about where a frame s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from huggingface_hub.dataclasses import strict
@@ -20,6 +21,82 @@ SUPPORTED_ARCHITECTURES = (ARCH_V1, ARCH_V2)
 
 class ConfigError(TerraError, ValueError):
     """A config.json that cannot describe a Terra world model."""
+
+
+# The schema config.json is checked against before transformers sees it: field -> (type, low, high).
+# The bounds are far above Terra's released models (2B parameters) and low enough that a hostile
+# file cannot make terra allocate or loop without end.
+_INT_FIELDS = {
+    "hidden_size": (1, 65536),
+    "intermediate_size": (1, 262144),
+    "num_hidden_layers": (1, 512),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "vocab_size": (2, 2**24),
+    "max_position_embeddings": (1, 2**24),
+    "num_image_patches": (1, 65536),
+    "num_spatio_embeddings": (1, 65536),
+    "num_temporal_embeddings": (1, 4096),
+    "num_action_tokens": (1, 64),
+    "num_action_embeddings": (1, 64),
+    "action_dim": (1, 64),
+    "head_dim": (1, 4096),
+}
+_POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "initializer_range")
+KNOWN_TORCH_DTYPES = ("float32", "bfloat16", "float16", "auto")
+MAX_PARAMETERS = 100e9
+
+
+def check_config_schema(raw: dict, where) -> None:
+    """Field types and ranges of a world-model config.json, each error naming the field, what it
+    holds and what is expected."""
+    def fail(field, expected):
+        raise ConfigError(f"{where}: {field} is {raw.get(field)!r}; expected {expected}")
+
+    for field, (low, high) in _INT_FIELDS.items():
+        value = raw.get(field)
+        if value is None and field in ("num_action_tokens", "num_action_embeddings", "head_dim", "num_key_value_heads"):
+            continue
+        if value is None:
+            continue  # the class default (Terra's value) applies
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            fail(field, f"an integer from {low} to {high}")
+    for field in _POSITIVE_FLOAT_FIELDS:
+        value = raw.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            fail(field, "a positive finite number")
+    hidden = raw.get("hidden_size", 4096)
+    heads = raw.get("num_attention_heads", 32)
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if raw.get("head_dim") is None and hidden % heads:
+        fail("num_attention_heads", f"a divisor of hidden_size {hidden}")
+    if heads % kv_heads:
+        fail("num_key_value_heads", f"a divisor of num_attention_heads {heads}")
+    for field in ("torch_dtype", "dtype"):
+        value = raw.get(field)
+        if value is not None and value not in KNOWN_TORCH_DTYPES:
+            fail(field, f"one of {', '.join(KNOWN_TORCH_DTYPES)}")
+    for field in ("rope_scaling", "rope_parameters"):
+        value = raw.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            fail(field, "null or an object such as {\"rope_type\": \"default\"}")
+        kind = value.get("rope_type", value.get("type", "default"))
+        if kind not in ("default", "linear", "dynamic", "yarn", "longrope", "llama3"):
+            raise ConfigError(f"{where}: {field}.rope_type is {kind!r}; expected default, linear, dynamic, yarn, longrope or llama3")
+    archs = raw.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        fail("architectures", "a list of architecture names")
+    layers = raw.get("num_hidden_layers", 32)
+    inter = raw.get("intermediate_size", 11008)
+    vocab = raw.get("vocab_size", 32000)
+    params = layers * (4 * hidden * hidden + 3 * hidden * inter) + 2 * vocab * hidden
+    if params > MAX_PARAMETERS:
+        raise ConfigError(f"{where}: these sizes make a model of about {params / 1e9:.0f}B parameters; terra loads "
+                          f"at most {MAX_PARAMETERS / 1e9:.0f}B (is num_hidden_layers / hidden_size right?)")
 
 
 @strict

@@ -11,6 +11,7 @@ import typer
 
 from terra_cli.cli import options as opts
 from terra_cli.cli.app import EXIT_INTERRUPTED, _state, app, console, friendly_errors, say
+from terra_cli.errors import InputError
 
 
 @app.command(
@@ -20,13 +21,14 @@ from terra_cli.cli.app import EXIT_INTERRUPTED, _state, app, console, friendly_e
         "  terra generate out.mp4 --context clip.mp4 --actions acts.npy --frames 50 --seed 1 --save-frames frames/\n\n"
         "  terra generate out.mp4 --model turing-motors/Terra --variant world_model_v2 --context frames/ --actions traj.json\n\n"
         "  terra generate --model ckpt/world_model --context-tokens ctx.npy --actions acts.npy \\\n"
-        "      --frames 10 --temperature 0 --backend hf --no-decode --save-tokens out.npy"
+        "      --frames 10 --temperature 0 --backend hf --no-decode --save-tokens out.npy\n\n"
+        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 128 --kv-cache-dtype fp8"
     )
 )
 @friendly_errors
 def generate(
     output: Optional[Path] = typer.Argument(None, metavar="[OUTPUT.mp4]", help="Video to write (H.264 .mp4, 10 fps, 512x288); not needed with --no-decode."),
-    actions: str = typer.Option(..., "--actions", "-a", help=(
+    actions: Optional[str] = typer.Option(None, "--actions", "-a", help=(
         "Trajectory: a preset (straight, left, right, stop, accelerate; driven at --speed), a .npy of shape "
         "(frames, 6, 3) or (frames*6, 3) with (lateral y m, forward x m, time s) waypoints, or ACT-Bench "
         ".json/.jsonl ('instruction_trajs'). Files need rows for at least frames-1 frames.")),
@@ -50,17 +52,28 @@ def generate(
     save_tokens: Optional[Path] = typer.Option(None, help="Write all frames' tokens, context included, (N, 576) int64 .npy."),
     no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video (needs --save-tokens)."),
     overwrite: bool = opts.overwrite_option(),
+    scenarios: Optional[Path] = typer.Option(None, "--scenarios", help="Many videos: a JSONL file, terra's format or ACT-Bench's (see README); needs --out-dir."),
+    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes."),
+    rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
+    max_rollouts: int = typer.Option(64, "--max-rollouts", min=1, help="With --scenarios: rollouts in flight at once on the vLLM engine."),
+    skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto (the model's) or fp8 (GPU)."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
     from terra_cli.actions import resolve_actions
     from terra_cli.backends import Sampling
-    from terra_cli.errors import InputError
     from terra_cli.models.resolve import resolve_model
     from terra_cli.pipeline import inputs
     from terra_cli.pipeline.outputs import check_outputs
     from terra_cli.pipeline.video import Engine, TokenBuffer, VideoRequest, generate_video
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 
+    if scenarios is not None:
+        return _generate_scenarios(scenarios, out_dir, output, rollouts, max_rollouts, skip_invalid, frames, seed,
+                                   speed, context_frames, model, variant, tokenizer, temperature, top_k, top_p,
+                                   backend, device, dtype, kv_cache_dtype, no_decode)
+    if actions is None:
+        raise InputError("--actions is needed (a preset, a .npy, or ACT-Bench JSON), or --scenarios FILE for many videos")
     # Everything that can be checked without a model, outputs first.
     outputs = check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite)
     if context and context_tokens is not None:
@@ -82,8 +95,9 @@ def generate(
     request.check()
     choice = resolve_model(model, variant, tokenizer)
     buffer = TokenBuffer()
+    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     try:
-        result = generate_video(request, choice, Engine(backend, device, dtype, threads), buffer=buffer,
+        result = generate_video(request, choice, Engine(backend, device, dtype, threads, options), buffer=buffer,
                                 observer=CliObserver())
     except KeyboardInterrupt:
         _save_interrupted(buffer, outputs.tokens, frames, overwrite)
@@ -140,3 +154,70 @@ class CliObserver:
 
         with FrameProgress(console, total, tokens_per_frame) as progress:
             yield progress.frame_done
+
+
+def _generate_scenarios(path, out_dir, output, rollouts, max_rollouts, skip_invalid, frames, seed, speed,
+                        context_frames, model, variant, tokenizer, temperature, top_k, top_p, backend, device,
+                        dtype, kv_cache_dtype, no_decode) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from terra_cli.backends import Sampling, load_backend, resolve_backend_name
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+    from terra_cli.runtime import resolve_device, resolve_dtype_name
+    from terra_cli.scenarios.runner import check_scenarios, run_scenarios
+    from terra_cli.scenarios.spec import Defaults, read_scenarios
+
+    if out_dir is None:
+        raise InputError("--scenarios needs --out-dir DIR (each scenario writes DIR/ID.mp4, DIR/ID.npy and a line in DIR/results.jsonl)")
+    if output is not None:
+        raise InputError(f"--scenarios writes into --out-dir; drop OUTPUT ({output})")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"--out-dir {out_dir} is a file; pass a folder")
+    Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    device = resolve_device(device)
+    resolve_dtype_name(dtype, device)
+    defaults = Defaults(frames=frames, seed=seed, speed_kmh=speed, context_frames=context_frames or 3)
+    file = read_scenarios(path, defaults, rollouts)  # every line checked before any model loads
+    check_scenarios(file, skip_invalid)
+    backend_name = resolve_backend_name(backend)
+    choice = resolve_model(model, variant, tokenizer)
+    config = load_config(choice.world_model_dir)
+    if choice.tokenizer is None:
+        raise InputError(f"--model {model} comes without an image tokenizer: pass --tokenizer DIR_OR_HUB_ID")
+    tok = load_tokenizer(choice.tokenizer, device)
+    check_tokenizer_matches(tok, config)
+    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
+    if backend_name == "vllm":
+        options["max_rollouts"] = max_rollouts
+    elif options:
+        raise InputError("--kv-cache-dtype is a vLLM option; use --backend vllm")
+    world_model = load_backend(backend_name, choice.world_model_dir, device=device, dtype=dtype, **options)
+    say(f"{len(file.scenarios)} scenario(s) from {path} ({file.source_format}), backend {world_model.name}, "
+        f"model {choice.label}, up to {max_rollouts if backend_name == 'vllm' else 1} in flight -> {out_dir}/")
+    total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
+    progress = Progress(TextColumn("[bold]scenarios"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    task = progress.add_task("scenarios", total=total_frames, rate="")
+    started = time.perf_counter()
+
+    def on_progress(run, pending):
+        elapsed = time.perf_counter() - started
+        progress.update(task, advance=1, rate=f"{run.done} written, {progress.tasks[0].completed / max(elapsed, 1e-9):.1f} frames/s")
+
+    try:
+        with progress:
+            run = run_scenarios(file, out_dir, world_model, None if no_decode else tok, max_rollouts=max_rollouts,
+                                skip_invalid=skip_invalid, temperature=temperature, top_k=top_k, top_p=top_p,
+                                on_progress=on_progress)
+    except KeyboardInterrupt:
+        say(f"interrupted: every scenario finished so far is written (see {out_dir}/results.jsonl); "
+            "run the same command again to resume")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    finally:
+        world_model.close()
+    say(f"{run.done} scenario(s) written, {run.resumed} already done, {run.skipped} invalid line(s) skipped, "
+        f"{run.failed} failed; {run.generated_frames} frames in {run.seconds:.1f} s "
+        f"({run.generated_frames / max(run.seconds, 1e-9):.2f} generated frames/s) -> {out_dir}/results.jsonl")
+    if run.failed:
+        raise InputError(f"{run.failed} scenario(s) could not be written: " + "; ".join(run.errors[:3]))

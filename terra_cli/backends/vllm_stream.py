@@ -1,0 +1,183 @@
+"""Continuous batching over one vLLM engine: many rollouts in flight, each at its own frame.
+
+`LLM.generate` runs a batch until its last request finishes (lockstep). Here we drive
+`llm.llm_engine` ourselves (add_request / step, FINAL_ONLY outputs): as soon as a rollout's frame
+finishes, its next frame's request goes in (prompt = previous prompt + the 576 codes + the frame's
+6 action ids, served from the prefix cache), and a finished rollout's slot takes the next job.
+
+Action rows: rollout slot s owns table rows [s * max_frames * 6, (s + 1) * max_frames * 6). When a
+rollout starts a round, that round's rows are written (apply_model between steps) and the slot's
+epoch goes up; every request carries `cache_salt=f"{s}.{epoch}"`, so a prompt can never hit KV
+blocks computed while the same ids meant other waypoints, and the prefix cache never needs a
+reset while requests are in flight (vLLM refuses one then).
+
+Sampling seeds depend only on (job seed, round, frame in round), the same formula as the lockstep
+`VllmBackend.generate` for rollout 0, so a job's tokens do not depend on its slot or neighbours.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from terra_cli.backends.base import Sampling
+from terra_cli.backends.vllm import VllmBackend, _write_rows, interleave
+from terra_cli.pipeline.rounds import Round, plan_rounds
+
+ROUND_SEED_STRIDE = 100_003  # = pipeline.rounds: a fresh random stream per round
+
+
+@dataclass(frozen=True)
+class RolloutJob:
+    """One video's tokens to generate: context (K, T) int64, actions (>= frames - 1, 6, 3)."""
+
+    key: str
+    context: np.ndarray
+    actions: np.ndarray
+    total_frames: int
+    sampling: Sampling
+
+
+@dataclass
+class _Rollout:
+    job: RolloutJob
+    slot: int
+    rounds: list[Round]
+    frames: np.ndarray  # (total_frames, T): context, then each finished frame
+    round_index: int = 0
+    local_frame: int = 0  # frame (within the round) of the request in flight
+    prompt: list[int] = field(default_factory=list)
+    action_ids: np.ndarray | None = None  # (num_frames - 1, 6) for the current round
+    salt: str = ""
+
+
+# on_frame(job, global frame index, tokens (T,)); on_done(job, all tokens (frames, T))
+FrameDone = Callable[[RolloutJob, int, np.ndarray], None]
+JobDone = Callable[[RolloutJob, np.ndarray], None]
+
+
+def kv_capacity_rollouts(backend: VllmBackend, tokens_per_rollout: int) -> int | None:
+    """How many rollouts of `tokens_per_rollout` KV tokens the engine's cache holds (None: unknown)."""
+    cache = backend.llm.llm_engine.vllm_config.cache_config
+    blocks, block_size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    if not blocks or not block_size:
+        return None
+    per_rollout = -(-tokens_per_rollout // block_size)
+    return max(1, int(blocks) // per_rollout)
+
+
+class StreamDriver:
+    """Runs `RolloutJob`s with up to `max_in_flight` at once on a `VllmBackend`'s engine."""
+
+    def __init__(self, backend: VllmBackend, max_in_flight: int):
+        self.backend = backend
+        self.layout = backend.config.layout
+        self.engine = backend.llm.llm_engine
+        table_frames = backend.action_rows.capacity  # frames' worth of action rows
+        slots = table_frames // self.layout.max_frames
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        # The table is sized for max_num_seqs sequences of max_frames frames.
+        self.max_in_flight = min(max_in_flight, slots)
+        self.epochs = [0] * self.max_in_flight
+        self.requests_done = 0
+        self.cached_tokens = 0
+        self.prompt_tokens = 0
+
+    def run(self, jobs: Iterable[RolloutJob], on_frame: FrameDone | None = None, on_done: JobDone | None = None) -> None:
+        """Generate every job; returns when all are done. KeyboardInterrupt aborts what is in
+        flight (the engine is left empty) and propagates."""
+        pending: Iterator[RolloutJob] = iter(jobs)
+        free = list(range(self.max_in_flight - 1, -1, -1))
+        active: dict[str, _Rollout] = {}  # request id -> rollout
+        exhausted = False
+        # Rows of the lockstep backend's ActionRows are overwritten here: it must forget them.
+        self.backend.action_rows.first_row.clear()
+        try:
+            while True:
+                while free and not exhausted:
+                    job = next(pending, None)
+                    if job is None:
+                        exhausted = True
+                        break
+                    rollout = self._start(job, free.pop())
+                    active[self._submit(rollout)] = rollout
+                if not active:
+                    break
+                for out in self.engine.step():
+                    rollout = active.pop(out.request_id)
+                    self.requests_done += 1
+                    self.cached_tokens += out.num_cached_tokens or 0
+                    self.prompt_tokens += len(out.prompt_token_ids or ())
+                    if self._frame_finished(rollout, list(out.outputs[0].token_ids), on_frame):
+                        active[self._submit(rollout)] = rollout
+                    else:
+                        free.append(rollout.slot)
+                        if on_done is not None:
+                            on_done(rollout.job, rollout.frames)
+        except BaseException:
+            if active:
+                self.engine.abort_request(list(active))
+            raise
+        finally:
+            # Our salted blocks are useless to lockstep calls, and nothing is in flight now.
+            if not self.engine.has_unfinished_requests():
+                self.backend.llm.reset_prefix_cache()
+
+    # -- one rollout ------------------------------------------------------------------------
+
+    def _start(self, job: RolloutJob, slot: int) -> _Rollout:
+        context = np.asarray(job.context, dtype=np.int64)
+        frames = np.zeros((job.total_frames, self.layout.image_tokens), dtype=np.int64)
+        frames[: context.shape[0]] = context
+        rounds = plan_rounds(context.shape[0], job.total_frames, self.layout.max_frames)
+        rollout = _Rollout(job, slot, rounds, frames)
+        self._start_round(rollout)
+        return rollout
+
+    def _start_round(self, rollout: _Rollout) -> None:
+        layout = self.layout
+        rnd = rollout.rounds[rollout.round_index]
+        waypoints = np.ascontiguousarray(rollout.job.actions[rnd.first_frame : rnd.end - 1], dtype=np.float32)
+        first_rows = (rollout.slot * layout.max_frames + np.arange(rnd.num_frames - 1)) * layout.action_tokens
+        self.backend.llm.apply_model(functools.partial(_write_rows, first_rows.astype(np.int64), waypoints))
+        self.epochs[rollout.slot] += 1
+        rollout.salt = f"{rollout.slot}.{self.epochs[rollout.slot]}"
+        rollout.action_ids = layout.action_placeholder_id + first_rows[:, None] + np.arange(layout.action_tokens)
+        context = rollout.frames[rnd.first_frame : rnd.first_frame + rnd.context_frames]
+        rollout.prompt = interleave(context, rollout.action_ids[: rnd.context_frames])
+        rollout.local_frame = rnd.context_frames
+
+    def _frame_finished(self, rollout: _Rollout, codes: list[int], on_frame: FrameDone | None) -> bool:
+        """Store a finished frame; True when the rollout has another frame to request."""
+        if len(codes) != self.layout.image_tokens:
+            raise RuntimeError(f"vLLM returned {len(codes)} codes for a frame, expected {self.layout.image_tokens}")
+        rnd = rollout.rounds[rollout.round_index]
+        index = rnd.first_frame + rollout.local_frame
+        rollout.frames[index] = codes
+        if on_frame is not None:
+            on_frame(rollout.job, index, rollout.frames[index])
+        rollout.local_frame += 1
+        if rollout.local_frame < rnd.num_frames:
+            rollout.prompt = rollout.prompt + codes + rollout.action_ids[rollout.local_frame - 1].tolist()
+            return True
+        rollout.round_index += 1
+        if rollout.round_index < len(rollout.rounds):
+            self._start_round(rollout)
+            return True
+        return False
+
+    def _submit(self, rollout: _Rollout) -> str:
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        round_sampling = replace(rollout.job.sampling,
+                                 seed=rollout.job.sampling.seed + ROUND_SEED_STRIDE * rollout.round_index)
+        params = self.backend._sampling_params(round_sampling, 0, rollout.local_frame)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        request_id = f"{rollout.job.key}#{rollout.round_index}.{rollout.local_frame}"
+        self.engine.add_request(request_id, tokens_input(rollout.prompt, cache_salt=rollout.salt), params)
+        return request_id

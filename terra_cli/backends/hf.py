@@ -44,7 +44,7 @@ def _attention_backends(device: torch.device):
     On an H100, torch's default choice is cuDNN attention, which builds an execution plan for
     every key length it has not seen, i.e. for every decode step of a new frame: measured 76.7
     ms/step on fresh lengths against 14.0 once planned, and 19.6 / 14.7 with flash or
-    memory-efficient attention (scripts/gpu_profile.py hf, benchmarks/README.md).
+    memory-efficient attention (benchmarks/scripts/gpu_profile.py hf, benchmarks/README.md).
     """
     from contextlib import nullcontext
 

@@ -84,19 +84,19 @@ def interleave(frame_tokens: np.ndarray, action_ids: np.ndarray) -> list[int]:
     return np.concatenate([frame_tokens, action_ids], axis=1).reshape(-1).tolist()
 
 
-def _terra_model(model):
+def terra_model(model):
     while not hasattr(model, "write_action_rows") and hasattr(model, "unwrap"):
         model = model.unwrap()  # a CUDA-graph wrapper around the model
     return model
 
 
 # Module-level functions for LLM.apply_model, so that they pickle when the engine runs in its own process.
-def _write_rows(first_rows, waypoints, model) -> None:
-    _terra_model(model).write_action_rows(first_rows, waypoints)
+def write_rows(first_rows, waypoints, model) -> None:
+    terra_model(model).write_action_rows(first_rows, waypoints)
 
 
-def _table_rows(model) -> int:
-    return _terra_model(model).action_table_rows()
+def table_rows(model) -> int:
+    return terra_model(model).action_table_rows()
 
 
 class ActionRows:
@@ -111,7 +111,7 @@ class ActionRows:
     def __init__(self, llm, layout):
         self.llm = llm
         self.layout = layout
-        self.capacity = int(llm.apply_model(_table_rows)[0]) // layout.action_tokens  # in frames
+        self.capacity = int(llm.apply_model(table_rows)[0]) // layout.action_tokens  # in frames
         self.first_row: dict[bytes, int] = {}
 
     def ids_for(self, waypoints: np.ndarray) -> np.ndarray:
@@ -137,7 +137,7 @@ class ActionRows:
                 self.first_row[key] = (start + i) * self.layout.action_tokens
             first_rows = np.array([self.first_row[key] for key in new], dtype=np.int64)
             waypoints_new = np.stack([frame_of[key] for key in new])
-            self.llm.apply_model(functools.partial(_write_rows, first_rows, waypoints_new))
+            self.llm.apply_model(functools.partial(write_rows, first_rows, waypoints_new))
         first = np.array([self.first_row[key] for key in keys], dtype=np.int64)
         ids = self.layout.action_placeholder_id + first[:, None] + np.arange(self.layout.action_tokens)
         return ids.reshape(*waypoints.shape[:-2], self.layout.action_tokens)
@@ -250,7 +250,7 @@ class VllmBackend:
         self.last_cached_tokens: list[list[int]] = []  # per frame: cached prompt tokens per rollout
         self.last_prompt_tokens: list[list[int]] = []
 
-    def _sampling_params(self, sampling: Sampling, rollout: int, frame: int):
+    def sampling_params(self, sampling: Sampling, rollout: int, frame: int):
         from vllm import SamplingParams
 
         tokens = self.config.layout.image_tokens
@@ -287,7 +287,7 @@ class VllmBackend:
         self.last_cached_tokens, self.last_prompt_tokens = [], []
         for f in range(k, num_frames):
             requests = [{"prompt_token_ids": prompts[r]} for r in range(rollouts)]
-            params = [self._sampling_params(sampling, r, f) for r in range(rollouts)]
+            params = [self.sampling_params(sampling, r, f) for r in range(rollouts)]
             outputs = self.llm.generate(requests, params, use_tqdm=False)
             self.last_cached_tokens.append([o.num_cached_tokens or 0 for o in outputs])
             self.last_prompt_tokens.append([len(o.prompt_token_ids) for o in outputs])

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from terra_cli.backends.base import Sampling
-from terra_cli.backends.vllm import VllmBackend, _write_rows, interleave
+from terra_cli.backends.vllm import VllmBackend, write_rows, interleave
 from terra_cli.pipeline.rounds import Round, plan_rounds
 
 ROUND_SEED_STRIDE = 100_003  # = pipeline.rounds: a fresh random stream per round
@@ -143,7 +143,7 @@ class StreamDriver:
         rnd = rollout.rounds[rollout.round_index]
         waypoints = np.ascontiguousarray(rollout.job.actions[rnd.first_frame : rnd.end - 1], dtype=np.float32)
         first_rows = (rollout.slot * layout.max_frames + np.arange(rnd.num_frames - 1)) * layout.action_tokens
-        self.backend.llm.apply_model(functools.partial(_write_rows, first_rows.astype(np.int64), waypoints))
+        self.backend.llm.apply_model(functools.partial(write_rows, first_rows.astype(np.int64), waypoints))
         self.epochs[rollout.slot] += 1
         rollout.salt = f"{rollout.slot}.{self.epochs[rollout.slot]}"
         rollout.action_ids = layout.action_placeholder_id + first_rows[:, None] + np.arange(layout.action_tokens)
@@ -176,7 +176,7 @@ class StreamDriver:
 
         round_sampling = replace(rollout.job.sampling,
                                  seed=rollout.job.sampling.seed + ROUND_SEED_STRIDE * rollout.round_index)
-        params = self.backend._sampling_params(round_sampling, 0, rollout.local_frame)
+        params = self.backend.sampling_params(round_sampling, 0, rollout.local_frame)
         params.output_kind = RequestOutputKind.FINAL_ONLY
         request_id = f"{rollout.job.key}#{rollout.round_index}.{rollout.local_frame}"
         self.engine.add_request(request_id, tokens_input(rollout.prompt, cache_salt=rollout.salt), params)

@@ -40,7 +40,7 @@ from terra_cli.errors import TerraError
 EVAL_WORLD_SEED_BASE = 1000
 SUMMARY_FRAMES = 5  # summary PSNR averages generated frames 1..5 (fewer when fewer are generated)
 EXPECTED_SIGN = {"left": 1.0, "right": -1.0}
-TRAINING_DATA_SEEDS = (0, 1)  # scripts/train_tokenizer.py, scripts/train_world_model.py (--data-seed defaults)
+TRAINING_DATA_SEEDS = (0, 1)  # scripts/train/train_tokenizer.py, scripts/train/train_world_model.py (--data-seed defaults)
 
 
 class EvalError(TerraError):

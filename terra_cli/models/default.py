@@ -2,7 +2,7 @@
 
 terra-mini is NOT Terra's released model. It is a small world model (6 layers, hidden 384,
 8.7M parameters) and LFQ tokenizer (1024 codes, 576 tokens per 288x512 frame) in Terra's exact
-formats, trained with scripts/train_tokenizer.py and scripts/train_world_model.py on terra's
+formats, trained with scripts/train/train_tokenizer.py and scripts/train/train_world_model.py on terra's
 procedural driving world (terra_cli/synthetic_world.py). Replacing it is a file swap: put another
 checkpoint pair under assets/terra-mini/{world_model,tokenizer}.
 """

@@ -2,8 +2,8 @@
 kernels and the top CPU ops, for the vLLM backend (in-process engine) or the transformers
 reference (greedy vs sampled steps).
 
-  python3 scripts/gpu_profile.py vllm LABEL [--rollouts 1] [--context-frames 3,20] [--vllm-arg key=json ...]
-  python3 scripts/gpu_profile.py hf LABEL [--steps 200]
+  python3 benchmarks/scripts/gpu_profile.py vllm LABEL [--rollouts 1] [--context-frames 3,20] [--vllm-arg key=json ...]
+  python3 benchmarks/scripts/gpu_profile.py hf LABEL [--steps 200]
 
 Appends one JSON line per measurement to $OUT/profile.jsonl and writes the profiler tables to
 $OUT/profile-LABEL-*.txt. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),

@@ -1,7 +1,7 @@
 """vLLM vs the transformers reference on a Terra-size model (exact released config, random bf16
 weights), on a GPU with CUDA graphs on. Writes parity.json to $OUT (or the current directory).
 
-  python3 scripts/gpu_parity.py [--checkpoint /tmp/terra_random]
+  python3 benchmarks/scripts/gpu_parity.py [--checkpoint /tmp/terra_random]
 
 Reports:
 - greedy agreement: the fraction of identical tokens in the first generated frame, vLLM vs HF,

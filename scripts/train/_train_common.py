@@ -1,4 +1,4 @@
-"""Helpers shared by scripts/train_tokenizer.py and scripts/train_world_model.py.
+"""Helpers shared by scripts/train/train_tokenizer.py and scripts/train/train_world_model.py.
 
 Both training scripts render rollouts of `terra_cli.synthetic_world` in a pool of CPU workers,
 log with a timestamp counted from the start, stop by a wall-clock deadline, follow the same

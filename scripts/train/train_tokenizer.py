@@ -18,9 +18,9 @@ comes first; checkpoints every --ckpt-every steps into OUT/ckpt/state.pt (--resu
 it); logs to stdout and OUT/log.csv; writes the result with `ImageTokenizer.save_pretrained` to
 OUT/tokenizer (config.json + model.safetensors) and checks that it loads strictly.
 
-    python scripts/train_tokenizer.py --out runs/tok            # ~9 minutes on one GPU
-    python scripts/train_tokenizer.py --out runs/tok --resume   # continue
-    python scripts/train_tokenizer.py --smoke --out /tmp/tok    # CPU, seconds
+    python scripts/train/train_tokenizer.py --out runs/tok            # ~9 minutes on one GPU
+    python scripts/train/train_tokenizer.py --out runs/tok --resume   # continue
+    python scripts/train/train_tokenizer.py --smoke --out /tmp/tok    # CPU, seconds
 """
 
 from __future__ import annotations

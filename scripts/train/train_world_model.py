@@ -2,7 +2,7 @@
 """Train terra-mini's world model: a small LlamaAction decoder over the synthetic world's tokens.
 
 1. Data: seeded rollouts of `terra_cli.synthetic_world` (rendered by a pool of CPU workers) are
-   tokenized on the GPU with a trained tokenizer (`scripts/train_tokenizer.py`), in batches; the
+   tokenized on the GPU with a trained tokenizer (`scripts/train/train_tokenizer.py`), in batches; the
    tokens (int16) and actions are cached in OUT/data and reused on --resume.
 2. Model: `terra_cli.modeling_hf` LlamaAction with Terra's layout (576 image tokens + 6 action slots
    per frame, up to 25 frames), by default 6 layers, hidden 384, 6 heads (head_dim 64), 2 KV heads,
@@ -18,9 +18,9 @@ Stops after --steps or --max-minutes (counted from the start, data included); ch
 OUT/world_model with `terra_cli.checkpoint.save_checkpoint` (Terra's format; loads strictly with
 `terra_cli.modeling_hf.load_model`) in float32 when that fits --max-mb, else bfloat16.
 
-    python scripts/train_world_model.py --tokenizer runs/tok/tokenizer --out runs/wm
-    python scripts/train_world_model.py --tokenizer runs/tok/tokenizer --out runs/wm --resume
-    python scripts/train_world_model.py --smoke --out /tmp/wm     # CPU, tiny, random tokenizer
+    python scripts/train/train_world_model.py --tokenizer runs/tok/tokenizer --out runs/wm
+    python scripts/train/train_world_model.py --tokenizer runs/tok/tokenizer --out runs/wm --resume
+    python scripts/train/train_world_model.py --smoke --out /tmp/wm     # CPU, tiny, random tokenizer
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def parse_args(argv=None):
     if args.rollout_frames < args.seq_frames:
         p.error("--rollout-frames must be at least --seq-frames")
     if args.tokenizer is None and not args.smoke:
-        p.error("--tokenizer is required (a directory written by scripts/train_tokenizer.py)")
+        p.error("--tokenizer is required (a directory written by scripts/train/train_tokenizer.py)")
     return args
 
 

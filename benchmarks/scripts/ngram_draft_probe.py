@@ -1,6 +1,6 @@
 """How many tokens per engine step vLLM's n-gram (prompt lookup) drafting gives on a trained model.
 
-  python3 scripts/ngram_draft_probe.py [--temperature 0,0.5,0.9] [--k 4] [--frames 6] [--no-seed]
+  python3 benchmarks/scripts/ngram_draft_probe.py [--temperature 0,0.5,0.9] [--k 4] [--frames 6] [--no-seed]
                                        [--method ngram|ngram_gpu]
 
 An n-gram draft costs no GPU work: it proposes the tokens that followed the last few tokens where
@@ -53,14 +53,14 @@ def run(context: np.ndarray, actions: np.ndarray, temperature: float, speculativ
         options["speculative_config"] = speculative
     backend = VllmBackend(default_world_model_dir(), max_rollouts=1, **options)
     if not seeded:
-        per_request = backend._sampling_params
+        per_request = backend.sampling_params
 
         def unseeded(sampling, rollout, frame):
             params = per_request(sampling, rollout, frame)
             params.seed = None
             return params
 
-        backend._sampling_params = unseeded
+        backend.sampling_params = unseeded
 
     def counters() -> dict:
         names = ("drafts", "draft_tokens", "accepted_tokens")

@@ -1,6 +1,6 @@
 """Per-step overhead experiment for the vLLM backend on one GPU.
 
-  python3 scripts/gpu_overhead.py LABEL [--checkpoint DIR|mini] [--plain] [--frames 9] [--rollouts 1]
+  python3 benchmarks/scripts/gpu_overhead.py LABEL [--checkpoint DIR|mini] [--plain] [--frames 9] [--rollouts 1]
                                         [--max-rollouts N] [--temperature 0.9] [--gc-off]
                                         [--profile-steps N] [--vllm-arg key=json ...]
 

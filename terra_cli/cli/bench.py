@@ -17,7 +17,8 @@ EPILOG = (
     "Examples:\n\n"
     "  terra bench --hf-vs-vllm --out results.json --plot results.png      # Terra-size model, random weights (GPU)\n\n"
     "  terra bench --hf-vs-vllm --model ckpt/world_model --batch 1,8 --hf-frames 2\n\n"
-    "  terra bench --hf-vs-vllm --model tiny_ckpt --device cpu --frames 4 --context-frames 2 --batch 1,2   # smoke test"
+    "  terra bench --hf-vs-vllm --model tiny_ckpt --device cpu --frames 4 --context-frames 2 --batch 1,2   # smoke test\n\n"
+    "  terra bench --draft-acceptance --seeds 3 --frames 8 --out acceptance.json --heatmap acceptance.png"
 )
 
 
@@ -54,6 +55,10 @@ def _parse_vllm_args(items: list[str]) -> dict:
 @friendly_errors
 def bench(
     hf_vs_vllm: bool = typer.Option(False, "--hf-vs-vllm", help="Compare the transformers reference with vLLM."),
+    draft_acceptance: bool = typer.Option(False, "--draft-acceptance", help="Teacher-forced: how often a draft copied from the previous frame would be accepted (default model: terra-mini)."),
+    seeds: int = typer.Option(3, "--seeds", min=1, help="--draft-acceptance: held-out synthetic worlds per preset."),
+    temperatures: str = typer.Option("0.9,0", "--temperatures", help="--draft-acceptance: temperatures, comma-separated."),
+    heatmap: Optional[Path] = typer.Option(None, "--heatmap", help="--draft-acceptance: PNG of the acceptance per grid position."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model dir or hub id (default: Terra's config, random weights)."),
     frames: int = typer.Option(25, help="Frames per run, context included."),
     context_frames: int = typer.Option(3, help="Context frames."),
@@ -74,8 +79,10 @@ def bench(
     from terra_cli.media.atomic import check_writable
     from terra_cli.backends.base import InputError
 
+    if draft_acceptance:
+        return _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heatmap, overwrite)
     if not hf_vs_vllm:
-        raise InputError("say what to measure: terra bench --hf-vs-vllm")
+        raise InputError("say what to measure: terra bench --hf-vs-vllm or --draft-acceptance")
     for path in (out_json, plot):
         if path is not None:
             check_writable(path, overwrite)
@@ -122,3 +129,51 @@ def _print_table(results: dict) -> None:
     for r in results["runs"]:
         if r["notes"]:
             out.print(f"[dim]{r['backend']} x{r['rollouts']}: {r['notes']}[/]")
+
+
+def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heatmap, overwrite) -> None:
+    import math
+
+    from terra_cli.bench.draft_acceptance import AcceptancePlan, plot_heatmaps, run_draft_acceptance
+    from terra_cli.errors import InputError
+    from terra_cli.media.atomic import atomic_write_json, check_writable
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.modeling_hf import load_model
+    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+    from terra_cli.runtime import resolve_device
+
+    try:
+        temps = tuple(float(t) for t in temperatures.split(",") if t.strip())
+    except ValueError:
+        raise InputError(f"--temperatures takes numbers like 0.9,0, got {temperatures!r}") from None
+    if not temps or any(not math.isfinite(t) or t < 0 for t in temps):
+        raise InputError(f"--temperatures must be finite numbers >= 0, got {temperatures!r}")
+    for path in (out_json, heatmap):
+        if path is not None:
+            check_writable(path, overwrite)
+    device = resolve_device(device)
+    choice = resolve_model(model)
+    if choice.tokenizer is None:
+        raise InputError(f"--model {model} comes without an image tokenizer: --draft-acceptance needs one")
+    config = load_config(choice.world_model_dir)
+    if frames < 2 or frames > config.layout.max_frames:
+        raise InputError(f"--frames must be 2..{config.layout.max_frames} for --draft-acceptance, got {frames}")
+    tok = load_tokenizer(choice.tokenizer, device)
+    check_tokenizer_matches(tok, config)
+    wm = load_model(choice.world_model_dir, device)
+    plan = AcceptancePlan(seeds=seeds, frames=frames, temperatures=temps)
+    results = run_draft_acceptance(wm, tok, plan, log=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False))
+    results["model"] = choice.label
+    table = Table(title=f"previous-frame drafts: {choice.label}")
+    table.add_column("T")
+    table.add_column("mean acceptance", justify="right")
+    for k in (1, 2, 4, 8, 16):
+        table.add_column(f"tokens/step k={k}", justify="right")
+    for t, data in results["temperatures"].items():
+        table.add_row(t, f"{data['mean_acceptance']:.3f}", *(f"{data['tokens_per_step'][k]:.2f}" for k in (1, 2, 4, 8, 16)))
+    out.print(table)
+    out.print(f"true next frame repeats the previous one at {results['true_next_frame_repeats_previous']:.1%} of positions")
+    if out_json:
+        atomic_write_json(out_json, results, overwrite=overwrite)
+    if heatmap:
+        plot_heatmaps(results, heatmap)

@@ -128,7 +128,7 @@ def test_dataset_rollouts_are_seeded_and_independent():
 # -- training scripts: --smoke end to end -----------------------------------------------------
 def _run_script(name, *args):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / name), *map(str, args)],
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train" / name), *map(str, args)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

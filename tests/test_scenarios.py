@@ -94,3 +94,127 @@ def test_interrupt_keeps_finished_scenarios_and_a_scenario_is_the_same_alone(tmp
 def test_rollouts_expand_into_seeded_samples(tmp_path):
     file = read_scenarios(scenario_file(tmp_path, [GOOD[1]]), Defaults(), rollouts=3)
     assert [(s.id, s.seed) for s in file.scenarios] == [("b_s0", 7), ("b_s1", 8), ("b_s2", 9)]
+
+
+def act_bench_line(sample_id, images, rows=47):
+    # ACT-Bench's instruction_trajs: per frame 60 points [x, y] 0.05 s apart (straight ahead at 8 m/s).
+    trajectory = [[0.4 * i, 0.0] for i in range(60)]
+    return {"sample_id": sample_id, "context_frames": images, "instruction_trajs": [trajectory] * rows,
+            "label": "curving_to_left"}
+
+
+def test_act_bench_lines_read_like_terras_own_script(tmp_path):
+    from PIL import Image
+
+    from terra_cli.errors import InputError
+
+    root = tmp_path / "nuscenes"
+    (root / "samples").mkdir(parents=True)
+    images = [f"samples/{i}.jpg" for i in range(3)]
+    for name in images:
+        Image.new("RGB", (64, 36)).save(root / name)
+    path = scenario_file(tmp_path, [act_bench_line(12, images), act_bench_line("7", images, rows=10)])
+    # context_frames are relative to the nuScenes dataroot, not to the file
+    without_root = read_scenarios(path, Defaults())
+    assert [p.line for p in without_root.problems] == [1, 2]
+    assert "--image-root" in without_root.problems[0].message
+    file = read_scenarios(path, Defaults(image_root=root))
+    [scenario] = file.scenarios
+    assert (scenario.frames, scenario.context_frames, scenario.source_format) == (47, 3, "act-bench")
+    assert scenario.output_stem == "NUSCENES_ACTION_000012"
+    assert "10 rows; 47 frames need at least 46" in file.problems[0].message
+    samples = read_scenarios(path, Defaults(image_root=root), rollouts=2).scenarios
+    assert [(s.id, s.output_stem, s.seed) for s in samples] == [
+        ("12_s0", "s0/NUSCENES_ACTION_000012", 0), ("12_s1", "s1/NUSCENES_ACTION_000012", 1)]
+    assert read_scenarios(path, Defaults(frames=6, image_root=root)).scenarios[1].frames == 6
+    with pytest.raises(InputError, match="--image-root"):
+        from terra_cli.scenarios.job import ScenarioJob, prepare_job
+
+        prepare_job(ScenarioJob(path, tmp_path / "out", Defaults(image_root=tmp_path / "nowhere")))
+
+
+def test_act_bench_videos_are_what_its_scorer_reads(tmp_path):
+    """End to end through the CLI: the scorer globs *.mp4 in one folder, takes the sample id from
+    the trailing _digits of the name and keeps the last frames of each video."""
+    import re
+
+    from PIL import Image
+
+    from terra_cli.media.frames import count_frames
+    from terra_cli.models.default import default_tokenizer_dir
+
+    root = tmp_path / "nuscenes"
+    root.mkdir()
+    rng = np.random.default_rng(1)
+    images = []
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 255, size=(288, 512, 3), dtype=np.uint8)).save(root / f"{i}.jpg")
+        images.append(f"{i}.jpg")
+    path = scenario_file(tmp_path, [act_bench_line(345, images)])
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=1024, layers=1))  # the embedded tokenizer's codes
+    out = tmp_path / "videos"
+    result = CliRunner().invoke(app, ["generate", "--scenarios", str(path), "--image-root", str(root),
+                                      "--out-dir", str(out), "--model", str(model), "--tokenizer",
+                                      str(default_tokenizer_dir()), "--backend", "hf", "--frames", "4",
+                                      "--rollouts", "2"])
+    assert result.exit_code == 0, result.output
+    for sample in ("s0", "s1"):
+        videos = sorted((out / sample).glob("*.mp4"))
+        assert [int(re.search(r"_(\d+)$", v.stem).group(1)) for v in videos] == [345]
+        assert count_frames(videos[0]) == 4
+    records = [json.loads(line) for line in (out / RESULTS_NAME).read_text().splitlines()]
+    assert sorted(r["id"] for r in records if r["status"] == "done") == ["345_s0", "345_s1"]
+    # the two samples of a scene differ (seed, seed+1)
+    assert not np.array_equal(np.load(out / "s0/NUSCENES_ACTION_000345.npy")[3:],
+                              np.load(out / "s1/NUSCENES_ACTION_000345.npy")[3:])
+
+
+def test_split_is_balanced_by_generated_frames_and_stable():
+    from terra_cli.scenarios.parallel import split_scenarios
+    from terra_cli.scenarios.spec import Scenario
+
+    lengths = [25, 5, 5, 25, 10, 10, 5, 47]
+    scenarios = [Scenario(f"s{i}", i + 1, np.zeros((n, 6, 3)), n, 0, context_frames=3) for i, n in enumerate(lengths)]
+    shares = split_scenarios(scenarios, 3)
+    assert sorted(s.id for share in shares for s in share) == sorted(s.id for s in scenarios)
+    loads = [sum(s.frames - 3 for s in share) for share in shares]
+    assert sorted(loads) == [31, 33, 44]  # the 44-frame scenario alone; the rest spread evenly
+    assert [[s.id for s in share] for share in shares] == [[s.id for s in share] for share in split_scenarios(scenarios, 3)]
+    assert all([s.line for s in share] == sorted(s.line for s in share) for share in shares)
+
+
+def test_data_parallel_workers_write_what_one_engine_writes(tmp_path):
+    """Two worker processes (CPU, reference backend) against one engine: the same tokens for every
+    scenario, one merged results.jsonl, no worker logs left, and a re-run resumes across shares."""
+    lines = [{"id": f"v{i}", "context": "ctx.npy", "actions": ["left", "right", "straight"][i % 3],
+              "frames": 3 + i % 3, "seed": i} for i in range(5)]
+    path = scenario_file(tmp_path, lines)
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=TOKENS, layers=1))
+    common = ["generate", "--scenarios", str(path), "--model", str(model), "--backend", "hf", "--device", "cpu",
+              "--no-decode"]
+    one = CliRunner().invoke(app, [*common, "--out-dir", str(tmp_path / "one")])
+    assert one.exit_code == 0, one.output
+    two = CliRunner().invoke(app, [*common, "--out-dir", str(tmp_path / "two"), "--data-parallel", "2"])
+    assert two.exit_code == 0, two.output
+    assert "engine 0 ready" in two.output and "engine 1 ready" in two.output
+    for line in lines:
+        np.testing.assert_array_equal(np.load(tmp_path / "one" / f"{line['id']}.npy"),
+                                      np.load(tmp_path / "two" / f"{line['id']}.npy"))
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted([RESULTS_NAME, *(f"v{i}.npy" for i in range(5))])
+    assert completed_ids(tmp_path / "two") == {f"v{i}" for i in range(5)}
+    again = CliRunner().invoke(app, [*common, "--out-dir", str(tmp_path / "two"), "--data-parallel", "2"])
+    assert again.exit_code == 0 and "0 scenario(s) written, 5 already done" in again.output, again.output
+
+
+def test_data_parallel_needs_the_gpus_it_names(monkeypatch):
+    from terra_cli.errors import InputError
+    from terra_cli.scenarios.parallel import worker_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(InputError, match="needs 2 GPUs; 1 visible"):
+        worker_devices("cuda", 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert worker_devices("cuda", 2) == ["3", "5"]
+    with pytest.raises(InputError, match="drop --device cuda:1"):
+        worker_devices("cuda:1", 2)
+    assert worker_devices("cpu", 2) == [None, None]

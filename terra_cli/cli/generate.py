@@ -22,7 +22,9 @@ from terra_cli.errors import InputError
         "  terra generate out.mp4 --model turing-motors/Terra --variant world_model_v2 --context frames/ --actions traj.json\n\n"
         "  terra generate --model ckpt/world_model --context-tokens ctx.npy --actions acts.npy \\\n"
         "      --frames 10 --temperature 0 --backend hf --no-decode --save-tokens out.npy\n\n"
-        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 128 --kv-cache-dtype fp8"
+        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 128 --kv-cache-dtype fp8\n\n"
+        "  terra generate --scenarios act_bench.jsonl --image-root /data/nuscenes --out-dir actbench/ \\\n"
+        "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames"
     )
 )
 @friendly_errors
@@ -32,7 +34,7 @@ def generate(
         "Trajectory: a preset (straight, left, right, stop, accelerate; driven at --speed), a .npy of shape "
         "(frames, 6, 3) or (frames*6, 3) with (lateral y m, forward x m, time s) waypoints, or ACT-Bench "
         ".json/.jsonl ('instruction_trajs'). Files need rows for at least frames-1 frames.")),
-    frames: int = typer.Option(25, "--frames", "-n", help="Total frames, context included (max 100; above 25 runs in rounds re-seeded with the last 3 frames)."),
+    frames: Optional[int] = typer.Option(None, "--frames", "-n", show_default="25; 47 for ACT-Bench scenarios", help="Total frames, context included (max 100; above 25 runs in rounds re-seeded with the last 3 frames)."),
     context: Optional[list[Path]] = typer.Option(None, "--context", "-c", help="Context: a folder of images (natural order), image file(s) (repeat the option), or a video. Default: the embedded sample road."),
     context_frames: Optional[int] = typer.Option(None, "--context-frames", "-k", min=1, help="Use the LAST K frames of --context (the most recent). Default 3, or fewer when fewer are given; with --context-tokens, all rows."),
     context_tokens: Optional[Path] = typer.Option(None, help="Context as tokens instead of images: int .npy of shape (frames, 576); skips the encoder."),
@@ -58,6 +60,8 @@ def generate(
     max_rollouts: int = typer.Option(64, "--max-rollouts", min=1, help="With --scenarios: rollouts in flight at once on the vLLM engine."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto (the model's) or fp8 (GPU)."),
+    data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="With --scenarios: engines, one per visible GPU (one process each), sharing the scenarios."),
+    image_root: Optional[Path] = typer.Option(None, "--image-root", help="With ACT-Bench scenarios: the nuScenes dataroot its context_frames paths are relative to (default: the file's folder)."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
     from terra_cli.actions import resolve_actions
@@ -69,9 +73,25 @@ def generate(
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 
     if scenarios is not None:
-        return _generate_scenarios(scenarios, out_dir, output, rollouts, max_rollouts, skip_invalid, frames, seed,
-                                   speed, context_frames, model, variant, tokenizer, temperature, top_k, top_p,
-                                   backend, device, dtype, kv_cache_dtype, no_decode)
+        from terra_cli.scenarios.job import ScenarioJob
+        from terra_cli.scenarios.spec import Defaults
+
+        if out_dir is None:
+            raise InputError("--scenarios needs --out-dir DIR (each scenario writes DIR/ID.mp4, DIR/ID.npy and a "
+                             "line in DIR/results.jsonl)")
+        if output is not None:
+            raise InputError(f"--scenarios writes into --out-dir; drop OUTPUT ({output})")
+        defaults = Defaults(frames=frames, seed=seed, speed_kmh=speed, context_frames=context_frames or 3,
+                            image_root=image_root)
+        job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
+                          device, dtype, {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype},
+                          max_rollouts, not no_decode, temperature, top_k, top_p, threads)
+        return _generate_scenarios(job, data_parallel)
+    for name, value in (("--data-parallel", data_parallel != 1), ("--image-root", image_root), ("--out-dir", out_dir),
+                        ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid)):
+        if value:
+            raise InputError(f"{name} works with --scenarios FILE")
+    frames = 25 if frames is None else frames
     if actions is None:
         raise InputError("--actions is needed (a preset, a .npy, or ACT-Bench JSON), or --scenarios FILE for many videos")
     # Everything that can be checked without a model, outputs first.
@@ -156,68 +176,56 @@ class CliObserver:
             yield progress.frame_done
 
 
-def _generate_scenarios(path, out_dir, output, rollouts, max_rollouts, skip_invalid, frames, seed, speed,
-                        context_frames, model, variant, tokenizer, temperature, top_k, top_p, backend, device,
-                        dtype, kv_cache_dtype, no_decode) -> None:
+def _generate_scenarios(job, data_parallel: int) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from terra_cli.backends import Sampling, load_backend, resolve_backend_name
-    from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
-    from terra_cli.runtime import resolve_device, resolve_dtype_name
-    from terra_cli.scenarios.runner import check_scenarios, run_scenarios
-    from terra_cli.scenarios.spec import Defaults, read_scenarios
+    from terra_cli.scenarios.job import prepare_job, run_scenario_job
 
-    if out_dir is None:
-        raise InputError("--scenarios needs --out-dir DIR (each scenario writes DIR/ID.mp4, DIR/ID.npy and a line in DIR/results.jsonl)")
-    if output is not None:
-        raise InputError(f"--scenarios writes into --out-dir; drop OUTPUT ({output})")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--out-dir {out_dir} is a file; pass a folder")
-    Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    device = resolve_device(device)
-    resolve_dtype_name(dtype, device)
-    defaults = Defaults(frames=frames, seed=seed, speed_kmh=speed, context_frames=context_frames or 3)
-    file = read_scenarios(path, defaults, rollouts)  # every line checked before any model loads
-    check_scenarios(file, skip_invalid)
-    backend_name = resolve_backend_name(backend)
-    choice = resolve_model(model, variant, tokenizer)
-    config = load_config(choice.world_model_dir)
-    if choice.tokenizer is None:
-        raise InputError(f"--model {model} comes without an image tokenizer: pass --tokenizer DIR_OR_HUB_ID")
-    tok = load_tokenizer(choice.tokenizer, device)
-    check_tokenizer_matches(tok, config)
-    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
-    if backend_name == "vllm":
-        options["max_rollouts"] = max_rollouts
-    elif options:
-        raise InputError("--kv-cache-dtype is a vLLM option; use --backend vllm")
-    world_model = load_backend(backend_name, choice.world_model_dir, device=device, dtype=dtype, **options)
-    say(f"{len(file.scenarios)} scenario(s) from {path} ({file.source_format}), backend {world_model.name}, "
-        f"model {choice.label}, up to {max_rollouts if backend_name == 'vllm' else 1} in flight -> {out_dir}/")
+    prepared = prepare_job(job)  # every line and option checked before any model loads
+    file, out_dir = prepared.file, job.out_dir
+    if data_parallel > 1:
+        from terra_cli.scenarios.parallel import worker_devices
+
+        worker_devices(prepared.device, data_parallel)  # enough GPUs, before anything starts
+    in_flight = job.max_rollouts if prepared.backend == "vllm" else 1
+    say(f"{len(file.scenarios)} scenario(s) from {job.scenarios} ({file.source_format}), backend {prepared.backend}, "
+        f"model {prepared.model_label}, {data_parallel} engine(s), up to {in_flight} in flight each -> {out_dir}/")
     total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
     progress = Progress(TextColumn("[bold]scenarios"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
-    task = progress.add_task("scenarios", total=total_frames, rate="")
+    task = progress.add_task("frames", total=total_frames, rate="")
     started = time.perf_counter()
+    written = [0]
 
-    def on_progress(run, pending):
+    def frame_done(worker: int) -> None:
         elapsed = time.perf_counter() - started
-        progress.update(task, advance=1, rate=f"{run.done} written, {progress.tasks[0].completed / max(elapsed, 1e-9):.1f} frames/s")
+        progress.update(task, advance=1, rate=f"{written[0]} written, "
+                        f"{progress.tasks[0].completed / max(elapsed, 1e-9):.1f} frames/s")
+
+    def scenario_written(worker: int, record: dict) -> None:
+        written[0] += record.get("status") == "done"
+
+    def engine_ready(worker: int, ready) -> None:
+        say(f"engine {worker} ready in {ready.seconds:.1f} s")
 
     try:
         with progress:
-            run = run_scenarios(file, out_dir, world_model, None if no_decode else tok, max_rollouts=max_rollouts,
-                                skip_invalid=skip_invalid, temperature=temperature, top_k=top_k, top_p=top_p,
-                                on_progress=on_progress)
+            if data_parallel > 1:
+                from terra_cli.scenarios.parallel import run_data_parallel
+
+                run = run_data_parallel(prepared, data_parallel, on_ready=engine_ready, on_frame=frame_done,
+                                        on_written=scenario_written)
+            else:
+                run = run_scenario_job(prepared, on_ready=lambda ready: engine_ready(0, ready),
+                                       on_frame=lambda: frame_done(0),
+                                       on_written=lambda record: scenario_written(0, record))
     except KeyboardInterrupt:
         say(f"interrupted: every scenario finished so far is written (see {out_dir}/results.jsonl); "
             "run the same command again to resume")
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    finally:
-        world_model.close()
     say(f"{run.done} scenario(s) written, {run.resumed} already done, {run.skipped} invalid line(s) skipped, "
         f"{run.failed} failed; {run.generated_frames} frames in {run.seconds:.1f} s "
         f"({run.generated_frames / max(run.seconds, 1e-9):.2f} generated frames/s) -> {out_dir}/results.jsonl")
-    if run.failed:
-        raise InputError(f"{run.failed} scenario(s) could not be written: " + "; ".join(run.errors[:3]))
+    if run.failed or run.errors:
+        raise InputError(f"{run.failed} scenario(s) could not be written, {len(run.errors)} error(s): "
+                         + "; ".join(run.errors[:3]))

@@ -6,6 +6,10 @@ Contexts are encoded in batches as scenarios are admitted; finished scenarios ar
 written by a background thread, so the engine keeps stepping while a video is encoded. Each
 written scenario appends one line to `DIR/results.jsonl` (id, status, seed, frames, seconds,
 paths); a re-run skips every id whose line says done and whose files exist.
+
+`ScenarioJob` is the whole request as plain data: `prepare_job` validates it without a model,
+`run_scenario_job` loads the engine and runs it, and `scenarios.parallel` hands the same job to
+one worker process per GPU.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import numpy as np
 
 from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError
-from terra_cli.scenarios.spec import Scenario, ScenarioFile, report
+from terra_cli.scenarios.spec import Defaults, Scenario, ScenarioFile, read_scenarios, report
 
 RESULTS_NAME = "results.jsonl"
+SHARD_RESULTS_GLOB = "results.shard-*.jsonl"  # data-parallel workers' logs, folded into RESULTS_NAME
 ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
 VIDEO_FPS = 10
 
@@ -42,27 +47,36 @@ class ScenarioRun:
 
 
 def completed_ids(out_dir: Path) -> set[str]:
-    """Ids whose results.jsonl line says done and whose files are all there."""
-    results = Path(out_dir) / RESULTS_NAME
+    """Ids whose results line says done and whose files are all there (results.jsonl, and the logs
+    of data-parallel workers that a crash kept from being folded in)."""
+    out_dir = Path(out_dir)
     done: set[str] = set()
-    if not results.is_file():
-        return done
-    for line in results.read_text(encoding="utf-8", errors="replace").splitlines():
+    for results in [out_dir / RESULTS_NAME, *sorted(out_dir.glob(SHARD_RESULTS_GLOB))]:
+        for record in read_results(results):
+            if record.get("status") == "done" and all((out_dir / p).is_file() for p in record.get("paths", [])):
+                done.add(str(record.get("id")))
+    return done
+
+
+def read_results(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a crash: that scenario runs again
-        if isinstance(record, dict) and record.get("status") == "done" and \
-                all((Path(out_dir) / p).is_file() for p in record.get("paths", [])):
-            done.add(str(record.get("id")))
-    return done
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 class ResultsLog:
     """Appends one JSON line per scenario, flushed and synced, under a lock (writer thread + main)."""
 
-    def __init__(self, out_dir: Path):
-        self.path = Path(out_dir) / RESULTS_NAME
+    def __init__(self, out_dir: Path, name: str = RESULTS_NAME):
+        self.path = Path(out_dir) / name
         self.lock = threading.Lock()
 
     def add(self, record: dict) -> None:
@@ -91,23 +105,28 @@ def run_scenarios(
     top_k: int = 0,
     top_p: float = 1.0,
     on_progress: Callable[[ScenarioRun, int], None] = lambda run, total: None,
+    on_written: Callable[[dict], None] = lambda record: None,
+    only_ids: set[str] | None = None,
+    results_name: str = RESULTS_NAME,
+    decode: bool = True,
 ) -> ScenarioRun:
-    """Generate and write every pending scenario. KeyboardInterrupt stops generation; scenarios
-    already finished are still written before it propagates."""
+    """Generate and write every pending scenario (of `only_ids`, when given: a data-parallel
+    worker's share, whose skipped lines the parent records). KeyboardInterrupt stops generation;
+    scenarios already finished are still written before it propagates."""
     check_scenarios(file, skip_invalid)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = ResultsLog(out_dir)
+    log = ResultsLog(out_dir, results_name)
     run = ScenarioRun()
-    for problem in file.problems:
-        log.add({"id": None, "line": problem.line, "status": "skipped", "reason": problem.message})
-        run.skipped += 1
+    if only_ids is None:
+        run.skipped = log_skipped(file, log)
     finished_before = completed_ids(out_dir)
-    pending = [s for s in file.scenarios if s.id not in finished_before]
-    run.resumed = len(file.scenarios) - len(pending)
+    mine = file.scenarios if only_ids is None else [s for s in file.scenarios if s.id in only_ids]
+    pending = [s for s in mine if s.id not in finished_before]
+    run.resumed = len(mine) - len(pending)
     by_key = {s.id: s for s in pending}
     started = {s.id: 0.0 for s in pending}
-    writer = _Writer(out_dir, tokenizer, log, run)
+    writer = _Writer(out_dir, tokenizer if decode else None, log, run, on_written)
     clock = time.perf_counter()
 
     def sampling(s: Scenario) -> Sampling:
@@ -144,6 +163,12 @@ def run_scenarios(
     return run
 
 
+def log_skipped(file: ScenarioFile, log: ResultsLog) -> int:
+    for problem in file.problems:
+        log.add({"id": None, "line": problem.line, "status": "skipped", "reason": problem.message})
+    return len(file.problems)
+
+
 def _encoded(scenarios: list[Scenario], tokenizer) -> Iterator[tuple[Scenario, np.ndarray]]:
     """(scenario, context tokens (K, T)) in order; image contexts encoded ENCODE_BATCH scenarios at a time."""
     from terra_cli.pipeline.inputs import load_context_tokens, read_context_frames
@@ -177,8 +202,9 @@ def _sample_road(count: int) -> list[np.ndarray]:
 class _Writer:
     """A background thread that decodes and writes finished scenarios (bounded queue)."""
 
-    def __init__(self, out_dir: Path, tokenizer, log: ResultsLog, run: ScenarioRun):
+    def __init__(self, out_dir: Path, tokenizer, log: ResultsLog, run: ScenarioRun, on_written: Callable[[dict], None]):
         self.out_dir, self.tokenizer, self.log, self.run = out_dir, tokenizer, log, run
+        self.on_written = on_written
         self.queue: queue.Queue = queue.Queue(maxsize=64)
         self.thread = threading.Thread(target=self._work, name="terra-scenario-writer", daemon=True)
         self.thread.start()
@@ -198,22 +224,26 @@ class _Writer:
             except Exception as exc:  # one scenario's failed write must not stop the others
                 self.run.failed += 1
                 self.run.errors.append(f"{scenario.id}: {exc}")
-                self.log.add({"id": scenario.id, "status": "failed", "reason": str(exc), "seed": scenario.seed})
-                continue
-            self.run.done += 1
-            self.log.add({"id": scenario.id, "status": "done", "seed": scenario.seed, "frames": int(tokens.shape[0]),
-                          "seconds": round(seconds, 2), "paths": paths, "line": scenario.line})
+                record = {"id": scenario.id, "status": "failed", "reason": str(exc), "seed": scenario.seed}
+            else:
+                self.run.done += 1
+                record = {"id": scenario.id, "status": "done", "seed": scenario.seed, "frames": int(tokens.shape[0]),
+                          "seconds": round(seconds, 2), "paths": paths, "line": scenario.line}
+            self.log.add(record)
+            self.on_written(record)
 
 
 def write_scenario(out_dir: Path, scenario: Scenario, tokens: np.ndarray, tokenizer) -> list[str]:
-    """`{id}.npy` (all frames' tokens) and, with a tokenizer, `{id}.mp4`; each atomic. A re-run
+    """`{stem}.npy` (all frames' tokens) and, with a tokenizer, `{stem}.mp4`; each atomic. A re-run
     replaces files of a scenario that was not recorded as done."""
     from terra_cli.media.atomic import atomic_save_npy
     from terra_cli.media.frames import write_video
 
-    names = [f"{scenario.id}.npy"]
+    stem = scenario.output_stem
+    (out_dir / stem).parent.mkdir(parents=True, exist_ok=True)
+    names = [f"{stem}.npy"]
     atomic_save_npy(out_dir / names[0], tokens.astype(np.int64), overwrite=True)
     if tokenizer is not None:
-        names.insert(0, f"{scenario.id}.mp4")
+        names.insert(0, f"{stem}.mp4")
         write_video(out_dir / names[0], list(tokenizer.decode_tokens(tokens)), fps=VIDEO_FPS, overwrite=True)
     return names

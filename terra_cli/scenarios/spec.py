@@ -7,7 +7,14 @@ Two formats, one object per line (blank lines and lines starting with '#' are ig
 - ACT-Bench's (turingmotors/ACT-Bench): {"sample_id": ..., "context_frames": [image paths],
   "instruction_trajs": [...], ...}; recognised by `sample_id`.
 
-Paths are relative to the scenario file. Every line is checked and every problem is collected
+Paths are relative to the scenario file, except ACT-Bench's `context_frames`, which are relative to
+the nuScenes dataroot (`--image-root`, as in ACT-Bench's own generate.py).
+
+ACT-Bench's scorer (act_bench/compute_score.py) globs `*.mp4` in one flat folder, takes the sample id
+from the trailing `_<digits>` of each file name and scores the last 44 frames, so an ACT-Bench
+scenario writes `NUSCENES_ACTION_<id:06>.mp4` of 47 frames (3 context + 44 generated) by default,
+the names and length Terra's own script uses. With --rollouts N the samples go to `s0/`, `s1/`, ...,
+each a folder the scorer can read. Every line is checked and every problem is collected
 with its line number, so the user fixes them all at once.
 """
 
@@ -25,6 +32,9 @@ from terra_cli.errors import InputError
 from terra_cli.pipeline import inputs
 
 TOKENS_SUFFIX = ".npy"
+TERRA_FRAMES = 25
+ACT_BENCH_FRAMES = 47
+ACT_BENCH_PREFIX = "NUSCENES_ACTION_"
 # Scenario ids become file names: keep them portable.
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,150}$")
 
@@ -33,10 +43,11 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,150}$")
 class Defaults:
     """What a line does not say, from the command line."""
 
-    frames: int = 25
+    frames: int | None = None  # None: 25 for terra lines, 47 for ACT-Bench lines
     seed: int = 0
     speed_kmh: float = 30.0
     context_frames: int = inputs.DEFAULT_CONTEXT_FRAMES
+    image_root: Path | None = None  # where ACT-Bench's context_frames live (default: the file's folder)
 
 
 @dataclass(frozen=True)
@@ -53,10 +64,17 @@ class Scenario:
     context_tokens: Path | None = None
     context_frames: int = inputs.DEFAULT_CONTEXT_FRAMES
     source_format: str = "terra"  # or "act-bench"
+    stem: str = ""  # output path without suffix, relative to --out-dir; "" means the id
+
+    @property
+    def output_stem(self) -> str:
+        return self.stem or self.id
 
     def sample(self, index: int) -> "Scenario":
-        """The index-th seeded sample of this scene: seed + index, id suffixed `_s{index}`."""
-        return replace(self, id=f"{self.id}_s{index}", seed=self.seed + index)
+        """The index-th seeded sample of this scene: seed + index, id suffixed `_s{index}`. An
+        ACT-Bench sample keeps its scorer-readable file name, in folder `s{index}/`."""
+        stem = f"s{index}/{self.output_stem}" if self.source_format == "act-bench" else ""
+        return replace(self, id=f"{self.id}_s{index}", seed=self.seed + index, stem=stem)
 
 
 @dataclass(frozen=True)
@@ -154,7 +172,7 @@ def _parse_terra(record: dict, line: int, base: Path, defaults: Defaults) -> Sce
     scenario_id = _check_id(record["id"])
     if "actions" not in record:
         raise InputError("missing 'actions' (a preset, a file, or an inline (frames, 6, 3) array)")
-    frames = _int_field(record, "frames", defaults.frames, 2)
+    frames = _int_field(record, "frames", defaults.frames or TERRA_FRAMES, 2)
     seed = _int_field(record, "seed", defaults.seed, 0)
     count = _int_field(record, "context_frames", defaults.context_frames, 1)
     speed = record.get("speed", defaults.speed_kmh)
@@ -189,7 +207,7 @@ def _resolve_actions(value, frames: int, speed: float, base: Path) -> np.ndarray
     raise InputError(f"'actions' must be a preset, a file path or an array, got {type(value).__name__}")
 
 
-def _resolve_context(value, base: Path) -> tuple[list[Path], Path | None]:
+def _resolve_context(value, base: Path, relative_to: str = "the scenario file") -> tuple[list[Path], Path | None]:
     """Context paths: one tokens .npy, or images / folders / videos (read later, in order)."""
     if value is None:
         return [], None
@@ -199,7 +217,7 @@ def _resolve_context(value, base: Path) -> tuple[list[Path], Path | None]:
     paths = [base / v for v in items]
     missing = [str(v) for v, p in zip(items, paths) if not p.exists()]
     if missing:
-        raise InputError(f"context file(s) not found: {', '.join(missing)} (paths are relative to the scenario file)")
+        raise InputError(f"context file(s) not found: {', '.join(missing)} (paths are relative to {relative_to})")
     if any(p.suffix.lower() == TOKENS_SUFFIX for p in paths):
         if len(paths) != 1:
             raise InputError("a tokens .npy context must be the only context entry")
@@ -249,25 +267,34 @@ def _check_images(paths: list[Path], count: int) -> int:
 
 
 def _parse_act_bench(record: dict, line: int, base: Path, defaults: Defaults) -> Scenario:
-    scenario_id = _check_id(record["sample_id"])
+    sample_id = record["sample_id"]
+    scenario_id = _check_id(sample_id)
     if "instruction_trajs" not in record:
         raise InputError("ACT-Bench sample without 'instruction_trajs'")
     frames_value = record.get("context_frames")
     if not isinstance(frames_value, list) or not frames_value or not all(isinstance(v, str) for v in frames_value):
         raise InputError("ACT-Bench 'context_frames' must be a non-empty list of image paths")
     actions = instruction_trajs_to_actions(record["instruction_trajs"], "instruction_trajs")
-    images, _ = _resolve_context(frames_value, base)
+    root = defaults.image_root or base
+    where = f"--image-root {root}" if defaults.image_root else "the scenario file's folder; pass --image-root DATAROOT"
+    images, _ = _resolve_context(frames_value, root, relative_to=where)
     count = _check_images(images, len(images))
-    frames = act_bench_frames(count, actions.shape[0], defaults)
+    frames = defaults.frames or ACT_BENCH_FRAMES
+    if actions.shape[0] < frames - 1:
+        raise InputError(f"'instruction_trajs' has {actions.shape[0]} rows; {frames} frames need at least {frames - 1} "
+                         f"(pass a smaller --frames)")
     inputs.check_frame_count(frames, count)
     inputs.check_actions_cover(actions, frames)
     seed = _int_field(record, "seed", defaults.seed, 0)
-    return Scenario(scenario_id, line, actions, frames, seed, tuple(images), None, count, "act-bench")
+    return Scenario(scenario_id, line, actions, frames, seed, tuple(images), None, count, "act-bench",
+                    stem=act_bench_stem(sample_id))
 
 
-def act_bench_frames(context_frames: int, action_frames: int, defaults: Defaults) -> int:
-    """Frames of an ACT-Bench video: its context plus one generated frame per trajectory row."""
-    return context_frames + action_frames - 1 if action_frames > 1 else defaults.frames
+def act_bench_stem(sample_id) -> str:
+    """The file name ACT-Bench's scorer reads the sample id back from (`_(\\d+)$`); ids that are not
+    numbers keep their own name, which that scorer cannot read (terra's own tools can)."""
+    text = str(sample_id)
+    return f"{ACT_BENCH_PREFIX}{int(text):06d}" if text.isdigit() else text
 
 
 def report(problems: list[Problem], path: Path) -> str:

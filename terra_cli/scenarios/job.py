@@ -1,0 +1,133 @@
+"""A scenario run as plain data: what `terra generate --scenarios` asks for, checked before any
+model loads, then run on one engine (`run_scenario_job`) or on several (`scenarios.parallel`).
+
+A `ScenarioJob` is picklable on purpose: a data-parallel worker process receives the same job and
+re-reads the same file, so a worker cannot see a different scenario than its parent validated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from terra_cli.errors import InputError
+from terra_cli.scenarios.runner import RESULTS_NAME, ScenarioRun, check_scenarios, run_scenarios
+from terra_cli.scenarios.spec import Defaults, ScenarioFile, read_scenarios
+
+
+@dataclass(frozen=True)
+class ScenarioJob:
+    scenarios: Path
+    out_dir: Path
+    defaults: Defaults = Defaults()
+    rollouts: int = 1
+    skip_invalid: bool = False
+    model: str | None = None
+    variant: str = "world_model"
+    tokenizer: str | None = None
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    engine_options: dict = field(default_factory=dict)  # vLLM engine arguments, e.g. kv_cache_dtype
+    max_rollouts: int = 64
+    decode: bool = True  # False: tokens only (.npy), no image decoder
+    temperature: float = 0.9
+    top_k: int = 0
+    top_p: float = 1.0
+    threads: int = 0  # CPU threads for the reference backend (0: torch's default)
+
+
+@dataclass
+class PreparedJob:
+    """What `prepare_job` found out without loading a model."""
+
+    job: ScenarioJob
+    file: ScenarioFile
+    backend: str  # resolved: hf or vllm
+    device: str  # resolved: cpu, cuda or cuda:N
+    model_label: str
+    needs_tokenizer: bool
+
+
+def prepare_job(job: ScenarioJob) -> PreparedJob:
+    """Every check that needs no model: options, outputs, every scenario line, model and tokenizer
+    found. Raises a one-line InputError naming what is wrong."""
+    from terra_cli.backends import Sampling, resolve_backend_name
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import resolve_model
+    from terra_cli.runtime import resolve_device, resolve_dtype_name
+
+    out_dir = Path(job.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"--out-dir {out_dir} is a file; pass a folder")
+    Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.defaults.seed)
+    device = resolve_device(job.device)
+    resolve_dtype_name(job.dtype, device)
+    if job.max_rollouts < 1:
+        raise InputError(f"--max-rollouts must be at least 1, got {job.max_rollouts}")
+    if job.defaults.image_root is not None and not Path(job.defaults.image_root).is_dir():
+        raise InputError(f"--image-root {job.defaults.image_root} is not a folder (give the nuScenes dataroot)")
+    file = read_scenarios(job.scenarios, job.defaults, job.rollouts)  # every line, before any model
+    check_scenarios(file, job.skip_invalid)
+    backend = resolve_backend_name(job.backend)
+    if backend == "hf" and job.engine_options:
+        raise InputError(f"{', '.join(sorted(job.engine_options))}: vLLM engine option(s); use --backend vllm")
+    choice = resolve_model(job.model, job.variant, job.tokenizer)
+    load_config(choice.world_model_dir)
+    images = any(s.context_tokens is None for s in file.scenarios)
+    needs_tokenizer = job.decode or images
+    if needs_tokenizer and choice.tokenizer is None:
+        why = "to decode videos" if job.decode else "to encode image contexts"
+        raise InputError(f"--model {job.model} comes without an image tokenizer, needed {why}: pass --tokenizer "
+                         "DIR_OR_HUB_ID" + ("" if images else " (or --no-decode for tokens only)"))
+    return PreparedJob(job, file, backend, device, choice.label, needs_tokenizer)
+
+
+@dataclass
+class EngineReady:
+    seconds: float  # from the start of loading to an engine that takes requests
+    startup: dict  # vLLM's own start-up phases, when known
+
+
+def run_scenario_job(
+    prepared: PreparedJob,
+    *,
+    on_ready: Callable[[EngineReady], None] = lambda ready: None,
+    on_frame: Callable[[], None] = lambda: None,
+    on_written: Callable[[dict], None] = lambda record: None,
+    only_ids: set[str] | None = None,
+    results_name: str = RESULTS_NAME,
+) -> ScenarioRun:
+    """Load the tokenizer and the engine, run the pending scenarios, close the engine."""
+    import torch
+
+    from terra_cli.backends import load_backend
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+
+    job = prepared.job
+    started = time.perf_counter()
+    choice = resolve_model(job.model, job.variant, job.tokenizer)
+    config = load_config(choice.world_model_dir)
+    tokenizer = None
+    if prepared.needs_tokenizer:
+        tokenizer = load_tokenizer(choice.tokenizer, prepared.device)
+        check_tokenizer_matches(tokenizer, config)
+    options = dict(job.engine_options)
+    if prepared.backend == "vllm":
+        options["max_rollouts"] = job.max_rollouts
+    elif job.threads:
+        torch.set_num_threads(job.threads)
+    engine = load_backend(prepared.backend, choice.world_model_dir, device=prepared.device, dtype=job.dtype, **options)
+    try:
+        on_ready(EngineReady(round(time.perf_counter() - started, 2),
+                             {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"}))
+        return run_scenarios(prepared.file, job.out_dir, engine, tokenizer, decode=job.decode,
+                             max_rollouts=job.max_rollouts, skip_invalid=job.skip_invalid,
+                             temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
+                             on_progress=lambda run, total: on_frame(), on_written=on_written,
+                             only_ids=only_ids, results_name=results_name)
+    finally:
+        engine.close()

@@ -51,3 +51,31 @@ def test_bench_cli_smoke_on_cpu(tmp_path, tiny_checkpoint):
     # Outputs are not overwritten without asking.
     again = run_terra(*args)
     assert again.returncode != 0 and "--overwrite" in again.stderr
+
+
+def test_scenario_bench_runs_the_product_path_and_reports_rates(tmp_path):
+    """CPU smoke test of `terra bench --scenarios` (reference backend, two engines): every scenario
+    is generated through `generate --scenarios`'s code, and the report holds what the GPU run needs."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from terra_cli.cli import app
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=16, layers=1))
+    out = tmp_path / "scen.json"
+    keep = tmp_path / "kept"
+    result = CliRunner().invoke(app, ["bench", "--scenarios", "5", "--frames", "4", "--context-frames", "2",
+                                      "--model", str(model), "--backend", "hf", "--device", "cpu",
+                                      "--data-parallel", "2", "--lockstep", "2", "--out", str(out),
+                                      "--keep-outputs", str(keep)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [e["worker"] for e in report["engines"]] == [0, 1]
+    assert report["stream"]["generated_frames"] == 5 * 2
+    assert report["stream"]["generated_frames_per_s"] > 0 and report["lockstep"]["rollouts"] == 2
+    assert len(list((keep / "outputs").glob("s*.npy"))) == 5
+    again = CliRunner().invoke(app, ["bench", "--scenarios", "2", "--model", str(model), "--backend", "hf",
+                                     "--keep-outputs", str(keep)])
+    assert again.exit_code == 2 and "is not empty" in again.output

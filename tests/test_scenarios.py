@@ -218,3 +218,15 @@ def test_data_parallel_needs_the_gpus_it_names(monkeypatch):
     with pytest.raises(InputError, match="drop --device cuda:1"):
         worker_devices("cuda:1", 2)
     assert worker_devices("cpu", 2) == [None, None]
+
+
+def test_engine_options_are_checked_before_a_model_loads():
+    from terra_cli.cli.generate import engine_options
+    from terra_cli.errors import InputError
+
+    assert engine_options("auto", "none") == {}
+    assert engine_options("FP8", "fp8") == {"kv_cache_dtype": "fp8", "quantization": "fp8"}
+    with pytest.raises(InputError, match="--quantization must be none or fp8"):
+        engine_options("auto", "int4")
+    with pytest.raises(InputError, match="--kv-cache-dtype must be auto or fp8"):
+        engine_options("bf16", "none")

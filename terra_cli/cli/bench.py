@@ -18,7 +18,9 @@ EPILOG = (
     "  terra bench --hf-vs-vllm --out results.json --plot results.png      # Terra-size model, random weights (GPU)\n\n"
     "  terra bench --hf-vs-vllm --model ckpt/world_model --batch 1,8 --hf-frames 2\n\n"
     "  terra bench --hf-vs-vllm --model tiny_ckpt --device cpu --frames 4 --context-frames 2 --batch 1,2   # smoke test\n\n"
-    "  terra bench --draft-acceptance --seeds 3 --frames 8 --out acceptance.json --heatmap acceptance.png"
+    "  terra bench --draft-acceptance --seeds 3 --frames 8 --out acceptance.json --heatmap acceptance.png\n\n"
+    "  terra bench --scenarios 256 --max-rollouts 128 --lockstep 64 --out scen.json      # continuous batching (GPU)\n\n"
+    "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2"
 )
 
 
@@ -59,6 +61,13 @@ def bench(
     seeds: int = typer.Option(3, "--seeds", min=1, help="--draft-acceptance: held-out synthetic worlds per preset."),
     temperatures: str = typer.Option("0.9,0", "--temperatures", help="--draft-acceptance: temperatures, comma-separated."),
     heatmap: Optional[Path] = typer.Option(None, "--heatmap", help="--draft-acceptance: PNG of the acceptance per grid position."),
+    scenarios: int = typer.Option(0, "--scenarios", min=0, help="Scenario throughput: N scenarios of --frames frames through `generate --scenarios`'s engine (continuous batching)."),
+    max_rollouts: int = typer.Option(128, "--max-rollouts", min=1, help="--scenarios: rollouts in flight per engine."),
+    data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios: engines, one per GPU."),
+    lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="--scenarios: vLLM KV-cache dtype (auto or fp8)."),
+    backend: str = typer.Option("vllm", "--backend", help="--scenarios: vllm, or hf for a CPU smoke test."),
+    keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios: keep the scenario file and every scenario's tokens in this folder."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model dir or hub id (default: Terra's config, random weights)."),
     frames: int = typer.Option(25, help="Frames per run, context included."),
     context_frames: int = typer.Option(3, help="Context frames."),
@@ -79,10 +88,18 @@ def bench(
     from terra_cli.media.atomic import check_writable
     from terra_cli.backends.base import InputError
 
+    if sum((hf_vs_vllm, draft_acceptance, scenarios > 0)) > 1:
+        raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance or --scenarios N")
     if draft_acceptance:
         return _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heatmap, overwrite)
+    if scenarios:
+        from terra_cli.bench.scenarios import ScenarioBenchPlan
+
+        plan = ScenarioBenchPlan(scenarios, frames, context_frames, max_rollouts, data_parallel, lockstep,
+                                 kv_cache_dtype, backend, device, dtype, temperature, seed, _parse_vllm_args(vllm_arg))
+        return _scenario_bench(model, plan, keep_outputs, out_json, overwrite)
     if not hf_vs_vllm:
-        raise InputError("say what to measure: terra bench --hf-vs-vllm or --draft-acceptance")
+        raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance or --scenarios N")
     for path in (out_json, plot):
         if path is not None:
             check_writable(path, overwrite)
@@ -177,3 +194,42 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
         atomic_write_json(out_json, results, overwrite=overwrite)
     if heatmap:
         plot_heatmaps(results, heatmap)
+
+
+def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
+    from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
+    from terra_cli.bench.scenarios import run_scenario_bench
+    from terra_cli.errors import InputError
+    from terra_cli.media.atomic import atomic_write_json, check_writable
+    from terra_cli.models.resolve import resolve_world_model_dir
+    from terra_cli.runtime import resolve_device
+
+    if out_json is not None:
+        check_writable(out_json, overwrite)
+    if keep_outputs is not None and keep_outputs.exists() and any(keep_outputs.iterdir()) and not overwrite:
+        raise InputError(f"--keep-outputs {keep_outputs} is not empty; pass an empty or new folder (or --overwrite)")
+    if plan.context_frames < 1 or plan.frames <= plan.context_frames:
+        raise InputError(f"--frames ({plan.frames}) must be more than --context-frames ({plan.context_frames}), which must be >= 1")
+    device = resolve_device(plan.device)
+    log = lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)  # noqa: E731
+    checkpoint = resolve_world_model_dir(model) if model else random_terra_checkpoint(device, plan.seed, log)
+    results = run_scenario_bench(checkpoint, plan, keep_outputs, log)
+    results["model"] = str(model or checkpoint)
+    results["command"] = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results["environment"] = environment()
+    stream = results["stream"]
+    table = Table(title=f"terra bench --scenarios: {results['model']}")
+    for col in ("run", "engines", "start-up s", "generated frames/s", "GPU busy", "ACT-Bench h (projected)"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    busy = ", ".join("-" if b is None else f"{b:.0%}" for b in stream["gpu_busy"].values()) or "-"
+    table.add_row(f"continuous, {plan.scenarios} x {plan.frames} frames", str(len(results["engines"])),
+                  ", ".join(f"{e['startup_s']:.1f}" for e in results["engines"]),
+                  f"{stream['generated_frames_per_s']:.2f}", busy, f"{stream['projected_act_bench_hours']:.2f}")
+    if "lockstep" in results:
+        lock = results["lockstep"]
+        table.add_row(f"lockstep x{lock['rollouts']}", "1", "-", f"{lock['generated_frames_per_s']:.2f}",
+                      "-" if lock["gpu_busy"] is None else f"{lock['gpu_busy']:.0%}", "-")
+    out.print(table)
+    if out_json:
+        atomic_write_json(out_json, results, overwrite=overwrite)
+        console.print(f"results -> {out_json}")

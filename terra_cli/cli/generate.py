@@ -60,6 +60,7 @@ def generate(
     max_rollouts: int = typer.Option(64, "--max-rollouts", min=1, help="With --scenarios: rollouts in flight at once on the vLLM engine."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto (the model's) or fp8 (GPU)."),
+    quantization: str = typer.Option("none", "--quantization", help="vLLM weight quantization: none, or fp8 (GPU; weights cast to fp8 at load, see benchmarks/README.md for speed and agreement)."),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="With --scenarios: engines, one per visible GPU (one process each), sharing the scenarios."),
     image_root: Optional[Path] = typer.Option(None, "--image-root", help="With ACT-Bench scenarios: the nuScenes dataroot its context_frames paths are relative to (default: the file's folder)."),
 ):
@@ -84,7 +85,7 @@ def generate(
         defaults = Defaults(frames=frames, seed=seed, speed_kmh=speed, context_frames=context_frames or 3,
                             image_root=image_root)
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
-                          device, dtype, {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype},
+                          device, dtype, engine_options(kv_cache_dtype, quantization),
                           max_rollouts, not no_decode, temperature, top_k, top_p, threads)
         return _generate_scenarios(job, data_parallel)
     for name, value in (("--data-parallel", data_parallel != 1), ("--image-root", image_root), ("--out-dir", out_dir),
@@ -115,7 +116,7 @@ def generate(
     request.check()
     choice = resolve_model(model, variant, tokenizer)
     buffer = TokenBuffer()
-    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
+    options = engine_options(kv_cache_dtype, quantization)
     try:
         result = generate_video(request, choice, Engine(backend, device, dtype, threads, options), buffer=buffer,
                                 observer=CliObserver())
@@ -127,6 +128,20 @@ def generate(
         f"model {choice.label}; " + "; ".join(result.written)
         + f"; {time.perf_counter() - _state['started']:.1f} s in all"
     )
+
+
+def engine_options(kv_cache_dtype: str, quantization: str) -> dict:
+    """vLLM engine arguments from --kv-cache-dtype and --quantization, checked here so a typo is a
+    one-line error before a model loads, not a vLLM traceback after."""
+    kv, quant = kv_cache_dtype.strip().lower(), quantization.strip().lower()
+    if kv not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        raise InputError(f"--kv-cache-dtype must be auto or fp8 (fp8_e4m3, fp8_e5m2), got {kv_cache_dtype!r}")
+    if quant not in ("none", "fp8"):
+        raise InputError(f"--quantization must be none or fp8, got {quantization!r}")
+    options = {} if kv == "auto" else {"kv_cache_dtype": kv}
+    if quant != "none":
+        options["quantization"] = quant
+    return options
 
 
 def _save_interrupted(buffer, tokens_path: Optional[Path], total: int, overwrite: bool) -> None:

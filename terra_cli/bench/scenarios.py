@@ -1,0 +1,205 @@
+"""`terra bench --scenarios N`: scenario throughput the way `terra generate --scenarios` runs it.
+
+N scenarios of random context tokens and preset trajectories go through the product path
+(`scenarios.job` / `scenarios.parallel`, continuous batching, staggered starts as slots free up),
+tokens only. Reported: aggregate generated frames/s, GPU busy fraction per GPU while frames are
+being generated (NVML), each engine's start-up, a projected ACT-Bench run, and optionally the
+lockstep figure (all rollouts advancing frame by frame) on a fresh engine in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ACT_BENCH_SAMPLES = 2286
+ACT_BENCH_GENERATED_FRAMES = 44
+PRESETS = ("left", "right", "straight", "stop", "accelerate")
+
+
+@dataclass(frozen=True)
+class ScenarioBenchPlan:
+    scenarios: int = 256
+    frames: int = 25
+    context_frames: int = 3
+    max_rollouts: int = 128
+    data_parallel: int = 1
+    lockstep: int = 0  # rollouts of the lockstep comparison; 0 skips it
+    kv_cache_dtype: str = "auto"
+    backend: str = "vllm"
+    device: str = "auto"
+    dtype: str = "auto"
+    temperature: float = 0.9
+    seed: int = 0
+    vllm_options: dict = field(default_factory=dict)
+
+
+class BusySampler:
+    """Mean NVML utilization ('percent of time a kernel was running') of each GPU, sampled every
+    100 ms between start() and stop(). None where NVML is unavailable (CPU runs)."""
+
+    def __init__(self, gpus: list[int], interval: float = 0.1):
+        self.gpus, self.interval = gpus, interval
+        self.samples: dict[int, list[int]] = {g: [] for g in gpus}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="terra-busy-sampler", daemon=True)
+
+    def start(self) -> None:
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = {g: pynvml.nvmlDeviceGetHandleByIndex(g) for g in self.gpus}
+        except Exception:  # no NVML (CPU, or the package is missing): busy stays unknown
+            return
+        while not self._stop.is_set():
+            for g, handle in handles.items():
+                self.samples[g].append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            time.sleep(self.interval)
+
+    def busy(self) -> dict[str, float | None]:
+        return {str(g): (round(float(np.mean(s)) / 100, 3) if s else None) for g, s in self.samples.items()}
+
+
+def write_bench_scenarios(folder: Path, layout, plan: ScenarioBenchPlan) -> Path:
+    """A terra scenario file: random context tokens (one .npy each), presets at 10-50 km/h, seeds."""
+    rng = np.random.default_rng(plan.seed)
+    lines = []
+    for i in range(plan.scenarios):
+        name = f"ctx{i:05d}.npy"
+        np.save(folder / name, rng.integers(0, layout.image_vocab_size, size=(plan.context_frames, layout.image_tokens)))
+        lines.append({"id": f"s{i:05d}", "context": name, "actions": PRESETS[i % len(PRESETS)],
+                      "frames": plan.frames, "seed": plan.seed + i, "speed": round(float(rng.uniform(10, 50)), 1)})
+    path = folder / "scenarios.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path | None = None,
+                       log: Callable[[str], None] = print) -> dict:
+    """Run the plan; the scenario outputs (tokens) stay in `out_dir` when given, else in a
+    temporary folder that is removed."""
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.scenarios.job import ScenarioJob, prepare_job, run_scenario_job
+    from terra_cli.scenarios.spec import Defaults
+
+    layout = load_config(checkpoint).layout
+    with tempfile.TemporaryDirectory(prefix="terra-bench-scenarios-") as tmp:
+        work = Path(out_dir) if out_dir is not None else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        path = write_bench_scenarios(work, layout, plan)
+        options = dict(plan.vllm_options)
+        if plan.kv_cache_dtype != "auto":
+            options["kv_cache_dtype"] = plan.kv_cache_dtype
+        job = ScenarioJob(path, work / "outputs", Defaults(seed=plan.seed), model=str(checkpoint),
+                          backend=plan.backend, device=plan.device, dtype=plan.dtype, engine_options=options,
+                          max_rollouts=plan.max_rollouts, decode=False, temperature=plan.temperature)
+        prepared = prepare_job(job)
+        gpus = _gpu_indices(prepared.device, plan.data_parallel)
+        sampler = BusySampler(gpus)
+        marks: dict[str, float] = {}
+        engines: dict[int, dict] = {}
+        frames = [0]
+
+        def on_ready(worker, ready):
+            engines[worker] = {"worker": worker, "startup_s": ready.seconds, "startup": ready.startup}
+            log(f"engine {worker} ready in {ready.seconds:.1f} s")
+
+        def on_frame(worker):
+            if not frames[0]:
+                marks["first_frame"] = time.perf_counter()
+                sampler.start()
+            frames[0] += 1
+
+        log(f"{plan.scenarios} scenarios of {plan.frames} frames, {plan.data_parallel} engine(s), "
+            f"up to {plan.max_rollouts} in flight each, KV cache {plan.kv_cache_dtype}")
+        marks["start"] = time.perf_counter()
+        try:
+            if plan.data_parallel > 1:
+                from terra_cli.scenarios.parallel import run_data_parallel
+
+                run = run_data_parallel(prepared, plan.data_parallel, on_ready=on_ready, on_frame=on_frame)
+            else:
+                run = run_scenario_job(prepared, on_ready=lambda r: on_ready(0, r), on_frame=lambda: on_frame(0))
+        finally:
+            sampler.stop()
+        end = time.perf_counter()
+        if run.errors or run.done != plan.scenarios:
+            raise RuntimeError(f"scenario run incomplete: {run.done} of {plan.scenarios} done; {run.errors[:3]}")
+        generating = end - marks["first_frame"]
+        rate = frames[0] / generating
+        results = {
+            "plan": {k: v for k, v in plan.__dict__.items()},
+            "engines": [engines[k] for k in sorted(engines)],
+            "stream": {
+                "scenarios": plan.scenarios, "generated_frames": frames[0],
+                "seconds_generating": round(generating, 2), "seconds_wall": round(end - marks["start"], 2),
+                "generated_frames_per_s": round(rate, 3), "gpu_busy": sampler.busy(),
+                "projected_act_bench_hours": round(ACT_BENCH_SAMPLES * ACT_BENCH_GENERATED_FRAMES / rate / 3600, 3),
+            },
+        }
+        log(f"continuous: {rate:.2f} generated frames/s over {generating:.1f} s, GPU busy {sampler.busy()}")
+        if plan.lockstep:
+            results["lockstep"] = _lockstep(checkpoint, layout, plan, gpus, log)
+    return results
+
+
+def _lockstep(checkpoint: Path, layout, plan: ScenarioBenchPlan, gpus: list[int], log) -> dict:
+    """All rollouts advance frame by frame together (VllmBackend.generate): the figure before
+    continuous batching, measured on a fresh engine."""
+    from terra_cli.actions import preset_actions
+    from terra_cli.backends import Sampling, load_backend
+    from terra_cli.runtime import resolve_device
+
+    rng = np.random.default_rng(plan.seed)
+    context = rng.integers(0, layout.image_vocab_size, size=(plan.context_frames, layout.image_tokens))
+    actions = preset_actions("left", plan.frames, 30.0)
+    options = dict(plan.vllm_options)
+    if plan.backend == "vllm":
+        options["max_rollouts"] = plan.lockstep
+        if plan.kv_cache_dtype != "auto":
+            options["kv_cache_dtype"] = plan.kv_cache_dtype
+    engine = load_backend(plan.backend, checkpoint, device=resolve_device(plan.device), dtype=plan.dtype, **options)
+    try:
+        batch = (plan.lockstep, *context.shape)
+        sampler = BusySampler(gpus[:1])
+        started = time.perf_counter()
+        sampler.start()
+        engine.generate(np.broadcast_to(context, batch), np.broadcast_to(actions, (plan.lockstep, *actions.shape)),
+                        plan.frames, Sampling(temperature=plan.temperature, seed=plan.seed))
+        seconds = time.perf_counter() - started
+        sampler.stop()
+    finally:
+        engine.close()
+    generated = plan.lockstep * (plan.frames - plan.context_frames)
+    log(f"lockstep x{plan.lockstep}: {generated / seconds:.2f} generated frames/s")
+    return {"rollouts": plan.lockstep, "seconds": round(seconds, 2), "generated_frames_per_s": round(generated / seconds, 3),
+            "gpu_busy": sampler.busy()[str(gpus[0])] if gpus else None}
+
+
+def _gpu_indices(device: str, workers: int) -> list[int]:
+    """NVML indices of the GPUs the engines run on (CUDA_VISIBLE_DEVICES order)."""
+    if not device.startswith("cuda"):
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [int(v) for v in visible.split(",") if v.strip().isdigit()] if visible else list(range(workers))
+    if device.startswith("cuda:"):
+        return [ids[int(device.split(":")[1])]] if ids else [int(device.split(":")[1])]
+    return ids[:workers]

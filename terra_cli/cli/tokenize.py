@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -24,10 +25,12 @@ def _check_reconstruct_dir(directory: Path, overwrite: bool) -> None:
 
     if directory.exists() and not directory.is_dir():
         raise OutputError(f"--reconstruct {directory} is a file; pass a folder for the decoded frames")
-    if directory.is_dir() and not overwrite:
+    # The folder is built beside the target and swapped in whole, so an existing one is replaced
+    # entirely or not at all.
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
         existing = [p for p in list_images(directory) if p.name.startswith("frame_")]
-        if existing:
-            raise OutputError(f"{directory} already holds decoded frames ({existing[0].name}, ...); pass --overwrite to replace them")
+        what = f"decoded frames ({existing[0].name}, ...)" if existing else "files"
+        raise OutputError(f"--reconstruct {directory} already holds {what}; pass --overwrite to replace the folder")
 
 
 @app.command(
@@ -53,9 +56,13 @@ def tokenize(
 
     from tokenizer_decoder import ImageTokenizer, psnr
 
-    from terra_cli.media.atomic import atomic_save_npy, check_writable
+    from terra_cli.cli.progress import StepProgress
+    from terra_cli.errors import OutputError
+    from terra_cli.media.atomic import atomic_directory, atomic_save_npy, check_writable
     from terra_cli.media.frames import count_frames, iter_frames, write_frames
 
+    if out_path.suffix.lower() != ".npy":
+        raise OutputError(f"--out {out_path} must end in .npy (the tokens, int64 (frames, 576))")
     check_writable(out_path, overwrite)
     if reconstruct is not None:
         _check_reconstruct_dir(reconstruct, overwrite)
@@ -83,22 +90,24 @@ def tokenize(
     scores: list[float] = []
     done = 0
     started = time.perf_counter()
-    with _progress(total) as (progress, task):
+    # Frames are decoded into a folder beside --reconstruct that replaces it only once every frame
+    # and the tokens are written: a failure or Ctrl-C leaves the old folder (or none), never a part.
+    frames_folder = atomic_directory(reconstruct, overwrite) if reconstruct is not None else contextlib.nullcontext()
+    with frames_folder as partial_dir, StepProgress(console, "tokenizing", total) as progress:
         stream = itertools.chain([first], frames)
         while batch := list(itertools.islice(stream, batch_size)):
             tokens = tok.tokenize(batch)
             token_chunks.append(tokens)
-            if reconstruct is not None:
+            if partial_dir is not None:
                 decoded = tok.decode_tokens(tokens)
                 originals = tok.resize_frames(batch)
                 scores.extend(psnr(a, b) for a, b in zip(originals, decoded))
-                write_frames(reconstruct, decoded, start=done)
+                write_frames(partial_dir, decoded, start=done)
             done += len(batch)
-            progress.update(task, advance=len(batch))
-    elapsed = time.perf_counter() - started
-
-    all_tokens = np.concatenate(token_chunks).astype(np.int64)
-    atomic_save_npy(out_path, all_tokens)
+            progress.advance(len(batch))
+        elapsed = time.perf_counter() - started
+        all_tokens = np.concatenate(token_chunks).astype(np.int64)
+        atomic_save_npy(out_path, all_tokens, overwrite=overwrite)
     if scores:
         _print_psnr_table(scores)
     console.print(
@@ -108,24 +117,6 @@ def tokenize(
         highlight=False,
         soft_wrap=True,
     )
-
-
-class _progress:
-    def __init__(self, total: Optional[int]):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(
-            TextColumn("[bold]tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("frames"),
-            TimeElapsedColumn(), console=console, transient=False,
-        )
-        self.task = self.progress.add_task("tokenize", total=total)
-
-    def __enter__(self):
-        self.progress.__enter__()
-        return self.progress, self.task
-
-    def __exit__(self, *exc):
-        return self.progress.__exit__(*exc)
 
 
 def _print_psnr_table(scores: list[float]) -> None:

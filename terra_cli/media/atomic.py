@@ -27,11 +27,16 @@ from terra_cli.errors import OutputError
 MAX_NAME_BYTES = 200
 
 
+def check_name_length(path: Path) -> None:
+    """Before anything else touches `path`: the OS refuses even to stat an over-long name."""
+    if len(Path(path).name.encode()) > MAX_NAME_BYTES:
+        raise OutputError(f"cannot write {str(path)[:80]}...: the file name is longer than {MAX_NAME_BYTES} bytes")
+
+
 def check_writable(path: Path, overwrite: bool) -> None:
     """Fail before any work if `path` exists (and may not be replaced) or cannot be created."""
     path = Path(path)
-    if len(path.name.encode()) > MAX_NAME_BYTES:
-        raise OutputError(f"cannot write {str(path)[:80]}...: the file name is longer than {MAX_NAME_BYTES} bytes")
+    check_name_length(path)
     if path.is_dir():
         raise OutputError(f"cannot write {path}: it is a directory")
     if path.exists() and not overwrite:
@@ -64,6 +69,10 @@ def unwritable_ancestor(directory: Path) -> Path | None:
 
 
 def describe_os_error(exc: OSError, path: Path) -> str:
+    # numpy's tofile reports a short write ("N requested and M written") with no errno: on a local
+    # file that is a full disk (or quota).
+    if exc.errno is None and "requested and" in str(exc):
+        return f"cannot write {path}: no space left on the device (the write stopped short)"
     if exc.errno == errno.ENOSPC:
         return f"cannot write {path}: no space left on the device"
     if exc.errno == errno.EDQUOT:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from terra_cli.errors import OutputError
-from terra_cli.media.atomic import check_writable, unwritable_ancestor
+from terra_cli.media.atomic import check_name_length, check_writable, unwritable_ancestor
 
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".m4v")
 
@@ -25,6 +25,9 @@ class Outputs:
 
 def check_outputs(video: Path | None, frames_dir: Path | None, tokens: Path | None, *, no_decode: bool, overwrite: bool) -> Outputs:
     """Validate every output before anything is loaded: what to write, and that it may be written."""
+    for path in (video, frames_dir, tokens):
+        if path is not None:
+            check_name_length(path)
     if no_decode:
         if video is not None:
             raise OutputError(f"--no-decode writes no video: drop OUTPUT ({video}) or --no-decode")

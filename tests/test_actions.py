@@ -289,3 +289,36 @@ def test_cli_help_has_examples():
     for command in ("convert", "plot"):
         result = run_terra("actions", command, "--help")
         assert result.returncode == 0 and "Examples" in result.stdout and "terra actions " + command in result.stdout
+
+
+def test_implausible_waypoints_are_named_by_frame_and_presets_pass():
+    from terra_cli.plausibility import implausible_actions
+
+    for name in A.PRESETS:
+        assert implausible_actions(A.preset_actions(name, 30, 120.0)) == [], name
+    actions = A.preset_actions("straight", 10, 30.0).astype(np.float64)
+    actions[4, :, 1] *= 100  # centimetres for metres: 3,000 km/h
+    actions[6, 2, 0] = 8.0  # 8 m sideways 1.45 s ahead: 7.6 m/s^2, plausible
+    actions[7, 0, 0] = 6.0  # 6 m sideways 0.45 s ahead: 59 m/s^2
+    actions[8, :, 2] = 0.45  # every waypoint at the same time
+    messages = implausible_actions(actions)
+    assert len(messages) == 3
+    times, speed, lateral = messages
+    assert times.startswith("frame 8:") and "do not increase" in times
+    assert speed.startswith("frame 4:") and "km/h" in speed and "(1 frame(s))" in speed
+    assert lateral.startswith("frame 7:") and "m/s^2 sideways" in lateral
+
+
+def test_cli_warns_about_implausible_actions_and_still_writes(tmp_path):
+    from typer.testing import CliRunner
+
+    from terra_cli.cli import app
+
+    actions = A.preset_actions("left", 5, 30.0)
+    actions[2, :, :2] *= 1000
+    np.save(tmp_path / "km.npy", actions)
+    result = CliRunner().invoke(app, ["actions", "convert", str(tmp_path / "km.npy"), str(tmp_path / "o.npy")])
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.output.splitlines() if line.startswith("warning:")][0].startswith(
+        "warning: actions frame 2:")
+    np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), actions)

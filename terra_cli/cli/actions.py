@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from terra_cli.cli.app import actions_app, console, friendly_errors
+from terra_cli.cli.app import actions_app, console, friendly_errors, warn_implausible
 from terra_cli.cli.options import DEFAULT_SPEED_KMH
 
 _INPUT_HELP = (
@@ -50,6 +50,7 @@ def actions_convert(
         raise OutputError(f"{output}: the output must be a .npy file")
     check_writable(output, overwrite)
     actions = resolve_actions(input, frames=frames, speed_kmh=speed)
+    warn_implausible(actions)
     atomic_save_npy(output, actions.astype(np.float32))
     s = summarize_actions(actions)
     side = "left" if s.lateral_m > 0.005 else "right" if s.lateral_m < -0.005 else "centre"

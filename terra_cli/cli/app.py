@@ -36,6 +36,18 @@ def say(text: str) -> None:
     console.print(escape(text), highlight=False, soft_wrap=True)
 
 
+def warn(message: str) -> None:
+    """One `warning:` line on stderr; the command goes on."""
+    console.print(f"[bold yellow]warning:[/] {escape(' '.join(str(message).split()))}", highlight=False, soft_wrap=True)
+
+
+def warn_implausible(actions) -> None:
+    from terra_cli.plausibility import implausible_actions
+
+    for message in implausible_actions(actions):
+        warn(f"actions {message}")
+
+
 def error_line(message: str) -> None:
     console.print(f"[bold red]error:[/] {escape(' '.join(str(message).split()))}", highlight=False, soft_wrap=True)
 

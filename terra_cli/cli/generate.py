@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from terra_cli.cli import options as opts
-from terra_cli.cli.app import EXIT_INTERRUPTED, _state, app, console, friendly_errors, say
+from terra_cli.cli.app import EXIT_INTERRUPTED, _state, app, console, friendly_errors, say, warn_implausible
 from terra_cli.errors import InputError
 
 
@@ -106,6 +106,7 @@ def generate(
     generation_threads(threads, 0, "hf", device)  # range check only
     waypoints = resolve_actions(actions, frames=frames, speed_kmh=speed)
     inputs.check_actions_cover(waypoints, frames)
+    warn_implausible(waypoints[: frames - 1])
     context_ids = inputs.load_context_tokens(context_tokens, context_frames) if context_tokens is not None else None
     images = inputs.read_context_frames(context, context_frames) if context else None
     label = (f" of {', '.join(map(str, context))}" if context else

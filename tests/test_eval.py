@@ -21,7 +21,7 @@ from terra_cli.evaluation.run import (
     sign_accuracy,
     training_world_seeds,
 )
-from terra_cli.synthetic.world import psnr
+from tokenizer_decoder import psnr
 
 from terra_cli.models.default import default_tokenizer_dir
 from conftest import run_terra
@@ -62,7 +62,7 @@ def test_commanded_lateral_signs():
 
 def test_lateral_estimate_on_true_frames_follows_the_turn():
     from terra_cli.actions import preset_actions
-    from terra_cli.synthetic.world import render_rollout
+    from terra_cli.synthetic.dataset import render_rollout
 
     for name, sign in (("left", 1), ("right", -1)):
         frames = render_rollout(EVAL_WORLD_SEED_BASE, preset_actions(name, 6, 30.0))

@@ -81,7 +81,7 @@ def test_default_model_video_tokens_frames_and_determinism(tmp_path, tokenizer):
 
 def test_context_from_png_folder_and_video(tmp_path, tokenizer):
     from terra_cli.media.frames import read_frames, write_frames, write_video
-    from terra_cli.synthetic.world import render_rollout
+    from terra_cli.synthetic.dataset import render_rollout
     from terra_cli.actions import preset_actions
 
     clip = render_rollout(11, preset_actions("straight", 5, 40.0))

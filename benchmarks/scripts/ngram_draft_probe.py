@@ -32,7 +32,7 @@ def probe_inputs(frames: int) -> tuple[np.ndarray, np.ndarray]:
     """(3, 576) context tokens of held-out world 1003 and its (frames, 6, 3) `left` waypoints."""
     from terra_cli.actions import DEFAULT_SPEED_KMH, preset_actions
     from terra_cli.models.default import default_tokenizer_dir
-    from terra_cli.synthetic.world import render_rollout
+    from terra_cli.synthetic.dataset import render_rollout
     from tokenizer_decoder.tokenizer import ImageTokenizer
 
     actions = preset_actions("left", frames, DEFAULT_SPEED_KMH)

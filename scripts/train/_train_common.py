@@ -41,7 +41,7 @@ def render_job(job):
 
     A module-level function, so that the worker pool can pickle it by name.
     """
-    from terra_cli.synthetic.world import render_dataset_rollout
+    from terra_cli.synthetic.dataset import render_dataset_rollout
 
     seed, index, frames = job
     imgs, actions = render_dataset_rollout(seed, index, frames)

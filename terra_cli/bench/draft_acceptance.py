@@ -83,7 +83,7 @@ def teacher_forced_image_logits(model, tokens: np.ndarray, actions: np.ndarray) 
 
 def run_draft_acceptance(model, tokenizer, plan: AcceptancePlan, log=lambda msg: None) -> dict:
     from terra_cli.actions import preset_actions
-    from terra_cli.synthetic.world import render_rollout
+    from terra_cli.synthetic.dataset import render_rollout
 
     per_temperature = {t: [] for t in plan.temperatures}
     repeats = []

@@ -100,20 +100,20 @@ def parse_presets(text: str) -> list[str]:
 
 def training_world_seeds(data_seed: int, n_rollouts: int) -> set[int]:
     """World seeds of the first `n_rollouts` rollouts of a training data seed (as `rollout_spec` draws them)."""
-    from terra_cli.synthetic.world import _rng
+    from terra_cli.synthetic.camera import _rng
 
     return {int(_rng(0xDA7A, data_seed, i).integers(0, 2**31 - 1)) for i in range(n_rollouts)}
 
 
 def per_frame_psnr(frames: np.ndarray, truth: np.ndarray) -> np.ndarray:
     """(F,) PSNR of frames[i] vs truth[i]."""
-    from terra_cli.synthetic.world import psnr
+    from tokenizer_decoder import psnr
 
     return np.array([psnr(a, b) for a, b in zip(frames, truth)], np.float64)
 
 
 def per_frame_ssim(frames: np.ndarray, truth: np.ndarray) -> np.ndarray:
-    from terra_cli.synthetic.world import ssim
+    from terra_cli.synthetic.metrics import ssim
 
     return np.array([ssim(a, b) for a, b in zip(frames, truth)], np.float64)
 
@@ -129,14 +129,14 @@ def lateral_from_last_context(last_context: np.ndarray, frames: np.ndarray) -> f
 
 
 def _lateral_motion(frames: np.ndarray) -> np.ndarray:
-    from terra_cli.synthetic.world import estimate_lateral_motion
+    from terra_cli.synthetic.metrics import estimate_lateral_motion
 
     return estimate_lateral_motion(frames)
 
 
 def commanded_lateral(actions: np.ndarray, context_frames: int, frames: int) -> float:
     """Lateral offset (m, + left) of the ego at frame `frames - 1` in the ego frame of frame `context_frames - 1`."""
-    from terra_cli.synthetic.world import rollout_poses
+    from terra_cli.synthetic.dataset import rollout_poses
 
     poses = rollout_poses(np.asarray(actions)[:frames])
     x0, y0, th0 = poses[context_frames - 1]
@@ -259,7 +259,7 @@ def evaluate_preset(
 ) -> PresetResult:
     """Render, tokenize, generate (all seeds in one call), decode and score one preset."""
     from terra_cli.actions import preset_actions
-    from terra_cli.synthetic.world import render_rollout
+    from terra_cli.synthetic.dataset import render_rollout
     from terra_cli.backends.base import Sampling
 
     stage = on_stage or (lambda _msg: None)

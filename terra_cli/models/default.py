@@ -30,6 +30,6 @@ def default_tokenizer_dir() -> Path:
 def sample_context_frames(count: int = 3) -> np.ndarray:
     """The embedded context sample: `count` frames of the synthetic road, driving straight."""
     from terra_cli.actions import preset_actions
-    from terra_cli.synthetic.world import render_rollout
+    from terra_cli.synthetic.dataset import render_rollout
 
     return render_rollout(SAMPLE_WORLD_SEED, preset_actions("straight", count, SAMPLE_SPEED_KMH))

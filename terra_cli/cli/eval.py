@@ -44,9 +44,22 @@ def eval_command(
 ):
     """Evaluate the world model on held-out synthetic worlds: PSNR/SSIM vs the truth and a copy-last-frame
     baseline, the tokenizer's ceiling, and whether the generated motion follows left/right commands."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    from terra_cli.evaluation.run import EvalPlan, build_results, evaluate_preset, parse_presets, plot_eval, save_json, save_strip
+    from terra_cli.evaluation.report import plot_eval, save_json, save_strip
+    from terra_cli.evaluation.run import (
+        EvalPlan,
+        build_results,
+        evaluate_preset,
+        parse_presets,
+    )
     from terra_cli.media.atomic import check_writable
 
     plan = EvalPlan(
@@ -64,7 +77,11 @@ def eval_command(
 
     from terra_cli.errors import InputError
     from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+    from terra_cli.models.resolve import (
+        check_tokenizer_matches,
+        load_tokenizer,
+        resolve_model,
+    )
     from terra_cli.runtime import resolve_device, resolve_dtype_name
 
     dev = resolve_device(device)
@@ -133,7 +150,7 @@ def eval_command(
 def _print_table(report: dict) -> None:
     from rich.table import Table
 
-    from terra_cli.evaluation.run import _fmt
+    from terra_cli.evaluation.report import format_metric
 
     s = report["summary"]
     n = len(s["summary_frames"])
@@ -145,15 +162,15 @@ def _print_table(report: dict) -> None:
         p = res["summary"]
         acc = p.get("sign_accuracy")
         table.add_row(
-            name, str(len(res["per_seed"])), _fmt(p["psnr_generated"]), _fmt(p["psnr_copy_baseline"]),
-            _fmt(p["ssim_generated"]), _fmt(p["ssim_copy_baseline"]), _fmt(p["psnr_tokenizer_ceiling"]),
-            f"{_fmt(p['lateral_generated_mean_m'])} ± {_fmt(p['lateral_generated_std_m'])}",
-            _fmt(p["lateral_true_mean_m"]), _fmt(p["lateral_commanded_m"]),
+            name, str(len(res["per_seed"])), format_metric(p["psnr_generated"]), format_metric(p["psnr_copy_baseline"]),
+            format_metric(p["ssim_generated"]), format_metric(p["ssim_copy_baseline"]), format_metric(p["psnr_tokenizer_ceiling"]),
+            f"{format_metric(p['lateral_generated_mean_m'])} ± {format_metric(p['lateral_generated_std_m'])}",
+            format_metric(p["lateral_true_mean_m"]), format_metric(p["lateral_commanded_m"]),
             "-" if acc is None else f"{acc:.0%}",
         )
     table.add_section()
-    table.add_row("all", "", _fmt(s["psnr_generated_frames_1_5"]), _fmt(s["psnr_copy_baseline_frames_1_5"]),
-                  _fmt(s["ssim_generated_frames_1_5"]), _fmt(s["ssim_copy_baseline_frames_1_5"]),
-                  _fmt(s["psnr_tokenizer_ceiling_frames_1_5"]), "", "", "",
+    table.add_row("all", "", format_metric(s["psnr_generated_frames_1_5"]), format_metric(s["psnr_copy_baseline_frames_1_5"]),
+                  format_metric(s["ssim_generated_frames_1_5"]), format_metric(s["ssim_copy_baseline_frames_1_5"]),
+                  format_metric(s["psnr_tokenizer_ceiling_frames_1_5"]), "", "", "",
                   "-" if s.get("sign_accuracy_left_right") is None else f"{s['sign_accuracy_left_right']:.0%}")
     out.print(table)

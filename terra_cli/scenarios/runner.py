@@ -27,7 +27,7 @@ import numpy as np
 
 from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError
-from terra_cli.scenarios.spec import Defaults, Scenario, ScenarioFile, read_scenarios, report
+from terra_cli.scenarios.spec import Scenario, ScenarioFile, report
 
 RESULTS_NAME = "results.jsonl"
 SHARD_RESULTS_GLOB = "results.shard-*.jsonl"  # data-parallel workers' logs, folded into RESULTS_NAME

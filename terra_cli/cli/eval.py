@@ -44,15 +44,7 @@ def eval_command(
 ):
     """Evaluate the world model on held-out synthetic worlds: PSNR/SSIM vs the truth and a copy-last-frame
     baseline, the tokenizer's ceiling, and whether the generated motion follows left/right commands."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
+    from terra_cli.cli.progress import TaskProgress
     from terra_cli.evaluation.report import plot_eval, save_json, save_strip
     from terra_cli.evaluation.run import (
         EvalPlan,
@@ -106,22 +98,17 @@ def eval_command(
     )
 
     results = []
-    progress = Progress(
-        TextColumn("[bold]{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(), TextColumn("frames"),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
-    )
     total = len(plan.presets) * plan.generated_frames
     try:
-        with progress:
-            task = progress.add_task("eval", total=total, stage="")
+        with TaskProgress(console, "eval", total) as progress:
             for name in plan.presets:
                 res = evaluate_preset(
                     name, plan, tok, wm,
-                    on_frame=lambda _i, _t: progress.update(task, advance=1),
-                    on_stage=lambda msg: progress.update(task, stage=msg),
+                    on_frame=lambda _i, _t: progress.advance(),
+                    on_stage=progress.note,
                 )
                 results.append(res)
-            progress.update(task, stage="done")
+            progress.note("done")
     finally:
         close = getattr(wm, "close", None)
         if close is not None:

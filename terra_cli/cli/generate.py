@@ -193,8 +193,7 @@ class CliObserver:
 
 
 def _generate_scenarios(job, data_parallel: int) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
+    from terra_cli.cli.progress import TaskProgress
     from terra_cli.scenarios.job import prepare_job, run_scenario_job
 
     prepared = prepare_job(job)  # every line and option checked before any model loads
@@ -207,16 +206,14 @@ def _generate_scenarios(job, data_parallel: int) -> None:
     say(f"{len(file.scenarios)} scenario(s) from {job.scenarios} ({file.source_format}), backend {prepared.backend}, "
         f"model {prepared.model_label}, {data_parallel} engine(s), up to {in_flight} in flight each -> {out_dir}/")
     total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
-    progress = Progress(TextColumn("[bold]scenarios"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
-    task = progress.add_task("frames", total=total_frames, rate="")
+    progress = TaskProgress(console, "scenarios", total_frames, unit="generated frames")
     started = time.perf_counter()
     written = [0]
 
     def frame_done(worker: int) -> None:
         elapsed = time.perf_counter() - started
-        progress.update(task, advance=1, rate=f"{written[0]} written, "
-                        f"{progress.tasks[0].completed / max(elapsed, 1e-9):.1f} frames/s")
+        progress.advance(1, note=f"{written[0]} of {len(file.scenarios)} written, "
+                                 f"{(progress.completed + 1) / max(elapsed, 1e-9):.1f} frames/s")
 
     def scenario_written(worker: int, record: dict) -> None:
         written[0] += record.get("status") == "done"

@@ -76,3 +76,36 @@ class StepProgress:
             self.console.print(f"{self.label}: {self.progress.tasks[0].completed:.0f} frames in "
                                f"{time.perf_counter() - self.started:.1f} s", highlight=False)
         return False
+
+
+class TaskProgress:
+    """A bar over a count (frames, scenarios) with rate and ETA, and a free note beside the label
+    (a stage, a running rate); the note is plain text, never read as markup."""
+
+    def __init__(self, console: Console, label: str, total: int, unit: str = "frames"):
+        self.progress = Progress(
+            TextColumn(f"[bold]{label}"), TextColumn("{task.fields[note]}", markup=False), BarColumn(),
+            MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn(), TimeRemainingColumn(),
+            console=console, transient=False,
+        )
+        self.task = self.progress.add_task(label, total=total, note="")
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    @property
+    def completed(self) -> float:
+        return self.progress.tasks[0].completed
+
+    def advance(self, n: int = 1, note: str | None = None) -> None:
+        if note is None:
+            self.progress.update(self.task, advance=n)
+        else:
+            self.progress.update(self.task, advance=n, note=note)
+
+    def note(self, text: str) -> None:
+        self.progress.update(self.task, note=text)

@@ -27,3 +27,16 @@ def tiny_checkpoint(tmp_path_factory):
     from terra_cli.models.testing import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_world_model"))
+
+
+def invoke_terra(*args):
+    """The CLI in this process (typer's CliRunner): no interpreter start-up or import cost, for
+    cases that fail in validation or run tiny models. Same result shape as `run_terra`."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from terra_cli.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return SimpleNamespace(returncode=result.exit_code, stderr=result.output, stdout=result.output)

@@ -6,7 +6,7 @@ from terra_cli.backends.hf import generate_frames
 from terra_cli.models.modeling_hf import load_model
 from terra_cli.backends.base import Sampling
 
-from conftest import run_terra
+from conftest import invoke_terra, run_terra
 
 
 def write_inputs(tmp_path, frames=4, context_frames=2, seed=0):
@@ -49,10 +49,10 @@ def test_generate_bad_inputs_give_one_line_errors(tmp_path, tiny_checkpoint):
         "does not exist": ["--actions", tmp_path / "missing.npy", "--frames", 4],
     }
     for message, extra in cases.items():
-        result = run_terra(*base, *extra)
+        result = invoke_terra(*base, *extra)
         assert result.returncode == 2, (message, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr
-    missing_model = run_terra("generate", "--model", tmp_path / "nope", "--context-tokens", tmp_path / "ctx.npy",
+    missing_model = invoke_terra("generate", "--model", tmp_path / "nope", "--context-tokens", tmp_path / "ctx.npy",
                               "--actions", tmp_path / "acts.npy", "--frames", 4, "--backend", "hf",
                               "--no-decode", "--save-tokens", tmp_path / "o.npy")
     assert missing_model.returncode == 2 and "does not exist" in missing_model.stderr

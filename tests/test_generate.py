@@ -12,7 +12,7 @@ import pytest
 
 from terra_cli.pipeline.rounds import RESEED_FRAMES, plan_rounds
 
-from conftest import run_terra
+from conftest import invoke_terra, run_terra
 
 HF = ("--backend", "hf", "--device", "cpu")
 
@@ -98,23 +98,26 @@ def test_context_from_png_folder_and_video(tmp_path, tokenizer):
         np.testing.assert_array_equal(tokens[:2], tokenizer.tokenize(expected[-2:]))
 
 
-def test_thirty_frames_run_in_two_rounds(tmp_path, tiny_checkpoint):
+def test_thirty_frames_run_in_two_rounds(tmp_path):
+    from terra_cli.backends.base import Sampling
     from terra_cli.backends.hf import generate_frames
     from terra_cli.models.modeling_hf import load_model
-    from terra_cli.backends.base import Sampling
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 
+    # 16 tokens a frame: the round schedule is the point, not the 576-token layout.
+    tiny_checkpoint = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=16))
     rng = np.random.default_rng(1)
-    ctx = rng.integers(0, 512, size=(3, 576))
+    ctx = rng.integers(0, 512, size=(3, 16))
     acts = rng.normal(size=(30, 6, 3)).astype(np.float32)
     np.save(tmp_path / "ctx.npy", ctx)
     np.save(tmp_path / "acts.npy", acts)
-    result = run_terra("generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",
+    result = invoke_terra("generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",
                        "--actions", tmp_path / "acts.npy", "--frames", 30, "--temperature", 0, *HF,
                        "--no-decode", "--save-tokens", tmp_path / "out.npy")
     assert result.returncode == 0, result.stderr
     assert "2 rounds" in result.stderr and "2 round(s)" in result.stderr
     tokens = np.load(tmp_path / "out.npy")
-    assert tokens.shape == (30, 576) and tokens.dtype == np.int64
+    assert tokens.shape == (30, 16) and tokens.dtype == np.int64
     np.testing.assert_array_equal(tokens[:3], ctx)
 
     rounds = plan_rounds(3, 30, 25)
@@ -164,7 +167,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_checkpoint):
         ("--no-decode needs --save-tokens", ["--no-decode", "--actions", "straight", "--frames", 4]),
     ]
     for message, extra in cases:
-        result = run_terra("generate", *HF, *extra)
+        result = invoke_terra("generate", *HF, *extra)
         assert_fails(result, message)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and message in errors[0], result.stderr

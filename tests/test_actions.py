@@ -10,7 +10,7 @@ from terra_cli import actions as A
 from terra_cli.actions import ActionsError, resolve_actions
 from terra_cli.errors import TerraError
 
-from conftest import run_terra
+from conftest import invoke_terra
 
 TIMES = np.array([0.45, 0.95, 1.45, 1.95, 2.45, 2.95])
 
@@ -231,29 +231,29 @@ def test_bad_inputs_raise_one_line_errors(tmp_path):
 
 def test_cli_convert_writes_and_refuses_to_overwrite(tmp_path):
     out = tmp_path / "left.npy"
-    result = run_terra("actions", "convert", "left", out, "--frames", 25, "--speed", 20)
+    result = invoke_terra("actions", "convert", "left", out, "--frames", 25, "--speed", 20)
     assert result.returncode == 0, result.stderr
     np.testing.assert_array_equal(np.load(out), resolve_actions("left", frames=25, speed_kmh=20))
     assert np.load(out).dtype == np.float32
     said = result.stdout + result.stderr
     assert "25 frames" in said and "m forward" in said and "lateral offset +" in said
 
-    again = run_terra("actions", "convert", "right", out, "--frames", 25)
+    again = invoke_terra("actions", "convert", "right", out, "--frames", 25)
     assert again.returncode != 0 and "already exists" in again.stderr and "Traceback" not in again.stderr
     np.testing.assert_array_equal(np.load(out), resolve_actions("left", frames=25, speed_kmh=20))
-    assert run_terra("actions", "convert", "right", out, "--frames", 25, "--overwrite").returncode == 0
+    assert invoke_terra("actions", "convert", "right", out, "--frames", 25, "--overwrite").returncode == 0
     assert np.load(out)[-1, -1, 0] < 0
 
     # a JSONL file converts to the same array as its source
     acts = known_actions()
     (tmp_path / "s.jsonl").write_text(json.dumps({"instruction_trajs": act_bench_trajs(acts)}) + "\n")
-    assert run_terra("actions", "convert", tmp_path / "s.jsonl", tmp_path / "s.npy").returncode == 0
+    assert invoke_terra("actions", "convert", tmp_path / "s.jsonl", tmp_path / "s.npy").returncode == 0
     np.testing.assert_allclose(np.load(tmp_path / "s.npy"), acts, atol=1e-6)
 
 
 def test_cli_plot_writes_a_png_and_refuses_to_overwrite(tmp_path):
     out = tmp_path / "plot.png"
-    result = run_terra("actions", "plot", "right", out, "--frames", 20)
+    result = invoke_terra("actions", "plot", "right", out, "--frames", 20)
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 5000
     with Image.open(out) as im:
@@ -262,10 +262,10 @@ def test_cli_plot_writes_a_png_and_refuses_to_overwrite(tmp_path):
         assert len(im.getcolors(maxcolors=1 << 20) or []) > 20, "not a blank picture"
     assert not list(tmp_path.glob(".*partial*")), "no leftover temporary file"
     before = out.read_bytes()
-    again = run_terra("actions", "plot", "left", out, "--frames", 20)
+    again = invoke_terra("actions", "plot", "left", out, "--frames", 20)
     assert again.returncode != 0 and "already exists" in again.stderr and "Traceback" not in again.stderr
     assert out.read_bytes() == before
-    assert run_terra("actions", "plot", "left", out, "--frames", 20, "--overwrite").returncode == 0
+    assert invoke_terra("actions", "plot", "left", out, "--frames", 20, "--overwrite").returncode == 0
 
 
 def test_cli_bad_inputs_exit_nonzero_without_traceback(tmp_path):
@@ -279,7 +279,7 @@ def test_cli_bad_inputs_exit_nonzero_without_traceback(tmp_path):
         (["plot", "stop", tmp_path / "o.png", "--frames", 3, "--speed", -5], "--speed"),
     ]
     for args, message in cases:
-        result = run_terra("actions", *args)
+        result = invoke_terra("actions", *args)
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
     assert not (tmp_path / "o.npy").exists() and not (tmp_path / "o.png").exists()
@@ -287,7 +287,7 @@ def test_cli_bad_inputs_exit_nonzero_without_traceback(tmp_path):
 
 def test_cli_help_has_examples():
     for command in ("convert", "plot"):
-        result = run_terra("actions", command, "--help")
+        result = invoke_terra("actions", command, "--help")
         assert result.returncode == 0 and "Examples" in result.stdout and "terra actions " + command in result.stdout
 
 

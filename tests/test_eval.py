@@ -24,7 +24,7 @@ from terra_cli.evaluation.run import (
 from tokenizer_decoder import psnr
 
 from terra_cli.models.default import default_tokenizer_dir
-from conftest import run_terra
+from conftest import invoke_terra, run_terra
 
 
 def test_sign_accuracy():
@@ -127,7 +127,7 @@ def test_eval_command_end_to_end(tmp_path):
 
 
 def test_eval_bad_preset_is_one_line_error(tmp_path):
-    result = run_terra("eval", "--presets", "left,sideways", "--out", tmp_path / "e.json")
+    result = invoke_terra("eval", "--presets", "left,sideways", "--out", tmp_path / "e.json")
     assert result.returncode == 2
     assert "unknown preset 'sideways'" in result.stderr and "Traceback" not in result.stderr
 
@@ -138,9 +138,8 @@ def test_eval_without_tokenizer_ceiling(tmp_path):
 
     model = write_tiny_checkpoint(tmp_path / "wm", tiny_config(image_vocab=1024, layers=1))
     out, plot = tmp_path / "eval.json", tmp_path / "eval.png"
-    result = run_terra("eval", "--model", model, "--tokenizer", default_tokenizer_dir(), "--seeds", 1, "--frames", 4, "--presets", "straight",
-                       "--backend", "hf", "--device", "cpu", "--ceiling-seeds", 0, "--out", out, "--plot", plot,
-                       timeout=300)
+    result = invoke_terra("eval", "--model", model, "--tokenizer", default_tokenizer_dir(), "--seeds", 1, "--frames", 4, "--presets", "straight",
+                       "--backend", "hf", "--device", "cpu", "--ceiling-seeds", 0, "--out", out, "--plot", plot)
     assert result.returncode == 0, result.stderr + result.stdout
     data = json.loads(out.read_text())
     assert data["summary"]["psnr_tokenizer_ceiling_frames_1_5"] is None

@@ -89,7 +89,7 @@ def test_context_from_png_folder_and_video(tmp_path, tokenizer):
     write_video(tmp_path / "clip.mp4", list(clip))
     for source, expected in ((tmp_path / "pngs", list(clip)), (tmp_path / "clip.mp4", read_frames(tmp_path / "clip.mp4"))):
         out = tmp_path / f"{source.stem}.npy"
-        result = run_terra("generate", "--context", source, "--context-frames", 2, "--frames", 3,
+        result = invoke_terra("generate", "--context", source, "--context-frames", 2, "--frames", 3,
                            "--actions", "straight", "--temperature", 0, *HF, "--no-decode", "--save-tokens", out)
         assert result.returncode == 0, result.stderr
         tokens = np.load(out)

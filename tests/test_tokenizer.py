@@ -22,7 +22,7 @@ from tokenizer_decoder import (
     small_config,
 )
 
-from conftest import run_terra
+from conftest import invoke_terra
 
 SMALL_SIZE = (64, 128)  # 4 x 8 latent grid: fast on CPU
 
@@ -231,7 +231,7 @@ def test_cli_tokenize_and_reconstruct(tmp_path, saved_small_tokenizer):
     folder.mkdir()
     for i, frame in zip([1, 2, 10], random_frames(3, 90, 160)):
         Image.fromarray(frame).save(folder / f"frame{i}.png")
-    result = run_terra("tokenize", folder, "--out", tmp_path / "tokens.npy", "--tokenizer", saved_small_tokenizer,
+    result = invoke_terra("tokenize", folder, "--out", tmp_path / "tokens.npy", "--tokenizer", saved_small_tokenizer,
                        "--reconstruct", tmp_path / "recon", "--device", "cpu", "--batch-size", 2)
     assert result.returncode == 0, result.stderr
     tokens = np.load(tmp_path / "tokens.npy")
@@ -247,7 +247,7 @@ def test_cli_tokenize_and_reconstruct(tmp_path, saved_small_tokenizer):
 
 def test_cli_tokenize_errors(tmp_path, saved_small_tokenizer):
     (tmp_path / "empty").mkdir()
-    result = run_terra("tokenize", tmp_path / "empty", "--out", tmp_path / "t.npy", "--tokenizer", saved_small_tokenizer)
+    result = invoke_terra("tokenize", tmp_path / "empty", "--out", tmp_path / "t.npy", "--tokenizer", saved_small_tokenizer)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -261,6 +261,6 @@ def test_cli_tokenize_errors(tmp_path, saved_small_tokenizer):
     state = load_file(saved_small_tokenizer / "model.safetensors")
     state.pop("encoder.conv_in.weight")
     save_file(state, broken / "model.safetensors")
-    result = run_terra("tokenize", tmp_path / "ok.png", "--out", tmp_path / "t.npy", "--tokenizer", broken)
+    result = invoke_terra("tokenize", tmp_path / "ok.png", "--out", tmp_path / "t.npy", "--tokenizer", broken)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "missing keys: encoder.conv_in.weight" in result.stderr

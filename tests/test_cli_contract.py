@@ -33,9 +33,9 @@ def test_generate_no_decode_contract_hf(tmp_path, tiny_checkpoint):
     np.testing.assert_array_equal(tokens, expected)
 
     # An existing output is never overwritten without --overwrite.
-    again = run_terra(*args)
+    again = invoke_terra(*args)
     assert again.returncode != 0 and "already exists" in again.stderr and "Traceback" not in again.stderr
-    assert run_terra(*args, "--overwrite").returncode == 0
+    assert invoke_terra(*args, "--overwrite").returncode == 0
 
 
 def test_generate_bad_inputs_give_one_line_errors(tmp_path, tiny_checkpoint):

@@ -122,7 +122,7 @@ def test_eval_command_end_to_end(tmp_path):
             im.load()
             assert im.size[0] > 100 and im.size[1] > 100
 
-    again = run_terra(*args)
+    again = invoke_terra(*args)
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
 
 

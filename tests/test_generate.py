@@ -65,17 +65,17 @@ def test_default_model_video_tokens_frames_and_determinism(tmp_path, tokenizer):
     # Same seed, second run from the saved context tokens: the same tokens (determinism, and the
     # token file round-trips through --context-tokens).
     np.save(tmp_path / "ctx.npy", tokens[:3])
-    again = run_terra("generate", "--frames", 4, "--actions", "left", "--seed", 3, *HF,
+    again = invoke_terra("generate", "--frames", 4, "--actions", "left", "--seed", 3, *HF,
                       "--context-tokens", tmp_path / "ctx.npy", "--no-decode", "--save-tokens", tmp_path / "t2.npy")
     assert again.returncode == 0, again.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "t2.npy"), tokens)
 
     # Existing outputs are refused before any loading, each of them.
-    assert_fails(run_terra(*args), "already exists")
+    assert_fails(invoke_terra(*args), "already exists")
     video.rename(tmp_path / "moved.mp4")
-    assert_fails(run_terra(*args), "already exists")  # the tokens file
+    assert_fails(invoke_terra(*args), "already exists")  # the tokens file
     tokens_path.unlink()
-    assert_fails(run_terra(*args), "is not empty")  # the frames folder
+    assert_fails(invoke_terra(*args), "is not empty")  # the frames folder
     assert not video.exists() and not tokens_path.exists()
 
 

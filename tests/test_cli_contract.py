@@ -1,6 +1,7 @@
 """`terra generate` token contract through a real subprocess, and the CLI's error handling."""
 
 import numpy as np
+import pytest
 
 from terra_cli.backends.hf import generate_frames
 from terra_cli.models.modeling_hf import load_model
@@ -18,6 +19,7 @@ def write_inputs(tmp_path, frames=4, context_frames=2, seed=0):
     return ctx, acts
 
 
+@pytest.mark.slow
 def test_generate_no_decode_contract_hf(tmp_path, tiny_checkpoint):
     ctx, acts = write_inputs(tmp_path)
     args = ["generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",

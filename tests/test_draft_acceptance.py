@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from terra_cli.bench.draft_acceptance import acceptance, expected_tokens_per_step, iid_tokens_per_step
@@ -26,6 +27,7 @@ def test_expected_tokens_per_step_by_hand():
     assert iid_tokens_per_step(0.5, 2) == 1.75 and iid_tokens_per_step(1.0, 4) == 5.0
 
 
+@pytest.mark.slow
 def test_command_on_the_embedded_model(tmp_path):
     out, png = tmp_path / "acc.json", tmp_path / "acc.png"
     result = CliRunner().invoke(app, ["bench", "--draft-acceptance", "--seeds", "1", "--frames", "3",

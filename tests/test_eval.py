@@ -89,6 +89,7 @@ def test_plan_validation(kwargs, message):
     assert parse_presets(" Left,right ,") == ["left", "right"]
 
 
+@pytest.mark.slow
 def test_eval_command_end_to_end(tmp_path):
     """The brief's smoke run, on a tiny random world model in terra-mini's token format (the real one
     needs ~80 ms per token step on a 2-core CPU: 5 min for this run); the embedded tokenizer is real."""

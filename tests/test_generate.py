@@ -31,6 +31,7 @@ def assert_fails(result, message):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 def test_default_model_video_tokens_frames_and_determinism(tmp_path, tokenizer):
     import imageio.v2 as iio
 
@@ -79,6 +80,7 @@ def test_default_model_video_tokens_frames_and_determinism(tmp_path, tokenizer):
     assert not video.exists() and not tokens_path.exists()
 
 
+@pytest.mark.slow
 def test_context_from_png_folder_and_video(tmp_path, tokenizer):
     from terra_cli.media.frames import read_frames, write_frames, write_video
     from terra_cli.synthetic.dataset import render_rollout

@@ -133,6 +133,7 @@ def test_act_bench_lines_read_like_terras_own_script(tmp_path):
         prepare_job(ScenarioJob(path, tmp_path / "out", Defaults(image_root=tmp_path / "nowhere")))
 
 
+@pytest.mark.slow
 def test_act_bench_videos_are_what_its_scorer_reads(tmp_path):
     """End to end through the CLI: the scorer globs *.mp4 in one folder, takes the sample id from
     the trailing _digits of the name and keeps the last frames of each video."""
@@ -232,6 +233,7 @@ def test_engine_options_are_checked_before_a_model_loads():
         engine_options("bf16", "none")
 
 
+@pytest.mark.slow
 def test_data_parallel_interrupt_keeps_finished_scenarios_and_resumes(tmp_path):
     """Ctrl-C (or SIGTERM) in the parent stops both workers; what they finished is written and
     folded into results.jsonl, nothing half-written is left, and a re-run completes the rest with

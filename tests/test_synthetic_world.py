@@ -158,6 +158,7 @@ def test_train_tokenizer_smoke_writes_a_loadable_tokenizer(smoke_tokenizer):
     assert log[0].startswith("step,") and len(log) == 3  # header + 2 steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_tokenizer", [True, False], ids=["trained-tokenizer", "random-tokenizer"])
 def test_train_world_model_smoke_writes_a_loadable_checkpoint(tmp_path, smoke_tokenizer, with_tokenizer):
     import torch

@@ -11,7 +11,7 @@ from terra_cli.backends.base import FrameCallback, InputError, Sampling, WorldMo
 BACKENDS = ("auto", "hf", "vllm")
 
 __all__ = ["BACKENDS", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
-           "load_backend", "resolve_backend_name"]
+           "check_backend_options", "load_backend", "resolve_backend_name"]
 
 
 def resolve_backend_name(requested: str) -> str:
@@ -25,6 +25,17 @@ def resolve_backend_name(requested: str) -> str:
     return "vllm" if vllm_available() else "hf"
 
 
+# The CLI flag behind each vLLM-only backend option, for error messages.
+OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "draft_tokens": "--draft"}
+
+
+def check_backend_options(name: str, options: dict) -> None:
+    """Engine options are vLLM's: refuse them for the hf backend before anything loads."""
+    if name == "hf" and options:
+        flags = ", ".join(sorted(OPTION_FLAGS.get(option, option) for option in options))
+        raise InputError(f"{flags}: vLLM engine option(s), not for the hf backend; use --backend vllm")
+
+
 def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype: str | None = None, **options) -> WorldModelBackend:
     name = resolve_backend_name(name)
     if name == "vllm":
@@ -33,6 +44,5 @@ def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype:
         return VllmBackend(checkpoint_dir, device=device, dtype=dtype, **options)
     from terra_cli.backends.hf import HfBackend
 
-    if options:
-        raise InputError(f"the hf backend takes no engine options ({', '.join(sorted(options))}); they are for --backend vllm")
+    check_backend_options("hf", options)
     return HfBackend(checkpoint_dir, device=device, dtype=dtype)

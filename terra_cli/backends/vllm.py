@@ -143,6 +143,21 @@ class ActionRows:
         return ids.reshape(*waypoints.shape[:-2], self.layout.action_tokens)
 
 
+MAX_DRAFT_TOKENS = 16
+
+
+def previous_frame_draft(checkpoint_dir: Path, config, draft_tokens: int) -> dict:
+    """vLLM's speculative config for the previous-frame draft (models/draft_vllm.py): the EAGLE
+    method with the target's own checkpoint as the draft, whose architecture the plugin maps to
+    the weight-free lookup."""
+    from terra_cli.models.draft_vllm import lookup_dimensions
+
+    if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise TerraError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
+    lookup_dimensions(config)  # raises a one-line error when the heads are too small
+    return {"method": "eagle", "model": str(checkpoint_dir), "num_speculative_tokens": draft_tokens}
+
+
 def kv_cache_bytes(config, max_rollouts: int, kv_cache_dtype: str | None = None) -> int:
     """KV cache for `max_rollouts` full rounds, twice over (room for the prefix cache to keep
     earlier frames), instead of most of the GPU: allocating 62 GiB is part of the start-up."""
@@ -180,6 +195,7 @@ class VllmBackend:
         enforce_eager: bool = False,
         seed: int = 0,
         size_kv_cache: bool = True,
+        draft_tokens: int = 0,
         **engine_kwargs,
     ):
         if importlib.util.find_spec("vllm") is None:
@@ -236,6 +252,8 @@ class VllmBackend:
                 kwargs["gpu_memory_utilization"] = gpu_memory_utilization  # vLLM's own sizing
             else:
                 kwargs["kv_cache_memory_bytes"] = kv_bytes
+        if draft_tokens:
+            kwargs["speculative_config"] = previous_frame_draft(self.checkpoint_dir, self.config, draft_tokens)
         kwargs.update(engine_kwargs)
         wall_started = time.time()
         self.llm = LLM(**kwargs)
@@ -301,6 +319,19 @@ class VllmBackend:
             if on_frame is not None:
                 on_frame(f, frames[:, f].copy())
         return frames
+
+    def speculation_counts(self) -> dict | None:
+        """vLLM's running totals of draft steps, proposed and accepted tokens (with --draft, when the
+        engine keeps statistics: disable_log_stats=False); None otherwise. Diff two readings for a
+        run's tokens per step: 1 + accepted / drafts."""
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:  # statistics off: vLLM refuses
+            return None
+        names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted"}
+        counts = {names[m.name]: int(m.value) for m in metrics if m.name in names}
+        return counts if len(counts) == len(names) else None
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -35,6 +35,7 @@ class RunResult:
     peak_gpu_memory_gb: float | None = None
     prefix_cache_hit_rate: float | None = None
     notes: str = ""
+    tokens_per_step: float | None = None  # with a draft: codes one engine step kept, per rollout
 
     @property
     def total_seconds(self) -> float:
@@ -57,6 +58,7 @@ class RunResult:
             "frames_per_s": round(self.rollouts * len(s) / total, 3) if total else None,
             "peak_gpu_memory_gb": self.peak_gpu_memory_gb,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "tokens_per_step": self.tokens_per_step,
             "frame_seconds": [round(x, 4) for x in s],
             "notes": self.notes,
         }
@@ -210,6 +212,13 @@ def timed_generate(backend, context, actions, frames, sampling, log=lambda msg: 
     return tokens, times
 
 
+def tokens_per_step(before: dict | None, after: dict | None) -> float | None:
+    """Codes kept per draft step between two `speculation_counts` readings (None without drafts)."""
+    if not before or not after or after["drafts"] == before["drafts"]:
+        return None
+    return round(1 + (after["accepted"] - before["accepted"]) / (after["drafts"] - before["drafts"]), 3)
+
+
 def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None],
              on_run: Callable[[RunResult], None] = lambda run: None,
              on_startup: Callable[[dict], None] = lambda phases: None) -> list[RunResult]:
@@ -229,12 +238,14 @@ def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Calla
     on_startup(phases)
     results = []
     for rollouts in plan.batches:
+        before = backend.speculation_counts()
         _, times = timed_generate(backend, context, actions, plan.frames, sampling, log, f"vllm x{rollouts}", rollouts)
         prompts = np.array(backend.last_prompt_tokens[1:], dtype=float)
         cached = np.array(backend.last_cached_tokens[1:], dtype=float)
         hit = round(float(cached.sum() / prompts.sum()), 4) if prompts.size else None
         results.append(RunResult("vllm", rollouts, len(times), times, startup, context.shape[-1],
-                                 _gpu_used_gb(), hit, "peak memory: whole GPU in use (weights + KV cache reservation)"))
+                                 _gpu_used_gb(), hit, "peak memory: whole GPU in use (weights + KV cache reservation)",
+                                 tokens_per_step(before, backend.speculation_counts())))
         on_run(results[-1])
     backend.close()
     return results

@@ -19,6 +19,7 @@ EPILOG = (
     "  terra bench --hf-vs-vllm --model ckpt/world_model --batch 1,8 --hf-frames 2\n\n"
     "  terra bench --hf-vs-vllm --model tiny_ckpt --device cpu --frames 4 --context-frames 2 --batch 1,2   # smoke test\n\n"
     "  terra bench --draft-acceptance --seeds 3 --frames 8 --out acceptance.json --heatmap acceptance.png\n\n"
+    "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft previous-frame --draft-tokens 4   # codes/step column\n\n"
     "  terra bench --scenarios 256 --max-rollouts 128 --lockstep 64 --out scen.json      # continuous batching (GPU)\n\n"
     "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2"
 )
@@ -78,6 +79,8 @@ def bench(
     device: str = opts.device_option(),
     dtype: str = opts.dtype_option(),
     skip_hf: bool = typer.Option(False, "--skip-hf", help="Measure vLLM only."),
+    draft: str = opts.draft_option(),
+    draft_tokens: int = opts.draft_tokens_option(),
     vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM engine argument key=value (repeatable)."),
     out_json: Optional[Path] = typer.Option(None, "--out", help="Write results (with the environment) as JSON."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG chart."),
@@ -88,6 +91,12 @@ def bench(
     from terra_cli.media.atomic import check_writable
     from terra_cli.backends.base import InputError
 
+    vllm_options = _parse_vllm_args(vllm_arg)
+    if draft.strip().lower() != "none":
+        from terra_cli.cli.generate import engine_options
+
+        # Statistics on, so the bench can report the codes each engine step kept.
+        vllm_options.update(engine_options("auto", "none", draft, draft_tokens), disable_log_stats=False)
     if sum((hf_vs_vllm, draft_acceptance, scenarios > 0)) > 1:
         raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance or --scenarios N")
     if draft_acceptance:
@@ -96,7 +105,7 @@ def bench(
         from terra_cli.bench.scenarios import ScenarioBenchPlan
 
         plan = ScenarioBenchPlan(scenarios, frames, context_frames, max_rollouts, data_parallel, lockstep,
-                                 kv_cache_dtype, backend, device, dtype, temperature, seed, _parse_vllm_args(vllm_arg))
+                                 kv_cache_dtype, backend, device, dtype, temperature, seed, vllm_options)
         return _scenario_bench(model, plan, keep_outputs, out_json, overwrite)
     if not hf_vs_vllm:
         raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance or --scenarios N")
@@ -108,7 +117,7 @@ def bench(
     plan = BenchPlan(
         frames=frames, context_frames=context_frames, batches=_parse_batches(batch), hf_frames=hf_frames,
         temperature=temperature, seed=seed, device=device, dtype=dtype, run_hf=not skip_hf,
-        vllm_options=_parse_vllm_args(vllm_arg),
+        vllm_options=vllm_options,
     )
     command = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -131,7 +140,7 @@ def bench(
 def _print_table(results: dict) -> None:
     table = Table(title=f"terra bench: {results['model']}")
     for col in ("backend", "rollouts", "start-up s", "first frame s", "s/frame (mean ± sd)", "tokens/s", "frames/s",
-                "GPU mem GB", "prefix hit"):
+                "GPU mem GB", "prefix hit", "codes/step"):
         table.add_column(col, justify="right" if col != "backend" else "left")
     for r in results["runs"]:
         table.add_row(
@@ -139,6 +148,7 @@ def _print_table(results: dict) -> None:
             f"{r['s_per_frame_mean']:.3f} ± {r['s_per_frame_stdev']:.3f}", f"{r['tokens_per_s']:,.0f}",
             f"{r['frames_per_s']:.2f}", "-" if r["peak_gpu_memory_gb"] is None else f"{r['peak_gpu_memory_gb']:.1f}",
             "-" if r["prefix_cache_hit_rate"] is None else f"{r['prefix_cache_hit_rate']:.1%}",
+            "-" if r.get("tokens_per_step") is None else f"{r['tokens_per_step']:.2f}",
         )
     out.print(table)
     if results.get("speedup_vllm_over_hf"):

@@ -22,6 +22,7 @@ from terra_cli.errors import InputError
         "  terra generate out.mp4 --model turing-motors/Terra --variant world_model_v2 --context frames/ --actions traj.json\n\n"
         "  terra generate --model ckpt/world_model --context-tokens ctx.npy --actions acts.npy \\\n"
         "      --frames 10 --temperature 0 --backend hf --no-decode --save-tokens out.npy\n\n"
+        "  terra generate out.mp4 --actions left --draft previous-frame --draft-tokens 4   # several codes per engine step\n\n"
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 128 --kv-cache-dtype fp8\n\n"
         "  terra generate --scenarios act_bench.jsonl --image-root /data/nuscenes --out-dir actbench/ \\\n"
         "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames"
@@ -61,6 +62,8 @@ def generate(
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto (the model's) or fp8 (GPU)."),
     quantization: str = typer.Option("none", "--quantization", help="vLLM weight quantization: none, or fp8 (GPU; weights cast to fp8 at load, see benchmarks/README.md for speed and agreement)."),
+    draft: str = opts.draft_option(),
+    draft_tokens: int = opts.draft_tokens_option(),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="With --scenarios: engines, one per visible GPU (one process each), sharing the scenarios."),
     image_root: Optional[Path] = typer.Option(None, "--image-root", help="With ACT-Bench scenarios: the nuScenes dataroot its context_frames paths are relative to (default: the file's folder)."),
 ):
@@ -85,7 +88,7 @@ def generate(
         defaults = Defaults(frames=frames, seed=seed, speed_kmh=speed, context_frames=context_frames or 3,
                             image_root=image_root)
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
-                          device, dtype, engine_options(kv_cache_dtype, quantization),
+                          device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens),
                           max_rollouts, not no_decode, temperature, top_k, top_p, threads)
         return _generate_scenarios(job, data_parallel)
     for name, value in (("--data-parallel", data_parallel != 1), ("--image-root", image_root), ("--out-dir", out_dir),
@@ -117,7 +120,7 @@ def generate(
     request.check()
     choice = resolve_model(model, variant, tokenizer)
     buffer = TokenBuffer()
-    options = engine_options(kv_cache_dtype, quantization)
+    options = engine_options(kv_cache_dtype, quantization, draft, draft_tokens)
     try:
         result = generate_video(request, choice, Engine(backend, device, dtype, threads, options), buffer=buffer,
                                 observer=CliObserver())
@@ -131,10 +134,12 @@ def generate(
     )
 
 
-def engine_options(kv_cache_dtype: str, quantization: str) -> dict:
-    """vLLM engine arguments from --kv-cache-dtype and --quantization, checked here so a typo is a
-    one-line error before a model loads, not a vLLM traceback after."""
-    kv, quant = kv_cache_dtype.strip().lower(), quantization.strip().lower()
+def engine_options(kv_cache_dtype: str, quantization: str, draft: str = "none", draft_tokens: int = 4) -> dict:
+    """vLLM engine arguments from --kv-cache-dtype, --quantization and --draft, checked here so a
+    typo is a one-line error before a model loads, not a vLLM traceback after."""
+    kv, quant, draft = kv_cache_dtype.strip().lower(), quantization.strip().lower(), draft.strip().lower()
+    if draft not in opts.DRAFTS:
+        raise InputError(f"--draft must be {' or '.join(opts.DRAFTS)}, got {draft!r}")
     if kv not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
         raise InputError(f"--kv-cache-dtype must be auto or fp8 (fp8_e4m3, fp8_e5m2), got {kv_cache_dtype!r}")
     if quant not in ("none", "fp8"):
@@ -142,6 +147,8 @@ def engine_options(kv_cache_dtype: str, quantization: str) -> dict:
     options = {} if kv == "auto" else {"kv_cache_dtype": kv}
     if quant != "none":
         options["quantization"] = quant
+    if draft == "previous-frame":
+        options["draft_tokens"] = draft_tokens
     return options
 
 

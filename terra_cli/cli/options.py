@@ -44,3 +44,16 @@ def speed_option():
 
 def overwrite_option():
     return typer.Option(False, "--overwrite/--no-overwrite", help="Replace existing outputs.")
+
+
+DRAFTS = ("none", "previous-frame")
+
+
+def draft_option():
+    return typer.Option("none", "--draft", help=(
+        "Multi-token decoding (vLLM): none, or previous-frame (propose each code from the frame before; "
+        "vLLM's rejection sampling keeps the output distribution, greedy tokens are identical)."))
+
+
+def draft_tokens_option():
+    return typer.Option(4, "--draft-tokens", min=1, max=16, help="With --draft: codes proposed per engine step.")

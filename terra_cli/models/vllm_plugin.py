@@ -11,10 +11,15 @@ from terra_cli.models.config import ARCH_V1, ARCH_V2
 def register() -> None:
     from vllm import ModelRegistry
 
+    from terra_cli.models import vllm_cpu_fixes
     from terra_cli.models.config import register_auto_config
+    from terra_cli.models.draft_vllm import DRAFT_ARCHITECTURES, PreviousFrameDraft
     from terra_cli.models.modeling_vllm import LlamaActionForCausalLM, LlamaActionV2ForCausalLM
 
     register_auto_config()
-    for arch, cls in ((ARCH_V1, LlamaActionForCausalLM), (ARCH_V2, LlamaActionV2ForCausalLM)):
+    models = [(ARCH_V1, LlamaActionForCausalLM), (ARCH_V2, LlamaActionV2ForCausalLM)]
+    models += [(arch, PreviousFrameDraft) for arch in DRAFT_ARCHITECTURES]
+    for arch, cls in models:
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, cls)
+    vllm_cpu_fixes.apply()

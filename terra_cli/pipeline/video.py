@@ -144,7 +144,7 @@ def generate_video(
 ) -> VideoResult:
     """Run one video end to end and write its outputs atomically. Raises TerraError subclasses
     for anything the user can fix; KeyboardInterrupt leaves `buffer` holding the finished frames."""
-    from terra_cli.backends import load_backend, resolve_backend_name
+    from terra_cli.backends import check_backend_options, load_backend, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
@@ -156,6 +156,7 @@ def generate_video(
     device = resolve_device(engine.device)
     resolve_dtype_name(engine.dtype, device)  # a bad --dtype fails before anything loads
     backend_name = resolve_backend_name(engine.backend)
+    check_backend_options(backend_name, engine.options)
 
     config = load_config(model.world_model_dir)
     layout = config.layout

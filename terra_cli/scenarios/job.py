@@ -54,7 +54,7 @@ class PreparedJob:
 def prepare_job(job: ScenarioJob) -> PreparedJob:
     """Every check that needs no model: options, outputs, every scenario line, model and tokenizer
     found. Raises a one-line InputError naming what is wrong."""
-    from terra_cli.backends import Sampling, resolve_backend_name
+    from terra_cli.backends import Sampling, check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_model
     from terra_cli.runtime import resolve_device, resolve_dtype_name
@@ -72,8 +72,7 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     file = read_scenarios(job.scenarios, job.defaults, job.rollouts)  # every line, before any model
     check_scenarios(file, job.skip_invalid)
     backend = resolve_backend_name(job.backend)
-    if backend == "hf" and job.engine_options:
-        raise InputError(f"{', '.join(sorted(job.engine_options))}: vLLM engine option(s); use --backend vllm")
+    check_backend_options(backend, job.engine_options)
     choice = resolve_model(job.model, job.variant, job.tokenizer)
     load_config(choice.world_model_dir)
     images = any(s.context_tokens is None for s in file.scenarios)

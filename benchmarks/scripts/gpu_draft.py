@@ -45,6 +45,7 @@ def main():
     parser.add_argument("--frames", type=int, default=11)
     parser.add_argument("--rollouts", type=int, default=1)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--vllm-arg", action="append", default=[], help="extra engine argument key=json")
     args = parser.parse_args()
     from terra_cli.runtime import configure_vllm_env
 
@@ -73,6 +74,9 @@ def main():
         options["draft_tokens"] = args.draft_tokens
     if args.quantization:
         options["quantization"] = args.quantization
+    for item in args.vllm_arg:
+        key, _, value = item.partition("=")
+        options[key] = json.loads(value)
     started = time.perf_counter()
     backend = VllmBackend(ckpt, max_rollouts=max(args.rollouts, 1), **options)
     startup = time.perf_counter() - started
@@ -86,7 +90,7 @@ def main():
     steps = (after["drafts"] - before["drafts"]) / args.rollouts if args.draft_tokens else generated / args.rollouts
     row = {
         "label": args.label, "checkpoint": args.checkpoint, "draft_tokens": args.draft_tokens,
-        "quantization": args.quantization, "temperature": args.temperature, "rollouts": args.rollouts,
+        "quantization": args.quantization, "vllm_args": args.vllm_arg, "temperature": args.temperature, "rollouts": args.rollouts,
         "startup_s": round(startup, 1), "s_per_frame": round(statistics.fmean(times), 4),
         "frames": [round(t, 3) for t in times],
         "codes_per_step": tokens_per_step(before, after) if args.draft_tokens else 1.0,

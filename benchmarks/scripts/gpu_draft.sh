@@ -15,10 +15,15 @@ case $step in
     nvidia-smi -L | tee "$OUT/gpu.txt"
     run 200 mini-k0 --checkpoint mini
     run 150 mini-k4 --checkpoint mini --draft-tokens 4
-    run 150 mini-k8 --checkpoint mini --draft-tokens 8
     run 150 mini-k0-again --checkpoint mini
+    run 150 mini-k8 --checkpoint mini --draft-tokens 8
     run 150 mini-k4-greedy --checkpoint mini --draft-tokens 4 --temperature 0
     run 150 mini-k0-greedy --checkpoint mini --temperature 0 ;;
+  debug)
+    run 150 mini-k4-no-async --checkpoint mini --draft-tokens 4 --vllm-arg async_scheduling=false
+    run 150 mini-k4-piecewise --checkpoint mini --draft-tokens 4 --vllm-arg 'compilation_config={"cudagraph_mode": "PIECEWISE"}'
+    CUDA_LAUNCH_BLOCKING=1 run 200 mini-k4-blocking --checkpoint mini --draft-tokens 4
+    grep -n "Error\|error" "$OUT/$step.log" | grep -v Tokenizer | head -40 ;;
   terra)
     for w in .gpu/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
     run 200 terra-k0 --checkpoint random --frames 9

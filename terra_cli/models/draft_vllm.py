@@ -77,13 +77,17 @@ class PreviousFrameLookup(nn.Module):
     def __init__(self, config: LlamaActionConfig, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         self.head_dim, self.position_bits, self.token_bits = lookup_dimensions(config)
-        self.heads = config.num_key_value_heads
+        # The target's head counts, not just its KV-cache shape: the layer shares the target's
+        # attention metadata, and FlashAttention 3 plans its work for the target's query heads
+        # (fewer query heads here read out of bounds on long contexts).
+        self.query_heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
         self.read_back = config.layout.frame_stride - 1
         self.attn = Attention(
-            self.heads,
+            self.query_heads,
             self.head_dim,
             scale=1.0,
-            num_kv_heads=self.heads,
+            num_kv_heads=self.kv_heads,
             cache_config=vllm_config.cache_config,
             quant_config=None,
             prefix=f"{prefix}.attn",
@@ -94,9 +98,9 @@ class PreviousFrameLookup(nn.Module):
         n = positions.shape[0]
         # Padded CUDA-graph slots may hold stale positions; any value is safe here.
         positions = positions.clamp(min=0)
-        key = torch.zeros(n, self.heads, self.head_dim, dtype=dtype, device=positions.device)
-        query = torch.zeros_like(key)
+        key = torch.zeros(n, self.kv_heads, self.head_dim, dtype=dtype, device=positions.device)
         value = torch.zeros_like(key)
+        query = torch.zeros(n, self.query_heads, self.head_dim, dtype=dtype, device=positions.device)
         key[:, :, : self.position_bits] = (2 * bits(positions, self.position_bits) - 1).to(dtype).unsqueeze(1)
         # Before the first frame there is nothing to read: the query then matches no key, and
         # the proposal is noise that verification rejects.
@@ -106,7 +110,7 @@ class PreviousFrameLookup(nn.Module):
         ).to(dtype).unsqueeze(1)
         value[:, :, : self.token_bits] = bits(input_ids, self.token_bits).to(dtype).unsqueeze(1)
         out = self.attn(query.view(n, -1), key.view(n, -1), value.view(n, -1))
-        return out.view(n, self.heads, self.head_dim)[:, 0, : self.token_bits]
+        return out.view(n, self.query_heads, self.head_dim)[:, 0, : self.token_bits]
 
 
 class PreviousFrameDraft(nn.Module):

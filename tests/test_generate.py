@@ -180,3 +180,35 @@ def _default_tokenizer():
     from terra_cli.models.default import default_tokenizer_dir
 
     return default_tokenizer_dir()
+
+
+def test_sampled_rounds_are_seeded_per_round_and_repeatable(tmp_path):
+    from dataclasses import replace
+
+    from terra_cli.backends.base import Sampling
+    from terra_cli.backends.hf import HfBackend
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+    from terra_cli.pipeline.rounds import generate_tokens
+
+    # 16 tokens a frame and 5-frame rounds: 11 frames from 2 context frames take 4 sampled rounds.
+    checkpoint = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=16, max_frames=5))
+    backend = HfBackend(checkpoint, device="cpu", dtype="float32")
+    rng = np.random.default_rng(4)
+    ctx = rng.integers(0, 512, size=(2, 2, 16))
+    acts = rng.normal(size=(2, 11, 6, 3)).astype(np.float32)
+    sampling = Sampling(temperature=0.9, seed=21)
+    tokens = generate_tokens(backend, ctx, acts, 11, sampling)
+    np.testing.assert_array_equal(generate_tokens(backend, ctx, acts, 11, sampling), tokens)
+    assert (generate_tokens(backend, ctx, acts, 11, replace(sampling, seed=22)) != tokens).any()
+
+    rounds = plan_rounds(2, 11, 5)
+    assert [(r.first_frame, r.context_frames, r.num_frames) for r in rounds] == [(0, 2, 5), (2, 3, 5), (4, 3, 5), (6, 3, 5)]
+    for index, rnd in enumerate(rounds):
+        # Each round is the backend run afresh on the last frames of the one before, with its own seed.
+        again = backend.generate(tokens[:, rnd.first_frame : rnd.first_frame + rnd.context_frames],
+                                 acts[:, rnd.first_frame : rnd.end - 1], rnd.num_frames,
+                                 replace(sampling, seed=sampling.seed + 100_003 * index))
+        np.testing.assert_array_equal(again, tokens[:, rnd.first_frame : rnd.end])
+    # A rollout's frames do not depend on its batch neighbour.
+    alone = generate_tokens(backend, ctx[1:], acts[1:], 11, replace(sampling, seed=sampling.seed + 1))
+    np.testing.assert_array_equal(alone[0], tokens[1])

@@ -38,5 +38,10 @@ def invoke_terra(*args):
 
     from terra_cli.cli import app
 
-    result = CliRunner().invoke(app, [str(a) for a in args])
+    argv = [str(a) for a in args]
+    saved, sys.argv = sys.argv, ["terra", *argv]  # as the console script sees it (bench records it)
+    try:
+        result = CliRunner().invoke(app, argv)
+    finally:
+        sys.argv = saved
     return SimpleNamespace(returncode=result.exit_code, stderr=result.output, stdout=result.output)

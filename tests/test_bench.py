@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import run_terra
+from conftest import invoke_terra
 
 
 def test_partial_results_are_reported_after_every_run(tiny_checkpoint):
@@ -28,7 +28,7 @@ def test_bench_cli_smoke_on_cpu(tmp_path, tiny_checkpoint):
     out_json, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     args = ["bench", "--hf-vs-vllm", "--model", tiny_checkpoint, "--device", "cpu", "--frames", 4,
             "--context-frames", 2, "--hf-frames", 1, "--batch", "2,1", "--out", out_json, "--plot", plot]
-    result = run_terra(*args, timeout=900)
+    result = invoke_terra(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(out_json.read_text())
     assert results["partial"] is False
@@ -49,7 +49,7 @@ def test_bench_cli_smoke_on_cpu(tmp_path, tiny_checkpoint):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "faster per frame than the transformers reference" in result.stdout
     # Outputs are not overwritten without asking.
-    again = run_terra(*args)
+    again = invoke_terra(*args)
     assert again.returncode != 0 and "--overwrite" in again.stderr
 
 

@@ -24,7 +24,7 @@ from terra_cli.evaluation.run import (
 from tokenizer_decoder import psnr
 
 from terra_cli.models.default import default_tokenizer_dir
-from conftest import invoke_terra, run_terra
+from conftest import invoke_terra
 
 
 def test_sign_accuracy():
@@ -102,7 +102,7 @@ def test_eval_command_end_to_end(tmp_path):
     args = ["eval", "--model", model, "--tokenizer", default_tokenizer_dir(), "--seeds", 2, "--frames", 4, "--context-frames", 3,
             "--presets", "left,right", "--backend", "hf", "--device", "cpu", "--ceiling-seeds", 1,
             "--out", out, "--plot", plot, "--strip", strip]
-    result = run_terra(*args, timeout=300)
+    result = invoke_terra(*args)
     assert result.returncode == 0, result.stderr + result.stdout
     data = json.loads(out.read_text())
     assert set(data) >= {"config", "presets", "summary", "seconds", "environment"}

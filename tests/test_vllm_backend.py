@@ -11,7 +11,7 @@ from terra_cli.models.config import ARCH_V2  # noqa: E402
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint  # noqa: E402
 from terra_cli.backends.base import Sampling  # noqa: E402
 
-from conftest import run_terra  # noqa: E402
+from conftest import invoke_terra  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 GREEDY = Sampling(temperature=0)
@@ -99,10 +99,10 @@ def test_cli_vllm_backend_matches_hf(tmp_path, tiny_checkpoint):
     np.save(tmp_path / "acts.npy", actions[0])
     common = ["generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",
               "--actions", tmp_path / "acts.npy", "--frames", 4, "--temperature", 0, "--no-decode"]
-    via_vllm = run_terra(*common, "--backend", "vllm", "--save-tokens", tmp_path / "vllm.npy")
+    via_vllm = invoke_terra(*common, "--backend", "vllm", "--save-tokens", tmp_path / "vllm.npy")
     assert via_vllm.returncode == 0, via_vllm.stderr[-3000:]
     assert "backend: vllm" in via_vllm.stderr
-    via_hf = run_terra(*common, "--backend", "hf", "--save-tokens", tmp_path / "hf.npy")
+    via_hf = invoke_terra(*common, "--backend", "hf", "--save-tokens", tmp_path / "hf.npy")
     assert via_hf.returncode == 0, via_hf.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "vllm.npy"), np.load(tmp_path / "hf.npy"))
 

@@ -29,6 +29,20 @@ def tiny_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_world_model"))
 
 
+def _reattach_closed_log_handlers():
+    """A logger configured during an in-process run (vLLM's, when an engine starts) keeps the
+    CliRunner's stream, which is closed afterwards: point such handlers back at stderr."""
+    import logging
+
+    loggers = [logging.getLogger()] + [l for l in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(l, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            stream = getattr(handler, "stream", None)
+            if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
+                handler.stream = sys.stderr  # setStream would flush the closed one
+
+
 def invoke_terra(*args):
     """The CLI in this process (typer's CliRunner): no interpreter start-up or import cost, for
     cases that fail in validation or run tiny models. Same result shape as `run_terra`."""
@@ -44,4 +58,5 @@ def invoke_terra(*args):
         result = CliRunner().invoke(app, argv)
     finally:
         sys.argv = saved
+        _reattach_closed_log_handlers()
     return SimpleNamespace(returncode=result.exit_code, stderr=result.output, stdout=result.output)

@@ -16,6 +16,8 @@ SHARED = {
     "dtype": ["generate", "eval", "bench"],
     "speed": ["generate", "eval"],
     "overwrite": ["generate", "eval", "bench", "tokenize"],
+    "draft": ["generate", "bench"],
+    "draft_tokens": ["generate", "bench"],
 }
 
 
@@ -34,5 +36,8 @@ def test_shared_options_are_declared_once():
 def test_shared_defaults_match_the_library():
     assert cli_options.DEFAULT_SPEED_KMH == actions.DEFAULT_SPEED_KMH
     assert cli_options.TERRA_TEMPERATURE == Sampling().temperature
+    from terra_cli.backends.vllm import MAX_DRAFT_TOKENS
+
+    assert cli_options.MAX_DRAFT_TOKENS == MAX_DRAFT_TOKENS
     assert _params("eval")["temperature"].default == 0.0  # eval stays greedy by default
     assert _params("generate")["overwrite"].secondary_opts == ["--no-overwrite"]

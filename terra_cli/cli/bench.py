@@ -91,12 +91,13 @@ def bench(
     from terra_cli.media.atomic import check_writable
     from terra_cli.backends.base import InputError
 
-    vllm_options = _parse_vllm_args(vllm_arg)
-    if draft.strip().lower() != "none":
-        from terra_cli.cli.generate import engine_options
+    from terra_cli.cli.generate import engine_options
 
+    vllm_options = _parse_vllm_args(vllm_arg)
+    drafting = engine_options("auto", "none", draft, draft_tokens)
+    if drafting:
         # Statistics on, so the bench can report the codes each engine step kept.
-        vllm_options.update(engine_options("auto", "none", draft, draft_tokens), disable_log_stats=False)
+        vllm_options.update(drafting, disable_log_stats=False)
     if sum((hf_vs_vllm, draft_acceptance, scenarios > 0)) > 1:
         raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance or --scenarios N")
     if draft_acceptance:

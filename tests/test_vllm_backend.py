@@ -17,13 +17,9 @@ pytestmark = pytest.mark.vllm
 GREEDY = Sampling(temperature=0)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    from terra_cli.backends.vllm import VllmBackend
-
-    backend = VllmBackend(tiny_checkpoint, max_rollouts=8)
-    yield backend
-    backend.close()
+@pytest.fixture
+def engine(vllm_engine):
+    return vllm_engine
 
 
 def inputs(rollouts=3, context_frames=2, frames=4, seed=0):
@@ -33,10 +29,10 @@ def inputs(rollouts=3, context_frames=2, frames=4, seed=0):
     return context, actions
 
 
-def test_greedy_tokens_match_the_reference_and_batching_changes_nothing(engine, tiny_checkpoint):
+def test_greedy_tokens_match_the_reference_and_batching_changes_nothing(engine, engine_checkpoint):
     context, actions = inputs()
     batched = engine.generate(context, actions, 4, GREEDY)
-    reference = HfBackend(tiny_checkpoint, device="cpu", dtype="float32").generate(context, actions, 4, GREEDY)
+    reference = HfBackend(engine_checkpoint, device="cpu", dtype="float32").generate(context, actions, 4, GREEDY)
     assert batched.shape == (3, 4, 576)
     np.testing.assert_array_equal(batched, reference)
     # Different actions make different futures (the actions really reach the model).
@@ -68,7 +64,7 @@ def test_same_actions_reuse_their_rows_and_a_new_call_hits_the_cache(engine):
     assert hit >= prompt - 128, (prompt, hit)
 
 
-def test_a_full_action_table_is_recycled_without_changing_results(engine, tiny_checkpoint, monkeypatch):
+def test_a_full_action_table_is_recycled_without_changing_results(engine, engine_checkpoint, monkeypatch):
     rows = engine.action_rows
     monkeypatch.setattr(rows, "capacity", 4)  # frames: room for one call below, not for two
     context, actions = inputs(rollouts=1, context_frames=1, frames=4, seed=6)
@@ -76,7 +72,7 @@ def test_a_full_action_table_is_recycled_without_changing_results(engine, tiny_c
     other = actions + 1.0
     got = engine.generate(context, other, 4, GREEDY)
     assert len(rows.first_row) == 3  # emptied, then only the second call's frames
-    reference = HfBackend(tiny_checkpoint, device="cpu", dtype="float32").generate(context, other, 4, GREEDY)
+    reference = HfBackend(engine_checkpoint, device="cpu", dtype="float32").generate(context, other, 4, GREEDY)
     np.testing.assert_array_equal(got, reference)
     with pytest.raises(RuntimeError, match="distinct action frames"):
         engine.generate(np.repeat(context, 2, axis=0), np.concatenate([actions, other]), 4, GREEDY)

@@ -7,21 +7,17 @@ import pytest
 pytest.importorskip("vllm")
 
 from terra_cli.backends.base import Sampling  # noqa: E402
-from terra_cli.models.testing import tiny_config, write_tiny_checkpoint  # noqa: E402
 from terra_cli.pipeline.rounds import generate_tokens  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-MAX_FRAMES = 5  # small rounds, so a 7-frame job runs in two
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory):
-    from terra_cli.backends.vllm import VllmBackend
+@pytest.fixture
+def backend(vllm_engine):
+    from conftest import ENGINE_MAX_FRAMES
 
-    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("stream_model"), tiny_config(max_frames=MAX_FRAMES))
-    engine = VllmBackend(checkpoint, max_rollouts=4, dtype="float32")
-    yield engine
-    engine.close()
+    assert ENGINE_MAX_FRAMES < 7  # rounds shorter than the 7-frame job below
+    return vllm_engine
 
 
 def job(key, seed, frames=4, context_frames=2, temperature=0.9):

@@ -222,11 +222,14 @@ def test_data_parallel_needs_the_gpus_it_names(monkeypatch):
 
 
 def test_engine_options_are_checked_before_a_model_loads():
-    from terra_cli.cli.generate import engine_options
+    from terra_cli.backends import engine_options
     from terra_cli.errors import InputError
 
-    assert engine_options("auto", "none") == {}
+    assert engine_options() == engine_options("auto", "none", "none", 8) == {}
     assert engine_options("FP8", "fp8") == {"kv_cache_dtype": "fp8", "quantization": "fp8"}
+    assert engine_options(draft="previous-frame", draft_tokens=8) == {"draft_tokens": 8}
+    with pytest.raises(InputError, match="--draft must be none or previous-frame"):
+        engine_options(draft="ngram")
     with pytest.raises(InputError, match="--quantization must be none or fp8"):
         engine_options("auto", "int4")
     with pytest.raises(InputError, match="--kv-cache-dtype must be auto or fp8"):

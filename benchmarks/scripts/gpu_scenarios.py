@@ -122,6 +122,7 @@ def main() -> None:
     from terra_cli.runtime import configure_vllm_env
 
     configure_vllm_env()
+    from terra_cli.backends import engine_options
     from terra_cli.backends.vllm import VllmBackend
     from terra_cli.backends.vllm_stream import StreamDriver
     from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
@@ -130,9 +131,7 @@ def main() -> None:
     ckpt = Path(args.model) if args.model else random_terra_checkpoint(args.device, 0)
     layout = load_config(ckpt).layout
     report = {"label": args.label, "args": vars(args), "environment": environment()}
-    options = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
-    if args.quantization != "none":
-        options["quantization"] = args.quantization
+    options = engine_options(args.kv_cache_dtype, args.quantization)
     rng = np.random.default_rng(1234)
     agree_context = rng.integers(0, layout.image_vocab_size, size=(args.context_frames, layout.image_tokens))
     from terra_cli.actions import preset_actions

@@ -9,9 +9,12 @@ from __future__ import annotations
 from terra_cli.backends.base import FrameCallback, InputError, Sampling, WorldModelBackend, check_generation_inputs
 
 BACKENDS = ("auto", "hf", "vllm")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATIONS = ("none", "fp8")
+DRAFTS = ("none", "previous-frame")
 
 __all__ = ["BACKENDS", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
-           "check_backend_options", "load_backend", "resolve_backend_name"]
+           "check_backend_options", "engine_options", "load_backend", "resolve_backend_name"]
 
 
 def resolve_backend_name(requested: str) -> str:
@@ -27,6 +30,26 @@ def resolve_backend_name(requested: str) -> str:
 
 # The CLI flag behind each vLLM-only backend option, for error messages.
 OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "draft_tokens": "--draft"}
+
+
+def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", draft: str = "none",
+                   draft_tokens: int = 4) -> dict:
+    """vLLM engine arguments from --kv-cache-dtype, --quantization and --draft (the defaults ask
+    for none), checked here so a typo is a one-line error before a model loads, not a vLLM
+    traceback after."""
+    kv, quant, draft = kv_cache_dtype.strip().lower(), quantization.strip().lower(), draft.strip().lower()
+    if draft not in DRAFTS:
+        raise InputError(f"--draft must be {' or '.join(DRAFTS)}, got {draft!r}")
+    if kv not in KV_CACHE_DTYPES:
+        raise InputError(f"--kv-cache-dtype must be auto or fp8 (fp8_e4m3, fp8_e5m2), got {kv_cache_dtype!r}")
+    if quant not in QUANTIZATIONS:
+        raise InputError(f"--quantization must be none or fp8, got {quantization!r}")
+    options = {} if kv == "auto" else {"kv_cache_dtype": kv}
+    if quant != "none":
+        options["quantization"] = quant
+    if draft == "previous-frame":
+        options["draft_tokens"] = draft_tokens
+    return options
 
 
 def check_backend_options(name: str, options: dict) -> None:

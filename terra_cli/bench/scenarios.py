@@ -33,13 +33,12 @@ class ScenarioBenchPlan:
     max_rollouts: int = 128
     data_parallel: int = 1
     lockstep: int = 0  # rollouts of the lockstep comparison; 0 skips it
-    kv_cache_dtype: str = "auto"
     backend: str = "vllm"
     device: str = "auto"
     dtype: str = "auto"
     temperature: float = 0.9
     seed: int = 0
-    vllm_options: dict = field(default_factory=dict)
+    vllm_options: dict = field(default_factory=dict)  # engine arguments (backends.engine_options and more)
 
 
 class BusySampler:
@@ -105,11 +104,9 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
         work = Path(out_dir) if out_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         path = write_bench_scenarios(work, layout, plan)
-        options = dict(plan.vllm_options)
-        if plan.kv_cache_dtype != "auto":
-            options["kv_cache_dtype"] = plan.kv_cache_dtype
         job = ScenarioJob(path, work / "outputs", Defaults(seed=plan.seed), model=str(checkpoint),
-                          backend=plan.backend, device=plan.device, dtype=plan.dtype, engine_options=options,
+                          backend=plan.backend, device=plan.device, dtype=plan.dtype,
+                          engine_options=dict(plan.vllm_options),
                           max_rollouts=plan.max_rollouts, decode=False, temperature=plan.temperature)
         prepared = prepare_job(job)
         gpus = _gpu_indices(prepared.device, plan.data_parallel)
@@ -129,7 +126,7 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
             frames[0] += 1
 
         log(f"{plan.scenarios} scenarios of {plan.frames} frames, {plan.data_parallel} engine(s), "
-            f"up to {plan.max_rollouts} in flight each, KV cache {plan.kv_cache_dtype}")
+            f"up to {plan.max_rollouts} in flight each, KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
         marks["start"] = time.perf_counter()
         try:
             if plan.data_parallel > 1:
@@ -174,8 +171,6 @@ def _lockstep(checkpoint: Path, layout, plan: ScenarioBenchPlan, gpus: list[int]
     options = dict(plan.vllm_options)
     if plan.backend == "vllm":
         options["max_rollouts"] = plan.lockstep
-        if plan.kv_cache_dtype != "auto":
-            options["kv_cache_dtype"] = plan.kv_cache_dtype
     engine = load_backend(plan.backend, checkpoint, device=resolve_device(plan.device), dtype=plan.dtype, **options)
     try:
         batch = (plan.lockstep, *context.shape)

@@ -66,7 +66,7 @@ def bench(
     max_rollouts: int = typer.Option(128, "--max-rollouts", min=1, help="--scenarios: rollouts in flight per engine."),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios: engines, one per GPU."),
     lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="--scenarios: vLLM KV-cache dtype (auto or fp8)."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto or fp8 (fp8_e4m3, fp8_e5m2)."),
     backend: str = typer.Option("vllm", "--backend", help="--scenarios: vllm, or hf for a CPU smoke test."),
     keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios: keep the scenario file and every scenario's tokens in this folder."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model dir or hub id (default: Terra's config, random weights)."),
@@ -89,15 +89,14 @@ def bench(
     """Measure generation speed: transformers reference vs vLLM, and vLLM with parallel rollouts."""
     from terra_cli.bench.hf_vs_vllm import BenchPlan, plot_results, run_bench, save_results
     from terra_cli.media.atomic import check_writable
+    from terra_cli.backends import engine_options
     from terra_cli.backends.base import InputError
 
-    from terra_cli.cli.generate import engine_options
-
     vllm_options = _parse_vllm_args(vllm_arg)
-    drafting = engine_options("auto", "none", draft, draft_tokens)
-    if drafting:
-        # Statistics on, so the bench can report the codes each engine step kept.
-        vllm_options.update(drafting, disable_log_stats=False)
+    chosen = engine_options(kv_cache_dtype=kv_cache_dtype, draft=draft, draft_tokens=draft_tokens)
+    if "draft_tokens" in chosen:
+        vllm_options["disable_log_stats"] = False  # statistics on: the bench reports the codes each step kept
+    vllm_options.update(chosen)
     if sum((hf_vs_vllm, draft_acceptance, scenarios > 0)) > 1:
         raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance or --scenarios N")
     if draft_acceptance:
@@ -106,7 +105,7 @@ def bench(
         from terra_cli.bench.scenarios import ScenarioBenchPlan
 
         plan = ScenarioBenchPlan(scenarios, frames, context_frames, max_rollouts, data_parallel, lockstep,
-                                 kv_cache_dtype, backend, device, dtype, temperature, seed, vllm_options)
+                                 backend, device, dtype, temperature, seed, vllm_options)
         return _scenario_bench(model, plan, keep_outputs, out_json, overwrite)
     if not hf_vs_vllm:
         raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance or --scenarios N")

@@ -69,7 +69,7 @@ def generate(
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
     from terra_cli.actions import resolve_actions
-    from terra_cli.backends import Sampling
+    from terra_cli.backends import Sampling, engine_options
     from terra_cli.models.resolve import resolve_model
     from terra_cli.pipeline import inputs
     from terra_cli.pipeline.outputs import check_outputs
@@ -132,24 +132,6 @@ def generate(
         f"model {choice.label}; " + "; ".join(result.written)
         + f"; {time.perf_counter() - _state['started']:.1f} s in all"
     )
-
-
-def engine_options(kv_cache_dtype: str, quantization: str, draft: str = "none", draft_tokens: int = 4) -> dict:
-    """vLLM engine arguments from --kv-cache-dtype, --quantization and --draft, checked here so a
-    typo is a one-line error before a model loads, not a vLLM traceback after."""
-    kv, quant, draft = kv_cache_dtype.strip().lower(), quantization.strip().lower(), draft.strip().lower()
-    if draft not in opts.DRAFTS:
-        raise InputError(f"--draft must be {' or '.join(opts.DRAFTS)}, got {draft!r}")
-    if kv not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
-        raise InputError(f"--kv-cache-dtype must be auto or fp8 (fp8_e4m3, fp8_e5m2), got {kv_cache_dtype!r}")
-    if quant not in ("none", "fp8"):
-        raise InputError(f"--quantization must be none or fp8, got {quantization!r}")
-    options = {} if kv == "auto" else {"kv_cache_dtype": kv}
-    if quant != "none":
-        options["quantization"] = quant
-    if draft == "previous-frame":
-        options["draft_tokens"] = draft_tokens
-    return options
 
 
 def _save_interrupted(buffer, tokens_path: Optional[Path], total: int, overwrite: bool) -> None:

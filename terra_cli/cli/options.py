@@ -46,7 +46,6 @@ def overwrite_option():
     return typer.Option(False, "--overwrite/--no-overwrite", help="Replace existing outputs.")
 
 
-DRAFTS = ("none", "previous-frame")
 MAX_DRAFT_TOKENS = 16  # = backends.vllm.MAX_DRAFT_TOKENS (a test checks it); here so --help need not import numpy
 
 

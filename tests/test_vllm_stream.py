@@ -9,6 +9,8 @@ pytest.importorskip("vllm")
 from terra_cli.backends.base import Sampling  # noqa: E402
 from terra_cli.pipeline.rounds import generate_tokens  # noqa: E402
 
+from conftest import ENGINE_IMAGE_TOKENS  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
 
@@ -24,7 +26,7 @@ def job(key, seed, frames=4, context_frames=2, temperature=0.9):
     from terra_cli.backends.vllm_stream import RolloutJob
 
     rng = np.random.default_rng(seed)
-    context = rng.integers(0, 512, size=(context_frames, 576))
+    context = rng.integers(0, 512, size=(context_frames, ENGINE_IMAGE_TOKENS))
     actions = rng.normal(scale=2.0, size=(frames, 6, 3)).astype(np.float32)
     return RolloutJob(key, context, actions, frames, Sampling(temperature=temperature, seed=seed))
 
@@ -50,7 +52,7 @@ def test_a_job_gives_the_same_tokens_alone_in_a_stream_and_in_lockstep(backend):
         np.testing.assert_array_equal(alone[j.key], together[j.key])
         lockstep = generate_tokens(backend, j.context, j.actions, j.total_frames, j.sampling)[0]
         np.testing.assert_array_equal(lockstep, together[j.key])
-    assert together["b"].shape == (7, 576)
+    assert together["b"].shape == (7, ENGINE_IMAGE_TOKENS)
     # Every generated frame was reported once, in order per job.
     assert [i for k, i in seen if k == "b"] == [2, 3, 4, 5, 6]
     # Different seeds give different frames (the seed reaches the sampler).
@@ -81,4 +83,4 @@ def test_interrupt_aborts_what_is_in_flight_and_the_engine_stays_usable(backend)
         StreamDriver(backend, 2).run([job("x", 1), job("y", 2)], on_frame=stop)
     assert not backend.llm.llm_engine.has_unfinished_requests()
     again, _ = run(backend, [job("x", 1)])
-    assert again["x"].shape == (4, 576)
+    assert again["x"].shape == (4, ENGINE_IMAGE_TOKENS)

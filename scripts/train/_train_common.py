@@ -164,6 +164,105 @@ def save_state(ckpt_path: Path, model, opt, step: int, train_seconds: float, con
     os.replace(tmp, ckpt_path)
 
 
+def add_run_arguments(p, *, smoke_help: str, schedule_default: str, lr: float, weight_decay: float,
+                      val_every: int) -> None:
+    """The options both trainers share: where, how long, the LR schedule and the bookkeeping
+    that TrainingClock reads."""
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt/state.pt")
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
+    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: time-limited)")
+    p.add_argument("--max-minutes", type=float, default=9.0, help="stop (and save) by then, counted from the start")
+    p.add_argument("--schedule-minutes", type=float, default=None,
+                   help="length of the LR schedule in training minutes, summed over resumed runs "
+                        f"(default: {schedule_default}; with --steps the schedule follows steps)")
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--min-lr-ratio", type=float, default=0.05)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--weight-decay", type=float, default=weight_decay)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--val-every", type=int, default=val_every)
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+
+
+class TrainingClock:
+    """What both trainers' loops share around their own step: the step budget (--steps), the
+    wall-clock deadline, the LR schedule, the log rows and the checkpoints (--ckpt-every).
+
+        clock = TrainingClock(args, opt, ckpt_path, step, train_seconds, save_margin_s, log_csv, fields, write_state)
+        while clock.next_step():   # sets the LR, or says the run is over
+            ...one optimizer step...
+            clock.count_step()
+            clock.record(row)      # row: metrics when clock.logs_now() / validates_now(), else None
+        clock.stop()
+    """
+
+    def __init__(self, args, opt, ckpt_path: Path, step: int, train_seconds: float, save_margin_s: float,
+                 log_csv: Path, fields: list[str], write_state):
+        self.args, self.opt, self.ckpt_path = args, opt, ckpt_path
+        self.step, self.train_seconds = step, train_seconds
+        self.deadline, self.sched_seconds = deadline_and_schedule(args, train_seconds, save_margin_s)
+        self.csv_file, self.writer = open_csv_log(log_csv, fields, args.resume)
+        self._write_state = write_state  # write_state(step, train_seconds)
+        self.lr, self.stop_reason = 0.0, None
+        self._segment_start, self._last_saved = time.time(), step
+
+    def seconds(self) -> float:
+        """Training seconds so far, earlier (resumed) runs included."""
+        return self.train_seconds + time.time() - self._segment_start
+
+    def next_step(self) -> bool:
+        if self.args.steps is not None and self.step >= self.args.steps:
+            self.stop_reason = "steps"
+        elif time.time() >= self.deadline:
+            self.stop_reason = "time"
+        if self.stop_reason:
+            return False
+        self.lr = lr_at(self.args, self.sched_seconds, self.step, self.seconds())
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr
+        return True
+
+    def count_step(self) -> None:
+        self.step += 1
+
+    def record(self, row: dict | None) -> None:
+        if row is not None:
+            write_row(self.csv_file, self.writer, row | {"step": self.step, "time_s": round(self.seconds(), 1), "lr": self.lr})
+        if self.step % self.args.ckpt_every == 0:
+            self._save()
+
+    def logs_now(self) -> bool:
+        return self.step % self.args.log_every == 0 or self.step == self.args.steps
+
+    def validates_now(self) -> bool:
+        return self.step % self.args.val_every == 0 or self.step == self.args.steps
+
+    def stop(self) -> None:
+        """Save unless the last step just did, and close the log."""
+        if self.step != self._last_saved:
+            self._save()
+        else:
+            self._stop_segment()
+        self.csv_file.close()
+        log(f"stopped ({self.stop_reason}) at step {self.step}; checkpoint {self.ckpt_path}")
+
+    def _stop_segment(self) -> None:
+        now = time.time()
+        self.train_seconds += now - self._segment_start
+        self._segment_start = now
+
+    def _save(self) -> None:
+        self._stop_segment()
+        self._write_state(self.step, self.train_seconds)
+        self._last_saved = self.step
+        self._segment_start = time.time()  # writing the checkpoint is not training time
+
+
 # ----------------------------------------------------------------------------------------------
 # OUT/log.csv
 

@@ -30,7 +30,6 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -42,15 +41,8 @@ H, W = 288, 512
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt/state.pt")
-    p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, CPU: checks the pipeline in seconds")
-    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: time-limited)")
-    p.add_argument("--max-minutes", type=float, default=9.0, help="stop (and save) by then, counted from the start")
-    p.add_argument("--schedule-minutes", type=float, default=None,
-                   help="length of the LR schedule in training minutes, summed over resumed runs "
-                        "(default: --max-minutes minus data time; with --steps the schedule follows steps)")
+    common.add_run_arguments(p, smoke_help="tiny model, 2 steps, CPU: checks the pipeline in seconds",
+                             schedule_default="--max-minutes minus data time", lr=4e-4, weight_decay=1e-4, val_every=500)
     # model
     p.add_argument("--ch", type=int, default=64)
     p.add_argument("--ch-mult", default="1,1,2,2,2",
@@ -59,28 +51,17 @@ def parse_args(argv=None):
     p.add_argument("--z-channels", type=int, default=10, help="codebook size 2**z_channels (10 to 12)")
     # optimisation
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=4e-4)
-    p.add_argument("--min-lr-ratio", type=float, default=0.05)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--l1-weight", type=float, default=1.0)
     p.add_argument("--l2-weight", type=float, default=1.0)
     p.add_argument("--commit-weight", type=float, default=0.25)
     p.add_argument("--entropy-weight", type=float, default=0.05)
     p.add_argument("--entropy-inv-temp", type=float, default=100.0)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
     # data
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--n-frames", type=int, default=12000, help="frames rendered for training (and validation)")
     p.add_argument("--rollout-frames", type=int, default=6, help="frames per rollout (short: more worlds)")
     p.add_argument("--val-frames", type=int, default=64)
     p.add_argument("--workers", type=int, default=None, help="render processes (default: CPU cores - 1)")
-    # bookkeeping
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--val-every", type=int, default=500)
-    p.add_argument("--ckpt-every", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
         args.device = "cpu" if args.device == "auto" else args.device
@@ -197,14 +178,13 @@ def main(argv=None) -> int:
     encoder, decoder = model.encoder, model.decoder
     if args.compile:
         encoder, decoder = torch.compile(encoder), torch.compile(decoder)
-    deadline, sched_seconds = common.deadline_and_schedule(args, train_seconds, save_margin_s=25)
 
     def to_pixels(batch_u8: np.ndarray) -> torch.Tensor:
         x = torch.from_numpy(np.ascontiguousarray(batch_u8)).to(device, non_blocking=True)
         x = x.permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0)
         return x.contiguous(memory_format=torch.channels_last) if device.type == "cuda" else x
 
-    def save_state():
+    def write_state(step: int, train_seconds: float):
         common.save_state(ckpt_path, model, opt, step, train_seconds, config.as_plain_dict(), args)
 
     @torch.no_grad()
@@ -229,26 +209,14 @@ def main(argv=None) -> int:
         perplexity = float(torch.exp(-(p[p > 0] * p[p > 0].log()).sum()))
         return {"val_psnr": float(np.mean(psnrs)), "codes_used": int((counts > 0).sum()), "perplexity": perplexity}
 
-    csv_path = args.out / "log.csv"
     fields = ["step", "time_s", "lr", "loss", "l1", "l2", "commit", "entropy", "sample_ent", "codebook_ent",
               "val_psnr", "codes_used", "perplexity"]
-    csv_file, writer = common.open_csv_log(csv_path, fields, args.resume)
+    clock = common.TrainingClock(args, opt, ckpt_path, step, train_seconds, 25, args.out / "log.csv", fields, write_state)
 
     model.train()
-    t_seg = time.time()
     agg: dict = {}
     n_agg = 0
-    last_saved = step
-    stop_reason = "steps"
-    while True:
-        if args.steps is not None and step >= args.steps:
-            break
-        if time.time() >= deadline:
-            stop_reason = "time"
-            break
-        lr = common.lr_at(args, sched_seconds, step, train_seconds + time.time() - t_seg)
-        for g in opt.param_groups:
-            g["lr"] = lr
+    while clock.next_step():
         ids = np.sort(rng.choice(train_ids, size=args.batch_size, replace=len(train_ids) < args.batch_size))
         x = to_pixels(frames[ids])
         with common.autocast(device):
@@ -267,32 +235,21 @@ def main(argv=None) -> int:
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
-        step += 1
+        clock.count_step()
         # Accumulated on the device: no GPU sync per step.
         for k, v in (("loss", loss), ("l1", l1), ("l2", l2), ("commit", commit), ("entropy", ent),
                      ("sample_ent", ent_s), ("codebook_ent", ent_c)):
             agg[k] = agg.get(k, 0.0) + v.detach()
         n_agg += 1
         row = None
-        if step % args.log_every == 0 or step == args.steps:
+        if clock.logs_now():
             row = {k: float(v) / n_agg for k, v in agg.items()}
             agg, n_agg = {}, 0
-        if step % args.val_every == 0 or step == args.steps:
+        if clock.validates_now():
             row = (row or {}) | validate()
-        if row is not None:
-            now = train_seconds + time.time() - t_seg
-            row |= {"step": step, "time_s": round(now, 1), "lr": lr}
-            common.write_row(csv_file, writer, row)
-        if step % args.ckpt_every == 0:
-            train_seconds += time.time() - t_seg
-            t_seg = time.time()
-            save_state()
-            last_saved = step
-    train_seconds += time.time() - t_seg
-    t_seg = time.time()
-    if step != last_saved:
-        save_state()
-    log(f"stopped ({stop_reason}) at step {step}; checkpoint {ckpt_path}")
+        clock.record(row)
+    clock.stop()
+    step, train_seconds = clock.step, clock.train_seconds
 
     # Final weights in the tokenizer's own format, and a strict reload.
     final = build_model(config, "cpu")
@@ -313,7 +270,6 @@ def main(argv=None) -> int:
                "config": config.as_plain_dict(), "tokenizer_dir": str(tok_dir), **metrics}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"saved {tok_dir} (loads strictly: {loaded.num_parameters()} params); {json.dumps(metrics)}")
-    csv_file.close()
     return 0
 
 

@@ -43,15 +43,9 @@ IMAGE_TOKENS, ACTION_TOKENS, MAX_FRAMES = 576, 6, 25
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", type=Path, default=None, help="trained tokenizer directory (config.json + model.safetensors)")
-    p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt/state.pt")
-    p.add_argument("--smoke", action="store_true", help="tiny model and data, 2 steps, CPU; a random tokenizer if none is given")
-    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: time-limited)")
-    p.add_argument("--max-minutes", type=float, default=9.0, help="stop (and save) by then, counted from the start")
-    p.add_argument("--schedule-minutes", type=float, default=None,
-                   help="length of the LR schedule in training minutes, summed over resumed runs "
-                        "(default: what is left of --max-minutes after the data; with --steps it follows steps)")
+    common.add_run_arguments(p, smoke_help="tiny model and data, 2 steps, CPU; a random tokenizer if none is given",
+                             schedule_default="what is left of --max-minutes after the data", lr=1e-3, weight_decay=0.1,
+                             val_every=250)
     # model
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=384)
@@ -64,12 +58,6 @@ def parse_args(argv=None):
     p.add_argument("--seq-frames", type=int, default=25, help="frames per training window (<= 25)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per step")
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.05)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
     # data
     p.add_argument("--data-seed", type=int, default=1)
     p.add_argument("--n-rollouts", type=int, default=2000)
@@ -77,11 +65,6 @@ def parse_args(argv=None):
     p.add_argument("--val-rollouts", type=int, default=32)
     p.add_argument("--workers", type=int, default=None, help="render processes (default: CPU cores - 1)")
     p.add_argument("--tok-batch", type=int, default=64, help="frames per tokenizer batch")
-    # bookkeeping
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--val-every", type=int, default=250)
-    p.add_argument("--ckpt-every", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
         args.device = "cpu" if args.device == "auto" else args.device
@@ -258,7 +241,6 @@ def main(argv=None) -> int:
     rng = np.random.default_rng([args.seed, step])
 
     fwd = torch.compile(model) if args.compile else model
-    deadline, sched_seconds = common.deadline_and_schedule(args, train_seconds, save_margin_s=20)
 
     T = args.seq_frames
     stride = layout.frame_stride
@@ -308,29 +290,17 @@ def main(argv=None) -> int:
         model.train()
         return {"val_loss": float(np.mean(losses)), "val_acc": float(np.mean(accs))}
 
-    def save_state():
+    def write_state(step: int, train_seconds: float):
         common.save_state(ckpt_path, model, opt, step, train_seconds, config_dict, args)
 
-    csv_path = args.out / "log.csv"
     fields = ["step", "time_s", "lr", "loss", "acc", "tokens_per_s", "val_loss", "val_acc"]
-    csv_file, writer = common.open_csv_log(csv_path, fields, args.resume)
+    clock = common.TrainingClock(args, opt, ckpt_path, step, train_seconds, 20, args.out / "log.csv", fields, write_state)
 
-    t_seg = time.time()
     t_log = time.time()
     agg_loss = agg_acc = 0.0
     n_agg = 0
     tokens_seen = 0
-    last_saved = step
-    stop_reason = "steps"
-    while True:
-        if args.steps is not None and step >= args.steps:
-            break
-        if time.time() >= deadline:
-            stop_reason = "time"
-            break
-        lr = common.lr_at(args, sched_seconds, step, train_seconds + time.time() - t_seg)
-        for g in opt.param_groups:
-            g["lr"] = lr
+    while clock.next_step():
         opt.zero_grad(set_to_none=True)
         for _ in range(args.grad_accum):
             batch = make_batch(*sample_windows(train_ids, args.batch_size, rng))
@@ -342,29 +312,20 @@ def main(argv=None) -> int:
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
-        step += 1
+        clock.count_step()
         n_agg += 1
         row = None
-        if step % args.log_every == 0 or step == args.steps:
+        if clock.logs_now():
             now = time.time()
             row = {"loss": float(agg_loss) / n_agg, "acc": float(agg_acc) / n_agg,
                    "tokens_per_s": tokens_seen / max(now - t_log, 1e-9)}
             agg_loss = agg_acc = 0.0
             n_agg, tokens_seen, t_log = 0, 0, now
-        if step % args.val_every == 0 or step == args.steps:
+        if clock.validates_now():
             row = (row or {}) | validate()
-        if row is not None:
-            row |= {"step": step, "time_s": round(train_seconds + time.time() - t_seg, 1), "lr": lr}
-            common.write_row(csv_file, writer, row)
-        if step % args.ckpt_every == 0:
-            train_seconds += time.time() - t_seg
-            t_seg = time.time()
-            save_state()
-            last_saved = step
-    train_seconds += time.time() - t_seg
-    if step != last_saved:
-        save_state()
-    log(f"stopped ({stop_reason}) at step {step}; checkpoint {ckpt_path}")
+        clock.record(row)
+    clock.stop()
+    step, train_seconds = clock.step, clock.train_seconds
 
     # Final weights in Terra's format, in the size-fitting dtype, and a strict reload.
     final_metrics = validate()
@@ -381,7 +342,6 @@ def main(argv=None) -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"saved {wm_dir} ({size / mib:.1f} MiB, {config.dtype}; loads strictly: "
         f"{sum(p.numel() for p in loaded.parameters())} params); {json.dumps(final_metrics)}")
-    csv_file.close()
     return 0
 
 

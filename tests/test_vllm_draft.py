@@ -167,3 +167,27 @@ def test_the_cpu_expansion_fix_repeats_each_request_value_for_its_tokens():
     expanded = expand_batch_to_tokens(temperatures, torch.tensor([2, 3, 6]), 6, replace_from=-1, replace_to=1)
     assert expanded.tolist() == pytest.approx([0.9, 0.9, 1.0, 0.5, 0.5, 0.5])
     assert expand_batch_to_tokens(torch.tensor([4, 7]), torch.tensor([0, 2]), 2).tolist() == [7, 7]
+
+
+def test_every_registered_model_is_a_vllm_text_generation_model():
+    """What vLLM checks of a registered class: a model that fails it was logged as a WARNING at
+    every engine start (the draft lacked embed_input_ids) and is not treated as one of its own."""
+    from vllm.model_executor.models.interfaces_base import is_text_generation_model, is_vllm_model
+
+    from terra_cli.models.draft_vllm import PreviousFrameDraft
+    from terra_cli.models.modeling_vllm import LlamaActionForCausalLM, LlamaActionV2ForCausalLM
+
+    for cls in (LlamaActionForCausalLM, LlamaActionV2ForCausalLM, PreviousFrameDraft):
+        assert is_vllm_model(cls) and is_text_generation_model(cls), cls.__name__
+
+
+def test_the_draft_embeds_a_token_as_the_bits_it_proposes_back():
+    from types import SimpleNamespace
+
+    from terra_cli.models.draft_vllm import PreviousFrameDraft
+
+    draft = SimpleNamespace(model=SimpleNamespace(token_bits=10), hidden_size=64, image_vocab_size=1024)
+    ids = torch.tensor([0, 1, 513, 1023])
+    rows = PreviousFrameDraft.embed_input_ids(draft, ids)
+    assert rows.shape == (4, 64) and not rows[:, 10:].any()
+    assert PreviousFrameDraft.proposed_tokens(draft, rows).tolist() == ids.tolist()

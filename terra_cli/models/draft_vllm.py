@@ -127,6 +127,15 @@ class PreviousFrameDraft(nn.Module):
         name = f"previous_frame.{config.num_hidden_layers}"
         self.model = PreviousFrameLookup(config, vllm_config, prefix=f"{prefix}.{name}" if prefix else name)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """vLLM's model interface asks for it (without it vLLM warns and does not count this as
+        one of its models). The draft reads token ids, not embeddings: a token's row here holds
+        its bits, as the hidden states forward returns do."""
+        token_bits = self.model.token_bits
+        out = torch.zeros(input_ids.shape[0], self.hidden_size, device=input_ids.device)
+        out[:, :token_bits] = bits(input_ids, token_bits).float()
+        return out
+
     def forward(self, input_ids, positions, hidden_states=None, inputs_embeds=None, **kwargs):
         read = self.model(input_ids, positions, dtype=hidden_states.dtype if hidden_states is not None else torch.float32)
         # The hidden state carries the token's bits; compute_logits turns them into the proposal.

@@ -153,3 +153,25 @@ def test_a_failed_reconstruct_keeps_the_old_folder_whole(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert _listing(recon) == ["frame_0000.png", "frame_0001.png", "frame_0002.png"]
     assert (recon / "frame_0000.png").read_bytes() != b"old frame"
+
+
+def test_without_ffmpeg_a_video_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    import sys
+
+    import terra_cli.models.resolve as resolve
+
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # `import imageio_ffmpeg` now fails
+
+    def no_model_expected(*args, **kwargs):
+        raise AssertionError("a model was resolved before the video writer was checked")
+
+    monkeypatch.setattr(resolve, "resolve_model", no_model_expected)
+    scenarios = tmp_path / "s.jsonl"
+    scenarios.write_text('{"id": "a", "actions": "left"}\n')
+    for args in (["generate", str(tmp_path / "out.mp4"), "--actions", "left", "--frames", "4", "--backend", "hf"],
+                 ["generate", "--scenarios", str(scenarios), "--out-dir", str(tmp_path / "videos"), "--backend", "hf"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "pip install imageio-ffmpeg" in errors[0] and "--no-decode" in errors[0], result.output
+    assert _listing(tmp_path) == ["s.jsonl"]

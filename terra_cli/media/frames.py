@@ -185,6 +185,18 @@ def _check_frames(frames: Sequence[np.ndarray], what: str) -> list[np.ndarray]:
     return frames
 
 
+def check_video_writer() -> None:
+    """Videos are written by the ffmpeg that imageio-ffmpeg ships: find it before a model loads,
+    not after minutes of generation."""
+    try:
+        import imageio_ffmpeg
+
+        imageio_ffmpeg.get_ffmpeg_exe()
+    except (ImportError, RuntimeError) as exc:
+        raise MediaError(f"cannot write videos here ({_short(exc)}): pip install imageio-ffmpeg, or write tokens "
+                         "only with --no-decode --save-tokens FILE.npy") from exc
+
+
 def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: float = 10, overwrite: bool = True) -> Path:
     """Write frames as an H.264 mp4, atomically, and only once the written file reads back as a
     video of every frame: ffmpeg can fail late (a full disk while writing the trailer) and still

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from terra_cli.errors import OutputError
 from terra_cli.media.atomic import check_name_length, check_writable, unwritable_ancestor
+from terra_cli.media.frames import check_video_writer
 
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".m4v")
 
@@ -43,6 +44,7 @@ def check_outputs(video: Path | None, frames_dir: Path | None, tokens: Path | No
         if video.is_dir():
             raise OutputError(f"OUTPUT {video} is a directory; give a video file name such as out.mp4")
         check_writable(video, overwrite)
+        check_video_writer()
     if tokens is not None:
         if tokens.suffix.lower() != ".npy":
             raise OutputError(f"--save-tokens {tokens} must end in .npy")

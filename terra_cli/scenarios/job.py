@@ -58,6 +58,7 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_model
     from terra_cli.runtime import resolve_device, resolve_dtype_name
+    from terra_cli.media.frames import check_video_writer
 
     out_dir = Path(job.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -73,6 +74,8 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     check_scenarios(file, job.skip_invalid)
     backend = resolve_backend_name(job.backend)
     check_backend_options(backend, job.engine_options)
+    if job.decode:
+        check_video_writer()
     choice = resolve_model(job.model, job.variant, job.tokenizer)
     load_config(choice.world_model_dir)
     images = any(s.context_tokens is None for s in file.scenarios)

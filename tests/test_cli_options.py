@@ -18,6 +18,7 @@ SHARED = {
     "overwrite": ["generate", "eval", "bench", "tokenize"],
     "draft": ["generate", "bench"],
     "draft_tokens": ["generate", "bench"],
+    "torch_compile": ["generate", "bench"],
 }
 
 

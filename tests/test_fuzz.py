@@ -149,6 +149,7 @@ CASES = {
     "backend unknown": lambda a: _generate(a, "--backend", "onnx"),
     "quantization unknown": lambda a: _generate(a, "--quantization", "int3"),
     "kv cache dtype unknown": lambda a: _generate(a, "--kv-cache-dtype", "int2"),
+    "vllm option with the hf backend": lambda a: _generate(a, "--no-torch-compile"),
     "scenario option without scenarios": lambda a: _generate(a, "--data-parallel", "2"),
     # generate: inputs
     "context tokens too wide": lambda a: _generate(a, "--context-tokens", str(a / "ctx_wide.npy")),
@@ -286,7 +287,9 @@ EXPECTED = {
     "threads beyond the OS": "--threads", "speed nan": "--speed must be", "speed negative": "--speed must be",
     "dtype unknown": "is not a dtype", "device unknown": "is not a device", "device absent gpu": "no CUDA GPU",
     "backend unknown": "--backend must be", "quantization unknown": "--quantization must be",
-    "kv cache dtype unknown": "--kv-cache-dtype must be", "bench kv cache dtype unknown": "--kv-cache-dtype must be", "scenario option without scenarios": "works with --scenarios",
+    "kv cache dtype unknown": "--kv-cache-dtype must be",
+    "vllm option with the hf backend": "--no-torch-compile: vLLM engine option(s), not for the hf backend",
+    "bench kv cache dtype unknown": "--kv-cache-dtype must be", "scenario option without scenarios": "works with --scenarios",
     "context tokens too wide": "shape (frames, 16)", "context tokens float": "must be an int array",
     "context tokens 3d": "must be an int array", "context tokens out of vocabulary": "image codes in [0, 511]",
     "context tokens missing": "does not exist", "context image not an image": "cannot identify image",

@@ -29,7 +29,8 @@ MIN_ARGMAX_AGREEMENT = 0.95
 MAX_ABS_LOGIT_DIFF = 0.25
 
 
-def test_vllm_logits_match_the_reference_on_terra_size_bf16_weights(tmp_path):
+@pytest.mark.parametrize("torch_compile", [True, False], ids=["compiled", "no-torch-compile"])
+def test_vllm_logits_match_the_reference_on_terra_size_bf16_weights(tmp_path, torch_compile):
     from vllm import SamplingParams
 
     from terra_cli.backends.base import Sampling
@@ -47,7 +48,8 @@ def test_vllm_logits_match_the_reference_on_terra_size_bf16_weights(tmp_path):
     reference = HfBackend(checkpoint, device="cuda", dtype="bfloat16")
     reference_frame = reference.generate(context, actions, k + 1, greedy)[0, k]
 
-    backend = VllmBackend(checkpoint, device="cuda", max_rollouts=4, logprobs_mode="raw_logits")
+    backend = VllmBackend(checkpoint, device="cuda", max_rollouts=4, logprobs_mode="raw_logits",
+                          torch_compile=torch_compile)
     try:
         request = {"prompt_token_ids": interleave(context[:k], backend.action_rows.ids_for(actions[:k]))}
         params = SamplingParams(temperature=0, max_tokens=layout.image_tokens, min_tokens=layout.image_tokens,
@@ -85,6 +87,7 @@ def test_vllm_logits_match_the_reference_on_terra_size_bf16_weights(tmp_path):
     report = {
         "model": "Terra's released config, random bf16 weights",
         "context_frames": k,
+        "torch_compile": torch_compile,
         "free_running_greedy_identical_fraction": round(float((vllm_frame == reference_frame).mean()), 4),
         "teacher_forced_reference_argmax_equals_vllm_code": round(agree / layout.image_tokens, 4),
         "frame_loop_identical_to_direct_request_fraction": round(float((loop_frame == vllm_frame).mean()), 4),
@@ -96,7 +99,7 @@ def test_vllm_logits_match_the_reference_on_terra_size_bf16_weights(tmp_path):
         "environment": environment(),
     }
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "parity.json").write_text(json.dumps(report, indent=2) + "\n")
+        Path(os.environ["OUT"], f"parity-{'compiled' if torch_compile else 'no-torch-compile'}.json").write_text(json.dumps(report, indent=2) + "\n")
     assert report["teacher_forced_reference_argmax_equals_vllm_code"] >= MIN_ARGMAX_AGREEMENT, report
     assert report["teacher_forced_reference_argmax_equals_frame_loop_code"] >= MIN_ARGMAX_AGREEMENT, report
     assert report["teacher_forced_max_abs_logit_diff"] <= MAX_ABS_LOGIT_DIFF, report

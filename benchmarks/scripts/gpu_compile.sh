@@ -5,6 +5,7 @@
 # cold as on a fresh machine.
 #   bash benchmarks/scripts/gpu_compile.sh startup     # per config: 1 rollout cold and warm, then 64 rollouts x 25 frames
 #   bash benchmarks/scripts/gpu_compile.sh product     # per config: scenario bench (fp8 KV), terra-mini greedy tokens
+#   bash benchmarks/scripts/gpu_compile.sh defaults    # no flag: the bench's start-up, terra-mini greedy with and without --draft
 # Configs: compiled = --torch-compile (vLLM's own default: VLLM_COMPILE, FULL_AND_PIECEWISE graphs);
 #          eager-graphs = --no-torch-compile (mode 0, FULL CUDA graphs for decode and mixed batches;
 #          terra's default on a GPU since 2026-11-25).
@@ -59,7 +60,22 @@ print(f"terra-mini greedy, compiled vs eager-graphs: {(a[gen] == b[gen]).mean():
       f"per generated frame {[round(float((x == y).mean()), 4) for x, y in zip(a[gen], b[gen])]}")
 PY
   ;;
-*) echo "usage: $0 startup|product"; exit 2 ;;
+defaults)
+  caches defaults
+  run default-bench 200 bench --hf-vs-vllm --skip-hf --batch 1 --frames 7 --out "$OUT/default-bench.json"
+  common=(generate --frames 8 --actions left --temperature 0 --seed 1 --no-decode)
+  run default-mini 150 "${common[@]}" --save-tokens "$OUT/default-mini.npy"
+  run default-mini-draft 150 "${common[@]}" --draft previous-frame --draft-tokens 4 --save-tokens "$OUT/default-mini-draft.npy"
+  python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import json, sys, pathlib, numpy as np
+out = pathlib.Path(sys.argv[1])
+startup = json.loads((out / "default-bench.json").read_text())["vllm_startup"]
+print("bench start-up:", {k: v for k, v in startup.items() if k != "timeline"})
+a, b = np.load(out / "default-mini.npy")[3:], np.load(out / "default-mini-draft.npy")[3:]
+print(f"terra-mini greedy with and without --draft: {(a == b).mean():.4%} of {a.size} generated codes equal")
+PY
+  ;;
+*) echo "usage: $0 startup|product|defaults"; exit 2 ;;
 esac
 # One archive, so that every log comes back (the device returns at most 8 files).
 (cd "$OUT" && tar czf "/tmp/results-$what.tgz" . && mv "/tmp/results-$what.tgz" . && find . -type f ! -name "results-*.tgz" ! -name summary.txt -delete)

@@ -6,6 +6,8 @@
 #   bash benchmarks/scripts/gpu_compile.sh startup     # per config: 1 rollout cold and warm, then 64 rollouts x 25 frames
 #   bash benchmarks/scripts/gpu_compile.sh product     # per config: scenario bench (fp8 KV), terra-mini greedy tokens
 #   bash benchmarks/scripts/gpu_compile.sh defaults    # no flag: the bench's start-up, terra-mini greedy with and without --draft
+#   bash benchmarks/scripts/gpu_compile.sh scenarios25 128   # the default, fp8 KV: 256 scenarios x 25 frames, N in flight
+#   bash benchmarks/scripts/gpu_compile.sh inflight [fp8|auto]   # the default: 256 x 13 frames, 128 then 256 in flight
 # Configs: compiled = --torch-compile (vLLM's own default: VLLM_COMPILE, FULL_AND_PIECEWISE graphs);
 #          eager-graphs = --no-torch-compile (mode 0, FULL CUDA graphs for decode and mixed batches;
 #          terra's default on a GPU since 2026-11-25).
@@ -75,7 +77,19 @@ a, b = np.load(out / "default-mini.npy")[3:], np.load(out / "default-mini-draft.
 print(f"terra-mini greedy with and without --draft: {(a == b).mean():.4%} of {a.size} generated codes equal")
 PY
   ;;
-*) echo "usage: $0 startup|product|defaults"; exit 2 ;;
+scenarios25)
+  caches defaults
+  n=${2:-128}
+  run "scenarios25-fp8-$n" 420 bench --scenarios 256 --frames 25 --max-rollouts "$n" --kv-cache-dtype fp8 --out "$OUT/scenarios25-fp8-$n.json"
+  ;;
+inflight)
+  caches defaults
+  for n in 128 256; do
+    kv=${2:-fp8}
+    run "scenarios13-$kv-$n" 280 bench --scenarios 256 --frames 13 --max-rollouts "$n" --kv-cache-dtype "$kv" --out "$OUT/scenarios13-$kv-$n.json"
+  done
+  ;;
+*) echo "usage: $0 startup|product|defaults|scenarios25 [N]|inflight [fp8|auto]"; exit 2 ;;
 esac
 # One archive, so that every log comes back (the device returns at most 8 files).
-(cd "$OUT" && tar czf "/tmp/results-$what.tgz" . && mv "/tmp/results-$what.tgz" . && find . -type f ! -name "results-*.tgz" ! -name summary.txt -delete)
+(cd "$OUT" && tar czf "/tmp/results-$what${2:-}.tgz" . && mv "/tmp/results-$what${2:-}.tgz" . && find . -type f ! -name "results-*.tgz" ! -name summary.txt -delete)

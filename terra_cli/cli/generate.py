@@ -23,7 +23,7 @@ from terra_cli.errors import InputError
         "  terra generate --model ckpt/world_model --context-tokens ctx.npy --actions acts.npy \\\n"
         "      --frames 10 --temperature 0 --backend hf --no-decode --save-tokens out.npy\n\n"
         "  terra generate out.mp4 --actions left --draft previous-frame --draft-tokens 4   # several codes per engine step\n\n"
-        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 128 --kv-cache-dtype fp8\n\n"
+        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 256 --kv-cache-dtype fp8\n\n"
         "  terra generate --scenarios act_bench.jsonl --image-root /data/nuscenes --out-dir actbench/ \\\n"
         "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames"
     )
@@ -58,7 +58,7 @@ def generate(
     scenarios: Optional[Path] = typer.Option(None, "--scenarios", help="Many videos: a JSONL file, terra's format or ACT-Bench's (see README); needs --out-dir."),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes."),
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
-    max_rollouts: int = typer.Option(64, "--max-rollouts", min=1, help="With --scenarios: rollouts in flight at once on the vLLM engine."),
+    max_rollouts: int = typer.Option(128, "--max-rollouts", min=1, help="With --scenarios: rollouts in flight at once on the vLLM engine (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto (the model's) or fp8 (GPU)."),
     quantization: str = typer.Option("none", "--quantization", help="vLLM weight quantization: none, or fp8 (GPU; weights cast to fp8 at load, see benchmarks/README.md for speed and agreement)."),

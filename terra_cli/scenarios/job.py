@@ -31,7 +31,7 @@ class ScenarioJob:
     device: str = "auto"
     dtype: str = "auto"
     engine_options: dict = field(default_factory=dict)  # vLLM engine arguments, e.g. kv_cache_dtype
-    max_rollouts: int = 64
+    max_rollouts: int = 128  # in flight on one engine; 128 full-length rollouts fit bf16 KV on an 80 GB GPU
     decode: bool = True  # False: tokens only (.npy), no image decoder
     temperature: float = 0.9
     top_k: int = 0

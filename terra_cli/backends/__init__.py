@@ -36,8 +36,8 @@ OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantiz
 def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", draft: str = "none",
                    draft_tokens: int = 4, torch_compile: bool | None = None) -> dict:
     """vLLM engine arguments from --kv-cache-dtype, --quantization, --draft and
-    --torch-compile/--no-torch-compile (the defaults ask for none), checked here so a typo is a one-line error before a model loads, not a vLLM
-    traceback after."""
+    --torch-compile/--no-torch-compile (the defaults ask for none), checked here so a typo is a
+    one-line error before a model loads, not a vLLM traceback after."""
     kv, quant, draft = kv_cache_dtype.strip().lower(), quantization.strip().lower(), draft.strip().lower()
     if draft not in DRAFTS:
         raise InputError(f"--draft must be {' or '.join(DRAFTS)}, got {draft!r}")

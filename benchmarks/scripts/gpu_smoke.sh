@@ -8,24 +8,10 @@
 # Logs tee'd into $OUT.
 set -uo pipefail
 what=${1:-product}
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+STEP_LOG=${OUT:-/tmp/out}/smoke.log
+source benchmarks/scripts/gpu_common.sh
 # Only what the host lacks (other wheels there, such as gpu_tests.sh's, must not shadow its packages).
-for w in .gpu/wheels/{compressed_tensors,loguru,imageio_ffmpeg}-*.whl; do
-  [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site
-done
-chmod +x /tmp/site/imageio_ffmpeg/binaries/* 2>/dev/null  # zip extraction drops the executable bit
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
-nvidia-smi -L | tee "$OUT/gpu.txt"
-step() {
-  local name=$1 limit=$2 t0=$SECONDS; shift 2
-  echo "== $name: terra $*" | tee -a "$OUT/smoke.log"
-  timeout "$limit" python3 -m terra_cli "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  grep -v "Capturing CUDA graphs\|Loading safetensors" "$OUT/$name.log" | tail -20 | tee -a "$OUT/smoke.log"
-  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/smoke.log"
-}
+gpu_setup .gpu/wheels/{compressed_tensors,loguru,imageio_ffmpeg}-*.whl || exit 1
 case $what in
   product)
     step generate 200 generate "$OUT/mini.mp4" --frames 10 --actions left --seed 1 --save-tokens "$OUT/mini.npy"

@@ -1,0 +1,29 @@
+# Sourced by the GPU lab scripts (gpu_smoke.sh, gpu_compile.sh): the environment every command on
+# the GPU host needs (../shared/notes/gpu-host.md), terra installed from this checkout, and `step`,
+# which runs one terra command under a time limit with its log in $OUT.
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+STEP_LOG=${STEP_LOG:-$OUT/summary.txt}  # where every step's command, tail and exit code go
+
+gpu_setup() {  # WHEEL...: unpack these into /tmp/site (what the host lacks), install terra, name the GPU
+  local wheel
+  for wheel in "$@"; do
+    [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" /tmp/site
+  done
+  chmod +x /tmp/site/imageio_ffmpeg/binaries/* 2>/dev/null  # zip extraction drops the executable bit
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 ||
+    { echo "pip install -e . failed"; return 1; }
+  nvidia-smi -L | tee "$OUT/gpu.txt"
+}
+
+step() {  # NAME LIMIT_S TERRA_ARGS...: the log in $OUT/NAME.log; command, tail and exit code in $STEP_LOG
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  echo "== $name: terra $*" | tee -a "$STEP_LOG"
+  timeout "$limit" python3 -m terra_cli "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  grep -v "^INFO\|^(EngineCore\|Capturing CUDA graphs\|Loading safetensors\|frame [0-9]*/" "$OUT/$name.log" |
+    tail -20 | tee -a "$STEP_LOG"
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$STEP_LOG"
+}

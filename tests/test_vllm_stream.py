@@ -84,3 +84,44 @@ def test_interrupt_aborts_what_is_in_flight_and_the_engine_stays_usable(backend)
     assert not backend.llm.llm_engine.has_unfinished_requests()
     again, _ = run(backend, [job("x", 1)])
     assert again["x"].shape == (4, ENGINE_IMAGE_TOKENS)
+
+
+def test_a_feed_takes_jobs_from_another_thread_cancels_one_and_keeps_tokens_exact(backend):
+    import threading
+
+    from terra_cli.backends.vllm_stream import JobFeed, StreamDriver
+
+    feed, results, cancelled = JobFeed(), {}, []
+    early, late, doomed = job("early", 3), job("late", 5, frames=7), job("doomed", 9, frames=7)
+
+    def on_frame(j, index, _tokens):
+        # The late job arrives while "early" is in flight; "doomed" is cancelled mid-run.
+        if j.key == "early" and index == 2:
+            threading.Thread(target=lambda: (feed.put(late), feed.put(doomed))).start()
+        if j.key == "doomed" and index == 3:
+            feed.cancel("doomed")
+            feed.close()
+
+    feed.put(early)
+    StreamDriver(backend, 3).run(feed, on_frame=on_frame, on_done=lambda j, t: results.__setitem__(j.key, t.copy()),
+                                 on_cancelled=lambda j: cancelled.append(j.key))
+    assert sorted(results) == ["early", "late"] and cancelled == ["doomed"]
+    assert not backend.llm.llm_engine.has_unfinished_requests()
+    for j in (early, late):
+        alone, _ = run(backend, [j], max_in_flight=1)
+        np.testing.assert_array_equal(alone[j.key], results[j.key])
+
+
+def test_a_feed_cancelled_before_it_starts_never_reaches_the_engine(backend):
+    from terra_cli.backends.vllm_stream import JobFeed, StreamDriver
+
+    feed, started, cancelled = JobFeed(), [], []
+    feed.put(job("gone", 1))
+    feed.cancel("gone")
+    feed.put(job("kept", 2))
+    feed.close()
+    StreamDriver(backend, 2).run(feed, on_frame=lambda j, i, t: started.append(j.key),
+                                 on_cancelled=lambda j: cancelled.append(j.key))
+    assert cancelled == ["gone"] and set(started) == {"kept"}
+    with pytest.raises(RuntimeError):
+        feed.put(job("after", 3))

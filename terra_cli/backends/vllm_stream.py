@@ -18,6 +18,8 @@ Sampling seeds depend only on (job seed, round, frame in round), the same formul
 from __future__ import annotations
 
 import functools
+import queue
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 
@@ -54,9 +56,64 @@ class _Rollout:
     salt: str = ""
 
 
-# on_frame(job, global frame index, tokens (T,)); on_done(job, all tokens (frames, T))
+# on_frame(job, global frame index, tokens (T,)); on_done(job, all tokens (frames, T)); on_cancelled(job)
 FrameDone = Callable[[RolloutJob, int, np.ndarray], None]
 JobDone = Callable[[RolloutJob, np.ndarray], None]
+JobCancelled = Callable[[RolloutJob], None]
+
+
+class JobFeed:
+    """Jobs that arrive while the driver runs (a server's requests, a Ray actor's share).
+
+    `put` and `cancel` may be called from any thread; `close` says no more will come, and the
+    driver returns once everything put before it is done or cancelled. A driver with nothing in
+    flight waits on the feed instead of spinning; with rollouts in flight it never waits, so new
+    work joins the running batch at the next engine step.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self._closed = False
+
+    def put(self, job: RolloutJob) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this JobFeed is closed")
+            self._jobs.put(job)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._jobs.put(None)  # wakes a waiting driver
+
+    def cancel(self, key: str) -> None:
+        """Drop the job `key` whether it is queued or in flight (on_cancelled is called for it)."""
+        with self._lock:
+            self._cancelled.add(key)
+        self._jobs.put(None)
+
+    def cancelled(self) -> set[str]:
+        with self._lock:
+            return set(self._cancelled)
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._cancelled.discard(key)
+
+    def get(self, wait: float) -> RolloutJob | None:
+        """The next job, waiting up to `wait` seconds; None when there is none now."""
+        try:
+            return self._jobs.get(timeout=wait) if wait > 0 else self._jobs.get_nowait()
+        except queue.Empty:
+            return None
+
+    @property
+    def finished(self) -> bool:
+        """Closed, and every job put before closing has been taken."""
+        with self._lock:
+            return self._closed and self._jobs.empty()
 
 
 def kv_capacity_rollouts(backend: VllmBackend, tokens_per_rollout: int) -> int | None:
@@ -87,28 +144,58 @@ class StreamDriver:
         self.cached_tokens = 0
         self.prompt_tokens = 0
 
-    def run(self, jobs: Iterable[RolloutJob], on_frame: FrameDone | None = None, on_done: JobDone | None = None) -> None:
-        """Generate every job; returns when all are done. KeyboardInterrupt aborts what is in
-        flight (the engine is left empty) and propagates."""
-        pending: Iterator[RolloutJob] = iter(jobs)
+    def run(self, jobs: Iterable[RolloutJob] | JobFeed, on_frame: FrameDone | None = None,
+            on_done: JobDone | None = None, on_cancelled: JobCancelled | None = None,
+            idle_wait: float = 0.05) -> None:
+        """Generate every job; returns when all are done (a `JobFeed`: once it is closed and
+        drained). KeyboardInterrupt aborts what is in flight (the engine is left empty) and
+        propagates."""
+        feed = jobs if isinstance(jobs, JobFeed) else None
+        pending: Iterator[RolloutJob] | None = None if feed is not None else iter(jobs)
         free = list(range(self.max_in_flight - 1, -1, -1))
         active: dict[str, _Rollout] = {}  # request id -> rollout
         exhausted = False
         # Rows of the lockstep backend's ActionRows are overwritten here: it must forget them.
         self.backend.action_rows.first_row.clear()
+
+        def cancelled_now(job: RolloutJob) -> bool:
+            if feed is None or job.key not in feed.cancelled():
+                return False
+            feed.forget(job.key)
+            if on_cancelled is not None:
+                on_cancelled(job)
+            return True
+
         try:
             while True:
+                if feed is not None:
+                    gone = feed.cancelled()
+                    for request_id in [r for r, rollout in active.items() if rollout.job.key in gone]:
+                        rollout = active.pop(request_id)
+                        self.engine.abort_request([request_id])
+                        free.append(rollout.slot)
+                        cancelled_now(rollout.job)
                 while free and not exhausted:
-                    job = next(pending, None)
+                    if feed is None:
+                        job = next(pending, None)
+                        exhausted = job is None
+                    else:
+                        job = feed.get(0 if active else idle_wait)
+                        exhausted = job is None and feed.finished
                     if job is None:
-                        exhausted = True
                         break
+                    if cancelled_now(job):
+                        continue
                     rollout = self._start(job, free.pop())
                     active[self._submit(rollout)] = rollout
                 if not active:
-                    break
+                    if exhausted:
+                        break
+                    continue
                 for out in self.engine.step():
-                    rollout = active.pop(out.request_id)
+                    rollout = active.pop(out.request_id, None)
+                    if rollout is None:  # aborted (cancelled) after it was stepped
+                        continue
                     self.requests_done += 1
                     self.cached_tokens += out.num_cached_tokens or 0
                     self.prompt_tokens += len(out.prompt_token_ids or ())

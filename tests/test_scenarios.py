@@ -170,57 +170,6 @@ def test_act_bench_videos_are_what_its_scorer_reads(tmp_path):
                               np.load(out / "s1/NUSCENES_ACTION_000345.npy")[3:])
 
 
-def test_split_is_balanced_by_generated_frames_and_stable():
-    from terra_cli.scenarios.parallel import split_scenarios
-    from terra_cli.scenarios.spec import Scenario
-
-    lengths = [25, 5, 5, 25, 10, 10, 5, 47]
-    scenarios = [Scenario(f"s{i}", i + 1, np.zeros((n, 6, 3)), n, 0, context_frames=3) for i, n in enumerate(lengths)]
-    shares = split_scenarios(scenarios, 3)
-    assert sorted(s.id for share in shares for s in share) == sorted(s.id for s in scenarios)
-    loads = [sum(s.frames - 3 for s in share) for share in shares]
-    assert sorted(loads) == [31, 33, 44]  # the 44-frame scenario alone; the rest spread evenly
-    assert [[s.id for s in share] for share in shares] == [[s.id for s in share] for share in split_scenarios(scenarios, 3)]
-    assert all([s.line for s in share] == sorted(s.line for s in share) for share in shares)
-
-
-def test_data_parallel_workers_write_what_one_engine_writes(tmp_path):
-    """Two worker processes (CPU, reference backend) against one engine: the same tokens for every
-    scenario, one merged results.jsonl, no worker logs left, and a re-run resumes across shares."""
-    lines = [{"id": f"v{i}", "context": "ctx.npy", "actions": ["left", "right", "straight"][i % 3],
-              "frames": 3 + i % 3, "seed": i} for i in range(5)]
-    path = scenario_file(tmp_path, lines)
-    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=TOKENS, layers=1))
-    common = ["generate", "--scenarios", str(path), "--model", str(model), "--backend", "hf", "--device", "cpu",
-              "--no-decode"]
-    one = CliRunner().invoke(app, [*common, "--out-dir", str(tmp_path / "one")])
-    assert one.exit_code == 0, one.output
-    two = CliRunner().invoke(app, [*common, "--out-dir", str(tmp_path / "two"), "--data-parallel", "2"])
-    assert two.exit_code == 0, two.output
-    assert "engine 0 ready" in two.output and "engine 1 ready" in two.output
-    for line in lines:
-        np.testing.assert_array_equal(np.load(tmp_path / "one" / f"{line['id']}.npy"),
-                                      np.load(tmp_path / "two" / f"{line['id']}.npy"))
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted([RESULTS_NAME, *(f"v{i}.npy" for i in range(5))])
-    assert completed_ids(tmp_path / "two") == {f"v{i}" for i in range(5)}
-    again = CliRunner().invoke(app, [*common, "--out-dir", str(tmp_path / "two"), "--data-parallel", "2"])
-    assert again.exit_code == 0 and "0 scenario(s) written, 5 already done" in again.output, again.output
-
-
-def test_data_parallel_needs_the_gpus_it_names(monkeypatch):
-    from terra_cli.errors import InputError
-    from terra_cli.scenarios.parallel import worker_devices
-
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(InputError, match="needs 2 GPUs; 1 visible"):
-        worker_devices("cuda", 2)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    assert worker_devices("cuda", 2) == ["3", "5"]
-    with pytest.raises(InputError, match="drop --device cuda:1"):
-        worker_devices("cuda:1", 2)
-    assert worker_devices("cpu", 2) == [None, None]
-
-
 def test_engine_options_are_checked_before_a_model_loads():
     from terra_cli.backends import check_backend_options, engine_options
     from terra_cli.errors import InputError
@@ -238,39 +187,3 @@ def test_engine_options_are_checked_before_a_model_loads():
         engine_options("auto", "int4")
     with pytest.raises(InputError, match="--kv-cache-dtype must be auto or fp8"):
         engine_options("bf16", "none")
-
-
-@pytest.mark.slow
-def test_data_parallel_interrupt_keeps_finished_scenarios_and_resumes(tmp_path):
-    """Ctrl-C (or SIGTERM) in the parent stops both workers; what they finished is written and
-    folded into results.jsonl, nothing half-written is left, and a re-run completes the rest with
-    the tokens an uninterrupted run writes."""
-    from terra_cli.scenarios.job import ScenarioJob, prepare_job, run_scenario_job
-    from terra_cli.scenarios.parallel import run_data_parallel
-
-    lines = [{"id": f"v{i}", "context": "ctx.npy", "actions": "left", "frames": 12, "seed": i} for i in range(8)]
-    path = scenario_file(tmp_path, lines)
-    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=TOKENS, layers=1))
-
-    def job(out):
-        return prepare_job(ScenarioJob(path, tmp_path / out, Defaults(), model=str(model), backend="hf",
-                                       device="cpu", decode=False))
-
-    frames = []
-
-    def stop_soon(worker):
-        frames.append(worker)
-        if len(frames) == 24:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        run_data_parallel(job("cut"), 2, on_frame=stop_soon)
-    cut = tmp_path / "cut"
-    finished = completed_ids(cut)
-    assert 1 <= len(finished) < 8  # 24 frames: at least one 10-frame scenario done, not all
-    assert sorted(p.name for p in cut.iterdir()) == sorted([RESULTS_NAME, *(f"{i}.npy" for i in finished)])
-    resumed = run_data_parallel(job("cut"), 2)
-    assert resumed.resumed == len(finished) and resumed.done == 8 - len(finished)
-    run_scenario_job(job("whole"))  # one engine in this process: the same tokens
-    for line in lines:
-        np.testing.assert_array_equal(np.load(cut / f"{line['id']}.npy"), np.load(tmp_path / "whole" / f"{line['id']}.npy"))

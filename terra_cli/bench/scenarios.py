@@ -1,7 +1,7 @@
 """`terra bench --scenarios N`: scenario throughput the way `terra generate --scenarios` runs it.
 
 N scenarios of random context tokens and preset trajectories go through the product path
-(`scenarios.job` / `scenarios.parallel`, continuous batching, staggered starts as slots free up),
+(`scenarios.job` / `scenarios.ray_runner`, continuous batching, staggered starts as slots free up),
 tokens only. Reported: aggregate generated frames/s, GPU busy fraction per GPU while frames are
 being generated (NVML), each engine's start-up, a projected ACT-Bench run, and optionally the
 lockstep figure (all rollouts advancing frame by frame) on a fresh engine in the same run.
@@ -130,9 +130,18 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
         marks["start"] = time.perf_counter()
         try:
             if plan.data_parallel > 1:
-                from terra_cli.scenarios.parallel import run_data_parallel
+                from terra_cli.scenarios.job import EngineReady
+                from terra_cli.scenarios.ray_runner import run_on_ray
 
-                run = run_data_parallel(prepared, plan.data_parallel, on_ready=on_ready, on_frame=on_frame)
+                def on_event(kind, engine, payload):
+                    if kind == "ready":
+                        on_ready(engine.index, EngineReady(payload["startup_s"], payload["startup"]))
+                    elif kind == "tick" and payload.progress_frames > frames[0]:  # frame counts come in ticks
+                        on_frame(None)
+                        frames[0] = payload.progress_frames
+
+                run = run_on_ray(prepared, None, plan.data_parallel, on_event=on_event)
+                frames[0] = run.generated_frames
             else:
                 run = run_scenario_job(prepared, on_ready=lambda r: on_ready(0, r), on_frame=lambda: on_frame(0))
         finally:

@@ -25,7 +25,8 @@ from terra_cli.errors import InputError
         "  terra generate out.mp4 --actions left --draft previous-frame --draft-tokens 4   # several codes per engine step\n\n"
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 256 --kv-cache-dtype fp8\n\n"
         "  terra generate --scenarios act_bench.jsonl --image-root /data/nuscenes --out-dir actbench/ \\\n"
-        "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames"
+        "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames\n\n"
+        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --ray auto   # every GPU of a running Ray cluster"
     )
 )
 @friendly_errors
@@ -65,7 +66,9 @@ def generate(
     draft: str = opts.draft_option(),
     draft_tokens: int = opts.draft_tokens_option(),
     torch_compile: Optional[bool] = opts.torch_compile_option(),
-    data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="With --scenarios: engines, one per visible GPU (one process each), sharing the scenarios."),
+    data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="With --scenarios: N engines on this machine, one per visible GPU (a local Ray cluster; needs terra-cli[ray]), taking scenarios as they free up."),
+    ray_address: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="With --scenarios: run on a Ray cluster, one engine per GPU: auto (the cluster `ray start` joined), ray://HOST:10001, HOST:6379, or local (a cluster of this machine). Needs terra-cli[ray] on every node."),
+    engines: Optional[int] = typer.Option(None, "--engines", min=1, help="With --ray: at most N engines (default: one per GPU of the cluster; on CPUs, one per node)."),
     image_root: Optional[Path] = typer.Option(None, "--image-root", help="With ACT-Bench scenarios: the nuScenes dataroot its context_frames paths are relative to (default: the file's folder)."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
@@ -91,8 +94,8 @@ def generate(
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
                           device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile),
                           max_rollouts, not no_decode, temperature, top_k, top_p, threads)
-        return _generate_scenarios(job, data_parallel)
-    for name, value in (("--data-parallel", data_parallel != 1), ("--image-root", image_root), ("--out-dir", out_dir),
+        return _generate_scenarios(job, data_parallel, ray_address, engines)
+    for name, value in (("--data-parallel", data_parallel != 1), ("--ray", ray_address), ("--engines", engines), ("--image-root", image_root), ("--out-dir", out_dir),
                         ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid)):
         if value:
             raise InputError(f"{name} works with --scenarios FILE")
@@ -182,46 +185,55 @@ class CliObserver:
             yield progress.frame_done
 
 
-def _generate_scenarios(job, data_parallel: int) -> None:
+def _generate_scenarios(job, data_parallel: int, ray_address: Optional[str] = None,
+                        engines: Optional[int] = None) -> None:
     from terra_cli.cli.progress import TaskProgress
     from terra_cli.scenarios.job import prepare_job, run_scenario_job
 
+    if ray_address is not None and data_parallel > 1:
+        raise InputError(f"--data-parallel {data_parallel} is a local Ray cluster of {data_parallel} engines; with "
+                         f"--ray give --engines {data_parallel} instead")
+    if engines is not None and ray_address is None:
+        raise InputError("--engines works with --ray ADDRESS (on one machine: --data-parallel N)")
+    on_ray = ray_address is not None or data_parallel > 1
+    if on_ray:
+        from terra_cli.scenarios.ray_runner import require_ray
+
+        require_ray("--ray" if ray_address is not None else f"--data-parallel {data_parallel}")
     prepared = prepare_job(job)  # every line and option checked before any model loads
     file, out_dir = prepared.file, job.out_dir
-    if data_parallel > 1:
-        from terra_cli.scenarios.parallel import worker_devices
-
-        worker_devices(prepared.device, data_parallel)  # enough GPUs, before anything starts
     in_flight = job.max_rollouts if prepared.backend == "vllm" else 1
+    where = (f"Ray ({ray_address})" if ray_address is not None else f"{data_parallel} engine(s) on a local Ray cluster"
+             ) if on_ray else "1 engine"
     say(f"{len(file.scenarios)} scenario(s) from {job.scenarios} ({file.source_format}), backend {prepared.backend}, "
-        f"model {prepared.model_label}, {data_parallel} engine(s), up to {in_flight} in flight each -> {out_dir}/")
+        f"model {prepared.model_label}, {where}, up to {in_flight} in flight each -> {out_dir}/")
     total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
     progress = TaskProgress(console, "scenarios", total_frames, unit="generated frames")
     started = time.perf_counter()
     written = [0]
 
-    def frame_done(worker: int) -> None:
+    def frame_done() -> None:
         elapsed = time.perf_counter() - started
         progress.advance(1, note=f"{written[0]} of {len(file.scenarios)} written, "
                                  f"{(progress.completed + 1) / max(elapsed, 1e-9):.1f} frames/s")
 
-    def scenario_written(worker: int, record: dict) -> None:
+    def scenario_written(record: dict) -> None:
         written[0] += record.get("status") == "done"
 
-    def engine_ready(worker: int, ready) -> None:
-        say(f"engine {worker} ready in {ready.seconds:.1f} s")
-
     try:
-        with progress:
-            if data_parallel > 1:
-                from terra_cli.scenarios.parallel import run_data_parallel
+        if on_ray:
+            from terra_cli.cli.ray_progress import RayDisplay
+            from terra_cli.scenarios.ray_runner import drive, ray_cluster
 
-                run = run_data_parallel(prepared, data_parallel, on_ready=engine_ready, on_frame=frame_done,
-                                        on_written=scenario_written)
-            else:
-                run = run_scenario_job(prepared, on_ready=lambda ready: engine_ready(0, ready),
-                                       on_frame=lambda: frame_done(0),
-                                       on_written=lambda record: scenario_written(0, record))
+            display = RayDisplay(progress, say)
+            address = None if ray_address in (None, "local") else ray_address
+            with ray_cluster(prepared, address, engines if ray_address is not None else data_parallel,
+                             verbose=_state["verbose"]) as plan, progress:
+                run = drive(prepared, plan, on_event=display.event)
+        else:
+            with progress:
+                run = run_scenario_job(prepared, on_frame=frame_done, on_written=scenario_written,
+                                       on_ready=lambda ready: say(f"engine 0 ready in {ready.seconds:.1f} s"))
     except KeyboardInterrupt:
         say(f"interrupted: every scenario finished so far is written (see {out_dir}/results.jsonl); "
             "run the same command again to resume")
@@ -229,6 +241,8 @@ def _generate_scenarios(job, data_parallel: int) -> None:
     say(f"{run.done} scenario(s) written, {run.resumed} already done, {run.skipped} invalid line(s) skipped, "
         f"{run.failed} failed; {run.generated_frames} frames in {run.seconds:.1f} s "
         f"({run.generated_frames / max(run.seconds, 1e-9):.2f} generated frames/s) -> {out_dir}/results.jsonl")
+    if on_ray:
+        display.summary(run)
     if run.failed or run.errors:
         raise InputError(f"{run.failed} scenario(s) could not be written, {len(run.errors)} error(s): "
                          + "; ".join(run.errors[:3]))

@@ -1,8 +1,8 @@
 """A scenario run as plain data: what `terra generate --scenarios` asks for, checked before any
-model loads, then run on one engine (`run_scenario_job`) or on several (`scenarios.parallel`).
+model loads, then run on one engine (`run_scenario_job`) or on several (`scenarios.ray_runner`).
 
-A `ScenarioJob` is picklable on purpose: a data-parallel worker process receives the same job and
-re-reads the same file, so a worker cannot see a different scenario than its parent validated.
+A `ScenarioJob` is picklable on purpose: a Ray engine actor receives it to load the same engine;
+the scenarios themselves reach it as data from the driver, never as paths to re-read.
 """
 
 from __future__ import annotations
@@ -93,6 +93,33 @@ class EngineReady:
     startup: dict  # vLLM's own start-up phases, when known
 
 
+def load_engine(job: ScenarioJob, backend: str, device: str, needs_tokenizer: bool):
+    """(engine, tokenizer or None, EngineReady): what one engine, in this process or in a Ray
+    actor, loads before it takes scenarios."""
+    import torch
+
+    from terra_cli.backends import load_backend
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+
+    started = time.perf_counter()
+    choice = resolve_model(job.model, job.variant, job.tokenizer)
+    config = load_config(choice.world_model_dir)
+    tokenizer = None
+    if needs_tokenizer:
+        tokenizer = load_tokenizer(choice.tokenizer, device)
+        check_tokenizer_matches(tokenizer, config)
+    options = dict(job.engine_options)
+    if backend == "vllm":
+        options["max_rollouts"] = job.max_rollouts
+    elif job.threads:
+        torch.set_num_threads(job.threads)
+    engine = load_backend(backend, choice.world_model_dir, device=device, dtype=job.dtype, **options)
+    ready = EngineReady(round(time.perf_counter() - started, 2),
+                        {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"})
+    return engine, tokenizer, ready
+
+
 def run_scenario_job(
     prepared: PreparedJob,
     *,
@@ -103,29 +130,10 @@ def run_scenario_job(
     results_name: str = RESULTS_NAME,
 ) -> ScenarioRun:
     """Load the tokenizer and the engine, run the pending scenarios, close the engine."""
-    import torch
-
-    from terra_cli.backends import load_backend
-    from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
-
     job = prepared.job
-    started = time.perf_counter()
-    choice = resolve_model(job.model, job.variant, job.tokenizer)
-    config = load_config(choice.world_model_dir)
-    tokenizer = None
-    if prepared.needs_tokenizer:
-        tokenizer = load_tokenizer(choice.tokenizer, prepared.device)
-        check_tokenizer_matches(tokenizer, config)
-    options = dict(job.engine_options)
-    if prepared.backend == "vllm":
-        options["max_rollouts"] = job.max_rollouts
-    elif job.threads:
-        torch.set_num_threads(job.threads)
-    engine = load_backend(prepared.backend, choice.world_model_dir, device=prepared.device, dtype=job.dtype, **options)
+    engine, tokenizer, ready = load_engine(job, prepared.backend, prepared.device, prepared.needs_tokenizer)
     try:
-        on_ready(EngineReady(round(time.perf_counter() - started, 2),
-                             {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"}))
+        on_ready(ready)
         return run_scenarios(prepared.file, job.out_dir, engine, tokenizer, decode=job.decode,
                              max_rollouts=job.max_rollouts, skip_invalid=job.skip_invalid,
                              temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,

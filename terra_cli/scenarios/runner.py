@@ -8,8 +8,9 @@ written scenario appends one line to `DIR/results.jsonl` (id, status, seed, fram
 paths); a re-run skips every id whose line says done and whose files exist.
 
 `ScenarioJob` is the whole request as plain data: `prepare_job` validates it without a model,
-`run_scenario_job` loads the engine and runs it, and `scenarios.parallel` hands the same job to
-one worker process per GPU.
+`run_scenario_job` loads the engine and runs it, and `scenarios.ray_runner` hands the scenarios
+to engine actors on a Ray cluster (`scenarios.ray_actor`), writing what they return through
+`save_finished` as this module does.
 """
 
 from __future__ import annotations
@@ -219,31 +220,49 @@ class _Writer:
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
             scenario, tokens, seconds = item
-            try:
-                paths = write_scenario(self.out_dir, scenario, tokens, self.tokenizer)
-            except Exception as exc:  # one scenario's failed write must not stop the others
-                self.run.failed += 1
-                self.run.errors.append(f"{scenario.id}: {exc}")
-                record = {"id": scenario.id, "status": "failed", "reason": str(exc), "seed": scenario.seed}
-            else:
+            record = save_finished(self.out_dir, self.log, scenario, tokens, seconds, tokenizer=self.tokenizer)
+            if record["status"] == "done":
                 self.run.done += 1
-                record = {"id": scenario.id, "status": "done", "seed": scenario.seed, "frames": int(tokens.shape[0]),
-                          "seconds": round(seconds, 2), "paths": paths, "line": scenario.line}
-            self.log.add(record)
+            else:
+                self.run.failed += 1
+                self.run.errors.append(f"{scenario.id}: {record['reason']}")
             self.on_written(record)
 
 
-def write_scenario(out_dir: Path, scenario: Scenario, tokens: np.ndarray, tokenizer) -> list[str]:
-    """`{stem}.npy` (all frames' tokens) and, with a tokenizer, `{stem}.mp4`; each atomic. A re-run
-    replaces files of a scenario that was not recorded as done."""
-    from terra_cli.media.atomic import atomic_save_npy
+def save_finished(out_dir: Path, log: ResultsLog, scenario: Scenario, tokens: np.ndarray, seconds: float, *,
+                  tokenizer=None, video: bytes | None = None, extra: dict | None = None) -> dict:
+    """Write one finished scenario (its files atomically, then its results line) and return the
+    line: what a single-engine run and the Ray driver both do with a finished scenario."""
+    try:
+        paths = write_scenario(out_dir, scenario, tokens, tokenizer, video=video)
+    except Exception as exc:  # one scenario's failed write must not stop the others
+        record = {"id": scenario.id, "status": "failed", "reason": str(exc), "seed": scenario.seed}
+    else:
+        record = {"id": scenario.id, "status": "done", "seed": scenario.seed, "frames": int(tokens.shape[0]),
+                  "seconds": round(seconds, 2), "paths": paths, "line": scenario.line}
+    record.update(extra or {})
+    log.add(record)
+    return record
+
+
+def write_scenario(out_dir: Path, scenario: Scenario, tokens: np.ndarray, tokenizer,
+                   video: bytes | None = None) -> list[str]:
+    """`{stem}.npy` (all frames' tokens) and, with a tokenizer or an encoded `video`, `{stem}.mp4`;
+    each atomic. A re-run replaces files of a scenario that was not recorded as done."""
+    from terra_cli.media.atomic import atomic_path, atomic_save_npy
     from terra_cli.media.frames import write_video
 
     stem = scenario.output_stem
     (out_dir / stem).parent.mkdir(parents=True, exist_ok=True)
     names = [f"{stem}.npy"]
     atomic_save_npy(out_dir / names[0], tokens.astype(np.int64), overwrite=True)
-    if tokenizer is not None:
+    if video is not None:
+        names.insert(0, f"{stem}.mp4")
+        with atomic_path(out_dir / names[0], overwrite=True) as tmp, open(tmp, "wb") as f:
+            f.write(video)
+            f.flush()
+            os.fsync(f.fileno())
+    elif tokenizer is not None:
         names.insert(0, f"{stem}.mp4")
         write_video(out_dir / names[0], list(tokenizer.decode_tokens(tokens)), fps=VIDEO_FPS, overwrite=True)
     return names

@@ -1,0 +1,215 @@
+"""One engine in a Ray actor: scenarios arrive as data, tokens and encoded videos go back.
+
+The driver (`scenarios.ray_runner`) calls `generate` once per scenario and keeps several calls
+open per actor; the actor runs them concurrently (a threaded actor), so every open call is a
+rollout in the engine's continuous batch. On vLLM one thread drives `StreamDriver` over a
+`JobFeed` that the calls put their jobs into; on the reference backend one thread runs them
+scenario by scenario. Contexts are encoded and videos decoded in the calling threads, under a
+lock, so the engine keeps stepping meanwhile.
+
+Nothing here reads the scenario file or writes into the output folder: the actor needs no
+filesystem shared with the driver, only the model (a hub id or the same path on every node).
+An engine error ends the actor's process, so Ray restarts it with a fresh engine and the driver
+hands its unfinished scenarios to the others.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from terra_cli.scenarios.job import ScenarioJob
+from terra_cli.scenarios.runner import VIDEO_FPS
+from terra_cli.scenarios.spec import Scenario
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an actor loads: the job's engine settings, resolved where the actor runs."""
+
+    job: ScenarioJob
+    backend: str  # hf, vllm, or auto (resolved on the actor's node)
+    device: str  # cpu or cuda
+    needs_tokenizer: bool
+    index: int = 0
+    threads: int = 0  # CPU threads of a reference engine (0: torch's default)
+    frame_delay: float = 0.0  # test knob: seconds slept after each frame (a deliberately slow engine)
+
+
+@dataclass
+class ScenarioWork:
+    """One scenario and its context, read by the driver: tokens (K, T) or RGB frames."""
+
+    scenario: Scenario
+    context_tokens: np.ndarray | None = None
+    context_images: list[np.ndarray] | None = None
+
+
+@dataclass
+class Finished:
+    id: str
+    tokens: np.ndarray  # (frames, T) int64, context included
+    video: bytes | None  # the encoded .mp4, when the job decodes
+    seconds: float  # from the engine taking the scenario to its last frame
+
+
+class _Waiter:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.tokens: np.ndarray | None = None
+        self.error: BaseException | None = None
+        self.frames = 0  # generated so far (progress)
+
+
+class ScenarioEngine:
+    """The actor's class (wrapped with `ray.remote` by the driver; plain Python to test)."""
+
+    def __init__(self, spec: EngineSpec):
+        from terra_cli.scenarios.job import load_engine
+
+        if spec.backend == "vllm" or spec.backend == "auto":
+            from terra_cli.runtime import configure_vllm_env
+
+            configure_vllm_env()
+        from terra_cli.backends import resolve_backend_name
+
+        job = spec.job
+        self.spec = spec
+        self.backend_name = resolve_backend_name(spec.backend)
+        self.job = job if not spec.threads else _with_threads(job, spec.threads)
+        self.engine, self.tokenizer, self.startup = load_engine(self.job, self.backend_name, spec.device,
+                                                                spec.needs_tokenizer)
+        self.codec = threading.Lock()  # the image tokenizer, shared by the calling threads
+        self.waiters: dict[str, _Waiter] = {}
+        self.lock = threading.Lock()
+        self.frames = 0
+        self.failure: BaseException | None = None
+        if self.backend_name == "vllm":
+            from terra_cli.backends.vllm_stream import JobFeed
+
+            self.feed = JobFeed()
+            target = self._drive_stream
+        else:
+            self.feed = queue.Queue()
+            target = self._drive_reference
+        self.thread = threading.Thread(target=self._drive, args=(target,), name="terra-engine", daemon=True)
+        self.thread.start()
+
+    # -- called by the driver -------------------------------------------------------------
+
+    def ready(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "backend": self.backend_name,
+                "device": self.spec.device, "startup_s": self.startup.seconds, "startup": self.startup.startup}
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"frames": self.frames, "pending_frames": sum(w.frames for w in self.waiters.values())}
+
+    def generate(self, work: ScenarioWork) -> Finished:
+        from terra_cli.backends.base import Sampling
+
+        s, job = work.scenario, self.job
+        if work.context_tokens is not None:
+            context = np.asarray(work.context_tokens, dtype=np.int64)
+        else:
+            with self.codec:
+                context = np.stack(list(self.tokenizer.tokenize(work.context_images)))
+        sampling = Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=s.seed)
+        waiter = _Waiter()
+        with self.lock:
+            if self.failure is not None:
+                raise RuntimeError(f"engine failed: {self.failure}")
+            self.waiters[s.id] = waiter
+        started = time.perf_counter()
+        try:
+            if self.backend_name == "vllm":
+                from terra_cli.backends.vllm_stream import RolloutJob
+
+                self.feed.put(RolloutJob(s.id, context, s.actions, s.frames, sampling))
+            else:
+                self.feed.put((s, context, sampling))
+            waiter.event.wait()
+        finally:
+            with self.lock:
+                self.waiters.pop(s.id, None)
+        if waiter.error is not None:
+            raise waiter.error
+        seconds = time.perf_counter() - started
+        return Finished(s.id, waiter.tokens, self._encode_video(s.id, waiter.tokens), seconds)
+
+    # -- the engine thread ----------------------------------------------------------------
+
+    def _drive(self, target) -> None:
+        try:
+            target()
+        except BaseException as exc:  # the engine is unusable: fail the open calls, then die for a restart
+            with self.lock:
+                self.failure = exc
+                for waiter in self.waiters.values():
+                    waiter.error = RuntimeError(f"engine {self.spec.index} failed: {type(exc).__name__}: {exc}")
+                    waiter.event.set()
+            time.sleep(0.5)  # let the failed calls' replies leave before the process goes
+            os._exit(1)
+
+    def _frame_done(self, key: str) -> None:
+        with self.lock:
+            self.frames += 1
+            waiter = self.waiters.get(key)
+            if waiter is not None:
+                waiter.frames += 1
+        if self.spec.frame_delay:
+            time.sleep(self.spec.frame_delay)
+
+    def _finish(self, key: str, tokens: np.ndarray | None, error: BaseException | None = None) -> None:
+        with self.lock:
+            waiter = self.waiters.get(key)
+        if waiter is not None:
+            waiter.tokens, waiter.error = tokens, error
+            waiter.event.set()
+
+    def _drive_stream(self) -> None:
+        from terra_cli.backends.vllm_stream import StreamDriver
+
+        StreamDriver(self.engine, self.job.max_rollouts).run(
+            self.feed, on_frame=lambda job, i, t: self._frame_done(job.key),
+            on_done=lambda job, tokens: self._finish(job.key, tokens.copy()))
+
+    def _drive_reference(self) -> None:
+        from terra_cli.pipeline.rounds import generate_tokens
+
+        while True:
+            s, context, sampling = self.feed.get()
+            try:
+                tokens = generate_tokens(self.engine, context, s.actions, s.frames, sampling,
+                                         on_frame=lambda i, t: self._frame_done(s.id))[0]
+            except Exception as exc:  # this scenario's own failure (bad tokens, say): the engine goes on
+                self._finish(s.id, None, RuntimeError(" ".join(f"{type(exc).__name__}: {exc}".split())))
+            else:
+                self._finish(s.id, np.asarray(tokens, dtype=np.int64))
+
+    def _encode_video(self, key: str, tokens: np.ndarray) -> bytes | None:
+        if not self.job.decode or self.tokenizer is None:
+            return None
+        from terra_cli.media.frames import write_video
+
+        with self.codec:
+            frames = list(self.tokenizer.decode_tokens(tokens))
+        with tempfile.TemporaryDirectory(prefix="terra-ray-") as folder:
+            path = Path(folder) / f"{key}.mp4"
+            write_video(path, frames, fps=VIDEO_FPS)
+            return path.read_bytes()
+
+
+def _with_threads(job: ScenarioJob, threads: int) -> ScenarioJob:
+    from dataclasses import replace
+
+    return replace(job, threads=job.threads or threads)

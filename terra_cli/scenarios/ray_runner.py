@@ -123,6 +123,7 @@ class EngineState:
     backend: str = ""
     startup_s: float | None = None
     probe: object = None  # ready() while starting or restarting
+    probe_at: float = 0.0  # when to ask again while Ray restarts it
     stats_ref: object = None
     stats_at: float = 0.0
     open: dict = field(default_factory=dict)  # generate() ref -> scenario
@@ -217,7 +218,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     """Run `prepared` on `plan.engines` actors. KeyboardInterrupt writes every result that is
     already back, stops the actors and propagates."""
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
     from terra_cli.scenarios.ray_actor import EngineSpec, ScenarioEngine
 
@@ -233,6 +234,8 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     attempts: dict[str, list[str]] = {}
     avoid: dict[str, int] = {}  # scenario -> the engine it last failed on
     works: dict[str, object] = {}  # scenario -> its context in the object store (kept for retries)
+    if not pending:  # a finished run, resumed: no engine needs to start
+        return run
     delays = test_frame_delays()
     count, device, resources = plan.engines, plan.device, plan.resources
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // count) if device == "cpu" else 0
@@ -287,7 +290,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
             record_failure(s, engine, f"engine died ({why})")
 
     def take(engine: EngineState) -> Scenario | None:
-        others = sum(e.status == "alive" for e in run.engines) > 1
+        others = sum(e.status != "dead" for e in run.engines) > 1  # a retry waits for another engine
         for position, s in enumerate(pending):
             if position > 4 * window:
                 break
@@ -316,7 +319,10 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
                 engine.probe = None
                 try:
                     info = ray.get(ref)
-                except RayActorError as exc:
+                except ActorUnavailableError:  # still restarting: ask again next tick
+                    engine.probe_at = time.perf_counter() + TICK_SECONDS
+                    return
+                except RayActorError as exc:  # out of restarts, or it cannot start at all
                     engine.status = "dead"
                     on_event("dead", engine, _short(exc))
                     return
@@ -353,6 +359,8 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
                 break
             now = time.perf_counter()
             for engine in run.engines:
+                if engine.probe is None and engine.status in ("starting", "restarting") and now >= engine.probe_at:
+                    engine.probe = engine.actor.ready.remote()
                 if engine.status == "alive":
                     hand_out(engine)
                     if engine.stats_ref is None and now - engine.stats_at > TICK_SECONDS:

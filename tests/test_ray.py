@@ -1,0 +1,184 @@
+"""Scenario runs on Ray (terra_cli/scenarios/ray_runner.py, ray_actor.py): a local cluster of two
+nodes on this machine, the reference backend on a tiny model. Every run is checked against one
+engine in this process: the same tokens, each scenario written once, nothing half-written."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from terra_cli.cli import app
+from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+from terra_cli.scenarios.job import ScenarioJob, prepare_job, run_scenario_job
+from terra_cli.scenarios.runner import RESULTS_NAME, read_results
+from terra_cli.scenarios.spec import Defaults
+
+ray = pytest.importorskip("ray")
+TOKENS = 16
+SCENARIOS = 12
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes of two CPUs each, started once for the module (seconds each)."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    nodes.add_node(num_cpus=2)
+    ray.init(address=nodes.address, log_to_driver=False, logging_level="ERROR")
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A scenario file, a tiny model, and what one engine in this process writes for it."""
+    folder = tmp_path_factory.mktemp("ray")
+    np.save(folder / "ctx.npy", np.random.default_rng(0).integers(0, 512, size=(2, TOKENS)))
+    np.save(folder / "poison.npy", np.full((2, TOKENS), 10**6))  # no such code: the engine raises
+    lines = [{"id": f"v{i}", "context": "ctx.npy", "actions": ["left", "right", "straight"][i % 3], "frames": 4,
+              "seed": i} for i in range(SCENARIOS)]
+    (folder / "s.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    (folder / "poison.jsonl").write_text("\n".join(map(json.dumps, [
+        *lines[:4], {"id": "poison", "context": "poison.npy", "actions": "left", "frames": 4}, *lines[4:]])) + "\n")
+    model = write_tiny_checkpoint(folder / "model", tiny_config(image_tokens=TOKENS, layers=1))
+    run_scenario_job(prepare_job(job(folder, "s.jsonl", "one", model)))
+    return folder, model
+
+
+def job(folder, scenarios, out, model):
+    return ScenarioJob(folder / scenarios, folder / out, Defaults(), model=str(model), backend="hf", device="cpu",
+                       decode=False)
+
+
+def run(folder, model, out, scenarios="s.jsonl", engines=2, **kwargs):
+    from terra_cli.scenarios.ray_runner import run_on_ray
+
+    return run_on_ray(prepare_job(job(folder, scenarios, out, model)), "auto", engines, **kwargs)
+
+
+def assert_written_once_as_one_engine(folder, out, ids):
+    """Each id has one done line and its tokens equal the single-engine run's; no partial file."""
+    records = read_results(folder / out / RESULTS_NAME)
+    done = [r["id"] for r in records if r["status"] == "done"]
+    assert sorted(done) == sorted(ids)
+    for i in ids:
+        np.testing.assert_array_equal(np.load(folder / out / f"{i}.npy"), np.load(folder / "one" / f"{i}.npy"))
+    assert not [p.name for p in (folder / out).iterdir() if "partial" in p.name]
+    return records
+
+
+def test_two_nodes_write_what_one_engine_writes_and_a_rerun_resumes(cluster, work):
+    folder, model = work
+    events = []
+    first = run(folder, model, "two", on_event=lambda kind, engine, payload: events.append(kind))
+    assert first.done == SCENARIOS and first.failed == 0 and not first.errors
+    records = assert_written_once_as_one_engine(folder, "two", [f"v{i}" for i in range(SCENARIOS)])
+    assert {r["engine"] for r in records} <= {0, 1} and all(r["node"] for r in records)
+    assert sum(row["scenarios"] for row in first.summary()) == SCENARIOS and events.count("ready") == 2
+    again = run(folder, model, "two")
+    assert again.resumed == SCENARIOS and again.done == 0
+    assert len(read_results(folder / "two" / RESULTS_NAME)) == SCENARIOS
+
+
+def test_a_slow_engine_takes_fewer_scenarios_and_a_poison_one_fails_alone(cluster, work, monkeypatch):
+    """Engine 1 sleeps after every frame; a scenario whose context the model cannot read fails on
+    each engine in turn, is recorded as failed with every reason, and the others are written."""
+    folder, model = work
+    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "1=0.5")  # engine 1: 1 s a scenario, engine 0: ~0.05 s
+    result = run(folder, model, "slow", scenarios="poison.jsonl")
+    shares = {row["engine"]: row["scenarios"] for row in result.summary()}
+    assert result.done == SCENARIOS and result.failed == 1 and shares[1] < shares[0]
+    failed = [r for r in read_results(folder / "slow" / RESULTS_NAME) if r["status"] == "failed"]
+    assert [r["id"] for r in failed] == ["poison"]
+    assert "failed 3 times" in failed[0]["reason"] and "engine 0" in failed[0]["reason"] \
+        and "engine 1" in failed[0]["reason"]  # retried on the other engine
+    assert_written_once_as_one_engine(folder, "slow", [f"v{i}" for i in range(SCENARIOS)])
+
+
+def test_killed_engines_lose_nothing_and_rejoin(cluster, work, monkeypatch):
+    """SIGKILL engine 1's process mid-run, then engine 0's once it has taken over: their open
+    scenarios are handed out again, Ray restarts both and the run finishes only once they have
+    rejoined; every scenario is written once, with the tokens of an uninterrupted run."""
+    folder, model = work
+    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "0=0.25,1=0.25")
+    pids, events = {}, []
+
+    def on_event(kind, engine, payload):
+        events.append((kind, engine.index if engine else None))
+        if kind == "ready":
+            pids[engine.index] = payload["pid"]
+        victim = 1 if ("lost", 1) not in events else 0
+        if kind == "written" and engine.index == victim and victim in pids:
+            os.kill(pids.pop(victim), signal.SIGKILL)
+
+    result = run(folder, model, "killed", on_event=on_event)
+    assert events.index(("lost", 1)) < events.index(("lost", 0))
+    assert result.requeued >= 2 and result.failed == 0
+    assert_written_once_as_one_engine(folder, "killed", [f"v{i}" for i in range(SCENARIOS)])
+    assert ("rejoined", 0) in events and ("rejoined", 1) in events
+    assert [e.restarts for e in result.engines] == [1, 1]
+
+
+def test_ctrl_c_stops_the_actors_keeps_finished_scenarios_and_a_rerun_completes(cluster, work):
+    folder, model = work
+    out = folder / "cut"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_RAY_TEST_FRAME_DELAY": "0=0.5,1=0.5",
+           "RAY_ADDRESS": cluster.address}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir", str(out),
+         "--model", str(model), "--backend", "hf", "--device", "cpu", "--no-decode", "--ray", "auto", "--engines", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not read_results(out / RESULTS_NAME) and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGINT)
+    output, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 130, output
+    assert "interrupted: every scenario finished so far is written" in output
+    kept = [r["id"] for r in read_results(out / RESULTS_NAME)]
+    assert 1 <= len(kept) < SCENARIOS
+    assert_written_once_as_one_engine(folder, "cut", kept)
+    deadline = time.monotonic() + 30  # the actors are gone: their CPUs come back
+    while ray.available_resources().get("CPU", 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 4
+    resumed = run(folder, model, "cut")
+    assert resumed.resumed == len(kept) and resumed.done == SCENARIOS - len(kept)
+    assert_written_once_as_one_engine(folder, "cut", [f"v{i}" for i in range(SCENARIOS)])
+
+
+def test_without_ray_installed_a_multi_engine_run_is_one_line(work, monkeypatch):
+    folder, model = work
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    result = CliRunner().invoke(app, ["generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir",
+                                      str(folder / "noray"), "--model", str(model), "--backend", "hf", "--device",
+                                      "cpu", "--no-decode", "--data-parallel", "2"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --data-parallel 2 runs on Ray, which is not installed: pip install 'terra-cli[ray]' "
+        "(on the driver and on every node of the cluster)"]
+    assert not (folder / "noray").exists()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "ray://127.0.0.1:1"])
+def test_a_bad_address_is_one_line_within_a_bounded_time(work, address):
+    folder, model = work
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir",
+         str(folder / "bad"), "--model", str(model), "--backend", "hf", "--device", "cpu", "--no-decode",
+         "--ray", address], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TERRA_RAY_CONNECT_TIMEOUT": "5"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: cannot reach a Ray cluster at --ray {address}: Connection refused (start one with `ray start "
+        "--head`, or pass --ray local for a cluster of this machine)")
+    assert time.monotonic() - started < 60

@@ -168,9 +168,9 @@ def test_without_ray_installed_a_multi_engine_run_is_one_line(work, monkeypatch)
     assert not (folder / "noray").exists()
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:1", "ray://127.0.0.1:1"])
-def test_a_bad_address_is_one_line_within_a_bounded_time(work, address):
+def test_a_bad_address_is_one_line_within_a_bounded_time(work):
     folder, model = work
+    address = "ray://127.0.0.1:1"  # nothing listens: refused at once, or else given up after the connect bound
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir",

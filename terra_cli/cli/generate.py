@@ -197,7 +197,7 @@ def _generate_scenarios(job, data_parallel: int, ray_address: Optional[str] = No
         raise InputError("--engines works with --ray ADDRESS (on one machine: --data-parallel N)")
     on_ray = ray_address is not None or data_parallel > 1
     if on_ray:
-        from terra_cli.scenarios.ray_runner import require_ray
+        from terra_cli.scenarios.ray_cluster import require_ray
 
         require_ray("--ray" if ray_address is not None else f"--data-parallel {data_parallel}")
     prepared = prepare_job(job)  # every line and option checked before any model loads
@@ -223,7 +223,8 @@ def _generate_scenarios(job, data_parallel: int, ray_address: Optional[str] = No
     try:
         if on_ray:
             from terra_cli.cli.ray_progress import RayDisplay
-            from terra_cli.scenarios.ray_runner import drive, ray_cluster
+            from terra_cli.scenarios.ray_cluster import ray_cluster
+            from terra_cli.scenarios.ray_runner import drive
 
             display = RayDisplay(progress, say)
             address = None if ray_address in (None, "local") else ray_address

@@ -50,7 +50,8 @@ class RayDisplay:
 
     def summary(self, run) -> None:
         for row in run.summary():
-            restarts = f", {row['restarts']} restart(s)" if row["restarts"] else ""
+            restarts = (f", {row['restarts']} restart(s), {row['lost_frames']} frames lost with it"
+                        if row["restarts"] else "")
             self.say(f"engine {row['engine']} on {row['node'] or '?'} ({row['status']}): {row['scenarios']} scenario(s) "
                      f"= {row['share']:.0f}% of those written, {row['frames']} frames, "
                      f"{row['frames_per_s']:.2f} frames/s{restarts}")

@@ -30,7 +30,7 @@ def connect(ray, address: str | None, *, cpus: int, gpus: int, verbose: bool = F
         return False
     common = dict(include_dashboard=False, log_to_driver=verbose, logging_level="INFO" if verbose else "ERROR")
     if address is None:
-        ray.init(num_cpus=cpus, num_gpus=gpus, **common)
+        ray.init(address="local", num_cpus=cpus, num_gpus=gpus, **common)  # never a cluster found running
         return True
     unreachable = _port_closed(address)
     if unreachable:

@@ -267,12 +267,18 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     except KeyboardInterrupt:
         # Whatever is already back is written before the actors go.
         refs = [r for e in run.engines for r in e.open]
-        for ref in (ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []):
-            settle(ref)
+        try:
+            for ref in (ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []):
+                settle(ref)
+        except Exception:  # a local cluster that took the Ctrl-C too: what was written stays
+            pass
         raise
     finally:
         for engine in run.engines:
-            ray.kill(engine.actor, no_restart=True)
+            try:
+                ray.kill(engine.actor, no_restart=True)
+            except Exception:  # already gone
+                pass
         run.seconds = time.perf_counter() - clock
     return run
 

@@ -61,8 +61,9 @@ class OutputPlan:
             raise OutputError(f"{label} {path} must end in {' or '.join(suffixes)}")
         if path.is_dir():
             raise OutputError(f"{label} {path} is a directory; give a file name")
+        self._check_collisions(label, path, is_folder=False)  # before any probe touches the disk
         check_writable(path, self.overwrite)
-        self._add(label, path, is_folder=False)
+        self._outputs.append((label, path, _resolved(path), False))
         return path
 
     def folder(self, label: str, path: str | os.PathLike) -> Path:
@@ -76,13 +77,14 @@ class OutputPlan:
         resolved = _resolved(path)
         if _inside(_resolved(Path.cwd()), resolved):
             raise OutputError(f"{label} {path} is or contains the working directory; name a new folder for the output")
+        self._check_collisions(label, path, is_folder=True)
         if path.is_dir() and not self.overwrite and any(path.iterdir()):
             raise OutputError(f"{label} {path} is not empty; pass --overwrite to replace its frame files "
                               "(other files in it are left alone), or name a new folder")
         blocker = unwritable_ancestor(path)
         if blocker is not None:
             raise OutputError(f"cannot write into {label} {path}: {blocker} is not writable")
-        self._add(label, path, is_folder=True)
+        self._outputs.append((label, path, resolved, True))
         return path
 
     def may_replace(self, path: str | os.PathLike) -> bool:
@@ -93,7 +95,7 @@ class OutputPlan:
         """Record that this run wrote `path` (it may replace it later without --overwrite)."""
         self._made.add(_resolved(Path(path)))
 
-    def _add(self, label: str, given: Path, is_folder: bool) -> None:
+    def _check_collisions(self, label: str, given: Path, is_folder: bool) -> None:
         resolved = _resolved(given)
         for other_label, other_given, other_resolved, other_folder in self._outputs:
             if resolved == other_resolved:
@@ -104,7 +106,6 @@ class OutputPlan:
                 raise OutputError(f"{other_label} {other_given} lies inside {label} {given}; put it elsewhere")
         for in_label, in_given, in_resolved in self._inputs:
             self._check_against_input(label, given, resolved, is_folder, in_label, in_given, in_resolved)
-        self._outputs.append((label, given, resolved, is_folder))
 
     @staticmethod
     def _check_against_input(label, given, resolved, is_folder, in_label, in_given, in_resolved) -> None:

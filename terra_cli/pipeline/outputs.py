@@ -74,6 +74,8 @@ class OutputPlan:
         check_name_length(path)
         if path.exists() and not path.is_dir():
             raise OutputError(f"{label} {path} is a file; pass a folder")
+        if path.is_symlink() and not path.exists():
+            raise OutputError(f"{label} {path} is a symbolic link to nothing; pass a folder")
         resolved = _resolved(path)
         if _inside(_resolved(Path.cwd()), resolved):
             raise OutputError(f"{label} {path} is or contains the working directory; name a new folder for the output")

@@ -70,7 +70,7 @@ def generate(
     image_root: Optional[Path] = typer.Option(None, "--image-root", help="With ACT-Bench scenarios: the nuScenes dataroot its context_frames paths are relative to (default: the file's folder)."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
-    from terra_cli.actions import resolve_actions
+    from terra_cli.actions import PRESETS, resolve_actions
     from terra_cli.backends import Sampling, engine_options
     from terra_cli.models.resolve import resolve_model
     from terra_cli.pipeline import inputs
@@ -102,7 +102,8 @@ def generate(
         raise InputError("--actions is needed (a preset, a .npy, or ACT-Bench JSON), or --scenarios FILE for many videos")
     # Everything that can be checked without a model, outputs first.
     given = [("--context-tokens", context_tokens), ("--model", _local(model)), ("--tokenizer", _local(tokenizer)),
-             ("--actions", _local(actions)), *(("--context", path) for path in context or ())]
+             ("--actions", None if actions.strip().lower() in PRESETS else _local(actions)),
+             *(("--context", path) for path in context or ())]
     outputs = check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite, inputs=given)
     if context and context_tokens is not None:
         raise InputError("give --context (images/video) or --context-tokens, not both")

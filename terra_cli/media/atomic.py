@@ -207,6 +207,15 @@ def make_temporary_folder(target: Path) -> Path:
 
 
 def _umask() -> int:
+    """The process umask. Linux reports it in /proc; elsewhere it is read by setting it, which
+    briefly leaves other threads (the scenario writer) with umask 0."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -136,7 +136,7 @@ def bench(
     )
     command = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
-    def save_results_once_more(data: dict) -> None:
+    def save_json(data: dict) -> None:
         # A bench takes minutes: what is measured so far is kept if it is interrupted, in a file
         # this run may replace because it made it.
         save_results(data, out_json, overwrite=outputs.may_replace(out_json))
@@ -144,13 +144,13 @@ def bench(
 
     def save_partial(partial: dict) -> None:
         if out_json:
-            save_results_once_more(dict(partial, command=command))
+            save_json(dict(partial, command=command))
 
     results = run_bench(model, plan, log=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False), on_update=save_partial)
     results["command"] = command
     _print_table(results)
     if out_json:
-        save_results_once_more(results)
+        save_json(results)
         console.print(f"results -> {out_json}")
     if plot:
         plot_results(results, plot, overwrite=overwrite)

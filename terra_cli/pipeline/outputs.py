@@ -81,8 +81,8 @@ class OutputPlan:
             raise OutputError(f"{label} {path} is or contains the working directory; name a new folder for the output")
         self._check_collisions(label, path, is_folder=True)
         if path.is_dir() and not self.overwrite and any(path.iterdir()):
-            raise OutputError(f"{label} {path} is not empty; pass --overwrite to replace its frame files "
-                              "(other files in it are left alone), or name a new folder")
+            raise OutputError(f"{label} {path} is not empty; pass --overwrite to write into it (files of the "
+                              "names this run writes are replaced, other files left alone), or name a new folder")
         blocker = unwritable_ancestor(path)
         if blocker is not None:
             raise OutputError(f"cannot write into {label} {path}: {blocker} is not writable")

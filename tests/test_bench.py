@@ -94,6 +94,7 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path):
     from PIL import Image
 
     from terra_cli.bench.act_bench import ActBenchPlan, bench_tokenizer, run_act_bench
+    from terra_cli.errors import InputError
     from terra_cli.models.default import default_tokenizer_dir
     from terra_cli.models.resolve import load_tokenizer, split_tokenizer_spec
     from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
@@ -126,6 +127,9 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path):
         [np.asarray(Image.open(p).convert("RGB")) for p in first.context_images])
     np.testing.assert_array_equal(tokens[:3], encoded)
     assert (keep / "outputs" / "NUSCENES_ACTION_000000.mp4").stat().st_size > 0
+    # A kept folder of an earlier run would resume, not measure: refused before anything runs.
+    with pytest.raises(InputError, match="earlier run's outputs"):
+        run_act_bench(model, tokenizer, plan, keep, log=lambda msg: None)
 
 
 def test_max_rollouts_is_auto_or_a_count_and_a_bad_value_is_one_line(tmp_path):

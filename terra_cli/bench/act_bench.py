@@ -112,6 +112,7 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                   log: Callable[[str], None] = print) -> dict:
     """Write the samples, run them the way `terra generate --scenarios` does, time it. Everything
     stays in `out_dir` when given, else in a temporary folder that is removed."""
+    from terra_cli.errors import InputError
     from terra_cli.models.checkpoint import load_config
     from terra_cli.pipeline.rounds import plan_rounds
     from terra_cli.scenarios.job import ScenarioJob, prepare_job, run_scenario_job
@@ -120,11 +121,14 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
 
     with tempfile.TemporaryDirectory(prefix="terra-bench-act-") as tmp:
         work = Path(out_dir) if out_dir is not None else Path(tmp)
+        outputs = work / "outputs"
+        if outputs.is_dir() and any(outputs.iterdir()):
+            raise InputError(f"--keep-outputs {work} holds an earlier run's outputs/, which this run would resume "
+                             "instead of measuring; name a new folder")
         work.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         path, image_root = write_act_bench_samples(work, plan)
         written_s = time.perf_counter() - started
-        outputs = work / "outputs"
         job = ScenarioJob(path, outputs, Defaults(frames=plan.frames, seed=plan.seed, image_root=image_root),
                           model=str(checkpoint), tokenizer=tokenizer, backend=plan.backend, device=plan.device,
                           dtype=plan.dtype, engine_options=dict(plan.vllm_options), max_rollouts=plan.max_rollouts,

@@ -59,7 +59,7 @@ def generate(
     scenarios: Optional[Path] = typer.Option(None, "--scenarios", help="Many videos: a JSONL file, terra's format or ACT-Bench's (see README); needs --out-dir."),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes."),
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
-    max_rollouts: int = typer.Option(128, "--max-rollouts", min=1, help="With --scenarios: rollouts in flight at once on the vLLM engine (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
+    max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto (the model's) or fp8 (GPU)."),
     quantization: str = typer.Option("none", "--quantization", help="vLLM weight quantization: none, or fp8 (GPU; weights cast to fp8 at load, see benchmarks/README.md for speed and agreement)."),
@@ -79,7 +79,7 @@ def generate(
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 
     if scenarios is not None:
-        from terra_cli.scenarios.job import ScenarioJob
+        from terra_cli.scenarios.job import ScenarioJob, parse_max_rollouts
         from terra_cli.scenarios.spec import Defaults
 
         if out_dir is None:
@@ -91,7 +91,7 @@ def generate(
                             image_root=image_root)
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
                           device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile),
-                          max_rollouts, not no_decode, temperature, top_k, top_p, threads)
+                          parse_max_rollouts(max_rollouts), not no_decode, temperature, top_k, top_p, threads)
         return _generate_scenarios(job, data_parallel)
     for name, value in (("--data-parallel", data_parallel != 1), ("--image-root", image_root), ("--out-dir", out_dir),
                         ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid)):
@@ -201,9 +201,10 @@ def _generate_scenarios(job, data_parallel: int) -> None:
         from terra_cli.scenarios.parallel import worker_devices
 
         worker_devices(prepared.device, data_parallel)  # enough GPUs, before anything starts
-    in_flight = job.max_rollouts if prepared.backend == "vllm" else 1
+    in_flight = (job.max_rollouts or 0) if prepared.backend == "vllm" else 1
     say(f"{len(file.scenarios)} scenario(s) from {job.scenarios} ({file.source_format}), backend {prepared.backend}, "
-        f"model {prepared.model_label}, {data_parallel} engine(s), up to {in_flight} in flight each -> {out_dir}/")
+        f"model {prepared.model_label}, {data_parallel} engine(s), "
+        + (f"up to {in_flight} in flight each" if in_flight else "rollouts in flight as the KV cache holds") + f" -> {out_dir}/")
     total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
     progress = TaskProgress(console, "scenarios", total_frames, unit="generated frames")
     started = time.perf_counter()
@@ -218,7 +219,7 @@ def _generate_scenarios(job, data_parallel: int) -> None:
         written[0] += record.get("status") == "done"
 
     def engine_ready(worker: int, ready) -> None:
-        say(f"engine {worker} ready in {ready.seconds:.1f} s")
+        say(f"engine {worker} ready in {ready.seconds:.1f} s" + (f"; {ready.in_flight_reason}" if ready.in_flight_reason else ""))
 
     try:
         with progress:

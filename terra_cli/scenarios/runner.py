@@ -36,7 +36,7 @@ from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError, OutputError
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
-from terra_cli.scenarios.spec import Scenario, ScenarioFile, report
+from terra_cli.scenarios.spec import Scenario, ScenarioFile
 
 ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
 VIDEO_FPS = 10
@@ -92,8 +92,9 @@ class ResultsLog:
 
 def check_scenarios(file: ScenarioFile, skip_invalid: bool) -> None:
     if file.problems and not skip_invalid:
-        raise InputError(report(file.problems, file.path).replace("\n  ", " ").replace(") line", "); line") +
-                         " (fix them, or pass --skip-invalid to skip those lines)")
+        listed = "; ".join(str(p).rstrip(";.") for p in file.problems)
+        raise InputError(f"{file.path}: {len(file.problems)} invalid scenario line(s): {listed} "
+                         "(fix them, or pass --skip-invalid to skip those lines)")
 
 
 def run_scenarios(

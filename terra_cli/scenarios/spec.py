@@ -197,8 +197,9 @@ def _parse_line(text: str, number: int, base: Path, defaults: Defaults, rollouts
         raise InputError(f"not JSON: {exc.msg} at column {exc.colno}") from None
     except RecursionError:
         raise InputError("not a scenario: the JSON is nested too deeply") from None
-    except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        raise InputError(f"not JSON terra can read: {' '.join(str(exc).split())[:120]}") from None
+    except ValueError as exc:  # Python refuses integers of more than 4300 digits
+        why = "a number has too many digits" if "digits" in str(exc) else " ".join(str(exc).split())[:120]
+        raise InputError(f"not JSON terra can read: {why}") from None
     if not isinstance(record, dict):
         raise InputError(f"expected a JSON object, got {type(record).__name__}")
     try:
@@ -284,7 +285,8 @@ def _parse_terra(record: dict, line: int, base: Path, defaults: Defaults) -> Sce
     speed = record.get("speed", defaults.speed_kmh)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not np.isfinite(speed) or speed < 0:
         raise InputError(f"'speed' must be a number of km/h >= 0, got {speed!r}")
-    actions = _finite_actions(_resolve_actions(record["actions"], frames, float(speed), base), frames)
+    with np.errstate(over="ignore"):  # a value past float32's range becomes inf, which is refused next
+        actions = _finite_actions(_resolve_actions(record["actions"], frames, float(speed), base), frames)
     images, tokens = _resolve_context(record.get("context"), base)
     if tokens is not None:
         count = check_tokens_file(tokens, count)

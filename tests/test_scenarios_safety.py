@@ -294,3 +294,16 @@ def test_out_dirs_that_cannot_be_written_are_one_line(tmp_path):
                               (path, "is a file")):
         result = cli("generate", "--scenarios", path, "--out-dir", out_dir, "--model", tmp_path / "no-such-model")
         assert result.exit_code == 2 and expected in result.output, (out_dir, result.output)
+
+
+def test_the_same_line_read_through_another_path_resumes(tmp_path, model, monkeypatch):
+    """The digest names context files as the line does, so cd-ing elsewhere is not a change."""
+    path = write_lines(tmp_path, [line("a"), line("b", seed=3)])
+    common = ["--model", model, "--backend", "hf", "--no-decode"]
+    first = cli("generate", "--scenarios", path, "--out-dir", tmp_path / "out", *common)
+    assert first.exit_code == 0, first.output
+    monkeypatch.chdir(tmp_path)
+    again = cli("generate", "--scenarios", "s.jsonl", "--out-dir", "out", *common)
+    assert again.exit_code == 0 and "0 scenario(s) written, 2 already done" in again.output, again.output
+    samples = read_scenarios(path, Defaults(), rollouts=2).scenarios
+    assert len({s.digest for s in samples}) == 4

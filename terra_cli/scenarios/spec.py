@@ -85,23 +85,22 @@ class Scenario:
         """The index-th seeded sample of this scene: seed + index, id suffixed `_s{index}`. An
         ACT-Bench sample keeps its scorer-readable file name, in folder `s{index}/`."""
         stem = f"s{index}/{self.output_stem}" if self.source_format == "act-bench" else ""
-        sample = replace(self, id=f"{self.id}_s{index}", seed=self.seed + index, stem=stem)
-        return replace(sample, digest=content_digest(sample))
+        digest = "sha256:" + hashlib.sha256(f"{self.digest} sample {index}".encode()).hexdigest()
+        return replace(self, id=f"{self.id}_s{index}", seed=self.seed + index, stem=stem, digest=digest)
 
     def output_names(self, decode: bool) -> list[str]:
         """The files this scenario writes under --out-dir (what results.jsonl's `paths` lists)."""
         return [f"{self.output_stem}.mp4", f"{self.output_stem}.npy"] if decode else [f"{self.output_stem}.npy"]
 
 
-def content_digest(scenario: Scenario) -> str:
-    """sha256 of what decides a scenario's video: id, output name, frames, seed, context (paths as
-    resolved, row count) and the resolved actions the frames use (so presets, speed and action
-    files are covered). Context files are named, not hashed."""
+def content_digest(scenario: Scenario, context=None) -> str:
+    """sha256 of what decides a scenario's video: id, output name, frames, seed, the context as the
+    line names it (`context`; relative paths, so the same file read from another folder matches)
+    and how many of its frames, and the resolved actions the frames use (so presets, speed and
+    action files are covered). Context files are named, not hashed."""
     used = np.ascontiguousarray(scenario.actions[: max(scenario.frames - 1, 0)], dtype=np.float32)
     fields = {"id": scenario.id, "stem": scenario.output_stem, "frames": scenario.frames, "seed": scenario.seed,
-              "format": scenario.source_format, "context_frames": scenario.context_frames,
-              "images": [str(p) for p in scenario.context_images],
-              "tokens": str(scenario.context_tokens) if scenario.context_tokens is not None else None,
+              "format": scenario.source_format, "context_frames": scenario.context_frames, "context": context,
               "actions": hashlib.sha256(used.tobytes()).hexdigest()}
     return "sha256:" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
@@ -208,7 +207,8 @@ def _parse_line(text: str, number: int, base: Path, defaults: Defaults, rollouts
         raise InputError("a value is nested too deeply") from None
     if scenario.seed + rollouts - 1 > MAX_SEED:
         raise InputError(f"'seed' {scenario.seed} + {rollouts} rollout(s) - 1 is above the maximum seed {MAX_SEED}")
-    return replace(scenario, digest=content_digest(scenario))
+    context = record.get("context_frames" if scenario.source_format == "act-bench" else "context")
+    return replace(scenario, digest=content_digest(scenario, context))
 
 
 def _refuse_shared_files(scenarios: list[Scenario], problems: list[Problem]) -> list[Scenario]:

@@ -307,3 +307,22 @@ def test_the_same_line_read_through_another_path_resumes(tmp_path, model, monkey
     assert again.exit_code == 0 and "0 scenario(s) written, 2 already done" in again.output, again.output
     samples = read_scenarios(path, Defaults(), rollouts=2).scenarios
     assert len({s.digest for s in samples}) == 4
+
+
+def test_outputs_blocked_by_a_folder_or_a_file_are_refused_up_front(tmp_path):
+    from terra_cli.scenarios.outdir import plan_outputs
+
+    file = read_scenarios(write_lines(tmp_path, [line("a"), line("b")]), Defaults())
+    out = tmp_path / "out"
+    (out / "a.npy").mkdir(parents=True)
+    with pytest.raises(OutputError, match=r"cannot be written: a\.npy \(line 1\) is a folder"):
+        plan_outputs(file.scenarios, out, decode=False, overwrite=True)
+    from PIL import Image
+
+    Image.new("RGB", (64, 36)).save(tmp_path / "0.png")
+    act = read_scenarios(write_lines(tmp_path, [act_bench(3, ["0.png"] * 3)], "act.jsonl"), Defaults(frames=5),
+                         rollouts=2)
+    assert [s.output_stem for s in act.scenarios] == ["s0/NUSCENES_ACTION_000003", "s1/NUSCENES_ACTION_000003"]
+    (out / "s1").write_text("mine")  # where the second sample's folder goes
+    with pytest.raises(OutputError, match=r"s1 \(line 1\) is a file where a folder goes"):
+        plan_outputs(act.scenarios, out, decode=True, overwrite=True)

@@ -175,7 +175,7 @@ def plan_outputs(scenarios: Iterable[Scenario], out_dir: Path, *, decode: bool, 
             if record.get("status") == "done":
                 done[key] = record
     plan = OutputPlan([])
-    changed, taken = [], []
+    changed, taken, blocked = [], [], []
     for s in scenarios:
         names = s.output_names(decode)
         last = done.get(s.id)
@@ -191,15 +191,21 @@ def plan_outputs(scenarios: Iterable[Scenario], out_dir: Path, *, decode: bool, 
         plan.pending.append(s)
         for name in names:
             target = out_dir / name
+            if target.parent != out_dir and os.path.lexists(target.parent) and not target.parent.is_dir():
+                blocked.append(f"{target.parent.relative_to(out_dir)} (line {s.line}) is a file where a folder goes")
+                break
             if not os.path.lexists(target):
                 continue
             if target.is_dir():
-                taken.append(f"{name} (line {s.line}) is a folder")
+                blocked.append(f"{name} (line {s.line}) is a folder")
             elif overwrite or name in recorded[s.id]:
                 plan.replaceable.add(name)
             else:
                 taken.append(f"{name} (line {s.line})")
     problems = []
+    if blocked:
+        problems.append(f"{len(blocked)} output(s) in --out-dir {out_dir} cannot be written: {_some(blocked)}; move "
+                        "those away")
     if taken:
         problems.append(f"{len(taken)} file(s) in --out-dir {out_dir} would be replaced, but no terra run recorded "
                         f"them for that scenario in {RESULTS_NAME}: {_some(taken)}; pass --overwrite to replace them")

@@ -326,3 +326,13 @@ def test_outputs_blocked_by_a_folder_or_a_file_are_refused_up_front(tmp_path):
     (out / "s1").write_text("mine")  # where the second sample's folder goes
     with pytest.raises(OutputError, match=r"s1 \(line 1\) is a file where a folder goes"):
         plan_outputs(act.scenarios, out, decode=True, overwrite=True)
+
+
+def test_two_threads_of_one_process_do_not_share_an_out_dir(tmp_path):
+    """A server running two jobs in threads gets the same exclusion as two processes."""
+    out = tmp_path / "out"
+    with OutDirLock(out):
+        with pytest.raises(OutputError, match=f"in use by another terra run \\(pid {os.getpid()}"):
+            bounded(lambda: OutDirLock(out).__enter__(), 30)
+    with OutDirLock(out):  # let go: free again
+        pass

@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -79,15 +80,17 @@ def make_out_dir(out_dir: Path) -> Path:
     return out_dir
 
 
-_held: dict[str, list] = {}  # real path of an out-dir -> [lock file descriptor, depth]: re-entrant in one process
+# (real path of an out-dir, thread) -> [lock file descriptor, depth]: re-entrant in one thread only, so
+# two threads of one process (a server) exclude each other like two processes do.
+_held: dict[tuple[str, int], list] = {}
 
 
 @contextlib.contextmanager
 def OutDirLock(out_dir: Path) -> Iterator[None]:  # noqa: N802  (used like a class: `with OutDirLock(dir):`)
     """Hold --out-dir for this run; another run (any process) is refused with one line. Nested
-    use in one process (the CLI around `run_scenarios`) holds it once."""
+    use in one thread (the CLI around `run_scenarios`) holds it once."""
     out_dir = make_out_dir(out_dir)
-    key = os.path.realpath(out_dir)
+    key = (os.path.realpath(out_dir), threading.get_ident())
     if key in _held:
         _held[key][1] += 1
         try:

@@ -114,7 +114,7 @@ class Problem:
         return f"line {self.line}: {self.message}"
 
 
-@dataclass(frozen=True)
+@dataclass
 class ScenarioFile:
     path: Path
     scenarios: list[Scenario]

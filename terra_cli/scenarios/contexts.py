@@ -1,36 +1,26 @@
 """Up-front checks of a scenario's context files: read headers only, never decode, never block.
 
-Every path is stat-ed before it is opened: a FIFO (or a device) would block `open()` forever, so
-only regular files (and folders of them) are read. Images and videos are checked against the
-pixel cap from their headers; token files from their .npy header, and against the model's code
-range once its config is known (`check_token_files`).
+Every path goes through the one input check (`terra_cli.media.files.check_input_file`) before it
+is opened: a FIFO (or a device) would block `open()` forever, so only regular files (and folders
+of them) are read. Images and videos are checked against the pixel cap from their headers; token
+files from their .npy header, and against the model's code range once its config is known
+(`check_token_values`).
 """
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
 import numpy as np
 
 from terra_cli.errors import InputError
-
-# A context-tokens file larger than this is not one (Terra's 576 codes x 100 frames is 57,600).
-MAX_TOKEN_ITEMS = 16 * 2**20
+from terra_cli.media.files import check_input_file
+from terra_cli.pipeline.inputs import MAX_TOKEN_ITEMS
 
 
 def check_regular_file(path: Path, what: str) -> None:
-    """`path` must be a regular file (symlinks followed): checked with stat, before any open()."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise InputError(f"{what} {path.name} does not exist") from None
-    except OSError as exc:
-        raise InputError(f"cannot read {what} {path.name}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(mode):
-        kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise InputError(f"{what} {path.name} is {kind}; give a regular file")
+    """The one input check (terra_cli.media.files), as an InputError: stat only, never open()."""
+    check_input_file(path, what, error=InputError)
 
 
 def check_tokens_file(path: Path, count: int) -> int:
@@ -49,7 +39,7 @@ def _open_tokens(path: Path) -> np.ndarray:
     check_regular_file(path, "context tokens")
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError, SyntaxError, MemoryError) as exc:
+    except Exception as exc:  # numpy parses the header with ast: ValueError, SyntaxError, TokenError, ...
         message = " ".join(str(exc).split())[:200]
         raise InputError(f"cannot read {path.name} as a .npy array: {message}") from exc
 

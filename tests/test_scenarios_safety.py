@@ -263,7 +263,7 @@ def test_a_results_log_failing_mid_run_ends_it_within_seconds(tmp_path, backend,
 
 
 def test_sigterm_ends_a_run_and_every_done_record_is_true(tmp_path, model):
-    path = write_lines(tmp_path, [line(f"v{i}", frames=8) for i in range(70)])
+    path = write_lines(tmp_path, [line(f"v{i}", frames=25) for i in range(70)])  # long enough to stop midway
     out = tmp_path / "out"
     process = subprocess.Popen(
         [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(path), "--out-dir", str(out),

@@ -57,7 +57,7 @@ def generate(
     no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video (needs --save-tokens)."),
     overwrite: bool = opts.overwrite_option(),
     scenarios: Optional[Path] = typer.Option(None, "--scenarios", help="Many videos: a JSONL file, terra's format or ACT-Bench's (see README); needs --out-dir."),
-    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes."),
+    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes. One run at a time; a file no terra run made for that scenario is replaced only with --overwrite."),
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
@@ -91,7 +91,8 @@ def generate(
                             image_root=image_root)
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
                           device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile),
-                          parse_max_rollouts(max_rollouts), not no_decode, temperature, top_k, top_p, threads)
+                          parse_max_rollouts(max_rollouts), not no_decode, temperature, top_k, top_p, threads,
+                          overwrite)
         return _generate_scenarios(job, data_parallel)
     for name, value in (("--data-parallel", data_parallel != 1), ("--image-root", image_root), ("--out-dir", out_dir),
                         ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid)):
@@ -192,15 +193,24 @@ class CliObserver:
 
 
 def _generate_scenarios(job, data_parallel: int) -> None:
-    from terra_cli.cli.progress import TaskProgress
-    from terra_cli.scenarios.job import prepare_job, run_scenario_job
+    from terra_cli.scenarios.job import prepare_job
+    from terra_cli.scenarios.outdir import OutDirLock
 
     prepared = prepare_job(job)  # every line and option checked before any model loads
-    file, out_dir = prepared.file, job.out_dir
     if data_parallel > 1:
         from terra_cli.scenarios.parallel import worker_devices
 
         worker_devices(prepared.device, data_parallel)  # enough GPUs, before anything starts
+    with OutDirLock(job.out_dir):  # one run per --out-dir, held from before the model loads
+        _run_scenarios(prepared, data_parallel)
+
+
+def _run_scenarios(prepared, data_parallel: int) -> None:
+    from terra_cli.cli.progress import TaskProgress
+    from terra_cli.scenarios.job import run_scenario_job
+
+    job = prepared.job
+    file, out_dir = prepared.file, job.out_dir
     in_flight = (job.max_rollouts or 0) if prepared.backend == "vllm" else 1
     say(f"{len(file.scenarios)} scenario(s) from {job.scenarios} ({file.source_format}), backend {prepared.backend}, "
         f"model {prepared.model_label}, {data_parallel} engine(s), "
@@ -233,7 +243,7 @@ def _generate_scenarios(job, data_parallel: int) -> None:
                                        on_frame=lambda: frame_done(0),
                                        on_written=lambda record: scenario_written(0, record))
     except KeyboardInterrupt:
-        say(f"interrupted: every scenario finished so far is written (see {out_dir}/results.jsonl); "
+        say(f"interrupted: {written[0]} scenario(s) written and recorded in {out_dir}/results.jsonl by this run; "
             "run the same command again to resume")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     say(f"{run.done} scenario(s) written, {run.resumed} already done, {run.skipped} invalid line(s) skipped, "

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from terra_cli.errors import InputError
+from terra_cli.scenarios.outdir import check_out_dir, plan_outputs
 from terra_cli.scenarios.runner import RESULTS_NAME, ScenarioRun, check_scenarios, run_scenarios
-from terra_cli.scenarios.spec import Defaults, ScenarioFile, read_scenarios
+from terra_cli.scenarios.spec import Defaults, ScenarioFile, check_context_tokens, read_scenarios
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ScenarioJob:
     top_k: int = 0
     top_p: float = 1.0
     threads: int = 0  # CPU threads for the reference backend (0: torch's default)
+    overwrite: bool = False  # replace files no terra run recorded for their scenario; re-run changed scenarios
 
 
 @dataclass
@@ -52,8 +54,10 @@ class PreparedJob:
 
 
 def prepare_job(job: ScenarioJob) -> PreparedJob:
-    """Every check that needs no model: options, outputs, every scenario line, model and tokenizer
-    found. Raises a one-line InputError naming what is wrong."""
+    """Every check that needs no model weights: options, --out-dir, every scenario line (token
+    contexts against the model's config), model and tokenizer found, and what the run would
+    replace in --out-dir. Raises a one-line InputError or OutputError naming what is wrong; writes
+    nothing (the run re-checks --out-dir once it holds it)."""
     from terra_cli.backends import Sampling, check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_model
@@ -61,8 +65,7 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     from terra_cli.media.frames import check_video_writer
 
     out_dir = Path(job.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--out-dir {out_dir} is a file; pass a folder")
+    check_out_dir(out_dir)
     Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.defaults.seed)
     device = resolve_device(job.device)
     resolve_dtype_name(job.dtype, device)
@@ -77,13 +80,17 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     if job.decode:
         check_video_writer()
     choice = resolve_model(job.model, job.variant, job.tokenizer)
-    load_config(choice.world_model_dir)
+    layout = load_config(choice.world_model_dir).layout
+    file = check_context_tokens(file, layout.image_tokens, layout.image_vocab_size)
+    check_scenarios(file, job.skip_invalid)
     images = any(s.context_tokens is None for s in file.scenarios)
     needs_tokenizer = job.decode or images
     if needs_tokenizer and choice.tokenizer is None:
         why = "to decode videos" if job.decode else "to encode image contexts"
         raise InputError(f"--model {job.model} comes without an image tokenizer, needed {why}: pass --tokenizer "
                          "DIR_OR_HUB_ID" + ("" if images else " (or --no-decode for tokens only)"))
+    if out_dir.is_dir():
+        plan_outputs(file.scenarios, out_dir, decode=job.decode, overwrite=job.overwrite)
     return PreparedJob(job, file, backend, device, choice.label, needs_tokenizer)
 
 
@@ -117,6 +124,7 @@ def run_scenario_job(
     on_written: Callable[[dict], None] = lambda record: None,
     only_ids: set[str] | None = None,
     results_name: str = RESULTS_NAME,
+    lock: bool = True,
 ) -> ScenarioRun:
     """Load the tokenizer and the engine, run the pending scenarios, close the engine."""
     import torch
@@ -153,6 +161,6 @@ def run_scenario_job(
                              max_rollouts=in_flight, skip_invalid=job.skip_invalid,
                              temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
                              on_progress=lambda run, total: on_frame(), on_written=on_written,
-                             only_ids=only_ids, results_name=results_name)
+                             only_ids=only_ids, results_name=results_name, overwrite=job.overwrite, lock=lock)
     finally:
         engine.close()

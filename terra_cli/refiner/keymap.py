@@ -10,11 +10,14 @@ The checkpoint is a DeepSpeed dict: `{"module": {"_forward_module.<name>": tenso
 | `conditioner.embedders.3.encoder.{encoder,quant_conv}.*` (the concat-condition encoder, `AutoencoderKLModeOnly`) | `AutoencoderKLTemporalDecoder.{encoder,quant_conv}` |
 | `first_stage_model.decoder.*` (`VideoDecoder`) | `AutoencoderKLTemporalDecoder.decoder` |
 
-The names follow diffusers' SVD conversion (`scripts/convert_svd_to_diffusers.py`), checked
-against Terra's own modules where the two differ: the temporal decoder's last 3-D convolution is
-an `AE3DConv` in Terra's `temporal_ae.py`, so it is `decoder.conv_out.time_mix_conv` there
-(the script reads `decoder.time_mix_conv`), and the decoder's learned blend is
-`...block_N.mix_factor` on the res block itself.
+The names were checked against diffusers' SVD conversion (`scripts/convert_svd_to_diffusers.py`,
+diffusers main of 2026-08): run on a tiny state dict named by this map, its UNet converter gives
+exactly diffusers' parameter names and tensors. Its VAE converter needs three of its own slips
+undone first (it puts `spatial_res_block.` into the 2-D encoder's res blocks and after
+`temporal_res_block.`, and nests `time_mixer.mix_factor` under `spatial_res_block`), after which
+it agrees too, except where Terra's own modules say otherwise: the temporal decoder's last 3-D
+convolution is an `AE3DConv` in Terra's `temporal_ae.py`, so it is `decoder.conv_out.time_mix_conv`
+(the script reads `decoder.time_mix_conv`).
 """
 
 from __future__ import annotations

@@ -56,12 +56,20 @@ class VideoRefiner:
         self.config, self.device, self.dtype, self.source, self.options = config, device, dtype, source, options
         self.unet, self.vae = unet, vae
         self.ignored = ignored or []
+        self.target_device = device  # where refining runs (load_refiner loads on the CPU first)
         self.forward = unet if options.compile == "none" else torch.compile(unet, mode=options.compile)
         self.unet_calls = 0
         self.sigmas = sampler.edm_sigmas(config.steps, config.sigma_min, config.sigma_max, config.rho)
         self.scales = sampler.guidance_scales(config.window, config.min_scale, config.max_scale)
 
     # -- construction -----------------------------------------------------------------------------
+    def to(self, device: str) -> "VideoRefiner":
+        """Move the weights (e.g. onto the GPU once the world model has let it go)."""
+        self.unet.to(device)
+        self.vae.to(device)
+        self.device = device
+        return self
+
     @classmethod
     def from_checkpoint(cls, spec: str, device: str = "auto", dtype: str = "auto",
                         options: RefinerOptions = RefinerOptions()) -> "VideoRefiner":
@@ -71,15 +79,18 @@ class VideoRefiner:
         path = resolve_refiner_file(spec)
         state, config = read_checkpoint(path)
         device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, device)
+        torch_dtype = resolve_dtype(dtype, device)  # (a dtype name for another device may come in: bf16 on the CPU)
         unet = build_unet(config, "meta", exact_cross_attention=options.exact_cross_attention)
         vae = build_vae(config, "meta")
-        ignored = load_weights(unet, vae, state, config, str(path), dtype=torch_dtype)
+        ignored = load_weights(unet, vae, state, config, str(path))
         del state
-        # Terra's first stage (the decoder) runs in float32; the encoder and UNet in the model dtype.
-        vae = vae.to(device)
-        vae.decoder.to(torch.float32)
-        return cls(unet.to(device), vae, config, device=device, dtype=torch_dtype, source=str(path), options=options,
+        # Terra's first stage (the decoder) runs in float32; the UNet and the condition encoder in
+        # the model dtype (Terra casts the conditioner to bf16).
+        torch.nn.Module.to(unet, device=device, dtype=torch_dtype)  # (ModelMixin.to warns about dtypes)
+        vae.decoder.to(device=device, dtype=torch.float32)
+        vae.encoder.to(device=device, dtype=torch_dtype)
+        vae.quant_conv.to(device=device, dtype=torch_dtype)
+        return cls(unet, vae, config, device=device, dtype=torch_dtype, source=str(path), options=options,
                    ignored=ignored)
 
     @classmethod
@@ -111,8 +122,9 @@ class VideoRefiner:
 
     @torch.inference_mode()
     def refine_latents(self, conditions: list[torch.Tensor], seeds: list[int],
-                       on_window: Callable[[int], None] | None = None) -> list[torch.Tensor]:
-        """Sampled latents (N_i, 4, h, w) per video, overlaps removed, windows batched across videos."""
+                       on_frames: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+        """Sampled latents (N_i, 4, h, w) per video, overlaps removed, windows batched across videos;
+        `on_frames(n)` after each UNet batch with the frames it finished."""
         config, work = self.config, []
         for video, (cond, seed) in enumerate(zip(conditions, seeds)):
             check_frames(cond.shape[0], config.window)
@@ -130,8 +142,8 @@ class VideoRefiner:
                                  same_uncond=self.options.same_uncond)
             for (video, k, _, _, (a, b)), latents in zip(group, out):
                 results[(video, k)] = latents[a:b].float()
-            if on_window is not None:
-                on_window(len(group))
+            if on_frames is not None:
+                on_frames(sum(b - a for *_, (a, b) in group))
         return [torch.cat([results[(v, k)] for k in range(_count(results, v))]) for v in range(len(conditions))]
 
     @torch.inference_mode()
@@ -140,10 +152,10 @@ class VideoRefiner:
         return ((pixels + 1.0) / 2.0 * 255).permute(0, 2, 3, 1).cpu().numpy().astype(np.uint8)
 
     def refine_pixels(self, videos: list[torch.Tensor], seeds: list[int],
-                      on_window: Callable[[int], None] | None = None) -> list[np.ndarray]:
+                      on_frames: Callable[[int], None] | None = None) -> list[np.ndarray]:
         """Token-decoded frames of several videos -> refined uint8 frames (N_i, height, width, 3) each."""
         conditions = [self.condition_latents(v) for v in videos]
-        return [self.decode(z) for z in self.refine_latents(conditions, seeds, on_window)]
+        return [self.decode(z) for z in self.refine_latents(conditions, seeds, on_frames)]
 
 
 def _count(results: dict, video: int) -> int:

@@ -37,6 +37,7 @@ class ScenarioJob:
     top_k: int = 0
     top_p: float = 1.0
     threads: int = 0  # CPU threads for the reference backend (0: torch's default)
+    refiner: object = None  # refiner.decoder.RefinerChoice: decode with Terra's video refiner
 
 
 @dataclass
@@ -76,6 +77,8 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     check_backend_options(backend, job.engine_options)
     if job.decode:
         check_video_writer()
+    if job.refiner is not None:
+        _check_refiner(job, file)
     choice = resolve_model(job.model, job.variant, job.tokenizer)
     load_config(choice.world_model_dir)
     images = any(s.context_tokens is None for s in file.scenarios)
@@ -85,6 +88,17 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
         raise InputError(f"--model {job.model} comes without an image tokenizer, needed {why}: pass --tokenizer "
                          "DIR_OR_HUB_ID" + ("" if images else " (or --no-decode for tokens only)"))
     return PreparedJob(job, file, backend, device, choice.label, needs_tokenizer)
+
+
+def _check_refiner(job: ScenarioJob, file: ScenarioFile) -> None:
+    from terra_cli.refiner.checkpoint import resolve_refiner_file
+    from terra_cli.refiner.windows import check_frames
+
+    if not job.decode:
+        raise InputError("--decoder refiner makes videos: drop --no-decode (or use --decoder frames)")
+    for s in file.scenarios:
+        check_frames(s.frames)
+    resolve_refiner_file(job.refiner.spec)
 
 
 @dataclass
@@ -118,11 +132,23 @@ def run_scenario_job(
         tokenizer = load_tokenizer(choice.tokenizer, prepared.device)
         check_tokenizer_matches(tokenizer, config)
     options = dict(job.engine_options)
+    frame_decoder = None
+    if job.refiner is not None:  # loaded (strictly, CPU time checked) before the engine starts
+        from terra_cli.refiner.decoder import RefinerDecoder, load_refiner, vllm_memory_share
+
+        refiner = load_refiner(job.refiner, [s.frames for s in prepared.file.scenarios])
+        frame_decoder = RefinerDecoder(refiner, tokenizer)
+        if prepared.backend == "vllm" and refiner.target_device.startswith("cuda"):
+            options.setdefault("gpu_memory_utilization", vllm_memory_share(refiner.target_device))
     if prepared.backend == "vllm":
         options["max_rollouts"] = job.max_rollouts
     elif job.threads:
         torch.set_num_threads(job.threads)
     engine = load_backend(prepared.backend, choice.world_model_dir, device=prepared.device, dtype=job.dtype, **options)
+    if frame_decoder is not None:
+        # Refining runs in the scenario writer's thread, beside token generation (vLLM's engine
+        # is another process); `--no-decode` then `terra refine` runs it as a second stage.
+        frame_decoder.refiner.to(frame_decoder.refiner.target_device)
     try:
         on_ready(EngineReady(round(time.perf_counter() - started, 2),
                              {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"}))
@@ -130,6 +156,6 @@ def run_scenario_job(
                              max_rollouts=job.max_rollouts, skip_invalid=job.skip_invalid,
                              temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
                              on_progress=lambda run, total: on_frame(), on_written=on_written,
-                             only_ids=only_ids, results_name=results_name)
+                             only_ids=only_ids, results_name=results_name, frame_decoder=frame_decoder)
     finally:
         engine.close()

@@ -109,6 +109,7 @@ def run_scenarios(
     only_ids: set[str] | None = None,
     results_name: str = RESULTS_NAME,
     decode: bool = True,
+    frame_decoder=None,
 ) -> ScenarioRun:
     """Generate and write every pending scenario (of `only_ids`, when given: a data-parallel
     worker's share, whose skipped lines the parent records). KeyboardInterrupt stops generation;
@@ -126,7 +127,8 @@ def run_scenarios(
     run.resumed = len(mine) - len(pending)
     by_key = {s.id: s for s in pending}
     started = {s.id: 0.0 for s in pending}
-    writer = _Writer(out_dir, tokenizer if decode else None, log, run, on_written)
+    # frame_decoder: Terra's video refiner (refiner.decoder.RefinerDecoder); default: the tokenizer, frame by frame
+    writer = _Writer(out_dir, (frame_decoder or tokenizer) if decode else None, log, run, on_written)
     clock = time.perf_counter()
 
     def sampling(s: Scenario) -> Sampling:
@@ -245,5 +247,6 @@ def write_scenario(out_dir: Path, scenario: Scenario, tokens: np.ndarray, tokeni
     atomic_save_npy(out_dir / names[0], tokens.astype(np.int64), overwrite=True)
     if tokenizer is not None:
         names.insert(0, f"{stem}.mp4")
-        write_video(out_dir / names[0], list(tokenizer.decode_tokens(tokens)), fps=VIDEO_FPS, overwrite=True)
+        seeded = {"seed": scenario.seed} if getattr(tokenizer, "seeded", False) else {}  # the refiner samples noise
+        write_video(out_dir / names[0], list(tokenizer.decode_tokens(tokens, **seeded)), fps=VIDEO_FPS, overwrite=True)
     return names

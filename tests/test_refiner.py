@@ -214,3 +214,21 @@ def test_cpu_estimate_refuses_terra_size_work():
         check_cpu_time(TERRA_REFINER, [47], "cpu", allow_slow=False)
     assert check_cpu_time(tiny_refiner_config(), [47], "cpu", allow_slow=False) < 3600
     assert check_cpu_time(TERRA_REFINER, [47], "cuda", allow_slow=False) == 0.0
+
+
+def test_single_token_cross_attention_is_the_attention_it_replaces():
+    from terra_cli.refiner.unet import added_time_ids, build_unet, use_single_token_cross_attention
+
+    config = tiny_refiner_config()
+    torch.manual_seed(0)
+    unet = build_unet(config, "cpu", exact_cross_attention=False)
+    h, w = config.latent_hw
+    sample = torch.randn(2, config.window, config.in_channels, h, w)
+    context = torch.randn(2, 1, config.context_dim)  # any one-token context, not only Terra's zeros
+    args = (sample, torch.tensor([0.3, -1.0]), context, added_time_ids(2, config, "cpu", torch.float32))
+    with torch.inference_mode():
+        computed = unet(*args, return_dict=False)[0]
+        use_single_token_cross_attention(unet)
+        closed_form = unet(*args, return_dict=False)[0]
+    assert torch.allclose(computed, closed_form, atol=1e-5, rtol=1e-4)
+    assert computed.abs().mean() > 1e-3

@@ -54,9 +54,7 @@ def test_generate_with_the_refiner_then_refine_the_saved_tokens_the_same(tmp_pat
     result = run("refine", tokens, again, "--seed", 3, *common)
     assert result.exit_code == 0, result.output
     assert np.array_equal(video_frames(again), frames)  # same tokens and seed: the same video
-    other = tmp_path / "other.mp4"
-    assert run("refine", tokens, other, "--seed", 4, *common).exit_code == 0
-    assert not np.array_equal(video_frames(other), frames)
+    # (another seed gives another video: tests/test_refiner.py, without the token decoder's cost)
 
 
 @pytest.mark.slow

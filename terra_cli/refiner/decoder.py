@@ -43,8 +43,13 @@ class RefinerDecoder:
 
     @torch.inference_mode()
     def token_frames(self, tokens) -> torch.Tensor:
-        """The token decoder's frames (N, 3, 288, 512), float32, not clamped (the refiner clamps after resizing)."""
-        return self.tokenizer.decode(self.tokenizer.tokens_to_codes(tokens)).float()
+        """The token decoder's frames (N, 3, 288, 512), not clamped (the refiner clamps after resizing).
+        In float32 without autocast: Terra's `decode_tokens` runs with autocast disabled
+        (`disable_first_stage_autocast`), where the frame-wise path decodes under bf16 autocast."""
+        codes = self.tokenizer.tokens_to_codes(tokens)
+        model, device = self.tokenizer.model, self.tokenizer.device
+        return torch.cat([model.decode(part.to(device, torch.float32)).float()
+                          for part in codes.split(self.tokenizer.batch_size)])
 
     def decode_tokens(self, tokens, *, seed: int | None = None, on_batch=None) -> np.ndarray:
         pixels = self.token_frames(tokens)

@@ -9,7 +9,8 @@
 # Usage (from the checkout, wheels that /tmp/site lacks as arguments, e.g. diffusers' and its
 # importlib_metadata/zipp):  OUT=/tmp/out bash benchmarks/scripts/gpu_refiner.sh [WHEEL...]
 # Expected: about 4-5 minutes; every step has its own time limit and no step starts after 300 s
-# (6 minutes at worst; graphs reuses the compiled step's Inductor cache). Files in $OUT: summary.txt, gpu.txt, refiner.log, refiner_<variant>.json.
+# (6 minutes at worst; graphs reuses the compiled step's Inductor cache).
+# Files in $OUT: summary.txt, gpu.txt, refiner.log, refiner_<variant>.json.
 set -u
 cd "$(dirname "$0")/../.."
 source benchmarks/scripts/gpu_common.sh

@@ -97,3 +97,16 @@ def test_refiner_errors_are_one_line_before_any_model_runs(tmp_path, parts):
     result = run("refine", "convert", parts["refiner"], tmp_path / "x.safetensors")
     assert result.exit_code == 2 and "--trust-checkpoint" in result.output
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_bench_refiner_reports_counted_flops_and_the_act_bench_projection(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run("bench", "--refiner", "--tiny", "--device", "cpu", "--windows", "1", "--full-cfg", "--out", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    flops = data["flops"]
+    assert flops["evals_per_window"] == 2 * data["config"]["steps"]  # the guidance pair: two evaluations per step
+    assert flops["window"] == flops["evals_per_window"] * flops["unet_eval"] > 0
+    assert data["act_bench"]["windows_per_sample"] == 2 and data["act_bench"]["samples"] == 2286
+    row = data["rows"][0]
+    assert row["windows_per_call"] == 1 and row["seconds_per_window"] > 0 and row["peak_memory_gib"] is None

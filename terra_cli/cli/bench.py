@@ -23,7 +23,8 @@ EPILOG = (
     "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft previous-frame --draft-tokens 4   # codes/step column\n\n"
     "  terra bench --scenarios 256 --max-rollouts 128 --lockstep 64 --out scen.json      # continuous batching (GPU)\n\n"
     "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2\n\n"
-    "  terra bench --act-bench 256 --kv-cache-dtype fp8 --out act.json   # ACT-Bench-shaped, end to end, videos included"
+    "  terra bench --act-bench 256 --kv-cache-dtype fp8 --out act.json   # ACT-Bench-shaped, end to end, videos included\n\n"
+    "  terra bench --refiner --windows 1,2 --refiner-compile default --out refiner.json   # Terra's refiner (GPU)"
 )
 
 
@@ -89,6 +90,12 @@ def bench(
     out_json: Optional[Path] = typer.Option(None, "--out", help="Write results (with the environment) as JSON."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG chart."),
     overwrite: bool = opts.overwrite_option(),
+    refiner: bool = typer.Option(False, "--refiner", help="Terra's video refiner, random weights in its exact shapes: s/window, UNet evaluations/s, MFU, peak memory, ACT-Bench projection."),
+    windows: str = typer.Option("1,2", "--windows", help="--refiner: windows per UNet call to measure, comma-separated."),
+    refiner_compile: str = typer.Option("none", "--refiner-compile", help="--refiner: torch.compile mode for the UNet: none, default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs."),
+    full_cfg: bool = typer.Option(False, "--full-cfg", help="--refiner: run the guidance pair (two UNet evaluations per step, as Terra computes them) instead of one (same result: Terra's uc equals c)."),
+    plain_cross_attention: bool = typer.Option(False, "--plain-cross-attention", help="--refiner: compute cross-attention over the zero context token instead of its closed form."),
+    tiny: bool = typer.Option(False, "--tiny", help="--refiner: a tiny refiner config (a CPU smoke test; its times mean nothing)."),
 ):
     """Measure generation speed: transformers reference vs vLLM, and vLLM with parallel rollouts."""
     from terra_cli.backends import engine_options
@@ -102,10 +109,10 @@ def bench(
     if "draft_tokens" in chosen:
         vllm_options["disable_log_stats"] = False  # statistics on: the bench reports the codes each step kept
     vllm_options.update(chosen)
-    if sum((hf_vs_vllm, draft_acceptance, scenarios > 0, act_bench > 0)) > 1:
-        raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance, --scenarios N or --act-bench N")
-    if not (hf_vs_vllm or draft_acceptance or scenarios or act_bench):
-        raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance, --scenarios N or --act-bench N")
+    if sum((hf_vs_vllm, draft_acceptance, scenarios > 0, act_bench > 0, refiner)) > 1:
+        raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance, --scenarios N, --act-bench N or --refiner")
+    if not (hf_vs_vllm or draft_acceptance or scenarios or act_bench or refiner):
+        raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance, --scenarios N, --act-bench N or --refiner")
     Sampling(temperature=temperature, seed=seed)  # --seed and --temperature in range, before anything runs
     outputs = OutputPlan(overwrite)
     outputs.input("--model", Path(model) if model and os.path.lexists(model) else None)
@@ -122,6 +129,9 @@ def bench(
         outputs.file("--heatmap", heatmap, (".png",))
     if keep_outputs is not None:
         outputs.folder("--keep-outputs", keep_outputs)
+    if refiner:
+        return _refiner_bench(windows, refiner_compile, full_cfg, plain_cross_attention, tiny, device, dtype, seed,
+                              out_json, overwrite)
     if act_bench:
         from terra_cli.bench.act_bench import ActBenchPlan
         from terra_cli.cli.bench_act import act_bench as run_act_bench
@@ -271,3 +281,29 @@ def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
     if out_json:
         atomic_write_json(out_json, results, overwrite=overwrite)
         console.print(f"results -> {out_json}")
+
+
+def _refiner_bench(windows: str, compile_mode: str, full_cfg: bool, plain_cross_attention: bool, tiny: bool,
+                   device: str, dtype: str, seed: int, out_json: Optional[Path], overwrite: bool) -> None:
+    from terra_cli.bench.refiner import RefinerBenchPlan, run_refiner_bench
+    from terra_cli.media.atomic import atomic_write_json, check_writable
+    from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config
+    from terra_cli.refiner.refiner import RefinerOptions
+    from terra_cli.runtime import resolve_device, resolve_dtype
+
+    if out_json is not None:
+        check_writable(out_json, overwrite)
+    batches = [int(b) for b in _parse_batches(windows)]
+    resolved = resolve_device(device)
+    options = RefinerOptions(same_uncond=not full_cfg, batch_windows=max(batches), compile=compile_mode,
+                             exact_cross_attention=not plain_cross_attention)
+    plan = RefinerBenchPlan(batches=batches, options=options, device=resolved, dtype=resolve_dtype(dtype, resolved),
+                            config=tiny_refiner_config() if tiny else TERRA_REFINER)
+    import torch
+
+    torch.manual_seed(seed)
+    result = run_refiner_bench(plan, say=lambda line: out.print(line, highlight=False, soft_wrap=True))
+    result["command"] = shlex.join(["terra", *sys.argv[1:]])
+    if out_json is not None:
+        atomic_write_json(out_json, result, overwrite=overwrite)
+        out.print(f"results -> {out_json}", highlight=False)

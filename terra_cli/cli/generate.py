@@ -26,7 +26,9 @@ from terra_cli.errors import InputError
         "  terra generate out.mp4 --actions left --draft previous-frame --draft-tokens 4   # several codes per engine step\n\n"
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 256 --kv-cache-dtype fp8\n\n"
         "  terra generate --scenarios act_bench.jsonl --image-root /data/nuscenes --out-dir actbench/ \\\n"
-        "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames"
+        "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames\n\n"
+        "  terra generate out.mp4 --model turing-motors/Terra --context frames/ --actions left --frames 47 \\\n"
+        "      --decoder refiner      # Terra's video refiner (the paper's setting): 640x384, GPU"
     )
 )
 @friendly_errors
@@ -68,6 +70,9 @@ def generate(
     torch_compile: Optional[bool] = opts.torch_compile_option(),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="With --scenarios: engines, one per visible GPU (one process each), sharing the scenarios."),
     image_root: Optional[Path] = typer.Option(None, "--image-root", help="With ACT-Bench scenarios: the nuScenes dataroot its context_frames paths are relative to (default: the file's folder)."),
+    decoder: str = typer.Option("frames", "--decoder", help="frames: Terra's frame-wise token decoder (512x288); refiner: Terra's video refiner, the paper's ACT-Bench setting (640x384, at least 25 frames, a GPU)."),
+    refiner: Optional[str] = typer.Option(None, "--refiner", help="With --decoder refiner: its weights, a .pt/.safetensors file, a folder or a hub id (default: from --model turing-motors/Terra, file video_refiner/refiner_model.pt)."),
+    allow_slow: bool = typer.Option(False, "--allow-slow", help="With --decoder refiner on a CPU: run even when it is estimated to take over an hour."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
     from terra_cli.actions import PRESETS, resolve_actions
@@ -77,6 +82,12 @@ def generate(
     from terra_cli.pipeline.outputs import check_outputs
     from terra_cli.pipeline.video import Engine, TokenBuffer, VideoRequest, generate_video
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
+
+    refine = None
+    if decoder != "frames" or refiner is not None or allow_slow:
+        from terra_cli.refiner.decoder import refiner_choice
+
+        refine = refiner_choice(decoder, refiner, model, device, dtype, allow_slow)
 
     if scenarios is not None:
         from terra_cli.scenarios.job import ScenarioJob, parse_max_rollouts
@@ -92,7 +103,7 @@ def generate(
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
                           device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile),
                           parse_max_rollouts(max_rollouts), not no_decode, temperature, top_k, top_p, threads,
-                          overwrite)
+                          overwrite, refine)
         return _generate_scenarios(job, data_parallel)
     for name, value in (("--data-parallel", data_parallel != 1), ("--image-root", image_root), ("--out-dir", out_dir),
                         ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid)):
@@ -129,7 +140,7 @@ def generate(
     options = engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile)
     try:
         result = generate_video(request, choice, Engine(backend, device, dtype, threads, options), buffer=buffer,
-                                observer=CliObserver())
+                                observer=CliObserver(), refiner=refine)
     except KeyboardInterrupt:
         _save_interrupted(buffer, outputs.tokens, frames, overwrite)
     say(

@@ -39,6 +39,7 @@ class ScenarioJob:
     top_p: float = 1.0
     threads: int = 0  # CPU threads for the reference backend (0: torch's default)
     overwrite: bool = False  # replace files no terra run recorded for their scenario; re-run changed scenarios
+    refiner: object = None  # refiner.decoder.RefinerChoice: decode with Terra's video refiner
 
 
 @dataclass
@@ -79,6 +80,8 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     check_backend_options(backend, job.engine_options)
     if job.decode:
         check_video_writer()
+    if job.refiner is not None:
+        _check_refiner(job, file)
     choice = resolve_model(job.model, job.variant, job.tokenizer)
     layout = load_config(choice.world_model_dir).layout
     file = check_context_tokens(file, layout.image_tokens, layout.image_vocab_size)
@@ -106,6 +109,17 @@ def parse_max_rollouts(text) -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise InputError(f"--max-rollouts must be auto or a whole number >= 1, got {text!r}")
     return int(value)
+
+
+def _check_refiner(job: ScenarioJob, file: ScenarioFile) -> None:
+    from terra_cli.refiner.checkpoint import resolve_refiner_file
+    from terra_cli.refiner.windows import check_frames
+
+    if not job.decode:
+        raise InputError("--decoder refiner makes videos: drop --no-decode (or use --decoder frames)")
+    for s in file.scenarios:
+        check_frames(s.frames)
+    resolve_refiner_file(job.refiner.spec)
 
 
 @dataclass
@@ -142,11 +156,23 @@ def run_scenario_job(
         tokenizer = load_tokenizer(choice.tokenizer, prepared.device)
         check_tokenizer_matches(tokenizer, config)
     options = dict(job.engine_options)
+    frame_decoder = None
+    if job.refiner is not None:  # loaded (strictly, CPU time checked) before the engine starts
+        from terra_cli.refiner.decoder import RefinerDecoder, load_refiner, vllm_memory_share
+
+        refiner = load_refiner(job.refiner, [s.frames for s in prepared.file.scenarios])
+        frame_decoder = RefinerDecoder(refiner, tokenizer)
+        if prepared.backend == "vllm" and refiner.target_device.startswith("cuda"):
+            options.setdefault("gpu_memory_utilization", vllm_memory_share(refiner.target_device))
     if prepared.backend == "vllm":
         options["max_rollouts"] = job.max_rollouts or AUTO_MAX_ROLLOUTS
     elif job.threads:
         torch.set_num_threads(job.threads)
     engine = load_backend(prepared.backend, choice.world_model_dir, device=prepared.device, dtype=job.dtype, **options)
+    if frame_decoder is not None:
+        # Refining runs in the scenario writer's thread, beside token generation on the same
+        # device; `--no-decode` then `terra refine` runs it as a second stage instead.
+        frame_decoder.refiner.to(frame_decoder.refiner.target_device)
     try:
         in_flight, reason = job.max_rollouts or 1, ""
         if prepared.backend == "vllm" and job.max_rollouts is None:
@@ -161,6 +187,7 @@ def run_scenario_job(
                              max_rollouts=in_flight, skip_invalid=job.skip_invalid,
                              temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
                              on_progress=lambda run, total: on_frame(), on_written=on_written,
-                             only_ids=only_ids, results_name=results_name, overwrite=job.overwrite, lock=lock)
+                             only_ids=only_ids, results_name=results_name, overwrite=job.overwrite, lock=lock,
+                             frame_decoder=frame_decoder)
     finally:
         engine.close()

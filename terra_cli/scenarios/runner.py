@@ -115,6 +115,7 @@ def run_scenarios(
     decode: bool = True,
     overwrite: bool = False,
     lock: bool = True,
+    frame_decoder=None,
 ) -> ScenarioRun:
     """Generate and write every pending scenario (of `only_ids`, when given: a data-parallel
     worker's share, whose skipped lines the parent records). KeyboardInterrupt stops generation;
@@ -136,7 +137,9 @@ def run_scenarios(
         pending = plan.pending
         by_key = {s.id: s for s in pending}
         started = {s.id: 0.0 for s in pending}
-        writer = _Writer(out_dir, tokenizer if decode else None, log, run, on_written, plan.replaceable)
+        # frame_decoder: Terra's video refiner (refiner.decoder.RefinerDecoder); default: the tokenizer, frame by frame
+        writer = _Writer(out_dir, (frame_decoder or tokenizer) if decode else None, log, run, on_written,
+                         plan.replaceable)
         clock = time.perf_counter()
 
         def sampling(s: Scenario) -> Sampling:
@@ -319,7 +322,8 @@ def write_scenario(out_dir: Path, scenario: Scenario, tokens: np.ndarray, tokeni
     if tokenizer is None:
         return [tokens_name]
     video_name = f"{stem}.mp4"
-    write_video(out_dir / video_name, list(tokenizer.decode_tokens(tokens)), fps=VIDEO_FPS,
+    seeded = {"seed": scenario.seed} if getattr(tokenizer, "seeded", False) else {}  # the refiner samples noise
+    write_video(out_dir / video_name, list(tokenizer.decode_tokens(tokens, **seeded)), fps=VIDEO_FPS,
                 overwrite=may_replace(video_name))
     written.append(video_name)
     return [video_name, tokens_name]

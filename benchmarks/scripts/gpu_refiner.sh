@@ -18,9 +18,10 @@ gpu_setup "$@" || exit 1
 python3 -c "import diffusers; print('diffusers', diffusers.__version__)" | tee -a "$STEP_LOG" || exit 1
 LOG=$OUT/refiner.log
 
-variant() {  # NAME LIMIT_S BENCH_ARGS...
+variant() {  # NAME LIMIT_S BENCH_ARGS...; VARIANTS="eager compiled" runs only those
   local name=$1 limit=$2 t0=$SECONDS rc start
   shift 2
+  case " ${VARIANTS:-$name} " in *" $name "*) ;; *) return ;; esac
   start=$(wc -l < "$LOG" 2>/dev/null || echo 0)
   if [ "$SECONDS" -gt 300 ]; then echo "== $name: skipped (time)" | tee -a "$STEP_LOG"; return; fi
   echo "== $name: terra bench --refiner $*" | tee -a "$STEP_LOG" "$LOG" >/dev/null

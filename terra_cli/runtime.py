@@ -83,6 +83,22 @@ def generation_threads(requested: int, hidden_size: int, backend_name: str, devi
     return None
 
 
+# Deprecations raised inside our dependencies by APIs terra never calls: vLLM's Triton dispatcher
+# touches `torch.distributed.reduce_op` while it scans modules, and torch's own TorchScript shims
+# warn at import. A user can do nothing about them; `--verbose` shows them.
+DEPENDENCY_DEPRECATIONS = (
+    (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated"),
+    (DeprecationWarning, r"`torch\.jit\.script_method` is deprecated"),
+)
+
+
+def quiet_dependency_deprecations() -> None:
+    import warnings
+
+    for category, message in DEPENDENCY_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def configure_vllm_env(verbose: bool = False, environ=None) -> None:
     """Set what vLLM reads from the environment, unless the user set it already. Call it before
     anything imports vLLM or initialises CUDA; the CLI does, a library caller chooses to.

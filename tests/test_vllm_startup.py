@@ -40,3 +40,24 @@ def test_routing_keeps_the_console_quiet_and_the_file_complete(tmp_path, capsys)
     said = capsys.readouterr()
     assert "Loading weights" not in said.out + said.err and "a warning" in said.out
     assert "Loading weights took 1.50 s" in log.read_text() and "a warning" in log.read_text()
+
+
+def test_known_noise_stays_off_the_console_unless_info_is_asked_for(tmp_path, capsys):
+    log = tmp_path / "vllm.log"
+    for level, shown in (("WARNING", False), ("INFO", True)):
+        logging.config.dictConfig(routing_config(log, level))
+        try:
+            logger = logging.getLogger("vllm.renderers.base")
+            try:
+                raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
+            except ValueError:
+                logger.warning("Chat template warmup failed", exc_info=True)
+            logger.warning("Using None for %s token id because tokenizer is not initialized", "EOS")
+            logger.warning("a real problem")
+        finally:
+            logging.getLogger("vllm").handlers.clear()
+        said = capsys.readouterr().out
+        assert "a real problem" in said
+        assert ("Chat template warmup failed" in said) is shown
+        assert ("Traceback" in said) is shown and ("token id because" in said) is shown
+    assert log.read_text().count("Chat template warmup failed") == 2  # the file keeps everything

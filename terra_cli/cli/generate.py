@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,6 +27,8 @@ from terra_cli.errors import InputError
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 256 --kv-cache-dtype fp8\n\n"
         "  terra generate --scenarios act_bench.jsonl --image-root /data/nuscenes --out-dir actbench/ \\\n"
         "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames\n\n"
+        "  terra generate out.mp4 --model turing-motors/Terra --context frames/ --actions left --frames 47 \\\n"
+        "      --decoder refiner      # Terra's video refiner (the paper's setting): 640x384, GPU\n\n"
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --ray auto   # every GPU of a running Ray cluster"
     )
 )
@@ -52,14 +55,14 @@ def generate(
     device: str = opts.device_option(),
     dtype: str = opts.dtype_option(),
     threads: int = typer.Option(0, min=0, help="CPU threads for the token loop (0: auto, 1 for small models with --backend hf on CPU)."),
-    save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs into this folder."),
+    save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs frame_NNNN.png into this folder (made whole when new; with --overwrite an existing folder's frame files are replaced and its other files left alone)."),
     save_tokens: Optional[Path] = typer.Option(None, help="Write all frames' tokens, context included, (N, 576) int64 .npy."),
     no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video (needs --save-tokens)."),
     overwrite: bool = opts.overwrite_option(),
     scenarios: Optional[Path] = typer.Option(None, "--scenarios", help="Many videos: a JSONL file, terra's format or ACT-Bench's (see README); needs --out-dir."),
-    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes."),
+    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes. One run at a time; a file no terra run made for that scenario is replaced only with --overwrite."),
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
-    max_rollouts: int = typer.Option(128, "--max-rollouts", min=1, help="With --scenarios: rollouts in flight at once on the vLLM engine (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
+    max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto (the model's) or fp8 (GPU)."),
     quantization: str = typer.Option("none", "--quantization", help="vLLM weight quantization: none, or fp8 (GPU; weights cast to fp8 at load, see benchmarks/README.md for speed and agreement)."),
@@ -70,9 +73,12 @@ def generate(
     ray_address: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="With --scenarios: run on a Ray cluster, one engine per GPU: auto (the cluster `ray start` joined), ray://HOST:10001, HOST:6379, or local (a cluster of this machine). Needs terra-cli[ray] on every node."),
     engines: Optional[int] = typer.Option(None, "--engines", min=1, help="With --ray: at most N engines (default: one per GPU of the cluster; on CPUs, one per node)."),
     image_root: Optional[Path] = typer.Option(None, "--image-root", help="With ACT-Bench scenarios: the nuScenes dataroot its context_frames paths are relative to (default: the file's folder)."),
+    decoder: str = typer.Option("frames", "--decoder", help="frames: Terra's frame-wise token decoder (512x288); refiner: Terra's video refiner, the paper's ACT-Bench setting (640x384, at least 25 frames, a GPU)."),
+    refiner: Optional[str] = typer.Option(None, "--refiner", help="With --decoder refiner: its weights, a .pt/.safetensors file, a folder or a hub id (default: from --model turing-motors/Terra, file video_refiner/refiner_model.pt)."),
+    allow_slow: bool = typer.Option(False, "--allow-slow", help="With --decoder refiner on a CPU: run even when it is estimated to take over an hour."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
-    from terra_cli.actions import resolve_actions
+    from terra_cli.actions import PRESETS, resolve_actions
     from terra_cli.backends import Sampling, engine_options
     from terra_cli.models.resolve import resolve_model
     from terra_cli.pipeline import inputs
@@ -80,8 +86,14 @@ def generate(
     from terra_cli.pipeline.video import Engine, TokenBuffer, VideoRequest, generate_video
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 
+    refine = None
+    if decoder != "frames" or refiner is not None or allow_slow:
+        from terra_cli.refiner.decoder import refiner_choice
+
+        refine = refiner_choice(decoder, refiner, model, device, dtype, allow_slow)
+
     if scenarios is not None:
-        from terra_cli.scenarios.job import ScenarioJob
+        from terra_cli.scenarios.job import ScenarioJob, parse_max_rollouts
         from terra_cli.scenarios.spec import Defaults
 
         if out_dir is None:
@@ -93,7 +105,8 @@ def generate(
                             image_root=image_root)
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
                           device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile),
-                          max_rollouts, not no_decode, temperature, top_k, top_p, threads)
+                          parse_max_rollouts(max_rollouts), not no_decode, temperature, top_k, top_p, threads,
+                          overwrite, refine)
         return _generate_scenarios(job, data_parallel, ray_address, engines)
     for name, value in (("--data-parallel", data_parallel != 1), ("--ray", ray_address), ("--engines", engines), ("--image-root", image_root), ("--out-dir", out_dir),
                         ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid)):
@@ -103,7 +116,10 @@ def generate(
     if actions is None:
         raise InputError("--actions is needed (a preset, a .npy, or ACT-Bench JSON), or --scenarios FILE for many videos")
     # Everything that can be checked without a model, outputs first.
-    outputs = check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite)
+    given = [("--context-tokens", context_tokens), ("--model", _local(model)), ("--tokenizer", _local(tokenizer)),
+             ("--actions", None if actions.strip().lower() in PRESETS else _local(actions)),
+             *(("--context", path) for path in context or ())]
+    outputs = check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite, inputs=given)
     if context and context_tokens is not None:
         raise InputError("give --context (images/video) or --context-tokens, not both")
     inputs.check_frame_count(frames, context_frames)
@@ -127,7 +143,7 @@ def generate(
     options = engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile)
     try:
         result = generate_video(request, choice, Engine(backend, device, dtype, threads, options), buffer=buffer,
-                                observer=CliObserver())
+                                observer=CliObserver(), refiner=refine)
     except KeyboardInterrupt:
         _save_interrupted(buffer, outputs.tokens, frames, overwrite)
     say(
@@ -136,6 +152,11 @@ def generate(
         f"model {choice.label}; " + "; ".join(result.written)
         + f"; {time.perf_counter() - _state['started']:.1f} s in all"
     )
+
+
+def _local(spec: Optional[str]) -> Optional[Path]:
+    """A path given as a string option (--model, --actions) when it names something on disk."""
+    return Path(spec) if spec and os.path.lexists(spec) else None
 
 
 def _save_interrupted(buffer, tokens_path: Optional[Path], total: int, overwrite: bool) -> None:
@@ -187,62 +208,78 @@ class CliObserver:
 
 def _generate_scenarios(job, data_parallel: int, ray_address: Optional[str] = None,
                         engines: Optional[int] = None) -> None:
-    from terra_cli.cli.progress import TaskProgress
-    from terra_cli.scenarios.job import prepare_job, run_scenario_job
+    from terra_cli.scenarios.job import prepare_job
+    from terra_cli.scenarios.outdir import OutDirLock
 
     if ray_address is not None and data_parallel > 1:
         raise InputError(f"--data-parallel {data_parallel} is a local Ray cluster of {data_parallel} engines; with "
                          f"--ray give --engines {data_parallel} instead")
     if engines is not None and ray_address is None:
         raise InputError("--engines works with --ray ADDRESS (on one machine: --data-parallel N)")
-    on_ray = ray_address is not None or data_parallel > 1
-    if on_ray:
+    ray = None
+    if ray_address is not None or data_parallel > 1:
         from terra_cli.scenarios.ray_cluster import require_ray
 
         require_ray("--ray" if ray_address is not None else f"--data-parallel {data_parallel}")
+        ray = (None if ray_address in (None, "local") else ray_address,
+               engines if ray_address is not None else data_parallel)
     prepared = prepare_job(job)  # every line and option checked before any model loads
+    if ray is not None and job.refiner is not None:
+        raise InputError("--decoder refiner runs on one engine for now: drop --ray/--data-parallel, or write tokens "
+                         "(--no-decode) and refine them with terra refine")
+    with OutDirLock(job.out_dir):  # one run per --out-dir, held from before the model loads
+        _run_scenarios(prepared, data_parallel, ray)
+
+
+def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None) -> None:
+    from terra_cli.cli.progress import TaskProgress
+    from terra_cli.scenarios.job import run_scenario_job
+
+    job = prepared.job
     file, out_dir = prepared.file, job.out_dir
-    in_flight = job.max_rollouts if prepared.backend == "vllm" else 1
-    where = (f"Ray ({ray_address})" if ray_address is not None else f"{data_parallel} engine(s) on a local Ray cluster"
-             ) if on_ray else "1 engine"
+    in_flight = (job.max_rollouts or 0) if prepared.backend == "vllm" else 1
+    where = "1 engine" if ray is None else f"Ray ({ray[0] or 'local'}, {ray[1] or 'one per GPU'} engine(s))"
     say(f"{len(file.scenarios)} scenario(s) from {job.scenarios} ({file.source_format}), backend {prepared.backend}, "
-        f"model {prepared.model_label}, {where}, up to {in_flight} in flight each -> {out_dir}/")
+        f"model {prepared.model_label}, {where}, "
+        + (f"up to {in_flight} in flight each" if in_flight else "rollouts in flight as the KV cache holds") + f" -> {out_dir}/")
     total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
     progress = TaskProgress(console, "scenarios", total_frames, unit="generated frames")
     started = time.perf_counter()
     written = [0]
 
-    def frame_done() -> None:
+    def frame_done(worker: int) -> None:
         elapsed = time.perf_counter() - started
         progress.advance(1, note=f"{written[0]} of {len(file.scenarios)} written, "
                                  f"{(progress.completed + 1) / max(elapsed, 1e-9):.1f} frames/s")
 
-    def scenario_written(record: dict) -> None:
+    def scenario_written(worker: int, record: dict) -> None:
         written[0] += record.get("status") == "done"
 
+    def engine_ready(worker: int, ready) -> None:
+        say(f"engine {worker} ready in {ready.seconds:.1f} s" + (f"; {ready.in_flight_reason}" if ready.in_flight_reason else ""))
+
     try:
-        if on_ray:
+        if ray is not None:
             from terra_cli.cli.ray_progress import RayDisplay
             from terra_cli.scenarios.ray_cluster import ray_cluster
             from terra_cli.scenarios.ray_runner import drive
 
-            display = RayDisplay(progress, say)
-            address = None if ray_address in (None, "local") else ray_address
-            with ray_cluster(prepared, address, engines if ray_address is not None else data_parallel,
-                             verbose=_state["verbose"]) as plan, progress:
+            display = RayDisplay(progress, say, written)
+            with ray_cluster(prepared, *ray, verbose=_state["verbose"]) as plan, progress:
                 run = drive(prepared, plan, on_event=display.event)
         else:
             with progress:
-                run = run_scenario_job(prepared, on_frame=frame_done, on_written=scenario_written,
-                                       on_ready=lambda ready: say(f"engine 0 ready in {ready.seconds:.1f} s"))
+                run = run_scenario_job(prepared, on_ready=lambda ready: engine_ready(0, ready),
+                                       on_frame=lambda: frame_done(0),
+                                       on_written=lambda record: scenario_written(0, record))
     except KeyboardInterrupt:
-        say(f"interrupted: every scenario finished so far is written (see {out_dir}/results.jsonl); "
+        say(f"interrupted: {written[0]} scenario(s) written and recorded in {out_dir}/results.jsonl by this run; "
             "run the same command again to resume")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     say(f"{run.done} scenario(s) written, {run.resumed} already done, {run.skipped} invalid line(s) skipped, "
         f"{run.failed} failed; {run.generated_frames} frames in {run.seconds:.1f} s "
         f"({run.generated_frames / max(run.seconds, 1e-9):.2f} generated frames/s) -> {out_dir}/results.jsonl")
-    if on_ray:
+    if ray is not None:
         display.summary(run)
     if run.failed or run.errors:
         raise InputError(f"{run.failed} scenario(s) could not be written, {len(run.errors)} error(s): "

@@ -11,8 +11,9 @@ from terra_cli.cli.progress import TaskProgress
 
 
 class RayDisplay:
-    def __init__(self, progress: TaskProgress, say: Callable[[str], None]):
+    def __init__(self, progress: TaskProgress, say: Callable[[str], None], written: list[int] | None = None):
         self.progress, self.say = progress, say
+        self.written = written if written is not None else [0]  # scenarios written by this run
         self.started = time.perf_counter()
         self.sized = False
 
@@ -29,6 +30,8 @@ class RayDisplay:
                      "Ray restarts it")
         elif kind == "dead":
             self.say(f"engine {engine.index} is gone for good: {payload}")
+        elif kind == "written" and payload.get("status") == "done":
+            self.written[0] += 1
         elif kind == "written" and payload.get("status") == "failed":
             self.say(f"scenario {payload['id']} failed: {payload['reason']}")
 

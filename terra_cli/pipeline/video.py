@@ -141,9 +141,13 @@ def generate_video(
     *,
     buffer: TokenBuffer | None = None,
     observer: Observer | None = None,
+    refiner=None,
 ) -> VideoResult:
     """Run one video end to end and write its outputs atomically. Raises TerraError subclasses
-    for anything the user can fix; KeyboardInterrupt leaves `buffer` holding the finished frames."""
+    for anything the user can fix; KeyboardInterrupt leaves `buffer` holding the finished frames.
+
+    `refiner` (a `refiner.decoder.RefinerChoice`): decode with Terra's video refiner instead of
+    frame by frame; it is checked and loaded before the world model runs."""
     from terra_cli.backends import check_backend_options, load_backend, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer
@@ -160,6 +164,7 @@ def generate_video(
 
     config = load_config(model.world_model_dir)
     layout = config.layout
+    video_refiner = _load_refiner(refiner, request, observer)
     needs_tokenizer = outputs.decode or request.context_tokens is None
     if needs_tokenizer and model.tokenizer is None:
         raise InputError(
@@ -215,9 +220,29 @@ def generate_video(
         observer.timing("engine shutdown", time.perf_counter() - closing)
     tokens = buffer.finished()
     writing = time.perf_counter()
-    written = write_outputs(outputs, tokens, tokenizer, observer)
+    decoder = tokenizer
+    if video_refiner is not None:
+        from terra_cli.refiner.decoder import RefinerDecoder
+
+        decoder = RefinerDecoder(video_refiner.to(video_refiner.target_device), tokenizer, request.sampling.seed)
+    written = write_outputs(outputs, tokens, decoder, observer)
     observer.timing("writing outputs", time.perf_counter() - writing)
     return VideoResult(tokens, k, len(rounds), seconds, world_model.name, written)
+
+
+def _load_refiner(choice, request: VideoRequest, observer: Observer):
+    if choice is None:
+        return None
+    if not request.outputs.decode:
+        raise InputError("--decoder refiner makes frames: drop --no-decode (or use --decoder frames)")
+    from terra_cli.refiner.decoder import load_refiner
+
+    started = time.perf_counter()
+    refiner = load_refiner(choice, [request.frames])
+    observer.message(f"refiner: {refiner.source}  ({time.perf_counter() - started:.1f} s to load; "
+                     f"{refiner.config.height}x{refiner.config.width}, {refiner.config.steps} steps per "
+                     f"{refiner.config.window}-frame window)")
+    return refiner
 
 
 def _context_tokens(request: VideoRequest, tokenizer, layout, observer: Observer) -> np.ndarray:
@@ -242,8 +267,9 @@ def _context_tokens(request: VideoRequest, tokenizer, layout, observer: Observer
     return tokens
 
 
-def write_outputs(outputs: Outputs, tokens: np.ndarray, tokenizer, observer: Observer) -> list[str]:
-    """Tokens first (cheapest), then decoded frames and the video, each atomically."""
+def write_outputs(outputs: Outputs, tokens: np.ndarray, decoder, observer: Observer) -> list[str]:
+    """Tokens first (cheapest), then decoded frames and the video, each atomically. `decoder` is the
+    frame-wise tokenizer or a `RefinerDecoder`: anything with `decode_tokens(tokens, on_batch=...)`."""
     from terra_cli.media.atomic import atomic_save_npy
     from terra_cli.media.frames import write_frame_folder, write_video
 
@@ -252,8 +278,9 @@ def write_outputs(outputs: Outputs, tokens: np.ndarray, tokenizer, observer: Obs
         atomic_save_npy(outputs.tokens, tokens, overwrite=outputs.overwrite)
         written.append(f"tokens -> {outputs.tokens}")
     if outputs.decode:
-        with observer.steps("decoding", len(tokens)) as advance:
-            pictures = list(tokenizer.decode_tokens(tokens, on_batch=advance))
+        label = "refining" if getattr(decoder, "seeded", False) else "decoding"
+        with observer.steps(label, len(tokens)) as advance:
+            pictures = list(decoder.decode_tokens(tokens, on_batch=advance))
         if outputs.frames_dir is not None:
             write_frame_folder(outputs.frames_dir, pictures, overwrite=outputs.overwrite)
             written.insert(0, f"frames -> {outputs.frames_dir}/")

@@ -41,6 +41,7 @@ class EngineSpec:
     index: int = 0
     threads: int = 0  # CPU threads of a reference engine (0: torch's default)
     frame_delay: float = 0.0  # test knob: seconds slept after each frame (a deliberately slow engine)
+    longest_frames: int = 0  # the longest scenario of the run (--max-rollouts auto sizes by it)
 
 
 @dataclass
@@ -72,7 +73,6 @@ class ScenarioEngine:
     """The actor's class (wrapped with `ray.remote` by the driver; plain Python to test)."""
 
     def __init__(self, spec: EngineSpec):
-        from terra_cli.scenarios.job import load_engine
 
         if spec.backend == "vllm" or spec.backend == "auto":
             from terra_cli.runtime import configure_vllm_env
@@ -84,8 +84,7 @@ class ScenarioEngine:
         self.spec = spec
         self.backend_name = resolve_backend_name(spec.backend)
         self.job = job if not spec.threads else _with_threads(job, spec.threads)
-        self.engine, self.tokenizer, self.startup = load_engine(self.job, self.backend_name, spec.device,
-                                                                spec.needs_tokenizer)
+        self.engine, self.tokenizer, self.startup, self.in_flight = _load_engine(self.job, self.backend_name, spec)
         self.codec = threading.Lock()  # the image tokenizer, shared by the calling threads
         self.waiters: dict[str, _Waiter] = {}
         self.lock = threading.Lock()
@@ -108,7 +107,8 @@ class ScenarioEngine:
         import ray
 
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "backend": self.backend_name,
-                "device": self.spec.device, "startup_s": self.startup.seconds, "startup": self.startup.startup}
+                "device": self.spec.device, "startup_s": self.startup[0], "startup": self.startup[1],
+                "in_flight": self.in_flight}
 
     def stats(self) -> dict:
         with self.lock:
@@ -179,7 +179,7 @@ class ScenarioEngine:
     def _drive_stream(self) -> None:
         from terra_cli.backends.vllm_stream import StreamDriver
 
-        StreamDriver(self.engine, self.job.max_rollouts).run(
+        StreamDriver(self.engine, self.in_flight).run(
             self.feed, on_frame=lambda job, i, t: self._frame_done(job.key),
             on_done=lambda job, tokens: self._finish(job.key, tokens.copy()))
 
@@ -207,6 +207,39 @@ class ScenarioEngine:
             path = Path(folder) / f"{key}.mp4"
             write_video(path, frames, fps=VIDEO_FPS)
             return path.read_bytes()
+
+
+def _load_engine(job: ScenarioJob, backend: str, spec: EngineSpec):
+    """(engine, tokenizer or None, (seconds, start-up phases), rollouts in flight): what
+    `job.run_scenario_job` loads, on this actor's device."""
+    import torch
+
+    from terra_cli.backends import load_backend
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+    from terra_cli.scenarios.job import AUTO_MAX_ROLLOUTS
+
+    started = time.perf_counter()
+    choice = resolve_model(job.model, job.variant, job.tokenizer)
+    config = load_config(choice.world_model_dir)
+    tokenizer = None
+    if spec.needs_tokenizer:
+        tokenizer = load_tokenizer(choice.tokenizer, spec.device)
+        check_tokenizer_matches(tokenizer, config)
+    options = dict(job.engine_options)
+    if backend == "vllm":
+        options["max_rollouts"] = job.max_rollouts or AUTO_MAX_ROLLOUTS
+    elif job.threads:
+        torch.set_num_threads(job.threads)
+    engine = load_backend(backend, choice.world_model_dir, device=spec.device, dtype=job.dtype, **options)
+    in_flight = job.max_rollouts or 1
+    if backend == "vllm" and job.max_rollouts is None:
+        from terra_cli.backends.vllm_stream import auto_in_flight
+
+        in_flight, _ = auto_in_flight(engine, spec.longest_frames or config.layout.max_frames, AUTO_MAX_ROLLOUTS)
+    startup = (round(time.perf_counter() - started, 2),
+               {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"})
+    return engine, tokenizer, startup, in_flight
 
 
 def _with_threads(job: ScenarioJob, threads: int) -> ScenarioJob:

@@ -23,9 +23,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from terra_cli.scenarios.job import PreparedJob
+from terra_cli.scenarios.job import AUTO_MAX_ROLLOUTS, PreparedJob
 from terra_cli.scenarios.ray_cluster import EnginePlan, ray_cluster
-from terra_cli.scenarios.runner import RESULTS_NAME, ResultsLog, ScenarioRun, completed_ids, log_skipped, save_finished
+from terra_cli.errors import OutputError
+from terra_cli.scenarios.outdir import make_out_dir, plan_outputs
+from terra_cli.scenarios.runner import RESULTS_NAME, NotRecorded, ResultsLog, ScenarioRun, log_skipped, save_finished
 from terra_cli.scenarios.spec import Scenario
 
 MAX_ATTEMPTS = 3
@@ -40,6 +42,7 @@ class EngineState:
     status: str = "starting"  # starting, alive, restarting, dead
     node: str = ""
     backend: str = ""
+    in_flight: int = 1  # rollouts its engine runs at once (vLLM: --max-rollouts, or what its KV cache holds)
     startup_s: float | None = None
     probe: object = None  # ready() while starting or restarting
     probe_at: float = 0.0  # when to ask again while Ray restarts it
@@ -82,11 +85,10 @@ class RayRun(ScenarioRun):
 Event = Callable[[str, "EngineState | None", object], None]  # (kind, engine, payload)
 
 
-def window_for(prepared: PreparedJob, backend: str) -> int:
+def window_for(in_flight: int, backend: str) -> int:
     """Open calls per engine: its whole continuous batch and a few more, so it never waits on
     the driver; the reference engine runs one scenario at a time and gets one queued."""
-    rollouts = prepared.job.max_rollouts
-    return rollouts + max(2, rollouts // 8) if backend == "vllm" else 2
+    return in_flight + max(2, in_flight // 8) if backend == "vllm" else 2
 
 
 def test_frame_delays() -> dict[int, float]:
@@ -101,7 +103,9 @@ def test_frame_delays() -> dict[int, float]:
 
 def run_on_ray(prepared: PreparedJob, address: str | None = None, engines: int | None = None, *,
                on_event: Event = lambda kind, engine, payload: None, verbose: bool = False) -> RayRun:
-    with ray_cluster(prepared, address, engines, verbose) as plan:
+    from terra_cli.scenarios.outdir import OutDirLock
+
+    with OutDirLock(prepared.job.out_dir), ray_cluster(prepared, address, engines, verbose) as plan:
         return drive(prepared, plan, on_event)
 
 
@@ -114,13 +118,12 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     from terra_cli.scenarios.ray_actor import EngineSpec, ScenarioEngine
 
     job, out_dir = prepared.job, prepared.job.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_out_dir(out_dir)  # the caller holds it (outdir.OutDirLock)
+    outputs = plan_outputs(prepared.file.scenarios, out_dir, decode=job.decode, overwrite=job.overwrite)
     log = ResultsLog(out_dir, RESULTS_NAME)
-    run = RayRun()
+    run = RayRun(resumed=outputs.resumed)
     run.skipped = log_skipped(prepared.file, log)
-    done_before = completed_ids(out_dir)
-    pending = deque(s for s in prepared.file.scenarios if s.id not in done_before)
-    run.resumed = len(prepared.file.scenarios) - len(pending)
+    pending = deque(outputs.pending)
     run.total, run.total_frames = len(pending), sum(s.frames - s.context_frames for s in pending)
     attempts: dict[str, list[str]] = {}
     avoid: dict[str, int] = {}  # scenario -> the engine it last failed on
@@ -132,9 +135,11 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // count) if device == "cpu" else 0
     backend = prepared.backend if device == "cpu" or prepared.job.backend != "auto" else "auto"
     engine_class = ray.remote(ScenarioEngine)
-    window = max(window_for(prepared, "vllm"), window_for(prepared, "hf"))
+    window = window_for(job.max_rollouts or AUTO_MAX_ROLLOUTS, "vllm")  # the most an engine may be given
+    longest = max(s.frames for s in pending)
     for index in range(count):
-        spec = EngineSpec(job, backend, device, prepared.needs_tokenizer, index, threads, delays.get(index, 0.0))
+        spec = EngineSpec(job, backend, device, prepared.needs_tokenizer, index, threads, delays.get(index, 0.0),
+                          longest)
         actor = engine_class.options(max_restarts=ENGINE_RESTARTS, max_task_retries=0, max_concurrency=window + 4,
                                      scheduling_strategy="SPREAD", **resources).remote(spec)
         run.engines.append(EngineState(index, actor, probe=actor.ready.remote()))
@@ -157,8 +162,12 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
 
     def finished(engine: EngineState, s: Scenario, result) -> None:
         works.pop(s.id, None)
-        record = save_finished(out_dir, log, s, result.tokens, result.seconds, video=result.video,
-                               extra={"engine": engine.index, "node": engine.node})
+        try:
+            record = save_finished(out_dir, log, s, result.tokens, result.seconds, video=result.video,
+                                   replaceable=outputs.replaceable, extra={"engine": engine.index, "node": engine.node})
+        except NotRecorded as exc:
+            raise OutputError(f"{exc}; the run stopped with {run.done} scenario(s) written and recorded{exc.dropped}; "
+                              "fix that, then run the same command again to resume") from exc
         if record["status"] == "done":
             run.done += 1
             engine.done += 1
@@ -192,7 +201,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
         return None
 
     def hand_out(engine: EngineState) -> None:
-        limit = window_for(prepared, engine.backend)
+        limit = window_for(engine.in_flight, engine.backend)
         while len(engine.open) < limit and pending:
             s = take(engine)
             if s is None:
@@ -219,6 +228,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
                     on_event("dead", engine, _short(exc))
                     return
                 engine.status, engine.node, engine.backend = "alive", info["node"], info["backend"]
+                engine.in_flight = info["in_flight"]
                 engine.startup_s = info["startup_s"]
                 engine.first_ready = engine.first_ready or time.perf_counter()
                 on_event("ready" if engine.restarts == 0 else "rejoined", engine, info)

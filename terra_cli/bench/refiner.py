@@ -1,0 +1,148 @@
+"""`terra bench --refiner`: Terra's video refiner with random weights in its exact shapes.
+
+Reports, per windows-per-UNet-call batch: seconds per 25-frame window, UNet evaluations per
+second (one evaluation = one window through the UNet; the guidance pair counts two), model FLOPs
+utilisation from FLOPs counted with torch.utils.flop_counter, and peak GPU memory; then the VAE
+(condition encoding and frame-by-frame decoding, per frame) and an ACT-Bench projection
+(2,286 samples x 47 frames = 2 windows each). The token decoder's frames (the refiner's input)
+are not timed here: that is the frame-wise decoder `terra bench` measures elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
+from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner
+from terra_cli.refiner.windows import count_windows
+
+ACT_BENCH_SAMPLES = 2286
+ACT_BENCH_FRAMES = 47
+TOKENS_ONLY_HOURS = 1.14  # ACT-Bench tokens on one H100, fp8 KV, 256 in flight (benchmarks/README.md)
+H100_BF16_DENSE = 989e12
+
+
+@dataclass(frozen=True)
+class RefinerBenchPlan:
+    batches: list[int] = field(default_factory=lambda: [1, 2])
+    options: RefinerOptions = RefinerOptions()
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    config: RefinerConfig = TERRA_REFINER
+    repeats: int = 3
+    peak_flops: float = H100_BF16_DENSE
+
+
+def count_unet_flops(config: RefinerConfig, exact_cross_attention: bool = True) -> float:
+    """FLOPs of one window (window frames) through the UNet, counted on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from terra_cli.refiner.unet import added_time_ids, build_unet, zero_context
+
+    unet = build_unet(config, "meta", exact_cross_attention=exact_cross_attention)
+    h, w = config.latent_hw
+    with torch.device("meta"), FlopCounterMode(display=False) as counter:
+        unet(torch.zeros(1, config.window, config.in_channels, h, w), torch.zeros(1),
+             zero_context(1, config, "meta", torch.float32), added_time_ids(1, config, "meta", torch.float32))
+    return float(counter.get_total_flops())
+
+
+def count_vae_flops(config: RefinerConfig) -> tuple[float, float]:
+    """(encode, decode) FLOPs per frame."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from terra_cli.refiner.autoencoder import build_vae
+
+    vae = build_vae(config, "meta")
+    h, w = config.latent_hw
+    with torch.device("meta"), FlopCounterMode(display=False) as enc:
+        vae.quant_conv(vae.encoder(torch.zeros(1, 3, config.height, config.width)))
+    with torch.device("meta"), FlopCounterMode(display=False) as dec:
+        vae.decode(torch.zeros(1, config.latent_channels, h, w), num_frames=1)
+    return float(enc.get_total_flops()), float(dec.get_total_flops())
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], object], device: str, repeats: int) -> list[float]:
+    fn()  # warm-up: kernels chosen, compilation, CUDA graphs captured
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambda line: None) -> dict:
+    from terra_cli.refiner import sampler
+
+    config, options, device = plan.config, plan.options, plan.device
+    started = time.perf_counter()
+    unet_flops = count_unet_flops(config, options.exact_cross_attention)
+    enc_flops, dec_flops = count_vae_flops(config)
+    evals_per_window = config.steps * (1 if options.same_uncond else 2)
+    window_flops = evals_per_window * unet_flops
+    say(f"counted: {unet_flops / 1e12:.2f} TFLOP per UNet evaluation ({config.window} frames), "
+        f"{window_flops / 1e12:.1f} TFLOP per window ({evals_per_window} evaluations); floor at "
+        f"{plan.peak_flops / 1e12:.0f} TFLOP/s: {window_flops / plan.peak_flops:.2f} s per window")
+    refiner = VideoRefiner.random(config, device, plan.dtype, options=options)
+    say(f"refiner built in {time.perf_counter() - started:.1f} s ({sum(p.numel() for p in refiner.unet.parameters()) / 1e9:.3f}B "
+        f"UNet parameters, {plan.dtype}, compile {options.compile})")
+    h, w = config.latent_hw
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in plan.batches:
+        concat = torch.randn(batch, config.window, config.latent_channels, h, w, generator=gen).to(device)
+        noise = torch.randn(batch, config.window, config.latent_channels, h, w, generator=gen).to(device)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+
+        def one() -> None:
+            with torch.inference_mode():
+                sampler.sample(refiner.network, noise, concat, uncond=concat, sigmas=refiner.sigmas,
+                               scales=refiner.scales, same_uncond=options.same_uncond)
+
+        times = _timed(one, device, plan.repeats)
+        best = min(times)
+        row = {"windows_per_call": batch, "seconds_per_call": [round(t, 4) for t in times],
+               "seconds_per_window": round(best / batch, 4), "unet_evals_per_s": round(evals_per_window * batch / best, 2),
+               "mfu": round(window_flops * batch / best / plan.peak_flops, 4),
+               "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device.startswith("cuda") else None}
+        rows.append(row)
+        say(f"{batch} window(s) per call: {row['seconds_per_window']:.3f} s per window, {row['unet_evals_per_s']:.1f} UNet "
+            f"evaluations/s, MFU {row['mfu']:.1%}, peak {row['peak_memory_gib']} GiB")
+    frames = ACT_BENCH_FRAMES
+    pixels = torch.rand(frames, 3, config.height, config.width, generator=gen).mul(2).sub(1)
+    latents = torch.randn(frames, config.latent_channels, h, w, generator=gen)
+    encode = min(_timed(lambda: refiner.condition_latents(pixels), device, plan.repeats)) / frames
+    decode = min(_timed(lambda: refiner.decode(latents), device, plan.repeats)) / frames
+    say(f"VAE per frame: encode {encode * 1e3:.1f} ms ({enc_flops / 1e12:.2f} TFLOP), decode {decode * 1e3:.1f} ms "
+        f"({dec_flops / 1e12:.2f} TFLOP, one-frame clips, {options.vae_chunk} per call)")
+    best_window = min(r["seconds_per_window"] for r in rows)
+    windows = count_windows(frames, config.window, config.min_overlap)
+    per_sample = windows * best_window + frames * (encode + decode)
+    refine_hours = ACT_BENCH_SAMPLES * per_sample / 3600
+    projection = {"samples": ACT_BENCH_SAMPLES, "frames": frames, "windows_per_sample": windows,
+                  "refine_seconds_per_sample": round(per_sample, 3), "refine_hours": round(refine_hours, 2),
+                  "tokens_hours": TOKENS_ONLY_HOURS, "two_stages_hours": round(refine_hours + TOKENS_ONLY_HOURS, 2),
+                  "overlapped_lower_bound_hours": round(max(refine_hours, TOKENS_ONLY_HOURS), 2)}
+    say(f"ACT-Bench ({ACT_BENCH_SAMPLES} x {frames} frames, {windows} windows each): refining {refine_hours:.2f} h; with "
+        f"tokens ({TOKENS_ONLY_HOURS} h): {projection['two_stages_hours']:.2f} h as two stages, at least "
+        f"{projection['overlapped_lower_bound_hours']:.2f} h overlapped")
+    return {"config": config.to_dict(), "options": options.__dict__, "device": device, "dtype": str(plan.dtype),
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+            "flops": {"unet_eval": unet_flops, "window": window_flops, "evals_per_window": evals_per_window,
+                      "vae_encode_per_frame": enc_flops, "vae_decode_per_frame": dec_flops,
+                      "window_floor_s": window_flops / plan.peak_flops, "peak_flops": plan.peak_flops},
+            "rows": rows, "vae_seconds_per_frame": {"encode": round(encode, 5), "decode": round(decode, 5)},
+            "act_bench": projection}

@@ -1,0 +1,209 @@
+"""`VideoRefiner`: Terra's video refiner end to end, from token-decoded frames to refined frames.
+
+Per video (Terra's `video_refiner_decode`): the token decoder's frames are resized to 384x640,
+clamped and VAE-encoded once (the concat condition); windows of 25 frames (`windows.py`) are
+sampled from seeded noise (`sampler.py`); each window's frames that overlap the previous window
+are dropped; the remaining latents are decoded frame by frame (`autoencoder.py`).
+
+Speed: windows of several videos (and, with `same_uncond=False`, both halves of the guidance
+pair) go through the UNet in one call (`batch_windows`); `compile` hands the UNet to
+torch.compile ("reduce-overhead" adds CUDA graphs). Noise comes from a CPU generator seeded per
+video, so a video's result does not depend on which videos share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from terra_cli.errors import InputError
+from terra_cli.refiner import sampler
+from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_latents, encode_condition
+from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
+from terra_cli.refiner.unet import added_time_ids, build_unet, zero_context
+from terra_cli.refiner.windows import check_frames, kept_frames, start_end_indices
+
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# Counted with torch.utils.flop_counter for TERRA_REFINER (one 25-frame UNet call, single-token
+# cross-attention), and for the VAE per 384x640 frame; see benchmarks/README.md.
+TERRA_UNET_FLOPS = 28.34e12
+TERRA_VAE_DECODE_FLOPS = 2.85e12
+TERRA_VAE_ENCODE_FLOPS = 1.04e12
+SLOW_CPU_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class RefinerOptions:
+    same_uncond: bool = True  # Terra's unconditional input equals the conditional one: one UNet call per step
+    batch_windows: int = 1  # windows (of any videos) per UNet call
+    compile: str = "none"
+    exact_cross_attention: bool = True  # closed form of attention over the one zero context token
+    vae_chunk: int = 4  # frames per VAE decoder call
+
+
+class VideoRefiner:
+    def __init__(self, unet, vae, config: RefinerConfig, *, device: str, dtype: torch.dtype, source: str,
+                 options: RefinerOptions = RefinerOptions(), ignored: list[str] | None = None):
+        if options.compile not in COMPILE_MODES:
+            raise InputError(f"refiner compile mode must be one of {', '.join(COMPILE_MODES)}, got {options.compile!r}")
+        if options.batch_windows < 1:
+            raise InputError(f"windows per UNet call must be at least 1, got {options.batch_windows}")
+        self.config, self.device, self.dtype, self.source, self.options = config, device, dtype, source, options
+        self.unet, self.vae = unet, vae
+        self.ignored = ignored or []
+        self.target_device = device  # where refining runs (load_refiner loads on the CPU first)
+        self.forward = unet if options.compile == "none" else torch.compile(unet, mode=options.compile)
+        self.unet_calls = 0
+        self.sigmas = sampler.edm_sigmas(config.steps, config.sigma_min, config.sigma_max, config.rho)
+        self.scales = sampler.guidance_scales(config.window, config.min_scale, config.max_scale)
+
+    # -- construction -----------------------------------------------------------------------------
+    def to(self, device: str) -> "VideoRefiner":
+        """Move the weights (e.g. onto the GPU once the world model has let it go)."""
+        self.unet.to(device)
+        self.vae.to(device)
+        self.device = device
+        return self
+
+    @classmethod
+    def from_checkpoint(cls, spec: str, device: str = "auto", dtype: str = "auto",
+                        options: RefinerOptions = RefinerOptions()) -> "VideoRefiner":
+        from terra_cli.refiner.checkpoint import load_weights, read_checkpoint, resolve_refiner_file
+        from terra_cli.runtime import resolve_device, resolve_dtype
+
+        path = resolve_refiner_file(spec)
+        state, config = read_checkpoint(path)
+        device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, device)  # (a dtype name for another device may come in: bf16 on the CPU)
+        unet = build_unet(config, "meta", exact_cross_attention=options.exact_cross_attention)
+        vae = build_vae(config, "meta")
+        ignored = load_weights(unet, vae, state, config, str(path))
+        del state
+        # Terra's first stage (the decoder) runs in float32; the UNet and the condition encoder in
+        # the model dtype (Terra casts the conditioner to bf16).
+        torch.nn.Module.to(unet, device=device, dtype=torch_dtype)  # (ModelMixin.to warns about dtypes)
+        vae.decoder.to(device=device, dtype=torch.float32)
+        vae.encoder.to(device=device, dtype=torch_dtype)
+        vae.quant_conv.to(device=device, dtype=torch_dtype)
+        return cls(unet, vae, config, device=device, dtype=torch_dtype, source=str(path), options=options,
+                   ignored=ignored)
+
+    @classmethod
+    def random(cls, config: RefinerConfig = TERRA_REFINER, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               seed: int = 0, options: RefinerOptions = RefinerOptions()) -> "VideoRefiner":
+        """Random weights in `config`'s shapes (benchmarks, tests)."""
+        torch.manual_seed(seed)
+        unet = build_unet(config, device, dtype, exact_cross_attention=options.exact_cross_attention)
+        vae = build_vae(config, device, dtype)
+        vae.decoder.to(torch.float32)
+        return cls(unet, vae, config, device=device, dtype=dtype, source="random weights", options=options)
+
+    # -- the denoiser network ---------------------------------------------------------------------
+    def network(self, x_in: torch.Tensor, c_noise: torch.Tensor, concat: torch.Tensor) -> torch.Tensor:
+        """F(c_in x, c_noise) for windows (B, F, 4, h, w) with their concat condition (B, F, 4, h, w)."""
+        batch = x_in.shape[0]
+        sample = torch.cat([x_in, concat], dim=2).to(self.device, self.dtype)
+        self.unet_calls += 1
+        out = self.forward(sample, c_noise.to(self.device), zero_context(batch, self.config, self.device, self.dtype),
+                           added_time_ids(batch, self.config, self.device, torch.float32), return_dict=False)[0]
+        return out
+
+    # -- videos -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def condition_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Token-decoded frames (N, 3, h, w) in about [-1, 1] -> concat condition (N, 4, H/8, W/8), float32."""
+        pixels = condition_pixels(pixels.to(self.device), self.config)
+        return encode_condition(self.vae, pixels.to(self.dtype)).float()
+
+    @torch.inference_mode()
+    def refine_latents(self, conditions: list[torch.Tensor], seeds: list[int],
+                       on_frames: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+        """Sampled latents (N_i, 4, h, w) per video, overlaps removed, windows batched across videos;
+        `on_frames(n)` after each UNet batch with the frames it finished."""
+        config, work = self.config, []
+        for video, (cond, seed) in enumerate(zip(conditions, seeds)):
+            check_frames(cond.shape[0], config.window)
+            generator = torch.Generator().manual_seed(int(seed))
+            spans = start_end_indices(cond.shape[0], config.window, config.min_overlap)
+            for k, ((start, end), keep) in enumerate(zip(spans, kept_frames(spans))):
+                noise = torch.randn((config.window, *cond.shape[1:]), generator=generator)
+                work.append((video, k, cond[start:end], noise, keep))
+        results: dict[tuple[int, int], torch.Tensor] = {}
+        for at in range(0, len(work), self.options.batch_windows):
+            group = work[at:at + self.options.batch_windows]
+            concat = torch.stack([item[2] for item in group]).to(self.device)
+            noise = torch.stack([item[3] for item in group]).to(self.device)
+            out = sampler.sample(self.network, noise, concat, uncond=concat, sigmas=self.sigmas, scales=self.scales,
+                                 same_uncond=self.options.same_uncond)
+            for (video, k, _, _, (a, b)), latents in zip(group, out):
+                results[(video, k)] = latents[a:b].float()
+            if on_frames is not None:
+                on_frames(sum(b - a for *_, (a, b) in group))
+        return [torch.cat([results[(v, k)] for k in range(_count(results, v))]) for v in range(len(conditions))]
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor, on_frames: Callable[[int], None] | None = None) -> np.ndarray:
+        pixels = decode_latents(self.vae, latents, self.config, self.options.vae_chunk, on_frames)
+        return ((pixels + 1.0) / 2.0 * 255).permute(0, 2, 3, 1).cpu().numpy().astype(np.uint8)
+
+    def refine_pixels(self, videos: list[torch.Tensor], seeds: list[int],
+                      on_frames: Callable[[int], None] | None = None) -> list[np.ndarray]:
+        """Token-decoded frames of several videos -> refined uint8 frames (N_i, height, width, 3) each."""
+        conditions = [self.condition_latents(v) for v in videos]
+        return [self.decode(z) for z in self.refine_latents(conditions, seeds, on_frames)]
+
+
+def _count(results: dict, video: int) -> int:
+    return sum(1 for (v, _) in results if v == video)
+
+
+def estimated_unet_flops(config: RefinerConfig) -> float:
+    """FLOPs of one window's UNet call, scaled from the count for Terra's shapes."""
+    h, w = config.latent_hw
+    th, tw = TERRA_REFINER.latent_hw
+    return (TERRA_UNET_FLOPS * (config.model_channels / TERRA_REFINER.model_channels) ** 2
+            * (h * w) / (th * tw) * config.window / TERRA_REFINER.window)
+
+
+def estimated_flops(config: RefinerConfig, frames: int, same_uncond: bool = True) -> float:
+    windows = len(start_end_indices(frames, config.window, config.min_overlap))
+    evals = config.steps * (1 if same_uncond else 2)
+    pixels = config.height * config.width / (TERRA_REFINER.height * TERRA_REFINER.width)
+    vae = frames * (TERRA_VAE_DECODE_FLOPS + TERRA_VAE_ENCODE_FLOPS) * pixels * (config.vae_channels / 128) ** 2
+    return windows * evals * estimated_unet_flops(config) + vae
+
+
+def cpu_flops_per_second() -> float:
+    """A quick float32 matmul rate on this CPU, halved for the convolutions that dominate the UNet."""
+    a = torch.randn(512, 512)
+    a @ a
+    started = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    seconds = max(time.perf_counter() - started, 1e-6)
+    return 0.5 * 4 * 2 * 512 ** 3 / seconds
+
+
+def check_cpu_time(config: RefinerConfig, frame_counts: list[int], device: str, allow_slow: bool) -> float:
+    """On a CPU, refuse work estimated over an hour (unless allowed); returns the estimate (s, 0 on a GPU)."""
+    if not device.startswith("cpu"):
+        return 0.0
+    flops = sum(estimated_flops(config, n) for n in frame_counts)
+    seconds = flops / cpu_flops_per_second()
+    if seconds > SLOW_CPU_SECONDS and not allow_slow:
+        raise InputError(f"refining {sum(frame_counts)} frames on this CPU would take about {_duration(seconds)} "
+                         f"({flops / 1e12:,.0f} TFLOP); use a GPU (--device cuda), or pass --allow-slow to run anyway")
+    return seconds
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 5400:
+        return f"{math.ceil(seconds / 60)} minutes"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.0f} hours"
+    return f"{seconds / 86400:.0f} days"

@@ -1,0 +1,234 @@
+"""Terra's video refiner on small configs in Terra's exact checkpoint names and layout: loading,
+strictness, no pickle, the sampler against a closed form, windows, determinism."""
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from terra_cli.errors import InputError  # noqa: E402
+from terra_cli.refiner import keymap, sampler  # noqa: E402
+from terra_cli.refiner.checkpoint import convert_checkpoint, read_checkpoint, resolve_refiner_file  # noqa: E402
+from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config  # noqa: E402
+from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner, check_cpu_time  # noqa: E402
+from terra_cli.refiner.testing import terra_state_dict, write_tiny_refiner  # noqa: E402
+from terra_cli.refiner.windows import kept_frames, start_end_indices  # noqa: E402
+from tokenizer_decoder.errors import CheckpointError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_pt(tmp_path_factory):
+    return write_tiny_refiner(tmp_path_factory.mktemp("refiner") / "refiner_model.pt")
+
+
+def test_windows_follow_terras_start_end_indices():
+    assert start_end_indices(25) == [(0, 25)]
+    assert start_end_indices(26) == [(0, 25), (1, 26)]
+    assert start_end_indices(47) == [(0, 25), (22, 47)]
+    assert start_end_indices(50) == [(0, 25), (22, 47), (25, 50)]
+    for frames in (25, 26, 47, 50, 73, 100):
+        spans = start_end_indices(frames)
+        kept = kept_frames(spans)
+        covered = [start + i for (start, _), (a, b) in zip(spans, kept) for i in range(a, b)]
+        assert covered == list(range(frames))  # every frame once, in order, after overlap removal
+        assert all(prev_end - start >= 3 for (_, prev_end), (start, _) in zip(spans, spans[1:]))
+    with pytest.raises(InputError, match="at least 25 frames"):
+        start_end_indices(24)
+
+
+def test_edm_sigmas_and_guidance_scales():
+    sigmas = sampler.edm_sigmas(15)
+    assert len(sigmas) == 16 and sigmas[0] == 700.0 and sigmas[-1] == 0.0
+    assert torch.all(sigmas[:-1] > sigmas[1:])
+    assert math.isclose(float(sigmas[-2]), 0.002, rel_tol=4e-3)
+    karras = (700 ** (1 / 7) + 7 / 14 * (0.002 ** (1 / 7) - 700 ** (1 / 7))) ** 7
+    assert math.isclose(float(sigmas[7]), karras, rel_tol=4e-3)  # bf16-rounded like Terra's
+    scales = sampler.guidance_scales(25, 1.5, 3.0)
+    assert scales[0] == 1.5 and scales[-1] == 3.0 and math.isclose(float(scales[12]), 2.25)
+
+
+def test_sampler_matches_the_closed_form_of_a_linear_toy_denoiser():
+    """F(y) = b * y makes every step linear: D = a(s) x with a(s) = (1 - s b) / (s^2 + 1); guidance
+    mixes a_u and a_c per frame; Euler multiplies x by 1 + (s' - s)(1 - a)/s, the last step by a."""
+    frames, steps = 5, 6
+    sigmas = sampler.edm_sigmas(steps, 0.002, 700.0, 7.0)
+    scales = sampler.guidance_scales(frames, 1.5, 3.0)
+    b_cond, b_uncond = 0.3, -0.2
+    calls = []
+
+    def network(x_in, c_noise, cond):
+        calls.append(x_in.shape[0])
+        sigma = float(sigmas[len(calls) - 1])
+        assert torch.allclose(c_noise, torch.full_like(c_noise, 0.25 * math.log(sigma)))
+        return cond.view(-1, 1, 1, 1, 1) * x_in
+
+    noise = torch.randn(2, frames, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    cond = torch.tensor([b_cond, b_cond])
+    out = sampler.sample(network, noise, cond, uncond=torch.tensor([b_uncond, b_uncond]), sigmas=sigmas, scales=scales)
+    assert calls == [4] * steps  # the guidance pair batched into one call per step
+
+    expected = noise.double() * math.sqrt(1 + float(sigmas[0]) ** 2)
+    for i in range(steps):
+        s, nxt = float(sigmas[i]), float(sigmas[i + 1])
+        a_c, a_u = ((1 - s * b) / (s * s + 1) for b in (b_cond, b_uncond))
+        a = torch.tensor([a_u + float(w) * (a_c - a_u) for w in scales], dtype=torch.float64).view(1, -1, 1, 1, 1)
+        expected = expected * a if nxt == 0 else expected * (1 + (nxt - s) * (1 - a) / s)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_one_call_per_step_gives_the_pair_result_when_uncond_is_cond():
+    sigmas, scales = sampler.edm_sigmas(4), sampler.guidance_scales(3, 1.5, 3.0)
+    weight = torch.randn(1, 3, 1, 1, 1)
+
+    def network(x_in, c_noise, cond):
+        return torch.tanh(x_in * weight + cond.view(-1, 1, 1, 1, 1) + c_noise.view(-1, 1, 1, 1, 1))
+
+    noise, cond = torch.randn(1, 3, 1, 2, 2), torch.tensor([0.1])
+    pair = sampler.sample(network, noise, cond, uncond=cond, sigmas=sigmas, scales=scales)
+    single = sampler.sample(network, noise, cond, sigmas=sigmas, scales=scales, same_uncond=True)
+    assert torch.allclose(pair, single, atol=1e-5)
+
+
+def test_terra_names_from_its_module_layout():
+    """Names written down from Terra's VideoUNet / Encoder / VideoDecoder code, not from our map."""
+    from terra_cli.refiner.autoencoder import build_vae
+    from terra_cli.refiner.checkpoint import expected_names
+    from terra_cli.refiner.unet import build_unet
+
+    config = TERRA_REFINER
+    names = expected_names(build_unet(config), build_vae(config), config)
+    for name in ("model.diffusion_model.input_blocks.1.1.time_stack.0.attn1.to_q.weight",
+                 "model.diffusion_model.input_blocks.3.0.op.weight",
+                 "model.diffusion_model.input_blocks.4.0.skip_connection.weight",
+                 "model.diffusion_model.input_blocks.4.0.time_stack.emb_layers.1.weight",
+                 "model.diffusion_model.middle_block.1.time_stack.0.ff_in.net.0.proj.weight",
+                 "model.diffusion_model.middle_block.2.time_mixer.mix_factor",
+                 "model.diffusion_model.output_blocks.2.1.conv.weight",
+                 "model.diffusion_model.output_blocks.5.2.conv.weight",
+                 "model.diffusion_model.output_blocks.11.1.time_pos_embed.2.bias",
+                 "model.diffusion_model.label_emb.0.0.weight", "model.diffusion_model.out.2.weight",
+                 "conditioner.embedders.3.encoder.encoder.down.1.block.0.nin_shortcut.weight",
+                 "conditioner.embedders.3.encoder.encoder.mid.attn_1.proj_out.weight",
+                 "conditioner.embedders.3.encoder.quant_conv.weight",
+                 "first_stage_model.decoder.up.0.block.0.nin_shortcut.weight",
+                 "first_stage_model.decoder.up.3.upsample.conv.weight",
+                 "first_stage_model.decoder.mid.block_1.time_stack.in_layers.2.weight",
+                 "first_stage_model.decoder.up.2.block.1.mix_factor",
+                 "first_stage_model.decoder.conv_out.time_mix_conv.weight"):
+        assert name in names, name
+    assert not any("input_blocks.10.1" in n or "output_blocks.12" in n for n in names)
+    unet, key = names["model.diffusion_model.label_emb.0.0.weight"]
+    assert tuple(unet.state_dict()[key].shape) == (1280, 768)
+
+
+def test_tiny_checkpoint_loads_strictly_and_names_ignored_tensors(tiny_pt):
+    refiner = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu")
+    assert refiner.config == tiny_refiner_config()
+    assert {n.split(".")[0] for n in refiner.ignored} == {"conditioner", "first_stage_model", "model", "token_decoder"}
+    assert all(keymap.ignored_reason(n) for n in refiner.ignored)
+    state, _ = read_checkpoint(tiny_pt)
+    unet_key = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"
+    assert torch.equal(refiner.unet.state_dict()["down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight"],
+                       state[unet_key])
+    attention = "conditioner.embedders.3.encoder.encoder.mid.attn_1.q.weight"  # a 1x1 conv in Terra
+    assert torch.equal(refiner.vae.state_dict()["encoder.mid_block.attentions.0.to_q.weight"], state[attention][:, :, 0, 0])
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("drop", "missing: model.diffusion_model.out.2.bias"),
+    ("extra", "unexpected (neither used nor known to be unused): model.diffusion_model.surprise"),
+    ("shape", "shape mismatch: first_stage_model.decoder.conv_in.weight"),
+])
+def test_strict_loading_names_the_key(tmp_path, damage, message):
+    state = terra_state_dict(tiny_refiner_config())
+    if damage == "drop":
+        del state["model.diffusion_model.out.2.bias"]
+    elif damage == "extra":
+        state["model.diffusion_model.surprise"] = torch.zeros(1)
+    else:
+        state["first_stage_model.decoder.conv_in.weight"] = torch.zeros(1, 1, 3, 3)
+    path = write_tiny_refiner(tmp_path / "bad.pt", state=state)
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        VideoRefiner.from_checkpoint(str(path), device="cpu")
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_pickled_objects_are_refused_not_run_and_convert_needs_trust(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "refiner_model.pt"
+    state = terra_state_dict(tiny_refiner_config())
+    torch.save({"module": {"_forward_module." + k: v for k, v in state.items()}, "extra": _Payload(str(marker))}, path)
+    with pytest.raises(CheckpointError, match="terra refine convert --trust-checkpoint"):
+        VideoRefiner.from_checkpoint(str(path), device="cpu")
+    assert not marker.exists()
+    with pytest.raises(InputError, match="--trust-checkpoint"):
+        convert_checkpoint(path, tmp_path / "out.safetensors", trust=False)
+    assert not marker.exists()
+
+
+def test_converted_safetensors_and_folders_load_the_same_weights(tmp_path, tiny_pt):
+    out = tmp_path / "snapshot" / "video_refiner" / "refiner_model.safetensors"
+    out.parent.mkdir(parents=True)
+    assert convert_checkpoint(tiny_pt, out, trust=True) > 100
+    assert resolve_refiner_file(str(tmp_path / "snapshot")) == out
+    a = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu")
+    b = VideoRefiner.from_checkpoint(str(out), device="cpu")
+    for (ka, va), (kb, vb) in zip(a.unet.state_dict().items(), b.unet.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+    with pytest.raises(InputError, match="does not exist"):
+        resolve_refiner_file(str(tmp_path / "nowhere.pt"))
+
+
+def test_refining_is_seeded_batch_invariant_and_shaped(tiny_pt):
+    refiner = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu")
+    config = refiner.config
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.rand(n, 3, 36, 64, generator=gen) * 2 - 1 for n in (26, 25))
+    first = refiner.refine_pixels([a], [3])[0]
+    assert first.shape == (26, config.height, config.width, 3) and first.dtype == np.uint8
+    assert np.array_equal(first, refiner.refine_pixels([a], [3])[0])
+    assert not np.array_equal(first, refiner.refine_pixels([a], [4])[0])
+    calls = refiner.unet_calls
+    batched = VideoRefiner(refiner.unet, refiner.vae, config, device="cpu", dtype=torch.float32, source="x",
+                           options=RefinerOptions(batch_windows=3))
+    together = batched.refine_pixels([a, b], [3, 5])
+    assert batched.unet_calls == config.steps  # three windows (two of a, one of b) in every call
+    assert np.abs(together[0].astype(int) - first.astype(int)).max() <= 1
+    assert refiner.unet_calls == calls
+
+
+def test_cpu_estimate_refuses_terra_size_work():
+    with pytest.raises(InputError, match=r"would take about .* pass --allow-slow"):
+        check_cpu_time(TERRA_REFINER, [47], "cpu", allow_slow=False)
+    assert check_cpu_time(tiny_refiner_config(), [47], "cpu", allow_slow=False) < 3600
+    assert check_cpu_time(TERRA_REFINER, [47], "cuda", allow_slow=False) == 0.0
+
+
+def test_single_token_cross_attention_is_the_attention_it_replaces():
+    from terra_cli.refiner.unet import added_time_ids, build_unet, use_single_token_cross_attention
+
+    config = tiny_refiner_config()
+    torch.manual_seed(0)
+    unet = build_unet(config, "cpu", exact_cross_attention=False)
+    h, w = config.latent_hw
+    sample = torch.randn(2, config.window, config.in_channels, h, w)
+    context = torch.randn(2, 1, config.context_dim)  # any one-token context, not only Terra's zeros
+    args = (sample, torch.tensor([0.3, -1.0]), context, added_time_ids(2, config, "cpu", torch.float32))
+    with torch.inference_mode():
+        computed = unet(*args, return_dict=False)[0]
+        use_single_token_cross_attention(unet)
+        closed_form = unet(*args, return_dict=False)[0]
+    assert torch.allclose(computed, closed_form, atol=1e-5, rtol=1e-4)
+    assert computed.abs().mean() > 1e-3

@@ -1,0 +1,112 @@
+"""`--decoder refiner` through `terra generate` (one video and --scenarios) and `terra refine`,
+end to end with a tiny refiner checkpoint in Terra's format, a tiny world model and tokenizer."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("diffusers")
+
+from terra_cli.cli import app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """A tiny world model over a small tokenizer's 1024 codes, that tokenizer, a tiny refiner, and
+    24 context frames of tokens (so that a 25- or 26-frame video needs one or two generated frames)."""
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+    from terra_cli.refiner.testing import write_tiny_refiner
+    from tokenizer_decoder import ImageTokenizer, small_config
+
+    root = tmp_path_factory.mktemp("refiner_cli")
+    model = write_tiny_checkpoint(root / "model", tiny_config(image_vocab=1024, layers=1, hidden_size=32, heads=1))
+    tokenizer = ImageTokenizer.from_config(small_config(ch=32, num_res_blocks=1), device="cpu").save_pretrained(root / "tok")
+    refiner = write_tiny_refiner(root / "refiner_model.pt")
+    context = root / "ctx.npy"
+    np.save(context, np.random.default_rng(0).integers(0, 1024, size=(24, 576)))
+    return {"model": str(model), "tokenizer": str(tokenizer), "refiner": str(refiner), "context": context}
+
+
+def run(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result
+
+
+def video_frames(path):
+    from terra_cli.media.frames import read_frames
+
+    return np.stack(read_frames(path))
+
+
+@pytest.mark.slow
+def test_generate_with_the_refiner_then_refine_the_saved_tokens_the_same(tmp_path, parts):
+    out, tokens = tmp_path / "out.mp4", tmp_path / "tokens.npy"
+    common = ["--tokenizer", parts["tokenizer"], "--refiner", parts["refiner"], "--device", "cpu"]
+    result = run("generate", out, "--model", parts["model"], "--context-tokens", parts["context"], "--frames", 25,
+                 "--actions", "left", "--backend", "hf", "--seed", 3, "--decoder", "refiner", "--save-tokens", tokens,
+                 *common)
+    assert result.exit_code == 0, result.output
+    frames = video_frames(out)
+    assert frames.shape == (25, 32, 64, 3)  # the tiny refiner's 64x32 (Terra's: 640x384)
+    again = tmp_path / "again.mp4"
+    result = run("refine", tokens, again, "--seed", 3, *common)
+    assert result.exit_code == 0, result.output
+    assert np.array_equal(video_frames(again), frames)  # same tokens and seed: the same video
+    # (another seed gives another video: tests/test_refiner.py, without the token decoder's cost)
+
+
+@pytest.mark.slow
+def test_scenarios_with_the_refiner_write_refined_videos_and_resume(tmp_path, parts):
+    (tmp_path / "ctx.npy").write_bytes(parts["context"].read_bytes())
+    lines = [{"id": "a", "context": "ctx.npy", "actions": "left", "frames": 26, "seed": 5}]
+    spec = tmp_path / "s.jsonl"
+    spec.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    out = tmp_path / "videos"
+    args = ["generate", "--scenarios", spec, "--out-dir", out, "--model", parts["model"], "--tokenizer",
+            parts["tokenizer"], "--backend", "hf", "--device", "cpu", "--decoder", "refiner", "--refiner",
+            parts["refiner"]]
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    assert video_frames(out / "a.mp4").shape == (26, 32, 64, 3)  # two windows, overlap removed
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["status"], r["frames"]) for r in records] == [("a", "done", 26)]
+    assert np.load(out / "a.npy").shape == (26, 576)
+    result = run(*args)
+    assert result.exit_code == 0 and "1 already done" in result.output, result.output
+
+
+def test_refiner_errors_are_one_line_before_any_model_runs(tmp_path, parts):
+    out = tmp_path / "out.mp4"
+    base = ["generate", out, "--model", parts["model"], "--tokenizer", parts["tokenizer"], "--context-tokens",
+            parts["context"], "--actions", "left", "--backend", "hf", "--device", "cpu"]
+    cases = [
+        (["--decoder", "refiner"], "--decoder refiner has no weights: pass --refiner"),
+        (["--decoder", "refiner", "--refiner", tmp_path / "none.pt"], "does not exist"),
+        (["--decoder", "refined"], "--decoder must be frames or refiner"),
+        (["--refiner", parts["refiner"]], "--refiner works with --decoder refiner"),
+        (["--decoder", "refiner", "--refiner", parts["refiner"], "--frames", 24, "--context-frames", 3],
+         "the refiner needs at least 25 frames"),
+    ]
+    for extra, message in cases:
+        result = run(*base, *extra)
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in result.output and "Traceback" not in result.output, (extra, result.output)
+    assert not out.exists()
+    result = run("refine", "convert", parts["refiner"], tmp_path / "x.safetensors")
+    assert result.exit_code == 2 and "--trust-checkpoint" in result.output
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_bench_refiner_reports_counted_flops_and_the_act_bench_projection(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run("bench", "--refiner", "--tiny", "--device", "cpu", "--windows", "1", "--full-cfg", "--out", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    flops = data["flops"]
+    assert flops["evals_per_window"] == 2 * data["config"]["steps"]  # the guidance pair: two evaluations per step
+    assert flops["window"] == flops["evals_per_window"] * flops["unet_eval"] > 0
+    assert data["act_bench"]["windows_per_sample"] == 2 and data["act_bench"]["samples"] == 2286
+    row = data["rows"][0]
+    assert row["windows_per_call"] == 1 and row["seconds_per_window"] > 0 and row["peak_memory_gib"] is None

@@ -6,7 +6,8 @@
 #          the reference backend (2 scenarios), then vLLM (32 scenarios, --max-rollouts 16, videos
 #          decoded on the actor and written by the driver), then the same command again (resume:
 #          nothing to run). Logs, results.jsonl lines and the per-engine summary go to $OUT.
-# The Ray parts come from benchmarks/scripts/gpu_ray_bundle.sh (../shared/notes/gpu-host.md: bundles).
+# Ray: /tmp/raysite from `gpu_bundle.sh ray`, or the two parts of benchmarks/scripts/gpu_ray_bundle.sh
+# (`stage`, then `run` carrying .gpu/ray2). vLLM: /tmp/site as gpu_bundle.sh a1, a2, b, ff leave it.
 set -uo pipefail
 what=${1:-run}
 OUT=${OUT:-/tmp/out}
@@ -20,7 +21,9 @@ case $what in
 esac
 STEP_LOG=$OUT/ray.log
 source benchmarks/scripts/gpu_common.sh
-if [ ! -d /tmp/site/ray ]; then
+if [ -d /tmp/raysite/ray ]; then  # brought by `gpu_bundle.sh ray` (.gpu/ray/ray-site.tar.xz)
+  export PYTHONPATH=$PYTHONPATH:/tmp/raysite
+elif [ ! -d /tmp/site/ray ]; then  # or by `gpu_ray.sh stage` and this call (gpu_ray_bundle.sh's two parts)
   cat /tmp/dl/ray.tar.xz.aa .gpu/ray2/ray.tar.xz.ab | tar -C /tmp/site -xJf - || { echo "ray bundle missing"; exit 1; }
 fi
 gpu_setup .gpu/wheels/{compressed_tensors,loguru,imageio_ffmpeg}-*.whl || exit 1

@@ -144,6 +144,9 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
 
                 run = run_on_ray(prepared, None, plan.data_parallel, on_event=on_event)
                 frames[0] = run.generated_frames
+                for row in run.summary():  # an engine still starting when the work ran out
+                    engines.setdefault(row["engine"], {"worker": row["engine"], "startup_s": row["startup_s"],
+                                                       "startup": {}, "in_flight": None})
             else:
                 run = run_scenario_job(prepared, on_ready=lambda r: on_ready(0, r), on_frame=lambda: on_frame(0))
         finally:

@@ -271,7 +271,7 @@ def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
         table.add_column(col, justify="left" if col == "run" else "right")
     busy = ", ".join("-" if b is None else f"{b:.0%}" for b in stream["gpu_busy"].values()) or "-"
     table.add_row(f"continuous, {plan.scenarios} x {plan.frames} frames", str(len(results["engines"])),
-                  ", ".join(f"{e['startup_s']:.1f}" for e in results["engines"]),
+                  ", ".join("not ready" if e["startup_s"] is None else f"{e['startup_s']:.1f}" for e in results["engines"]),
                   f"{stream['generated_frames_per_s']:.2f}", busy, f"{stream['projected_act_bench_hours']:.2f}")
     if "lockstep" in results:
         lock = results["lockstep"]

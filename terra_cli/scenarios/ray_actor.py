@@ -42,6 +42,7 @@ class EngineSpec:
     threads: int = 0  # CPU threads of a reference engine (0: torch's default)
     frame_delay: float = 0.0  # test knob: seconds slept after each frame (a deliberately slow engine)
     longest_frames: int = 0  # the longest scenario of the run (--max-rollouts auto sizes by it)
+    failing_ids: frozenset = frozenset()  # test knob: scenarios this engine fails
 
 
 @dataclass
@@ -118,6 +119,8 @@ class ScenarioEngine:
         from terra_cli.backends.base import Sampling
 
         s, job = work.scenario, self.job
+        if s.id in self.spec.failing_ids:
+            raise RuntimeError(f"scenario {s.id} fails on purpose (TERRA_RAY_TEST_FAIL)")
         if work.context_tokens is not None:
             context = np.asarray(work.context_tokens, dtype=np.int64)
         else:

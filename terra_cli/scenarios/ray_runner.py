@@ -101,6 +101,12 @@ def test_frame_delays() -> dict[int, float]:
     return delays
 
 
+def test_failing_ids() -> frozenset[str]:
+    """TERRA_RAY_TEST_FAIL="a,b": scenarios every engine fails (tests: a scenario that passes
+    validation and still fails on every engine)."""
+    return frozenset(filter(None, os.environ.get("TERRA_RAY_TEST_FAIL", "").split(",")))
+
+
 def run_on_ray(prepared: PreparedJob, address: str | None = None, engines: int | None = None, *,
                on_event: Event = lambda kind, engine, payload: None, verbose: bool = False) -> RayRun:
     from terra_cli.scenarios.outdir import OutDirLock
@@ -139,7 +145,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     longest = max(s.frames for s in pending)
     for index in range(count):
         spec = EngineSpec(job, backend, device, prepared.needs_tokenizer, index, threads, delays.get(index, 0.0),
-                          longest)
+                          longest, test_failing_ids())
         actor = engine_class.options(max_restarts=ENGINE_RESTARTS, max_task_retries=0, max_concurrency=window + 4,
                                      scheduling_strategy="SPREAD", **resources).remote(spec)
         run.engines.append(EngineState(index, actor, probe=actor.ready.remote()))

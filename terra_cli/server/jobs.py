@@ -44,7 +44,7 @@ class VideoJob:
         return {"id": self.id, "label": self.spec.label, "status": self.status, "frames": self.spec.frames,
                 "context_frames": self.spec.context.count, "generated_frames": self.frames_done,
                 "progress": round(self.frames_done / max(self.generated, 1), 4), "error": self.error,
-                "seed": self.spec.sampling.seed, "created": self.created, "finished": self.finished,
+                "seed": self.spec.sampling.seed, "tokens": self.tokens is not None, "created": self.created, "finished": self.finished,
                 "seconds": None if self.finished is None else round(self.finished - self.created, 3)}
 
 

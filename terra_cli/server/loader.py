@@ -61,4 +61,5 @@ def load_engine(config: EngineConfig) -> EngineService:
         torch.set_num_threads(config.threads)
     backend = load_backend(backend_name, choice.world_model_dir, device=device, dtype=config.dtype, **options)
     return EngineService(backend, tokenizer, max_in_flight=config.max_in_flight,
-                         session_slots=min(config.session_slots, max(config.max_in_flight - 1, 0)))
+                         session_slots=min(config.session_slots, max(config.max_in_flight - 1, 0)),
+                         model_label=choice.label)

@@ -65,6 +65,23 @@ async def video_content(video_id: str, request: Request, format: str = "mp4"):
     raise ApiError(422, "format", f"format must be mp4 or npy, got {format!r}")
 
 
+@videos.get("/{video_id}/frames/{index}", summary="One frame of a finished job as PNG (jobs that kept tokens)")
+async def video_frame(video_id: str, index: int, request: Request):
+    from terra_cli.server.app import ApiError
+    from terra_cli.server.sessions import encode_picture
+
+    job = _job(request, video_id)
+    if job.status != "done" or job.tokens is None:
+        raise ApiError(409, "video_id", f"video job {video_id} is {job.status} or kept no tokens (\"tokens\": true)")
+    tokens = np.load(job.tokens, allow_pickle=False)
+    if not 0 <= index < tokens.shape[0]:
+        raise FieldError("index", f"the video has frames 0..{tokens.shape[0] - 1}", 404)
+    engine = _state(request).engine
+    picture = await asyncio.get_running_loop().run_in_executor(
+        engine.media, lambda: encode_picture(engine.decode(tokens[index:index + 1])[0], "png"))
+    return Response(picture, media_type="image/png")
+
+
 @videos.delete("/{video_id}", summary="Cancel a job (queued or running)")
 async def cancel_video(video_id: str, request: Request):
     job = _state(request).jobs.cancel(video_id)
@@ -103,7 +120,7 @@ async def create_session(body: SessionBody, request: Request):
 
 @sessions.get("/{session_id}", summary="A session's frames so far, speed and driven path")
 async def get_session(session_id: str, request: Request):
-    return _state(request).sessions.get(session_id).public()
+    return _state(request).sessions.get(session_id, touch=False).public()
 
 
 @sessions.get("/{session_id}/frames/{index}", summary="One frame as an image")

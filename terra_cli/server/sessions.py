@@ -120,11 +120,13 @@ class Sessions:
         self.sessions[key] = session
         return session
 
-    def get(self, key: str) -> Session:
+    def get(self, key: str, touch: bool = True) -> Session:
+        """The open session `key`; `touch` counts the call as activity (reading its status does not)."""
         session = self.sessions.get(key)
         if session is None or session.closed:
             raise SessionGone(key)
-        session.last_used = time.monotonic()
+        if touch:
+            session.last_used = time.monotonic()
         return session
 
     def close(self, key: str) -> None:

@@ -52,7 +52,7 @@ def live_server(tmp_path):
                                       backend="hf", device="cpu", dtype="float32", threads=1))
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, Settings()), host="127.0.0.1", port=port,
-                                           log_level="warning", ws="websockets"))
+                                           log_level="warning", ws="auto"))
     thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: no signal handlers
     thread.start()
     wait_for(lambda: server.started, 60)

@@ -125,7 +125,7 @@ def generate(
     request.check()
     if server is not None:
         return _generate_on_server(server, request, model=model, variant=variant != "world_model", tokenizer=tokenizer,
-                                   backend=backend != "auto", device=device != "auto", dtype=dtype != "auto", threads=threads,
+                                   backend=backend != "auto", dtype=dtype != "auto", threads=threads,
                                    kv_cache_dtype=kv_cache_dtype != "auto", quantization=quantization != "none",
                                    draft=draft != "none", torch_compile=torch_compile is not None)
     choice = resolve_model(model, variant, tokenizer)

@@ -86,7 +86,7 @@ def serve(
     say(f"loading the engine ({config.backend} backend) ...")
     engine = load_engine(config)
     web = create_app(engine, settings)
-    server = draining_server(uvicorn.Config(web, host=host, port=port, log_level="warning", ws="websockets",
+    server = draining_server(uvicorn.Config(web, host=host, port=port, log_level="warning", ws="auto",
                                            timeout_graceful_shutdown=max(int(drain_grace), 1)), web)
     shown = f"[{host}]" if ":" in host else host
     say(f"terra serve: {engine.name} backend, up to {max_sessions} sessions; page http://{shown}:{port}/ , "

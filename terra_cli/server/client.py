@@ -116,7 +116,7 @@ def generate_remote(url: str, request: VideoRequest, observer: Observer | None =
     job = remote.json("POST", "/v1/videos", request_body(request))
     started = time.perf_counter()
     try:
-        with observer.frames(request.frames - job["context_frames"], 0) as frame_done:
+        with observer.frames(request.frames - job["context_frames"], health.get("image_tokens", 576)) as frame_done:
             seen = 0
             while job["status"] not in ("done", "failed", "cancelled"):
                 time.sleep(POLL_SECONDS)

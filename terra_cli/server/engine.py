@@ -60,8 +60,10 @@ class _Cancelled(Exception):
 class EngineService:
     """Owns the backend and the tokenizer; `submit` / `cancel` from any thread."""
 
-    def __init__(self, backend, tokenizer, *, max_in_flight: int = 1, session_slots: int = 0, model_label: str = ""):
+    def __init__(self, backend, tokenizer, *, max_in_flight: int = 1, session_slots: int = 0, model_label: str = "",
+                 owns_backend: bool = True):
         self.backend, self.tokenizer, self.model_label = backend, tokenizer, model_label
+        self.owns_backend = owns_backend  # False: someone else closes it (a test's shared engine)
         self.name = getattr(backend, "name", "hf")
         self.layout = backend.config.layout
         self.media = ThreadPoolExecutor(1, thread_name_prefix="terra-media")
@@ -147,7 +149,8 @@ class EngineService:
             self.feed.close()
         self.thread.join(timeout=60)
         self.media.shutdown(wait=True, cancel_futures=True)
-        self.backend.close()
+        if self.owns_backend:
+            self.backend.close()
 
     # -- media (one thread: the tokenizer is not shared between threads) -------------------
 

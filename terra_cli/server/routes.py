@@ -133,6 +133,15 @@ async def session_frame(session_id: str, index: int, request: Request, format: s
     return Response(await _state(request).sessions.picture(session, index, format), media_type=f"image/{format}")
 
 
+@sessions.get("/{session_id}/tokens", summary="Every frame's tokens so far, context included (.npy)")
+async def session_tokens(session_id: str, request: Request):
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.stack(_state(request).sessions.get(session_id).tokens).astype(np.int64))
+    return Response(buffer.getvalue(), media_type="application/octet-stream")
+
+
 @sessions.post("/{session_id}/step", summary="Generate the next frame(s) with an action")
 async def step_session(session_id: str, body: StepBody, request: Request):
     state = _state(request)

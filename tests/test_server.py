@@ -263,3 +263,50 @@ def test_paths_only_inside_data_root(engine, tmp_path):
     assert inside.status_code == 202, inside.text
     api.delete(f"/v1/videos/{inside.json()['id']}")
     time.sleep(0.1)
+
+
+def _png_claiming(width: int, height: int) -> str:
+    """A PNG header for a huge image with almost no data (a decompression bomb's shape), base64."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    raw = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+    return base64.b64encode(raw).decode()
+
+
+def test_decompression_bomb_is_refused_before_decoding(engine):
+    reply = side_app(engine).post("/v1/videos", json={"actions": "left", "context": {"images": [_png_claiming(60000, 60000)]}})
+    assert reply.status_code == 413 and reply.json()["error"]["field"] == "context.images[0]"
+
+
+def test_fuzzed_bodies_never_get_a_5xx(engine):
+    """Seeded random mutations of valid bodies on every POST route: each answer is a JSON 2xx/4xx."""
+    rng = np.random.default_rng(27)
+    api = side_app(engine, max_queued_jobs=1000)
+    session_id = api.post("/v1/sessions", json={"context": {"tokens": context_tokens(1)}}).json()["id"]
+    values = [None, True, -1, 0, 2**70, 1.5, float("1e308"), "", "left", "sample", "x" * 300, [], [1], [[1, 2, 3]] * 6,
+              {}, {"images": 3}, {"tokens": [[-5] * 576]}, {"video": ""}, {"instruction_trajs": [[0]]}, "../../etc/passwd"]
+    routes = {"/v1/videos": {"actions": "left", "frames": 4, "context": "sample", "seed": 1},
+              "/v1/sessions": {"context": {"tokens": context_tokens(1)}, "seed": 2},
+              f"/v1/sessions/{session_id}/step": {"action": "left", "frames": 1, "format": "jpeg"}}
+    keys = ["actions", "frames", "context", "context_frames", "seed", "speed", "temperature", "top_k", "top_p", "id",
+            "action", "format", "tokens", "bogus"]
+    for _ in range(150):
+        route = list(routes)[rng.integers(len(routes))]
+        body = dict(routes[route])
+        for _ in range(rng.integers(1, 3)):
+            body[keys[rng.integers(len(keys))]] = values[rng.integers(len(values))]
+        reply = api.post(route, json=body)
+        assert reply.status_code < 500, (route, body, reply.text)
+        payload = reply.json()
+        if reply.status_code >= 400:
+            assert payload["error"]["message"], payload
+        elif route == "/v1/videos":
+            api.delete(f"/v1/videos/{payload['id']}")
+        elif route == "/v1/sessions":
+            api.delete(f"/v1/sessions/{payload['id']}")
+    wait_for(lambda: engine.in_flight == 0 and engine.queued_jobs == 0, 120)

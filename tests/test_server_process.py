@@ -116,3 +116,14 @@ def test_sigterm_drains_and_exits_0(served):
         pass  # the listener may already be closed: refused just the same
     assert process.wait(timeout=120) == 0, log.read_text()
     assert "drained and stopped" in log.read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--host", "0.0.0.0"], "pass --api-key"),
+    (["--host", "192.168.1.5", "--port", "9"], "pass --api-key"),
+    (["--data-root", "/nonexistent/x"], "is not a folder"),
+    (["--backend", "hf", "--kv-cache-dtype", "fp8"], "not for the hf backend"),
+])
+def test_serve_refuses_before_loading(args, message):
+    result = invoke_terra("serve", *args)
+    assert result.returncode == 2 and message in result.stdout and "Traceback" not in result.stdout

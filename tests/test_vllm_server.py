@@ -156,3 +156,41 @@ def test_a_session_across_rounds_equals_one_whole_run(served, vllm_engine):
     app.state.engine.submit(job, Handlers(on_done=lambda t: (whole.update(tokens=t), done.set())))
     assert done.wait(300)
     np.testing.assert_array_equal(tokens, whole["tokens"])
+
+
+def test_a_sessions_next_frame_reuses_its_prefix_and_stays_exact(vllm_engine):
+    """StreamDriver with affinity: the next job of the same session gets its slot back and keeps its
+    salt while the rows it wrote are unchanged (prefix cache hit); a changed row changes the salt.
+    Either way the tokens equal a fresh driver's."""
+    from terra_cli.backends import Sampling
+    from terra_cli.backends.vllm_stream import JobFeed, RolloutJob, StreamDriver
+
+    rng = np.random.default_rng(3)
+    context = rng.integers(0, 512, (2, ENGINE_IMAGE_TOKENS))
+    rows = rng.normal(scale=2.0, size=(4, 6, 3)).astype(np.float32)
+    sampling = Sampling(seed=9)
+    first = RolloutJob("a", context, rows[:2], 3, sampling, affinity="s")
+    driver = StreamDriver(vllm_engine, 4)
+    feed, results, cached = JobFeed(), {}, {}
+
+    def done(job, tokens):
+        results[job.key] = tokens.copy()
+        cached[job.key] = driver.cached_tokens - sum(cached.values())
+        if job.key == "a":
+            feed.put(RolloutJob("b", tokens, rows[:3], 4, sampling, affinity="s"))
+        elif job.key == "b":
+            changed = rows[:3].copy()
+            changed[0] += 1.0
+            feed.put(RolloutJob("c", tokens[:3], changed, 4, sampling, affinity="s"))
+        elif job.key == "c":
+            feed.close()
+
+    feed.put(first)
+    driver.run(feed, on_done=done)
+    assert cached["b"] >= 2 * ENGINE_IMAGE_TOKENS  # the first job's frames came from the cache
+    assert cached["c"] == 0  # row 0 changed: new salt, nothing reused
+    for key, job in (("b", RolloutJob("b", results["a"], rows[:3], 4, sampling)),
+                     ("c", RolloutJob("c", results["b"][:3], np.concatenate([rows[:1] + 1.0, rows[1:3]]), 4, sampling))):
+        fresh = {}
+        StreamDriver(vllm_engine, 1).run([job], on_done=lambda j, t: fresh.__setitem__(j.key, t.copy()))
+        np.testing.assert_array_equal(fresh[key], results[key])

@@ -85,6 +85,14 @@ def sessions_load(url: str, concurrent: int, steps: int, context: dict) -> dict:
             "step_latency_max_s": round(max(max(r["latencies"]) for r in results), 3)}
 
 
+def generation_seconds(tail: str) -> float | None:
+    """The generation time terra generate's summary line reports ("... generated, N round(s)) in X s")."""
+    import re
+
+    found = re.search(r"round\(s\)\) in ([0-9.]+) s", tail)
+    return float(found.group(1)) if found else None
+
+
 def timed_cli(args: list[str]) -> tuple[float, int, str]:
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "terra_cli", *args], capture_output=True, text=True, cwd=REPO)
@@ -104,13 +112,21 @@ def bench_model(name: str, serve_args: list[str], generate_args: list[str] | Non
         call(f"{url}/v1/sessions/{session['id']}/step", {"action": "left"})
         result["first_frame"] = {"session_open_s": round(created - t0, 3),
                                  "first_step_s": round(time.perf_counter() - created, 3)}
+        # The load's sessions start from the sample road's tokens: the engine is measured, not the encoder.
+        with urllib.request.urlopen(f"{url}/v1/sessions/{session['id']}/tokens", timeout=60) as response:
+            import io
+
+            import numpy as np
+
+            tokens = np.load(io.BytesIO(response.read()))[:3]
         call(f"{url}/v1/sessions/{session['id']}", method="DELETE")
-        result["sessions"] = [sessions_load(url, n, plan["steps"], context) for n in plan["concurrency"]]
+        result["sessions"] = [sessions_load(url, n, plan["steps"], {"tokens": tokens.tolist()}) for n in plan["concurrency"]]
         frames = plan["frames"]
         with tempfile.TemporaryDirectory() as tmp:
             remote = timed_cli(["generate", f"{tmp}/remote.mp4", "--actions", "left", "--frames", str(frames),
                                 "--server", url])
-            result["generate_server"] = {"seconds": remote[0], "exit": remote[1], "tail": remote[2]}
+            result["generate_server"] = {"seconds": remote[0], "generation_s": generation_seconds(remote[2]),
+                                         "exit": remote[1], "tail": remote[2]}
     finally:
         process.terminate()
         try:
@@ -123,7 +139,8 @@ def bench_model(name: str, serve_args: list[str], generate_args: list[str] | Non
     with tempfile.TemporaryDirectory() as tmp:
         local = timed_cli(["generate", f"{tmp}/local.mp4", "--actions", "left", "--frames", str(plan["frames"]),
                            *generate_args])
-        result["generate_local"] = {"seconds": local[0], "exit": local[1], "tail": local[2]}
+        result["generate_local"] = {"seconds": local[0], "generation_s": generation_seconds(local[2]),
+                                    "exit": local[1], "tail": local[2]}
     return result
 
 

@@ -254,8 +254,10 @@ def decode_image(data, field: str, limits: Limits) -> np.ndarray:
             return np.asarray(image.convert("RGB"))
     except FieldError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as exc:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # PIL's own limit, hit while opening
+        raise FieldError(field, f"image is too large to decode safely (this server's cap is "
+                                f"{limits.max_image_pixels} pixels; Terra uses 512x288)", 413) from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise FieldError(field, f"cannot read the image: {' '.join(str(exc).split())}") from None
 
 

@@ -226,6 +226,10 @@ async def stream(websocket: WebSocket, session_id: str):
                                           str(message.get("format", "jpeg")))
             except FieldError as exc:
                 await websocket.send_json({"type": "error", "field": exc.field, "message": exc.message})
+            except SessionGone:
+                if session.closed:
+                    return
+                await websocket.send_json({"type": "error", "field": "action", "message": "reset while generating"})
             except (TypeError, ValueError) as exc:
                 await websocket.send_json({"type": "error", "field": "message", "message": str(exc)})
 

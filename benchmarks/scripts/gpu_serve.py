@@ -99,10 +99,12 @@ def timed_cli(args: list[str]) -> tuple[float, int, str]:
     return round(time.perf_counter() - t0, 2), done.returncode, (done.stdout + done.stderr)[-600:]
 
 
-def bench_model(name: str, serve_args: list[str], generate_args: list[str] | None, plan: dict, out: Path) -> dict:
-    """generate_args None: no local run to compare with (the server's own generation time is in its line)."""
+def bench_model(name: str, serve_args: list[str], generate_args: list[str] | None, plan: dict, out: Path,
+                result: dict, save) -> dict:
+    """Fills `result` phase by phase, calling save() after each (a timeout keeps what was measured).
+    generate_args None: no local run to compare with (the server's own generation time is in its line)."""
     process, url, ready = start_server(name, serve_args, out, plan["ready_s"])
-    result = {"server_ready_s": ready}
+    result["server_ready_s"] = ready
     try:
         context = "sample"
         drive(url, 1, 0, context)  # warm-up: the first request pays for lazy initialisation
@@ -112,6 +114,7 @@ def bench_model(name: str, serve_args: list[str], generate_args: list[str] | Non
         call(f"{url}/v1/sessions/{session['id']}/step", {"action": "left"})
         result["first_frame"] = {"session_open_s": round(created - t0, 3),
                                  "first_step_s": round(time.perf_counter() - created, 3)}
+        save()
         # The load's sessions start from the sample road's tokens: the engine is measured, not the encoder.
         with urllib.request.urlopen(f"{url}/v1/sessions/{session['id']}/tokens", timeout=60) as response:
             import io
@@ -120,13 +123,17 @@ def bench_model(name: str, serve_args: list[str], generate_args: list[str] | Non
 
             tokens = np.load(io.BytesIO(response.read()))[:3]
         call(f"{url}/v1/sessions/{session['id']}", method="DELETE")
-        result["sessions"] = [sessions_load(url, n, plan["steps"], {"tokens": tokens.tolist()}) for n in plan["concurrency"]]
+        result["sessions"] = []
+        for n in plan["concurrency"]:
+            result["sessions"].append(sessions_load(url, n, plan["steps"], {"tokens": tokens.tolist()}))
+            save()
         frames = plan["frames"]
         with tempfile.TemporaryDirectory() as tmp:
             remote = timed_cli(["generate", f"{tmp}/remote.mp4", "--actions", "left", "--frames", str(frames),
                                 "--server", url])
             result["generate_server"] = {"seconds": remote[0], "generation_s": generation_seconds(remote[2]),
                                          "exit": remote[1], "tail": remote[2]}
+            save()
     finally:
         process.terminate()
         try:
@@ -186,11 +193,16 @@ def main() -> None:
     for name, args in models.items():
         serve_args = [*args, "--max-sessions", "160", "--max-in-flight", str(max(plan["concurrency"]) + 8),
                       "--session-timeout", "900"]
+        result = report["models"][name] = {}
+
+        def save() -> None:
+            (out / "gpu_serve.json").write_text(json.dumps(report, indent=2))
+
         try:
             local = args if name != "terra-size" else None  # its local run would not fit in 5 minutes
-            report["models"][name] = bench_model(name, serve_args, local, plan, out)
+            bench_model(name, serve_args, local, plan, out, result, save)
         except Exception as exc:  # one model's failure must not lose the other's numbers
-            report["models"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            result["error"] = f"{type(exc).__name__}: {exc}"
         print(json.dumps({name: report["models"][name]}, indent=1), flush=True)
         (out / "gpu_serve.json").write_text(json.dumps(report, indent=2))
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -15,8 +15,8 @@ source benchmarks/scripts/gpu_common.sh
 gpu_setup "$@" || exit 1
 python3 -c "import uvicorn, h11, fastapi" || { echo "needs uvicorn and h11 wheels (pure Python) next to vLLM's bundle"; exit 1; }
 python3 -c "import imageio_ffmpeg" 2>/dev/null || echo "no imageio-ffmpeg: video jobs cannot write mp4 (pass its 0.6.0 wheel)"
-timeout 150 python3 benchmarks/scripts/gpu_serve.py --only terra-mini --out "$OUT" 2>&1 | tee "$OUT/gpu_serve_mini.log"
+timeout 130 python3 benchmarks/scripts/gpu_serve.py --only terra-mini --out "$OUT" 2>&1 | tee "$OUT/gpu_serve_mini.log"
 mv "$OUT/gpu_serve.json" "$OUT/gpu_serve_mini.json" 2>/dev/null
-timeout 150 python3 benchmarks/scripts/gpu_serve.py --only terra-size --out "$OUT" 2>&1 | tee "$OUT/gpu_serve_size.log"
+timeout 170 python3 benchmarks/scripts/gpu_serve.py --only terra-size --out "$OUT" 2>&1 | tee "$OUT/gpu_serve_size.log"
 mv "$OUT/gpu_serve.json" "$OUT/gpu_serve_size.json" 2>/dev/null
 ls -la "$OUT"

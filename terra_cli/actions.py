@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from terra_cli.errors import TerraError
+from terra_cli.media.files import check_input_file
 
 WAYPOINTS_PER_FRAME = 6
 FRAME_DT = 0.1  # s between frames (10 Hz)
@@ -77,10 +79,9 @@ def resolve_actions(spec: str, *, frames: int | None, speed_kmh: float = DEFAULT
     path = Path(spec)
     if not spec.strip():
         raise ActionsError(f"empty actions argument; give a .npy/.json/.jsonl file or a preset ({', '.join(PRESETS)})")
-    if not path.exists():
+    if not os.path.lexists(path):
         raise ActionsError(f"actions file {path} does not exist (or name a preset: {', '.join(PRESETS)})")
-    if not path.is_file():
-        raise ActionsError(f"actions path {path} is not a file")
+    check_input_file(path, "actions file", error=ActionsError)
     kind = _file_kind(path)
     if kind == "npy":
         arr = load_actions(path)
@@ -117,34 +118,11 @@ def _file_kind(path: Path) -> str:
 
 def load_actions(spec: str | Path) -> np.ndarray:
     """(F, 6, 3) float32 from a .npy of shape (F, 6, 3) or (F*6, 3)."""
+    from terra_cli.media.files import read_npy
+
     path = Path(spec)
-    if not path.is_file():
-        raise ActionsError(f"actions file {path} does not exist")
-    if path.stat().st_size == 0:
-        raise ActionsError(f"actions file {path} is empty")
-    _check_npy_header(path)
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise ActionsError(f"cannot read {path} as a .npy array: {_one_line(exc)}") from exc
-    if not isinstance(arr, np.ndarray):  # an .npz archive under a .npy name
-        raise ActionsError(f"cannot read {path} as a .npy array: it is an .npz archive")
+    arr = read_npy(path, "actions file", max_items=MAX_ACTION_FRAMES * WAYPOINTS_PER_FRAME * 3, error=ActionsError)
     return normalize_actions(arr, str(path))
-
-
-def _check_npy_header(path: Path) -> None:
-    """Refuse an array of more than MAX_ACTION_FRAMES frames from its header, before loading it."""
-    try:
-        with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, _order, _dtype = read(f)
-    except Exception:  # not a plain .npy: np.load below says what it is
-        return
-    count = int(np.prod(shape, dtype=object)) if shape else 1
-    if count > MAX_ACTION_FRAMES * WAYPOINTS_PER_FRAME * 3:
-        raise ActionsError(f"{path} holds an array of shape {shape}; actions are at most {MAX_ACTION_FRAMES} "
-                           f"frames of (6, 3) waypoints")
 
 
 def normalize_actions(arr: np.ndarray, where: str = "actions") -> np.ndarray:
@@ -158,9 +136,11 @@ def normalize_actions(arr: np.ndarray, where: str = "actions") -> np.ndarray:
         arr = arr.reshape(-1, WAYPOINTS_PER_FRAME, 3)
     if arr.ndim != 3 or arr.shape[1:] != (WAYPOINTS_PER_FRAME, 3):
         raise ActionsError(f"{where}: actions must have shape (frames, 6, 3) or (frames*6, 3), got {arr.shape}")
+    with np.errstate(over="ignore"):
+        arr = arr.astype(np.float32)  # what the model sees: 1e39 becomes inf here, and is refused
     if not np.isfinite(arr).all():
-        raise ActionsError(f"{where}: actions contain NaN or inf")
-    return arr.astype(np.float32)
+        raise ActionsError(f"{where}: actions contain NaN or inf (or numbers beyond float32's range, about 3.4e38)")
+    return arr
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,6 +173,7 @@ def load_act_bench(path: str | Path) -> np.ndarray:
 
 def _read_first_json_value(path: Path):
     """The first JSON value in the file: the whole document, or the first line of a JSONL file."""
+    check_input_file(path, "actions file", error=ActionsError)
     try:
         if path.suffix.lower() == ".jsonl":
             # Read only the first sample: ACT-Bench's JSONL is hundreds of MB.

@@ -1,6 +1,7 @@
 """Actions: every input format gives the same (F, 6, 3) array; presets; validation; the CLI."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -283,6 +284,32 @@ def test_cli_bad_inputs_exit_nonzero_without_traceback(tmp_path):
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
     assert not (tmp_path / "o.npy").exists() and not (tmp_path / "o.png").exists()
+
+
+def test_numbers_beyond_float32_are_refused_before_anything_is_written(tmp_path):
+    huge = np.full((5, 6, 3), 1e39)  # finite in float64, inf once the model's float32 sees it
+    with pytest.raises(ActionsError, match="beyond float32"):
+        A.normalize_actions(huge)
+    np.save(tmp_path / "huge.npy", huge)
+    for command, out in (("convert", "o.npy"), ("plot", "o.png")):
+        result = invoke_terra("actions", command, tmp_path / "huge.npy", tmp_path / out)
+        assert result.returncode == 2 and "beyond float32" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.npy"]
+
+
+def test_cli_plot_draws_a_file_name_that_looks_like_mathtext(tmp_path):
+    name = tmp_path / "$\\foo^$.npy"  # matplotlib would parse "$...$" in the title as maths
+    np.save(name, A.preset_actions("left", 5))
+    result = invoke_terra("actions", "plot", name, tmp_path / "p.png")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "p.png").stat().st_size > 5000
+
+
+def test_a_named_pipe_is_refused_without_opening_it(tmp_path):
+    for name in ("acts.npy", "acts.json", "acts"):
+        os.mkfifo(tmp_path / name)
+        with pytest.raises(ActionsError, match="is a named pipe"):
+            resolve_actions(str(tmp_path / name), frames=None)  # open() would block forever
 
 
 def test_cli_help_has_examples():

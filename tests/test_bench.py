@@ -3,6 +3,8 @@ what it promises. No timing is asserted here; measured speeds live in benchmarks
 
 import json
 
+import numpy as np
+
 import pytest
 
 from conftest import invoke_terra
@@ -81,3 +83,66 @@ def test_scenario_bench_runs_the_product_path_and_reports_rates(tmp_path):
     again = CliRunner().invoke(app, ["bench", "--scenarios", "2", "--model", str(model), "--backend", "hf",
                                      "--keep-outputs", str(keep)])
     assert again.exit_code == 2 and "is not empty" in again.output
+
+
+@pytest.mark.slow
+def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path):
+    """`terra bench --act-bench`'s library on CPU (reference backend, one sample of 5 frames on a
+    4-frame model, so two rounds): ACT-Bench lines with image contexts go through `generate
+    --scenarios`' code, the contexts are encoded from the written JPEGs, and the sample ends as a
+    scorer-named mp4, its tokens and a results line (tests/test_vllm_act_bench.py runs the CLI on vLLM)."""
+    from PIL import Image
+
+    from terra_cli.bench.act_bench import ActBenchPlan, bench_tokenizer, run_act_bench
+    from terra_cli.errors import InputError
+    from terra_cli.models.default import default_tokenizer_dir
+    from terra_cli.models.resolve import load_tokenizer, split_tokenizer_spec
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+    from terra_cli.scenarios.spec import Defaults, read_scenarios
+
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=1024, layers=1, max_frames=4))
+    tokenizer = bench_tokenizer(model, str(model), seed=0, log=lambda msg: None)
+    assert tokenizer == str(default_tokenizer_dir())  # the embedded tokenizer's 1024 codes fit this model
+    plan = ActBenchPlan(1, frames=5, backend="hf", device="cpu", image_size=(512, 288))
+    keep = tmp_path / "kept"
+    report = run_act_bench(model, tokenizer, plan, keep, log=lambda msg: None)
+    run = report["run"]
+    assert run["rounds_per_sample"] == 2 and run["generated_frames"] == 2
+    assert run["videos_written"] == run["results_lines_done"] == 1
+    assert run["seconds_per_sample_wall"] >= run["seconds_per_sample_steady"] > 0
+    phases = run["phases_s"]
+    assert sum(phases[k] for k in ("startup", "ready_to_first_frame", "generating", "drain_writer")) == \
+        pytest.approx(run["seconds_wall"], abs=0.1)
+    assert run["projected_act_bench_hours"] == pytest.approx(
+        (phases["startup"] + 2286 * run["seconds_per_sample_steady"]) / 3600, rel=0.01)
+    # The lines are ACT-Bench's format and read back as such, images under the image root.
+    file = read_scenarios(keep / "act_bench.jsonl", Defaults(frames=5, image_root=keep / "nuscenes"))
+    assert file.source_format == "act-bench" and [s.id for s in file.scenarios] == ["0"]
+    first = file.scenarios[0]
+    assert Image.open(first.context_images[0]).size == (512, 288)
+    # The video's tokens begin with the encoded context images.
+    tokens = np.load(keep / "outputs" / "NUSCENES_ACTION_000000.npy")
+    assert tokens.shape == (5, 576)
+    encoded = load_tokenizer(split_tokenizer_spec(tokenizer), "cpu").tokenize(
+        [np.asarray(Image.open(p).convert("RGB")) for p in first.context_images])
+    np.testing.assert_array_equal(tokens[:3], encoded)
+    assert (keep / "outputs" / "NUSCENES_ACTION_000000.mp4").stat().st_size > 0
+    # A kept folder of an earlier run would resume, not measure: refused before anything runs.
+    with pytest.raises(InputError, match="earlier run's outputs"):
+        run_act_bench(model, tokenizer, plan, keep, log=lambda msg: None)
+
+
+def test_max_rollouts_is_auto_or_a_count_and_a_bad_value_is_one_line(tmp_path):
+    from terra_cli.errors import InputError
+    from terra_cli.scenarios.job import parse_max_rollouts
+
+    assert parse_max_rollouts("auto") is None and parse_max_rollouts(" AUTO ") is None
+    assert parse_max_rollouts("12") == 12 and parse_max_rollouts(256) == 256
+    for bad in ("0", "-3", "1.5", "many", ""):
+        with pytest.raises(InputError, match="--max-rollouts must be auto or a whole number"):
+            parse_max_rollouts(bad)
+    scenarios = tmp_path / "s.jsonl"
+    scenarios.write_text('{"id": "a", "actions": "left"}\n')
+    result = invoke_terra("generate", "--scenarios", scenarios, "--out-dir", tmp_path / "out", "--max-rollouts", "0")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: --max-rollouts")
+    assert not (tmp_path / "out").exists()

@@ -148,3 +148,14 @@ def test_eval_without_tokenizer_ceiling(tmp_path):
     assert data["presets"]["straight"]["per_seed"][0]["psnr_tokenizer_ceiling"] == [None]
     with Image.open(plot) as im:
         assert im.size[0] > 100
+
+
+def test_eval_frames_and_seeds_are_capped_before_anything_is_rendered():
+    for kwargs, message in (({"frames": 1000}, "above the maximum of 100"),
+                            ({"frames": 20, "seeds": 1000}, "frames per preset")):
+        with pytest.raises(EvalError, match=message):
+            EvalPlan(**kwargs).validate()
+    plan = EvalPlan(frames=26, seeds=1)
+    plan.validate()
+    with pytest.raises(EvalError, match="25 frames per round"):
+        plan.check_model(25)

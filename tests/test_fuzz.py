@@ -4,8 +4,10 @@ before a model runs, so the whole file stays fast."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import struct
 import zlib
 from pathlib import Path
@@ -75,6 +77,8 @@ def arena(tmp_path_factory) -> Path:
     from PIL import Image
 
     Image.new("RGB", (64, 36)).save(arena / "frame.png")
+    (arena / "nested").mkdir()
+    Image.new("RGB", (64, 36)).save(arena / "nested" / "frame.png")
     (arena / "bomb.png").write_bytes(_png_claiming(100_000, 100_000))
     (arena / "images").mkdir()
     (arena / "empty_dir").mkdir()
@@ -89,6 +93,32 @@ def arena(tmp_path_factory) -> Path:
     (arena / "act_missing_images.jsonl").write_text(json.dumps(
         {"sample_id": 1, "context_frames": ["nope.jpg"], "instruction_trajs": [[[0.0, 0.0]] * 60] * 47}) + "\n")
 
+    # Inputs that are not regular files: a named pipe blocks open() forever, so every reader must
+    # refuse it from os.stat first.
+    for name in ("fifo.png", "fifo.npy", "fifo.mp4", "fifo.json"):
+        os.mkfifo(arena / name)
+    (arena / "fifo_config").mkdir()
+    os.mkfifo(arena / "fifo_config" / "config.json")
+    (arena / "fifo_config" / "model.safetensors").write_bytes(weights)
+    # .npy files whose header numpy cannot parse, or that promise more data than they hold.
+    (arena / "garbage_header.npy").write_bytes(b"\x93NUMPY\x01\x00" + (70).to_bytes(2, "little")
+                                               + b"(" * 69 + b"\n" + b"\0" * 64)
+    with open(arena / "huge_header.npy", "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (10**12, TOKENS)})
+        f.write(b"\0" * 64)
+    with open(arena / "truncated.npy", "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (1000, TOKENS)})
+        f.write(b"\0" * 64)
+    np.save(arena / "acts_beyond_float32.npy", np.full((30, 6, 3), 1e39))
+    (arena / "$\\foo$.npy").write_bytes((arena / "acts.npy").read_bytes())
+    (arena / "a_file").write_text("a file, not a folder")
+    from safetensors.numpy import load_file, save_file
+
+    int_weights = arena / "int_weights"
+    int_weights.mkdir()
+    (int_weights / "config.json").write_bytes((good / "config.json").read_bytes())
+    save_file({k: v.astype(np.int32) for k, v in load_file(good / "model.safetensors").items()},
+              str(int_weights / "model.safetensors"))
     _damaged(arena, good, "garbage_weights", weights=bytes(rng.integers(0, 256, 4096, dtype=np.uint8)))
     _damaged(arena, good, "truncated_weights", weights=weights[:100])
     _damaged(arena, good, "absurd_header", weights=struct.pack("<Q", 2**62) + b"{}")
@@ -240,10 +270,87 @@ CASES = {
     "bench temperatures nan": lambda a: ["bench", "--draft-acceptance", "--temperatures", "nan"],
     "bench kv cache dtype unknown": lambda a: ["bench", "--scenarios", "3", "--kv-cache-dtype", "fp9"],
     "bench output exists": lambda a: ["bench", "--hf-vs-vllm", "--out", str(a / "existing.npy"), "--model", str(a / "good")],
+    # issue 30: named pipes and other non-files as inputs
+    "context image is a fifo": lambda a: _generate(a, "--context", str(a / "fifo.png")),
+    "context video is a fifo": lambda a: _generate(a, "--context", str(a / "fifo.mp4")),
+    "context tokens are a fifo": lambda a: _generate(a, "--context-tokens", str(a / "fifo.npy")),
+    "actions npy is a fifo": lambda a: _generate(a, "--actions", str(a / "fifo.npy")),
+    "actions json is a fifo": lambda a: _generate(a, "--actions", str(a / "fifo.json")),
+    "actions device": lambda a: _generate(a, "--actions", "/dev/zero"),
+    "checkpoint config is a fifo": lambda a: _generate(a, model="fifo_config"),
+    "tokenize fifo": lambda a: ["tokenize", str(a / "fifo.png"), "--out", str(a / "t.npy")],
+    "tokenize device": lambda a: ["tokenize", "/dev/zero", "--out", str(a / "t.npy")],
+    "actions convert fifo": lambda a: ["actions", "convert", str(a / "fifo.npy"), str(a / "c.npy")],
+    # issue 30: two outputs on one path, an output that is an input or holds one
+    "eval out and plot one path": lambda a: ["eval", "--out", str(a / "r.png"), "--plot", str(a / "r.png")],
+    "eval out and strip one path": lambda a: ["eval", "--out", str(a / "r.png"), "--strip", str(a / "r.png")],
+    "eval plot and strip one path": lambda a: ["eval", "--plot", str(a / "r.png"), "--strip", str(a / "r.png")],
+    "tokenize out and reconstruct one path": lambda a: ["tokenize", str(a / "frame.png"), "--out", str(a / "r.npy"),
+                                                        "--reconstruct", str(a / "r.npy")],
+    "tokenize out inside reconstruct": lambda a: ["tokenize", str(a / "frame.png"), "--out", str(a / "rec" / "t.npy"),
+                                                  "--reconstruct", str(a / "rec"), "--overwrite"],
+    "tokenize reconstruct onto the input": lambda a: ["tokenize", str(a / "images"), "--out", str(a / "t.npy"),
+                                                      "--reconstruct", str(a / "images"), "--overwrite"],
+    "tokenize reconstruct above the input": lambda a: ["tokenize", str(a / "nested" / "frame.png"), "--out",
+                                                       str(a / "t.npy"), "--reconstruct", str(a / "nested"), "--overwrite"],
+    "tokenize reconstruct holds the input": lambda a: ["tokenize", str(a / "frame.png"), "--out", str(a / "t.npy"),
+                                                       "--reconstruct", str(a), "--overwrite"],
+    "save tokens inside save frames": lambda a: [x for x in _generate(a, "--save-tokens", str(a / "fr" / "t.npy"),
+                                                                      "--save-frames", str(a / "fr"), "--overwrite")
+                                                 if x != "--no-decode"] + [str(a / "o.mp4")],
+    "save frames holds the working directory": lambda a: [x for x in _generate(a, "--save-frames", str(a), "--overwrite")
+                                                         if x != "--no-decode"] + [str(a / "o.mp4")],
+    "save frames is the context": lambda a: [x for x in _generate(a, "--context", str(a / "images"), "--save-frames",
+                                                                  str(a / "images"), "--overwrite")
+                                             if x != "--no-decode"] + [str(a / "o.mp4")],
+    "video inside save frames": lambda a: [x for x in _generate(a, "--save-frames", str(a / "fr"))
+                                           if x != "--no-decode"] + [str(a / "fr" / "o.mp4")],
+    "save tokens onto context tokens": lambda a: _generate(a, "--save-tokens", str(a / "ctx.npy"), "--overwrite"),
+    "actions convert onto its input": lambda a: ["actions", "convert", str(a / "acts.npy"), str(a / "acts.npy"),
+                                                 "--overwrite"],
+    "bench out and plot one path": lambda a: ["bench", "--hf-vs-vllm", "--out", str(a / "b.png"), "--plot",
+                                              str(a / "b.png"), "--model", str(a / "good")],
+    # issue 30: expected bad inputs that were exit 1
+    "bench keep outputs is a file": lambda a: ["bench", "--scenarios", "2", "--keep-outputs", str(a / "a_file"),
+                                               "--backend", "hf", "--model", str(a / "good")],
+    "bench seed negative": lambda a: ["bench", "--hf-vs-vllm", "--seed", "-1", "--model", str(a / "good")],
+    "context tokens garbage header": lambda a: _generate(a, "--context-tokens", str(a / "garbage_header.npy")),
+    "context tokens huge header": lambda a: _generate(a, "--context-tokens", str(a / "huge_header.npy")),
+    "context tokens truncated": lambda a: _generate(a, "--context-tokens", str(a / "truncated.npy")),
+    "actions garbage header": lambda a: _generate(a, "--actions", str(a / "garbage_header.npy")),
+    "checkpoint int32 weights": lambda a: _generate(a, model="int_weights"),
+    "info int32 weights": lambda a: ["info", str(a / "int_weights")],
+    # issue 30: numbers beyond float32, and eval without a frame cap
+    "actions plot beyond float32": lambda a: ["actions", "plot", str(a / "acts_beyond_float32.npy"), str(a / "p.png")],
+    "actions convert beyond float32": lambda a: ["actions", "convert", str(a / "acts_beyond_float32.npy"),
+                                                 str(a / "c.npy")],
+    "actions beyond float32": lambda a: _generate(a, "--actions", str(a / "acts_beyond_float32.npy")),
+    "eval frames huge": lambda a: ["eval", "--frames", "1000", "--out", str(a / "e.json")],
+    "eval frames above the model": lambda a: ["eval", "--frames", "26", "--seeds", "1", "--out", str(a / "e.json")],
+    "eval seeds times frames huge": lambda a: ["eval", "--frames", "20", "--seeds", "1000", "--out", str(a / "e.json")],
     "info damaged checkpoint": lambda a: ["info", str(a / "absurd_header")],
     "info config not json": lambda a: ["info", str(a / "config_not_json")],
     "info missing": lambda a: ["info", str(a / "nowhere")],
 }
+
+
+class Hung(BaseException):
+    """Raised by the watchdog; a BaseException so that no `except Exception` turns it into an exit code."""
+
+
+@contextlib.contextmanager
+def _no_hang(seconds: int):
+    """Interrupt a case that blocks (open() on a named pipe would wait forever) with `Hung`."""
+    def hung(signum, frame):
+        raise Hung(f"still running after {seconds} s (blocked on a named pipe?)")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _snapshot(folder: Path) -> dict:
@@ -268,7 +375,8 @@ def test_malformed_input_is_one_error_line_and_touches_nothing(name, arena, monk
     monkeypatch.chdir(arena)
     args = CASES[name](arena)
     before = _snapshot(arena)
-    result = CliRunner().invoke(app, args)
+    with _no_hang(60):
+        result = CliRunner().invoke(app, args)
     output = result.output
     assert result.exit_code == 2, f"{name}: exit {result.exit_code}\n{output}\n{result.exception!r}"
     assert "Traceback" not in output, f"{name}:\n{output}"
@@ -332,6 +440,30 @@ EXPECTED = {
     "bench frames below context": "must be more than", "bench temperatures nan": "--temperatures must be",
     "bench output exists": "already exists", "info damaged checkpoint": "is damaged", "info config not json": "not valid JSON",
     "info missing": "does not exist",
+    "context image is a fifo": "is a named pipe (FIFO)", "context video is a fifo": "is a named pipe (FIFO)",
+    "context tokens are a fifo": "is a named pipe (FIFO)", "actions npy is a fifo": "is a named pipe (FIFO)",
+    "actions json is a fifo": "is a named pipe (FIFO)", "actions device": "is a character device",
+    "checkpoint config is a fifo": "has no config.json", "tokenize fifo": "is a named pipe (FIFO)",
+    "tokenize device": "is a character device", "actions convert fifo": "is a named pipe (FIFO)",
+    "eval out and plot one path": "are the same path", "eval out and strip one path": "are the same path",
+    "eval plot and strip one path": "are the same path", "tokenize out and reconstruct one path": "are the same path",
+    "tokenize out inside reconstruct": "lies inside --reconstruct",
+    "tokenize reconstruct onto the input": "is also the input INPUT",
+    "tokenize reconstruct above the input": "holds the input INPUT",
+    "tokenize reconstruct holds the input": "contains the working directory",
+    "save tokens inside save frames": "lies inside --save-frames",
+    "save frames holds the working directory": "contains the working directory",
+    "save frames is the context": "is also the input --context", "video inside save frames": "lies inside --save-frames",
+    "save tokens onto context tokens": "is also the input --context-tokens",
+    "actions convert onto its input": "is also the input INPUT", "bench out and plot one path": "are the same path",
+    "bench keep outputs is a file": "is a file", "bench seed negative": "--seed must be",
+    "context tokens garbage header": "header is damaged", "context tokens huge header": "more than terra reads",
+    "context tokens truncated": "is truncated",
+    "actions garbage header": "header is damaged", "checkpoint int32 weights": "has dtype I32",
+    "info int32 weights": "has dtype I32", "actions plot beyond float32": "beyond float32",
+    "actions convert beyond float32": "beyond float32", "actions beyond float32": "beyond float32",
+    "eval frames huge": "--frames 1000 is above the maximum", "eval frames above the model": "frames per round",
+    "eval seeds times frames huge": "frames per preset",
 }
 
 

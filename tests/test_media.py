@@ -100,3 +100,40 @@ def test_errors_name_the_file(tmp_path):
     assert not (tmp_path / "x.mp4").exists()
     with pytest.raises(MediaError):
         list(iter_frames(tmp_path / "empty", max_frames=0))
+
+
+def test_named_pipes_and_devices_are_refused_before_any_open(tmp_path):
+    import os
+
+    for name in ("f.png", "f.mp4", "f"):
+        os.mkfifo(tmp_path / name)
+        with pytest.raises(MediaError, match="is a named pipe"):
+            read_frames(tmp_path / name)  # open() (PIL, ffmpeg) would block until a writer came
+    from terra_cli.media.frames import read_image
+
+    with pytest.raises(MediaError, match="is a named pipe"):
+        read_image(tmp_path / "f.png")
+    with pytest.raises(MediaError, match="is a character device"):
+        read_frames("/dev/zero")
+    # in a folder, a pipe is not an image and is skipped
+    Image.fromarray(solid(3)).save(tmp_path / "a.png")
+    assert [p.name for p in list_images(tmp_path)] == ["a.png"]
+
+
+def test_npy_headers_are_checked_before_loading(tmp_path):
+    from terra_cli.errors import InputError
+    from terra_cli.media.files import read_npy
+
+    np.save(tmp_path / "ok.npy", np.arange(6).reshape(2, 3))
+    assert read_npy(tmp_path / "ok.npy", "tokens").tolist() == [[0, 1, 2], [3, 4, 5]]
+    with open(tmp_path / "huge.npy", "wb") as f:  # np.load would try to allocate 116 TiB
+        np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (10**12, 16)})
+        f.write(b"\0" * 64)
+    (tmp_path / "garbage.npy").write_bytes(b"\x93NUMPY\x01\x00" + (70).to_bytes(2, "little") + b"(" * 69 + b"\n")
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    (tmp_path / "empty.npy").write_bytes(b"")
+    cases = {"huge.npy": "is truncated", "garbage.npy": "header is damaged", "objects.npy": "Python objects",
+             "empty.npy": "is empty", "ok.npy": "more than terra reads"}
+    for name, message in cases.items():
+        with pytest.raises(InputError, match=message):
+            read_npy(tmp_path / name, "tokens", max_items=None if name == "huge.npy" else 5)

@@ -237,7 +237,7 @@ def test_cli_tokenize_and_reconstruct(tmp_path, saved_small_tokenizer):
     tokens = np.load(tmp_path / "tokens.npy")
     assert tokens.shape == (3, 576) and tokens.dtype == np.int64
     written = sorted(p.name for p in (tmp_path / "recon").iterdir())
-    assert written == ["frame_0000.png", "frame_0001.png", "frame_0002.png"]
+    assert written == [".terra-made.json", "frame_0000.png", "frame_0001.png", "frame_0002.png"]  # + which terra made
     assert np.asarray(Image.open(tmp_path / "recon" / "frame_0002.png")).shape == (288, 512, 3)
     assert "PSNR" in result.stdout and "mean" in result.stdout
     # natural frame order: the last row is frame10.png

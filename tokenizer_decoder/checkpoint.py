@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import CheckpointError
+from .files import check_input_file
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -23,6 +24,8 @@ INDEX_NAME = "model.safetensors.index.json"
 MAX_JSON_BYTES = 64 * 2**20
 # A safetensors header (JSON) above this is damaged or hostile (Terra's is ~30 KB).
 MAX_HEADER_BYTES = 100 * 2**20
+# A world model's weights are all floating point: an integer tensor there is a damaged or foreign file.
+FLOAT_DTYPES = ("F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64")
 SAFETENSORS_DTYPES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
@@ -33,15 +36,11 @@ def read_json_object(path: Path, what: str = "file") -> dict:
     """A JSON object from `path`, or a CheckpointError naming the file and what is wrong with it
     (missing, too large, not UTF-8, not JSON, nested too deeply, numbers too large, not an object)."""
     path = Path(path)
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{path} is missing")
+    check_input_file(path, what, max_bytes=MAX_JSON_BYTES, error=CheckpointError)
     try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{path} is {size} bytes; a {what} is far smaller (at most {MAX_JSON_BYTES} bytes): is it the right file?")
         raw = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{path} is missing") from exc
-    except IsADirectoryError as exc:
-        raise CheckpointError(f"{path} is a directory; the {what} must be a JSON file") from exc
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{path} is not UTF-8 text (byte {exc.start}); the {what} must be JSON") from exc
     except json.JSONDecodeError as exc:
@@ -57,13 +56,15 @@ def read_json_object(path: Path, what: str = "file") -> dict:
     return raw
 
 
-def check_safetensors_header(path: Path) -> dict:
+def check_safetensors_header(path: Path, floating_only: bool = False) -> dict:
     """Check a safetensors file's header before any tensor is read: a sane 8-byte length, a JSON
     object header, and for every tensor a known dtype, a shape of non-negative integers and data
-    offsets that match that shape and lie inside the file. Returns the header."""
+    offsets that match that shape and lie inside the file; with `floating_only`, floating-point
+    tensors only (a world model has nothing else; the tokenizer may carry integer buffers).
+    Returns the header."""
     path = Path(path)
+    size = check_input_file(path, "weights file", error=CheckpointError)
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -91,6 +92,9 @@ def check_safetensors_header(path: Path) -> dict:
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{where} has dtype {dtype!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}")
+        if floating_only and dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where} has dtype {dtype}; a world model's weights are floating point "
+                                  f"({', '.join(FLOAT_DTYPES)})")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise CheckpointError(f"{where} has shape {shape!r}; expected a list of non-negative integers")
         if (not isinstance(offsets, list) or len(offsets) != 2
@@ -201,10 +205,11 @@ def _describe(keys: set[str], limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + more
 
 
-def read_state_dict(files: list[Path], dtype: torch.dtype | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
+def read_state_dict(files: list[Path], dtype: torch.dtype | None = None, device: str = "cpu",
+                    floating_only: bool = False) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        check_safetensors_header(file)
+        check_safetensors_header(file, floating_only)
         try:
             handle = safe_open(str(file), framework="pt", device=str(device))
         except Exception as exc:  # safetensors raises its own SafetensorError for damaged files

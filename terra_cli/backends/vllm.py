@@ -54,7 +54,7 @@ def _headers_state(files: list[Path]) -> dict[str, tuple]:
 
     shapes = {}
     for file in files:
-        for key, entry in check_safetensors_header(file).items():
+        for key, entry in check_safetensors_header(file, floating_only=True).items():
             if key != "__metadata__":
                 shapes[key] = tuple(entry["shape"])
     return shapes

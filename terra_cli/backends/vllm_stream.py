@@ -130,6 +130,25 @@ def kv_capacity_rollouts(backend: VllmBackend, tokens_per_rollout: int) -> int |
     return max(1, int(blocks) // per_rollout)
 
 
+def round_tokens(layout, frames: int) -> int:
+    """KV tokens of a rollout's longest round: rounds hold at most `layout.max_frames` frames."""
+    return min(frames, layout.max_frames) * layout.frame_stride
+
+
+def auto_in_flight(backend: VllmBackend, longest_frames: int, cap: int) -> tuple[int, str]:
+    """Rollouts in flight when none is asked for: as many full-length rollouts of the longest
+    scenario as the engine's KV cache holds at once, so that no request is ever preempted (a
+    preempted request recomputes its whole prompt), at most `cap` and at most the engine's
+    sequences. Returns the count and a one-line reason for the log."""
+    tokens = round_tokens(backend.config.layout, longest_frames)
+    capacity = kv_capacity_rollouts(backend, tokens)
+    sequences = backend.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    if capacity is None:
+        return min(cap, sequences), f"the KV cache's size is unknown: {min(cap, sequences)}"
+    chosen = max(1, min(capacity, cap, sequences))
+    return chosen, f"the KV cache holds {capacity} rollouts of {tokens} tokens; {chosen} in flight (at most {cap})"
+
+
 class StreamDriver:
     """Runs `RolloutJob`s with up to `max_in_flight` at once on a `VllmBackend`'s engine."""
 

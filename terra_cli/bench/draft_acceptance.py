@@ -114,7 +114,7 @@ def run_draft_acceptance(model, tokenizer, plan: AcceptancePlan, log=lambda msg:
     return results
 
 
-def plot_heatmaps(results: dict, path) -> None:
+def plot_heatmaps(results: dict, path, overwrite: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,6 +132,6 @@ def plot_heatmaps(results: dict, path) -> None:
         fig.colorbar(im, ax=ax, fraction=0.03)
     fig.suptitle("previous-frame draft: acceptance per grid position", fontsize=10)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
+    with atomic_path(path, overwrite) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)

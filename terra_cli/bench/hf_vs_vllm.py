@@ -305,7 +305,7 @@ def _results(model_label: str, plan: BenchPlan, environment_info: dict, runs: li
     }
 
 
-def plot_results(results: dict, path: Path) -> None:
+def plot_results(results: dict, path: Path, overwrite: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -338,15 +338,16 @@ def plot_results(results: dict, path: Path) -> None:
     ax2.set_ylabel("generated frames / s (aggregate)")
     ax2.set_title("vLLM throughput")
     env = results["environment"]
-    fig.suptitle(f"{results['model']}\n{env.get('gpu') or env.get('cpu')}, vLLM {env.get('vllm')}, torch {env.get('torch')}", fontsize=9)
+    fig.suptitle(f"{results['model']}\n{env.get('gpu') or env.get('cpu')}, vLLM {env.get('vllm')}, torch {env.get('torch')}", fontsize=9,
+                 parse_math=False)  # a model path with $ is not mathtext
     fig.tight_layout()
-    with atomic_path(Path(path)) as tmp:
+    with atomic_path(Path(path), overwrite) as tmp:
         fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png", dpi=120)
     plt.close(fig)
 
 
-def save_results(results: dict, path: Path) -> None:
+def save_results(results: dict, path: Path, overwrite: bool = False) -> None:
     from terra_cli.media.atomic import atomic_path
 
-    with atomic_path(Path(path)) as tmp:
+    with atomic_path(Path(path), overwrite) as tmp:
         tmp.write_text(json.dumps(results, indent=2))

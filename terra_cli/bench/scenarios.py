@@ -30,7 +30,7 @@ class ScenarioBenchPlan:
     scenarios: int = 256
     frames: int = 25
     context_frames: int = 3
-    max_rollouts: int = 128
+    max_rollouts: int | None = None  # None: auto (backends.vllm_stream.auto_in_flight)
     data_parallel: int = 1
     lockstep: int = 0  # rollouts of the lockstep comparison; 0 skips it
     backend: str = "vllm"
@@ -116,8 +116,10 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
         frames = [0]
 
         def on_ready(worker, ready):
-            engines[worker] = {"worker": worker, "startup_s": ready.seconds, "startup": ready.startup}
-            log(f"engine {worker} ready in {ready.seconds:.1f} s")
+            engines[worker] = {"worker": worker, "startup_s": ready.seconds, "startup": ready.startup,
+                               "in_flight": ready.in_flight}
+            log(f"engine {worker} ready in {ready.seconds:.1f} s, {ready.in_flight} in flight"
+                + (f" ({ready.in_flight_reason})" if ready.in_flight_reason else ""))
 
         def on_frame(worker):
             if not frames[0]:
@@ -126,7 +128,7 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
             frames[0] += 1
 
         log(f"{plan.scenarios} scenarios of {plan.frames} frames, {plan.data_parallel} engine(s), "
-            f"up to {plan.max_rollouts} in flight each, KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
+            f"up to {plan.max_rollouts or 'auto'} in flight each, KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
         marks["start"] = time.perf_counter()
         try:
             if plan.data_parallel > 1:

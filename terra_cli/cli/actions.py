@@ -44,15 +44,15 @@ def actions_convert(
     import numpy as np
 
     from terra_cli.actions import resolve_actions, summarize_actions
-    from terra_cli.media.atomic import OutputError, atomic_save_npy, check_writable
+    from terra_cli.media.atomic import OutputError, atomic_save_npy
 
     if output.suffix.lower() != ".npy":
         raise OutputError(f"{output}: the output must be a .npy file")
-    check_writable(output, overwrite)
+    _plan(input, output, overwrite)
     actions = resolve_actions(input, frames=frames, speed_kmh=speed)
+    s = summarize_actions(actions)  # everything is checked before the file is written
     warn_implausible(actions)
-    atomic_save_npy(output, actions.astype(np.float32))
-    s = summarize_actions(actions)
+    atomic_save_npy(output, actions.astype(np.float32), overwrite=overwrite)
     side = "left" if s.lateral_m > 0.005 else "right" if s.lateral_m < -0.005 else "centre"
     console.print(
         f"{s.frames} frames; {s.forward_m:.1f} m forward in total; final lateral offset "
@@ -80,16 +80,26 @@ def actions_plot(
 ):
     """Draw each frame's waypoints top-down: lateral across (left on the left), forward up."""
     from terra_cli.actions import resolve_actions
-    from terra_cli.media.atomic import OutputError, atomic_path, check_writable
+    from terra_cli.media.atomic import OutputError, atomic_path
 
     if output.suffix.lower() not in _PLOT_SUFFIXES:
         raise OutputError(f"{output}: the picture must end in {', '.join(_PLOT_SUFFIXES)}")
-    check_writable(output, overwrite)
+    _plan(input, output, overwrite)
     actions = resolve_actions(input, frames=frames, speed_kmh=speed)
     fig = draw_actions(actions, title=f"{input}  ({actions.shape[0]} frames)")
-    with atomic_path(output) as tmp:
+    with atomic_path(output, overwrite) as tmp:
         fig.savefig(tmp, format=output.suffix.lower().lstrip(".").replace("jpg", "jpeg"), dpi=120)
     console.print(f"{actions.shape[0]} frames drawn -> {output}", highlight=False, soft_wrap=True)
+
+
+def _plan(input: str, output: Path, overwrite: bool) -> None:
+    import os
+
+    from terra_cli.pipeline.outputs import OutputPlan
+
+    plan = OutputPlan(overwrite)
+    plan.input("INPUT", Path(input) if os.path.lexists(input) else None)
+    plan.file("OUTPUT", output)
 
 
 def draw_actions(actions, title: str = ""):
@@ -118,7 +128,7 @@ def draw_actions(actions, title: str = ""):
     ax.set_ylabel("forward x (m)")
     ax.grid(True, linewidth=0.4, alpha=0.5)
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=10, parse_math=False)  # a file name with $ is not mathtext
     mappable = ScalarMappable(norm=norm, cmap=cmap)
     mappable.set_array([])
     fig.colorbar(mappable, ax=ax, label="frame index")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ EPILOG = (
     "  terra bench --draft-acceptance --seeds 3 --frames 8 --out acceptance.json --heatmap acceptance.png\n\n"
     "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft previous-frame --draft-tokens 4   # codes/step column\n\n"
     "  terra bench --scenarios 256 --max-rollouts 128 --lockstep 64 --out scen.json      # continuous batching (GPU)\n\n"
-    "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2"
+    "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2\n\n"
+    "  terra bench --act-bench 256 --kv-cache-dtype fp8 --out act.json   # ACT-Bench-shaped, end to end, videos included"
 )
 
 
@@ -63,14 +65,15 @@ def bench(
     temperatures: str = typer.Option("0.9,0", "--temperatures", help="--draft-acceptance: temperatures, comma-separated."),
     heatmap: Optional[Path] = typer.Option(None, "--heatmap", help="--draft-acceptance: PNG of the acceptance per grid position."),
     scenarios: int = typer.Option(0, "--scenarios", min=0, help="Scenario throughput: N scenarios of --frames frames through `generate --scenarios`'s engine (continuous batching)."),
-    max_rollouts: int = typer.Option(128, "--max-rollouts", min=1, help="--scenarios: rollouts in flight per engine."),
+    act_bench: int = typer.Option(0, "--act-bench", min=0, help="End to end like ACT-Bench: N samples (random nuScenes-size JPEGs, 47 frames in 2 rounds) through `generate --scenarios`, videos included; s/sample and a 2,286-sample projection."),
+    max_rollouts: str = typer.Option("auto", "--max-rollouts", help="--scenarios/--act-bench: rollouts in flight per engine, or auto (as many as the KV cache holds, at most 256)."),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios: engines, one per GPU."),
     lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto or fp8 (fp8_e4m3, fp8_e5m2)."),
     backend: str = typer.Option("vllm", "--backend", help="--scenarios: vllm, or hf for a CPU smoke test."),
-    keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios: keep the scenario file and every scenario's tokens in this folder."),
+    keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios/--act-bench: keep the inputs (scenario file, images) and every output in this folder (new or empty; --overwrite to reuse one)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model dir or hub id (default: Terra's config, random weights)."),
-    frames: int = typer.Option(25, help="Frames per run, context included."),
+    frames: Optional[int] = typer.Option(None, help="Frames per run, context included (default 25; 47 with --act-bench)."),
     context_frames: int = typer.Option(3, help="Context frames."),
     batch: str = typer.Option("1,8,32,64", help="vLLM parallel rollouts to measure, comma-separated."),
     hf_frames: Optional[int] = typer.Option(None, help="Generated frames for the slow reference (default: all)."),
@@ -88,10 +91,10 @@ def bench(
     overwrite: bool = opts.overwrite_option(),
 ):
     """Measure generation speed: transformers reference vs vLLM, and vLLM with parallel rollouts."""
-    from terra_cli.bench.hf_vs_vllm import BenchPlan, plot_results, run_bench, save_results
-    from terra_cli.media.atomic import check_writable
     from terra_cli.backends import engine_options
-    from terra_cli.backends.base import InputError
+    from terra_cli.backends.base import InputError, Sampling
+    from terra_cli.bench.hf_vs_vllm import BenchPlan, plot_results, run_bench, save_results
+    from terra_cli.pipeline.outputs import OutputPlan
 
     vllm_options = _parse_vllm_args(vllm_arg)
     chosen = engine_options(kv_cache_dtype=kv_cache_dtype, draft=draft, draft_tokens=draft_tokens,
@@ -99,21 +102,46 @@ def bench(
     if "draft_tokens" in chosen:
         vllm_options["disable_log_stats"] = False  # statistics on: the bench reports the codes each step kept
     vllm_options.update(chosen)
-    if sum((hf_vs_vllm, draft_acceptance, scenarios > 0)) > 1:
-        raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance or --scenarios N")
+    if sum((hf_vs_vllm, draft_acceptance, scenarios > 0, act_bench > 0)) > 1:
+        raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance, --scenarios N or --act-bench N")
+    if not (hf_vs_vllm or draft_acceptance or scenarios or act_bench):
+        raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance, --scenarios N or --act-bench N")
+    Sampling(temperature=temperature, seed=seed)  # --seed and --temperature in range, before anything runs
+    outputs = OutputPlan(overwrite)
+    outputs.input("--model", Path(model) if model and os.path.lexists(model) else None)
+    for name, path, used in (("--out", out_json, True), ("--plot", plot, hf_vs_vllm),
+                             ("--heatmap", heatmap, draft_acceptance),
+                             ("--keep-outputs", keep_outputs, scenarios > 0 or act_bench > 0)):
+        if path is not None and not used:
+            raise InputError(f"{name} does not go with what this run measures")
+    if out_json is not None:
+        outputs.file("--out", out_json)
+    if plot is not None:
+        outputs.file("--plot", plot, (".png", ".svg", ".pdf"))
+    if heatmap is not None:
+        outputs.file("--heatmap", heatmap, (".png",))
+    if keep_outputs is not None:
+        outputs.folder("--keep-outputs", keep_outputs)
+    if act_bench:
+        from terra_cli.bench.act_bench import ActBenchPlan
+        from terra_cli.cli.bench_act import act_bench as run_act_bench
+        from terra_cli.scenarios.job import parse_max_rollouts
+
+        if data_parallel != 1 or lockstep:
+            raise InputError("--act-bench runs on one engine: drop --data-parallel and --lockstep")
+        plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
+                            dtype, temperature, seed, vllm_options=vllm_options)
+        return run_act_bench(model, plan, keep_outputs, out_json, overwrite)
+    frames = 25 if frames is None else frames
     if draft_acceptance:
         return _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heatmap, overwrite)
     if scenarios:
         from terra_cli.bench.scenarios import ScenarioBenchPlan
+        from terra_cli.scenarios.job import parse_max_rollouts
 
-        plan = ScenarioBenchPlan(scenarios, frames, context_frames, max_rollouts, data_parallel, lockstep,
+        plan = ScenarioBenchPlan(scenarios, frames, context_frames, parse_max_rollouts(max_rollouts), data_parallel, lockstep,
                                  backend, device, dtype, temperature, seed, vllm_options)
         return _scenario_bench(model, plan, keep_outputs, out_json, overwrite)
-    if not hf_vs_vllm:
-        raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance or --scenarios N")
-    for path in (out_json, plot):
-        if path is not None:
-            check_writable(path, overwrite)
     if context_frames < 1 or frames <= context_frames:
         raise InputError(f"--frames ({frames}) must be more than --context-frames ({context_frames}), which must be >= 1")
     plan = BenchPlan(
@@ -123,19 +151,24 @@ def bench(
     )
     command = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
+    def save_json(data: dict) -> None:
+        # A bench takes minutes: what is measured so far is kept if it is interrupted, in a file
+        # this run may replace because it made it.
+        save_results(data, out_json, overwrite=outputs.may_replace(out_json))
+        outputs.made(out_json)
+
     def save_partial(partial: dict) -> None:
-        # A bench takes minutes: keep what is measured so far if it is interrupted.
         if out_json:
-            save_results(dict(partial, command=command), out_json)
+            save_json(dict(partial, command=command))
 
     results = run_bench(model, plan, log=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False), on_update=save_partial)
     results["command"] = command
     _print_table(results)
     if out_json:
-        save_results(results, out_json)
+        save_json(results)
         console.print(f"results -> {out_json}")
     if plot:
-        plot_results(results, plot)
+        plot_results(results, plot, overwrite=overwrite)
         console.print(f"chart -> {plot}")
 
 
@@ -165,7 +198,7 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
 
     from terra_cli.bench.draft_acceptance import AcceptancePlan, plot_heatmaps, run_draft_acceptance
     from terra_cli.errors import InputError
-    from terra_cli.media.atomic import atomic_write_json, check_writable
+    from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.modeling_hf import load_model
     from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
@@ -177,9 +210,6 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
         raise InputError(f"--temperatures takes numbers like 0.9,0, got {temperatures!r}") from None
     if not temps or any(not math.isfinite(t) or t < 0 for t in temps):
         raise InputError(f"--temperatures must be finite numbers >= 0, got {temperatures!r}")
-    for path in (out_json, heatmap):
-        if path is not None:
-            check_writable(path, overwrite)
     device = resolve_device(device)
     choice = resolve_model(model)
     if choice.tokenizer is None:
@@ -205,21 +235,17 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
     if out_json:
         atomic_write_json(out_json, results, overwrite=overwrite)
     if heatmap:
-        plot_heatmaps(results, heatmap)
+        plot_heatmaps(results, heatmap, overwrite=overwrite)
 
 
 def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
     from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
     from terra_cli.bench.scenarios import run_scenario_bench
     from terra_cli.errors import InputError
-    from terra_cli.media.atomic import atomic_write_json, check_writable
+    from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.resolve import resolve_world_model_dir
     from terra_cli.runtime import resolve_device
 
-    if out_json is not None:
-        check_writable(out_json, overwrite)
-    if keep_outputs is not None and keep_outputs.exists() and any(keep_outputs.iterdir()) and not overwrite:
-        raise InputError(f"--keep-outputs {keep_outputs} is not empty; pass an empty or new folder (or --overwrite)")
     if plan.context_frames < 1 or plan.frames <= plan.context_frames:
         raise InputError(f"--frames ({plan.frames}) must be more than --context-frames ({plan.context_frames}), which must be >= 1")
     device = resolve_device(plan.device)

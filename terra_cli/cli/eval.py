@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -52,7 +53,7 @@ def eval_command(
         evaluate_preset,
         parse_presets,
     )
-    from terra_cli.media.atomic import check_writable
+    from terra_cli.pipeline.outputs import OutputPlan
 
     plan = EvalPlan(
         presets=parse_presets(presets), seeds=seeds, context_frames=context_frames, frames=frames,
@@ -61,11 +62,14 @@ def eval_command(
     plan.validate()
     from terra_cli.backends import Sampling, load_backend, resolve_backend_name
 
-    Sampling(temperature=temperature, top_k=top_k, top_p=top_p)  # validates before any loading
+    Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # validates before any loading
     backend_name = resolve_backend_name(backend)
-    for path in (out_json, plot, strip):
+    outputs = OutputPlan(overwrite)
+    for label, path in (("--model", model), ("--tokenizer", tokenizer)):
+        outputs.input(label, Path(path) if path and os.path.lexists(path) else None)
+    for label, path, suffixes in (("--out", out_json, ()), ("--plot", plot, (".png",)), ("--strip", strip, (".png",))):
         if path is not None:
-            check_writable(path, overwrite)
+            outputs.file(label, path, suffixes)
 
     from terra_cli.errors import InputError
     from terra_cli.models.checkpoint import load_config
@@ -83,8 +87,10 @@ def eval_command(
     if choice.tokenizer is None:
         raise InputError(f"--model {model} comes without an image tokenizer: pass --tokenizer DIR_OR_HUB_ID")
     model_dir = choice.world_model_dir
+    config = load_config(model_dir)
+    plan.check_model(config.layout.max_frames)  # before the synthetic truth is rendered
     tok = load_tokenizer(choice.tokenizer, dev)
-    check_tokenizer_matches(tok, load_config(model_dir))
+    check_tokenizer_matches(tok, config)
     wm = load_backend(backend_name, model_dir, device=dev, dtype=dtype,
                       **({"max_rollouts": plan.seeds} if backend_name == "vllm" else {}))
     seconds_load = time.perf_counter() - started
@@ -121,11 +127,11 @@ def eval_command(
     )
     _print_table(report)
     if out_json is not None:
-        save_json(report, out_json)
+        save_json(report, out_json, overwrite)
     if plot is not None:
-        plot_eval(report, plot)
+        plot_eval(report, plot, overwrite)
     if strip is not None:
-        save_strip(results, strip)
+        save_strip(results, strip, overwrite)
     written = [str(p) for p in (out_json, plot, strip) if p is not None]
     console.print(
         f"eval took {report['seconds']['total']:.1f} s (generation {report['seconds']['generate']:.1f} s)"

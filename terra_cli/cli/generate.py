@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -51,14 +52,14 @@ def generate(
     device: str = opts.device_option(),
     dtype: str = opts.dtype_option(),
     threads: int = typer.Option(0, min=0, help="CPU threads for the token loop (0: auto, 1 for small models with --backend hf on CPU)."),
-    save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs into this folder."),
+    save_frames: Optional[Path] = typer.Option(None, help="Also write every frame, context included, as PNGs frame_NNNN.png into this folder (made whole when new; with --overwrite an existing folder's frame files are replaced and its other files left alone)."),
     save_tokens: Optional[Path] = typer.Option(None, help="Write all frames' tokens, context included, (N, 576) int64 .npy."),
     no_decode: bool = typer.Option(False, "--no-decode", help="Stop at tokens: no image decoder, no video (needs --save-tokens)."),
     overwrite: bool = opts.overwrite_option(),
     scenarios: Optional[Path] = typer.Option(None, "--scenarios", help="Many videos: a JSONL file, terra's format or ACT-Bench's (see README); needs --out-dir."),
-    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes."),
+    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes. One run at a time; a file no terra run made for that scenario is replaced only with --overwrite."),
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
-    max_rollouts: int = typer.Option(128, "--max-rollouts", min=1, help="With --scenarios: rollouts in flight at once on the vLLM engine (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
+    max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto (the model's) or fp8 (GPU)."),
     quantization: str = typer.Option("none", "--quantization", help="vLLM weight quantization: none, or fp8 (GPU; weights cast to fp8 at load, see benchmarks/README.md for speed and agreement)."),
@@ -70,7 +71,7 @@ def generate(
     server: Optional[str] = typer.Option(None, "--server", help="Run on a `terra serve` at this URL (its model; no start-up here). API key: TERRA_API_KEY."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
-    from terra_cli.actions import resolve_actions
+    from terra_cli.actions import PRESETS, resolve_actions
     from terra_cli.backends import Sampling, engine_options
     from terra_cli.models.resolve import resolve_model
     from terra_cli.pipeline import inputs
@@ -79,7 +80,7 @@ def generate(
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 
     if scenarios is not None:
-        from terra_cli.scenarios.job import ScenarioJob
+        from terra_cli.scenarios.job import ScenarioJob, parse_max_rollouts
         from terra_cli.scenarios.spec import Defaults
 
         if server is not None:
@@ -94,7 +95,8 @@ def generate(
                             image_root=image_root)
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
                           device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile),
-                          max_rollouts, not no_decode, temperature, top_k, top_p, threads)
+                          parse_max_rollouts(max_rollouts), not no_decode, temperature, top_k, top_p, threads,
+                          overwrite)
         return _generate_scenarios(job, data_parallel)
     for name, value in (("--data-parallel", data_parallel != 1), ("--image-root", image_root), ("--out-dir", out_dir),
                         ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid)):
@@ -104,7 +106,10 @@ def generate(
     if actions is None:
         raise InputError("--actions is needed (a preset, a .npy, or ACT-Bench JSON), or --scenarios FILE for many videos")
     # Everything that can be checked without a model, outputs first.
-    outputs = check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite)
+    given = [("--context-tokens", context_tokens), ("--model", _local(model)), ("--tokenizer", _local(tokenizer)),
+             ("--actions", None if actions.strip().lower() in PRESETS else _local(actions)),
+             *(("--context", path) for path in context or ())]
+    outputs = check_outputs(output, save_frames, save_tokens, no_decode=no_decode, overwrite=overwrite, inputs=given)
     if context and context_tokens is not None:
         raise InputError("give --context (images/video) or --context-tokens, not both")
     inputs.check_frame_count(frames, context_frames)
@@ -156,6 +161,11 @@ def _generate_on_server(url: str, request, **engine_flags) -> None:
         f"model {result.model}; " + "; ".join(result.written) + f"; {time.perf_counter() - _state['started']:.1f} s in all")
 
 
+def _local(spec: Optional[str]) -> Optional[Path]:
+    """A path given as a string option (--model, --actions) when it names something on disk."""
+    return Path(spec) if spec and os.path.lexists(spec) else None
+
+
 def _save_interrupted(buffer, tokens_path: Optional[Path], total: int, overwrite: bool) -> None:
     from terra_cli.media.atomic import atomic_save_npy
 
@@ -204,18 +214,28 @@ class CliObserver:
 
 
 def _generate_scenarios(job, data_parallel: int) -> None:
-    from terra_cli.cli.progress import TaskProgress
-    from terra_cli.scenarios.job import prepare_job, run_scenario_job
+    from terra_cli.scenarios.job import prepare_job
+    from terra_cli.scenarios.outdir import OutDirLock
 
     prepared = prepare_job(job)  # every line and option checked before any model loads
-    file, out_dir = prepared.file, job.out_dir
     if data_parallel > 1:
         from terra_cli.scenarios.parallel import worker_devices
 
         worker_devices(prepared.device, data_parallel)  # enough GPUs, before anything starts
-    in_flight = job.max_rollouts if prepared.backend == "vllm" else 1
+    with OutDirLock(job.out_dir):  # one run per --out-dir, held from before the model loads
+        _run_scenarios(prepared, data_parallel)
+
+
+def _run_scenarios(prepared, data_parallel: int) -> None:
+    from terra_cli.cli.progress import TaskProgress
+    from terra_cli.scenarios.job import run_scenario_job
+
+    job = prepared.job
+    file, out_dir = prepared.file, job.out_dir
+    in_flight = (job.max_rollouts or 0) if prepared.backend == "vllm" else 1
     say(f"{len(file.scenarios)} scenario(s) from {job.scenarios} ({file.source_format}), backend {prepared.backend}, "
-        f"model {prepared.model_label}, {data_parallel} engine(s), up to {in_flight} in flight each -> {out_dir}/")
+        f"model {prepared.model_label}, {data_parallel} engine(s), "
+        + (f"up to {in_flight} in flight each" if in_flight else "rollouts in flight as the KV cache holds") + f" -> {out_dir}/")
     total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
     progress = TaskProgress(console, "scenarios", total_frames, unit="generated frames")
     started = time.perf_counter()
@@ -230,7 +250,7 @@ def _generate_scenarios(job, data_parallel: int) -> None:
         written[0] += record.get("status") == "done"
 
     def engine_ready(worker: int, ready) -> None:
-        say(f"engine {worker} ready in {ready.seconds:.1f} s")
+        say(f"engine {worker} ready in {ready.seconds:.1f} s" + (f"; {ready.in_flight_reason}" if ready.in_flight_reason else ""))
 
     try:
         with progress:
@@ -244,7 +264,7 @@ def _generate_scenarios(job, data_parallel: int) -> None:
                                        on_frame=lambda: frame_done(0),
                                        on_written=lambda record: scenario_written(0, record))
     except KeyboardInterrupt:
-        say(f"interrupted: every scenario finished so far is written (see {out_dir}/results.jsonl); "
+        say(f"interrupted: {written[0]} scenario(s) written and recorded in {out_dir}/results.jsonl by this run; "
             "run the same command again to resume")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     say(f"{run.done} scenario(s) written, {run.resumed} already done, {run.skipped} invalid line(s) skipped, "

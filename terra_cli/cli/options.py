@@ -43,7 +43,7 @@ def speed_option():
 
 
 def overwrite_option():
-    return typer.Option(False, "--overwrite/--no-overwrite", help="Replace existing outputs.")
+    return typer.Option(False, "--overwrite/--no-overwrite", help="Replace existing output files (never an input); in an existing frames folder, replace its frame_NNNN.png files and leave its other files alone.")
 
 
 MAX_DRAFT_TOKENS = 16  # = backends.vllm.MAX_DRAFT_TOKENS (a test checks it); here so --help need not import numpy

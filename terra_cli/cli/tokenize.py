@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,20 +20,6 @@ class TokenizeInputError(TerraError):
     """Options of `terra tokenize` that do not fit together."""
 
 
-def _check_reconstruct_dir(directory: Path, overwrite: bool) -> None:
-    from terra_cli.media.atomic import OutputError
-    from terra_cli.media.frames import list_images
-
-    if directory.exists() and not directory.is_dir():
-        raise OutputError(f"--reconstruct {directory} is a file; pass a folder for the decoded frames")
-    # The folder is built beside the target and swapped in whole, so an existing one is replaced
-    # entirely or not at all.
-    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
-        existing = [p for p in list_images(directory) if p.name.startswith("frame_")]
-        what = f"decoded frames ({existing[0].name}, ...)" if existing else "files"
-        raise OutputError(f"--reconstruct {directory} already holds {what}; pass --overwrite to replace the folder")
-
-
 @app.command(
     epilog=(
         "Examples:\n\n"
@@ -44,7 +31,7 @@ def _check_reconstruct_dir(directory: Path, overwrite: bool) -> None:
 def tokenize(
     input: Path = typer.Argument(..., metavar="INPUT", help="A folder of images (natural order: frame2 before frame10), one image, or a video (mp4/avi/mov/webm/gif)."),
     out_path: Path = typer.Option(..., "--out", "-o", help="Tokens to write: int64 .npy of shape (frames, 576)."),
-    reconstruct: Optional[Path] = typer.Option(None, "--reconstruct", "-r", help="Decode the tokens again, write the frames as PNGs into this folder and print per-frame PSNR."),
+    reconstruct: Optional[Path] = typer.Option(None, "--reconstruct", "-r", help="Decode the tokens again, write the frames as PNGs frame_NNNN.png into this folder and print per-frame PSNR (made whole when new; with --overwrite an existing folder's frame files are replaced and its other files left alone)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Tokenizer directory (config.json + model.safetensors) or hub id, e.g. turing-motors/Terra/lfq_tokenizer_B_256."),
     device: str = opts.device_option(),
     batch_size: int = typer.Option(8, "--batch-size", "-b", min=1, help="Frames per forward pass; bounds memory use."),
@@ -58,14 +45,18 @@ def tokenize(
 
     from terra_cli.cli.progress import StepProgress
     from terra_cli.errors import OutputError
-    from terra_cli.media.atomic import atomic_directory, atomic_save_npy, check_writable
+    from terra_cli.media.atomic import atomic_directory, atomic_save_npy
     from terra_cli.media.frames import count_frames, iter_frames, write_frames
+    from terra_cli.pipeline.outputs import OutputPlan
 
     if out_path.suffix.lower() != ".npy":
         raise OutputError(f"--out {out_path} must end in .npy (the tokens, int64 (frames, 576))")
-    check_writable(out_path, overwrite)
+    plan = OutputPlan(overwrite)
+    plan.input("INPUT", input)
+    plan.input("--tokenizer", Path(tokenizer) if tokenizer and os.path.lexists(tokenizer) else None)
+    plan.file("--out", out_path)
     if reconstruct is not None:
-        _check_reconstruct_dir(reconstruct, overwrite)
+        plan.folder("--reconstruct", reconstruct)
 
     # Read the first frame before loading the model: a bad input fails in a moment, not after the load.
     frames = iter_frames(input, max_frames)
@@ -90,8 +81,8 @@ def tokenize(
     scores: list[float] = []
     done = 0
     started = time.perf_counter()
-    # Frames are decoded into a folder beside --reconstruct that replaces it only once every frame
-    # and the tokens are written: a failure or Ctrl-C leaves the old folder (or none), never a part.
+    # Frames are decoded into a folder beside --reconstruct and placed only once every frame and
+    # the tokens are written: a failure or Ctrl-C leaves the folder as it was (or none).
     frames_folder = atomic_directory(reconstruct, overwrite) if reconstruct is not None else contextlib.nullcontext()
     with frames_folder as partial_dir, StepProgress(console, "tokenizing", total) as progress:
         stream = itertools.chain([first], frames)

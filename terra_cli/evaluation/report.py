@@ -17,16 +17,16 @@ from terra_cli.evaluation.run import PresetResult
 PRESET_COLORS = {"left": "#2a7ab9", "right": "#d0542c", "straight": "#3a9a48", "stop": "#8a4fb0", "accelerate": "#c79a16"}
 
 
-def save_json(results: dict, path: Path) -> None:
+def save_json(results: dict, path: Path, overwrite: bool = False) -> None:
     import json
 
     from terra_cli.media.atomic import atomic_path
 
-    with atomic_path(Path(path)) as tmp:
+    with atomic_path(Path(path), overwrite) as tmp:
         tmp.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
 
 
-def plot_eval(results: dict, path: Path) -> None:
+def plot_eval(results: dict, path: Path, overwrite: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,10 +83,10 @@ def plot_eval(results: dict, path: Path) -> None:
         f"{'/'.join(Path(str(cfg['model'])).parts[-2:])}: {cfg['seeds']} held-out worlds x {len(names)} presets, {cfg['context_frames']} context + "
         f"{cfg['generated_frames']} generated frames, {cfg['sampling']}, {cfg['backend']} | PSNR frames 1-{len(s['summary_frames'])}: "
         f"generated {format_metric(s['psnr_generated_frames_1_5'])} dB vs copy {format_metric(s['psnr_copy_baseline_frames_1_5'])} dB",
-        fontsize=9,
+        fontsize=9, parse_math=False,  # a model path with $ is not mathtext
     )
     fig.tight_layout()
-    with atomic_path(Path(path)) as tmp:
+    with atomic_path(Path(path), overwrite) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
 
@@ -117,12 +117,12 @@ def strip_image(results: list[PresetResult], max_columns: int = 5, scale: float 
     return np.concatenate(rows)
 
 
-def save_strip(results: list[PresetResult], path: Path) -> None:
+def save_strip(results: list[PresetResult], path: Path, overwrite: bool = False) -> None:
     from PIL import Image
 
     from terra_cli.media.atomic import atomic_path
 
-    with atomic_path(Path(path)) as tmp:
+    with atomic_path(Path(path), overwrite) as tmp:
         Image.fromarray(strip_image(results)).save(tmp, format="PNG")
 
 

@@ -37,6 +37,10 @@ import numpy as np
 from terra_cli.errors import TerraError
 
 EVAL_WORLD_SEED_BASE = 1000
+# Caps checked before anything is rendered: a preset's rollouts are held in memory together
+# (4000 frames of 288x512 RGB are 1.8 GB).
+MAX_EVAL_FRAMES = 100
+MAX_EVAL_SEED_FRAMES = 4000
 SUMMARY_FRAMES = 5  # summary PSNR averages generated frames 1..5 (fewer when fewer are generated)
 EXPECTED_SIGN = {"left": 1.0, "right": -1.0}
 TRAINING_DATA_SEEDS = (0, 1)  # scripts/train/train_tokenizer.py, scripts/train/train_world_model.py (--data-seed defaults)
@@ -80,6 +84,18 @@ class EvalPlan:
             raise EvalError(f"--ceiling-seeds must be >= 0, got {self.ceiling_seeds}")
         if not 0 < self.speed_kmh <= 200:
             raise EvalError(f"--speed must be in (0, 200] km/h, got {self.speed_kmh}")
+        if self.frames > MAX_EVAL_FRAMES:
+            raise EvalError(f"--frames {self.frames} is above the maximum of {MAX_EVAL_FRAMES}: eval runs one round "
+                            "of the model (Terra's is 25 frames)")
+        if self.seeds * self.frames > MAX_EVAL_SEED_FRAMES:
+            raise EvalError(f"--seeds {self.seeds} x --frames {self.frames} is above the maximum of "
+                            f"{MAX_EVAL_SEED_FRAMES} frames per preset (every seed's frames are held in memory)")
+
+    def check_model(self, max_frames: int) -> None:
+        """Once the model's config is read, before anything is rendered: eval runs one round."""
+        if self.frames > max_frames:
+            raise EvalError(f"--frames {self.frames} is above this model's {max_frames} frames per round "
+                            "(eval does not re-seed in rounds)")
 
     @property
     def generated_frames(self) -> int:

@@ -2,9 +2,10 @@
 half-written file, and never replaces a file it was not allowed to.
 
 Files are written beside their target under a hidden `.NAME.*.partial` name and placed at the end:
-with `overwrite`, by rename (the last complete file wins); without it, by hard link, which fails
-if the target appeared meanwhile (another run), so that run's output is never replaced.
-Folders of frames are built beside their target and swapped in whole.
+with `overwrite`, by rename (the last complete file wins); without it (the default), by hard link,
+which fails if the target appeared meanwhile (another run), so that run's output is never replaced.
+Folders of frames are built beside their target and renamed into place when new; into an existing
+folder only their files are moved (`atomic_directory`): nothing the run did not make is deleted.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -107,7 +109,7 @@ def place_file(tmp: Path, path: Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path, overwrite: bool = True) -> Iterator[Path]:
+def atomic_path(path: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `path`; move it into place only if the block succeeds.
 
     OSErrors (a full disk, permissions) become one-line OutputErrors naming `path`; the
@@ -122,9 +124,7 @@ def atomic_path(path: Path, overwrite: bool = True) -> Iterator[Path]:
         os.close(fd)
         tmp_path = Path(tmp)
         # mkstemp creates 0600; give the result the permissions a plain open() would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)
+        os.chmod(tmp_path, 0o666 & ~_umask())
         yield tmp_path
         place_file(tmp_path, path, overwrite)
     except OSError as exc:
@@ -134,7 +134,7 @@ def atomic_path(path: Path, overwrite: bool = True) -> Iterator[Path]:
             tmp_path.unlink()
 
 
-def atomic_save_npy(path: Path, array: np.ndarray, overwrite: bool = True) -> None:
+def atomic_save_npy(path: Path, array: np.ndarray, overwrite: bool = False) -> None:
     with atomic_path(Path(path), overwrite) as tmp:
         with open(tmp, "wb") as f:
             np.save(f, array, allow_pickle=False)
@@ -142,7 +142,7 @@ def atomic_save_npy(path: Path, array: np.ndarray, overwrite: bool = True) -> No
             os.fsync(f.fileno())
 
 
-def atomic_write_text(path: Path, text: str, overwrite: bool = True) -> None:
+def atomic_write_text(path: Path, text: str, overwrite: bool = False) -> None:
     with atomic_path(Path(path), overwrite) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -150,39 +150,126 @@ def atomic_write_text(path: Path, text: str, overwrite: bool = True) -> None:
             os.fsync(f.fileno())
 
 
-def atomic_write_json(path: Path, data, overwrite: bool = True) -> None:
+def atomic_write_json(path: Path, data, overwrite: bool = False) -> None:
     """JSON (indent 2) written atomically: bench, eval and scenario results all go through here."""
     atomic_write_text(Path(path), json.dumps(data, indent=2) + "\n", overwrite)
 
 
+# Written into every folder of files terra places (frames): which files this run made, with their
+# size and modification time, so that a later run removes only those, and only while unchanged.
+MANIFEST_NAME = ".terra-made.json"
+
+
 @contextlib.contextmanager
 def atomic_directory(directory: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield an empty temporary folder beside `directory`; when the block succeeds it becomes
-    `directory`. An existing `directory` is replaced whole with `overwrite` (the old one is kept
-    until the new one is in place), and must be empty or absent without it."""
+    """Yield an empty temporary folder beside `directory` to write files into; when the block
+    succeeds they are placed in `directory`, and nothing the run did not create is ever deleted.
+
+    - `directory` absent: the temporary folder is renamed into place whole (a failure or Ctrl-C
+      leaves no folder).
+    - `directory` present: each file is moved in; one of the same name is replaced only with
+      `overwrite` (without it, a folder that is not empty is refused and nothing is placed).
+      Files that an earlier run listed in the folder's manifest (`MANIFEST_NAME`), that this run
+      does not write again and that are unchanged since (same size and time) are removed, so the
+      folder holds one run's frames; every other file in it is left alone.
+    """
     directory = Path(directory)
     tmp = None
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name[:MAX_NAME_BYTES]}.", suffix=".partial",
-                                    dir=directory.parent))
+        tmp = make_temporary_folder(directory)
         yield tmp
-        if directory.is_dir() and any(directory.iterdir()):
-            if not overwrite:
-                raise OutputError(f"{directory} was filled while this run was writing (another run?); "
-                                  "nothing was replaced: pass --overwrite to replace it")
-            old = Path(tempfile.mkdtemp(prefix=f".{directory.name[:MAX_NAME_BYTES]}.", suffix=".old", dir=directory.parent))
-            os.rmdir(old)
-            os.rename(directory, old)
-            os.rename(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            if directory.is_dir():
-                os.rmdir(directory)
-            os.rename(tmp, directory)
-        tmp = None
+        names = sorted(p.name for p in tmp.iterdir())
+        _write_manifest(tmp, names)
+        if not directory.exists():
+            try:
+                os.rename(tmp, directory)
+                tmp = None
+                return
+            except OSError as exc:  # made meanwhile (another run): merge below
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+        _merge_into(tmp, directory, names, overwrite)
     except OSError as exc:
         raise OutputError(describe_os_error(exc, directory)) from exc
     finally:
         if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # the run's own temporary folder
+
+
+def make_temporary_folder(target: Path) -> Path:
+    """A new hidden folder beside `target`, with the permissions `mkdir` would give it (mkdtemp
+    makes 0700)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{Path(target).name[:MAX_NAME_BYTES]}.", suffix=".partial",
+                                dir=Path(target).parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
+def _umask() -> int:
+    """The process umask. Linux reports it in /proc; elsewhere it is read by setting it, which
+    briefly leaves other threads (the scenario writer) with umask 0."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _merge_into(tmp: Path, directory: Path, names: list[str], overwrite: bool) -> None:
+    if not directory.is_dir():
+        raise OutputError(f"cannot write into {directory}: it is not a folder")
+    if not overwrite and any(directory.iterdir()):
+        raise OutputError(f"{directory} was filled while this run was writing (another run?); "
+                          "nothing was replaced: pass --overwrite to replace its files")
+    for name in names:
+        if name != MANIFEST_NAME and (directory / name).is_dir() and not (directory / name).is_symlink():
+            raise OutputError(f"cannot write {directory / name}: it is a folder")
+    earlier = read_manifest(directory)
+    for name in names:
+        if name != MANIFEST_NAME:
+            place_file(tmp / name, directory / name, overwrite)
+    for name, (size, mtime_ns) in earlier.items():
+        if name in names:
+            continue
+        try:
+            info = os.lstat(directory / name)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_size == size and info.st_mtime_ns == mtime_ns:
+            os.unlink(directory / name)
+    os.replace(tmp / MANIFEST_NAME, directory / MANIFEST_NAME)
+
+
+def _write_manifest(folder: Path, names: list[str]) -> None:
+    files = {}
+    for name in names:
+        info = os.lstat(folder / name)
+        files[name] = [info.st_size, info.st_mtime_ns]
+    (folder / MANIFEST_NAME).write_text(json.dumps({"written_by": "terra", "files": files}) + "\n")
+
+
+def read_manifest(directory: Path) -> dict[str, tuple[int, int]]:
+    """The files an earlier terra run placed in `directory` (name -> (size, mtime_ns)); empty when
+    there is no manifest or it is not one of terra's. Only plain names inside the folder count."""
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > 4 * 2**20:
+            return {}
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(data, dict) or data.get("written_by") != "terra" or not isinstance(data.get("files"), dict):
+        return {}
+    found = {}
+    for name, entry in data["files"].items():
+        if (isinstance(name, str) and name == Path(name).name and name not in ("", ".", "..", MANIFEST_NAME)
+                and isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) for v in entry)):
+            found[name] = (entry[0], entry[1])
+    return found

@@ -16,6 +16,7 @@ import numpy as np
 
 from terra_cli.errors import TerraError
 from terra_cli.media.atomic import atomic_directory, atomic_path
+from terra_cli.media.files import check_input_file
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".ppm"})
 VIDEO_EXTENSIONS = frozenset({".mp4", ".avi", ".mov", ".webm", ".gif", ".mkv", ".m4v", ".mpg", ".mpeg"})
@@ -59,6 +60,7 @@ def read_image(path: str | os.PathLike) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
     path = Path(path)
+    check_input_file(path, "image", error=MediaError)
     try:
         with Image.open(path) as im:  # reads the header only: the size is known before decoding
             width, height = im.size
@@ -104,6 +106,7 @@ def iter_frames(path: str | os.PathLike, max_frames: int | None = None) -> Itera
         for file in files[:max_frames]:
             yield read_image(file)
         return
+    check_input_file(path, "input", error=MediaError)
     if is_video(path):
         yield from _iter_video(path, max_frames)
         return
@@ -118,6 +121,7 @@ def read_frames(path: str | os.PathLike, max_frames: int | None = None) -> list[
 def _iter_video(path: Path, max_frames: int | None) -> Iterator[np.ndarray]:
     import imageio.v2 as iio
 
+    check_input_file(path, "video", error=MediaError)  # ffmpeg would wait forever on a FIFO
     try:
         reader = iio.get_reader(str(path), format="FFMPEG")
     except Exception as exc:  # imageio/ffmpeg raise many kinds of errors for unreadable files
@@ -236,10 +240,12 @@ def frame_filename(index: int, prefix: str = "frame") -> str:
 
 
 def write_frames(
-    directory: str | os.PathLike, frames: Sequence[np.ndarray], prefix: str = "frame", start: int = 0
+    directory: str | os.PathLike, frames: Sequence[np.ndarray], prefix: str = "frame", start: int = 0,
+    overwrite: bool = False,
 ) -> list[Path]:
     """Write frames as PNGs `<prefix>_0000.png`, ... (numbered from `start`) into `directory`, each
-    atomically. To replace a whole folder, write into `atomic_directory` (or `write_frame_folder`)."""
+    atomically (an existing one is replaced only with `overwrite`). For a whole folder of frames,
+    write into `atomic_directory` (or call `write_frame_folder`)."""
     from PIL import Image
 
     directory = Path(directory)
@@ -250,15 +256,17 @@ def write_frames(
     paths = []
     for index, frame in enumerate(frames, start):
         target = directory / frame_filename(index, prefix)
-        with atomic_path(target) as tmp:
+        with atomic_path(target, overwrite) as tmp:
             Image.fromarray(frame).save(tmp, format="PNG")
         paths.append(target)
     return paths
 
 
 def write_frame_folder(directory: str | os.PathLike, frames: Sequence[np.ndarray], overwrite: bool = False) -> list[Path]:
-    """All frames as a new folder, built beside `directory` and swapped in whole: an interrupted
-    run leaves the old folder (or none), never a mix; a non-empty folder is replaced only with `overwrite`."""
+    """All frames as `frame_NNNN.png` in `directory`, built beside it first (see `atomic_directory`):
+    a new folder appears whole; into an existing one the frame files are moved, replacing those of
+    the same name only with `overwrite`, and its other files are left alone. An interrupted run
+    leaves the folder as it was."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise MediaError(f"cannot write frames into {directory}: it is a file")

@@ -15,19 +15,25 @@ from safetensors.torch import save_file
 from huggingface_hub.errors import StrictDataclassError
 
 from terra_cli.models.config import ConfigError, LlamaActionConfig, check_config_schema
+from tokenizer_decoder import checkpoint as _shared
 from tokenizer_decoder.checkpoint import (  # noqa: F401  (re-exported)
     INDEX_NAME,
     WEIGHTS_NAME,
     check_state_dict,
     looks_like_hub_id,
     read_json_object,
-    read_state_dict,
     resolve_checkpoint_dir,
     weight_files,
 )
 from tokenizer_decoder.errors import CheckpointError  # noqa: F401
 
 TERRA_HUB_ID = "turing-motors/Terra"
+
+
+def read_state_dict(files: list[Path], dtype: torch.dtype | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A world model's tensors, strictly: every one floating point (an int32 tensor is refused
+    from the header, before torch fails on it)."""
+    return _shared.read_state_dict(files, dtype, device, floating_only=True)
 
 
 def load_config(checkpoint_dir: Path) -> LlamaActionConfig:

@@ -12,6 +12,8 @@ from terra_cli.errors import InputError
 from terra_cli.pipeline.rounds import MAX_TOTAL_FRAMES
 
 DEFAULT_CONTEXT_FRAMES = 3
+# A context-tokens file larger than this is not one (Terra's 576 codes x 100 frames is 57,600).
+MAX_TOKEN_ITEMS = 16 * 2**20
 
 
 def read_context_frames(sources: Sequence[Path], count: int | None) -> list[np.ndarray]:
@@ -20,6 +22,7 @@ def read_context_frames(sources: Sequence[Path], count: int | None) -> list[np.n
     Several sources are read one after the other, as one sequence. `count` None: up to
     DEFAULT_CONTEXT_FRAMES, fewer when fewer are given. An explicit `count` needs that many.
     """
+    from terra_cli.media.files import check_input_file
     from terra_cli.media.frames import MediaError, iter_frames
 
     keep = count if count is not None else DEFAULT_CONTEXT_FRAMES
@@ -28,6 +31,8 @@ def read_context_frames(sources: Sequence[Path], count: int | None) -> list[np.n
         source = Path(source)
         if not source.exists():
             raise MediaError(f"context {source} does not exist")
+        if not source.is_dir():
+            check_input_file(source, "context", error=MediaError)  # a FIFO would block in open()
         recent.extend(iter_frames(source))  # streams: a long video is never held whole
     if count is not None and len(recent) < count:
         raise MediaError(f"--context-frames {count} asks for {count} frames, but --context gave only {len(recent)}")
@@ -36,12 +41,9 @@ def read_context_frames(sources: Sequence[Path], count: int | None) -> list[np.n
 
 def load_context_tokens(path: Path, count: int | None) -> np.ndarray:
     """int (K, T) tokens from a .npy; with `count`, the last `count` rows."""
-    if not path.is_file():
-        raise InputError(f"context tokens file {path} does not exist")
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot read {path} as a .npy array: {exc}") from exc
+    from terra_cli.media.files import read_npy
+
+    arr = read_npy(path, "context tokens file", max_items=MAX_TOKEN_ITEMS)
     if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
         raise InputError(f"{path}: context tokens must be an int array (frames, 576), got {arr.dtype} {arr.shape}")
     if count is not None:

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from terra_cli.errors import InputError
+from terra_cli.scenarios.outdir import check_out_dir, plan_outputs
 from terra_cli.scenarios.runner import RESULTS_NAME, ScenarioRun, check_scenarios, run_scenarios
-from terra_cli.scenarios.spec import Defaults, ScenarioFile, read_scenarios
+from terra_cli.scenarios.spec import Defaults, ScenarioFile, check_context_tokens, read_scenarios
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,13 @@ class ScenarioJob:
     device: str = "auto"
     dtype: str = "auto"
     engine_options: dict = field(default_factory=dict)  # vLLM engine arguments, e.g. kv_cache_dtype
-    max_rollouts: int = 128  # in flight on one engine; 128 full-length rollouts fit bf16 KV on an 80 GB GPU
+    max_rollouts: int | None = None  # in flight on one engine; None: as many as the KV cache holds (auto_in_flight)
     decode: bool = True  # False: tokens only (.npy), no image decoder
     temperature: float = 0.9
     top_k: int = 0
     top_p: float = 1.0
     threads: int = 0  # CPU threads for the reference backend (0: torch's default)
+    overwrite: bool = False  # replace files no terra run recorded for their scenario; re-run changed scenarios
 
 
 @dataclass
@@ -52,8 +54,10 @@ class PreparedJob:
 
 
 def prepare_job(job: ScenarioJob) -> PreparedJob:
-    """Every check that needs no model: options, outputs, every scenario line, model and tokenizer
-    found. Raises a one-line InputError naming what is wrong."""
+    """Every check that needs no model weights: options, --out-dir, every scenario line (token
+    contexts against the model's config), model and tokenizer found, and what the run would
+    replace in --out-dir. Raises a one-line InputError or OutputError naming what is wrong; writes
+    nothing (the run re-checks --out-dir once it holds it)."""
     from terra_cli.backends import Sampling, check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_model
@@ -61,13 +65,12 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     from terra_cli.media.frames import check_video_writer
 
     out_dir = Path(job.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--out-dir {out_dir} is a file; pass a folder")
+    check_out_dir(out_dir)
     Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.defaults.seed)
     device = resolve_device(job.device)
     resolve_dtype_name(job.dtype, device)
-    if job.max_rollouts < 1:
-        raise InputError(f"--max-rollouts must be at least 1, got {job.max_rollouts}")
+    if job.max_rollouts is not None and job.max_rollouts < 1:
+        raise InputError(f"--max-rollouts must be at least 1 or auto, got {job.max_rollouts}")
     if job.defaults.image_root is not None and not Path(job.defaults.image_root).is_dir():
         raise InputError(f"--image-root {job.defaults.image_root} is not a folder (give the nuScenes dataroot)")
     file = read_scenarios(job.scenarios, job.defaults, job.rollouts)  # every line, before any model
@@ -77,20 +80,40 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     if job.decode:
         check_video_writer()
     choice = resolve_model(job.model, job.variant, job.tokenizer)
-    load_config(choice.world_model_dir)
+    layout = load_config(choice.world_model_dir).layout
+    file = check_context_tokens(file, layout.image_tokens, layout.image_vocab_size)
+    check_scenarios(file, job.skip_invalid)
     images = any(s.context_tokens is None for s in file.scenarios)
     needs_tokenizer = job.decode or images
     if needs_tokenizer and choice.tokenizer is None:
         why = "to decode videos" if job.decode else "to encode image contexts"
         raise InputError(f"--model {job.model} comes without an image tokenizer, needed {why}: pass --tokenizer "
                          "DIR_OR_HUB_ID" + ("" if images else " (or --no-decode for tokens only)"))
+    if out_dir.is_dir():
+        plan_outputs(file.scenarios, out_dir, decode=job.decode, overwrite=job.overwrite)
     return PreparedJob(job, file, backend, device, choice.label, needs_tokenizer)
+
+
+# --max-rollouts auto: at most this many in flight (256 was the fastest measured, benchmarks/README.md)
+AUTO_MAX_ROLLOUTS = 256
+
+
+def parse_max_rollouts(text) -> int | None:
+    """--max-rollouts: `auto` (None: chosen from the KV cache once the engine is up) or a count >= 1."""
+    value = str(text).strip().lower()
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise InputError(f"--max-rollouts must be auto or a whole number >= 1, got {text!r}")
+    return int(value)
 
 
 @dataclass
 class EngineReady:
     seconds: float  # from the start of loading to an engine that takes requests
     startup: dict  # vLLM's own start-up phases, when known
+    in_flight: int = 1  # rollouts in flight on this engine
+    in_flight_reason: str = ""  # why that many, with --max-rollouts auto
 
 
 def run_scenario_job(
@@ -101,6 +124,7 @@ def run_scenario_job(
     on_written: Callable[[dict], None] = lambda record: None,
     only_ids: set[str] | None = None,
     results_name: str = RESULTS_NAME,
+    lock: bool = True,
 ) -> ScenarioRun:
     """Load the tokenizer and the engine, run the pending scenarios, close the engine."""
     import torch
@@ -119,17 +143,24 @@ def run_scenario_job(
         check_tokenizer_matches(tokenizer, config)
     options = dict(job.engine_options)
     if prepared.backend == "vllm":
-        options["max_rollouts"] = job.max_rollouts
+        options["max_rollouts"] = job.max_rollouts or AUTO_MAX_ROLLOUTS
     elif job.threads:
         torch.set_num_threads(job.threads)
     engine = load_backend(prepared.backend, choice.world_model_dir, device=prepared.device, dtype=job.dtype, **options)
     try:
+        in_flight, reason = job.max_rollouts or 1, ""
+        if prepared.backend == "vllm" and job.max_rollouts is None:
+            from terra_cli.backends.vllm_stream import auto_in_flight
+
+            longest = max((s.frames for s in prepared.file.scenarios), default=config.layout.max_frames)
+            in_flight, reason = auto_in_flight(engine, longest, AUTO_MAX_ROLLOUTS)
         on_ready(EngineReady(round(time.perf_counter() - started, 2),
-                             {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"}))
+                             {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"},
+                             in_flight, reason))
         return run_scenarios(prepared.file, job.out_dir, engine, tokenizer, decode=job.decode,
-                             max_rollouts=job.max_rollouts, skip_invalid=job.skip_invalid,
+                             max_rollouts=in_flight, skip_invalid=job.skip_invalid,
                              temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
                              on_progress=lambda run, total: on_frame(), on_written=on_written,
-                             only_ids=only_ids, results_name=results_name)
+                             only_ids=only_ids, results_name=results_name, overwrite=job.overwrite, lock=lock)
     finally:
         engine.close()

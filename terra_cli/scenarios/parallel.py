@@ -23,8 +23,8 @@ from typing import Callable
 
 from terra_cli.errors import InputError
 from terra_cli.scenarios.job import EngineReady, PreparedJob, run_scenario_job
-from terra_cli.scenarios.runner import (RESULTS_NAME, SHARD_RESULTS_GLOB, ResultsLog, ScenarioRun, completed_ids,
-                                        log_skipped, read_results)
+from terra_cli.scenarios.outdir import OutDirLock, check_out_dir, plan_outputs
+from terra_cli.scenarios.runner import RESULTS_NAME, SHARD_RESULTS_GLOB, ResultsLog, ScenarioRun, log_skipped, read_results
 from terra_cli.scenarios.spec import Scenario
 
 POLL_SECONDS = 0.5
@@ -94,20 +94,27 @@ def run_data_parallel(
 ) -> ParallelRun:
     """Run `prepared` on `workers` engines. KeyboardInterrupt (or SIGTERM, which the CLI turns
     into one) stops every worker; each writes what it finished, and the logs are folded before
-    the interrupt propagates."""
-    import multiprocessing
-    import time
-
+    the interrupt propagates. This process holds --out-dir for the workers."""
     job = prepared.job
     devices = worker_devices(prepared.device, workers)
     out_dir = Path(job.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out_dir)
+    with OutDirLock(out_dir):
+        return _run_workers(prepared, devices, out_dir, on_ready, on_frame, on_written)
+
+
+def _run_workers(prepared: PreparedJob, devices: list[str | None], out_dir: Path, on_ready, on_frame,
+                 on_written) -> ParallelRun:
+    import multiprocessing
+    import time
+
+    job, workers = prepared.job, len(devices)
     merge_shard_results(out_dir)
+    plan = plan_outputs(prepared.file.scenarios, out_dir, decode=job.decode, overwrite=job.overwrite)
     run = ParallelRun()
     run.skipped = log_skipped(prepared.file, ResultsLog(out_dir, RESULTS_NAME))
-    done_before = completed_ids(out_dir)
-    pending = [s for s in prepared.file.scenarios if s.id not in done_before]
-    run.resumed = len(prepared.file.scenarios) - len(pending)
+    pending = plan.pending
+    run.resumed = plan.resumed
     shares = split_scenarios(pending, workers)
     threads = max(1, (os.cpu_count() or 1) // workers) if prepared.device == "cpu" else 0
     context = multiprocessing.get_context("spawn")  # a fork would copy CUDA or vLLM state into the workers
@@ -222,7 +229,7 @@ def _worker_main(prepared: PreparedJob, worker: int, ids: list[str], gpu: str | 
         configure_vllm_env()
     try:
         run_scenario_job(
-            prepared, only_ids=set(ids), results_name=SHARD_RESULTS_GLOB.replace("*", str(worker)),
+            prepared, only_ids=set(ids), results_name=SHARD_RESULTS_GLOB.replace("*", str(worker)), lock=False,
             on_ready=lambda ready: events.put(("ready", worker, ready)),
             on_frame=lambda: events.put(("frame", worker, None)),
             on_written=lambda record: events.put(("written", worker, record)))

@@ -15,11 +15,16 @@ from the trailing `_<digits>` of each file name and scores the last 44 frames, s
 scenario writes `NUSCENES_ACTION_<id:06>.mp4` of 47 frames (3 context + 44 generated) by default,
 the names and length Terra's own script uses. With --rollouts N the samples go to `s0/`, `s1/`, ...,
 each a folder the scorer can read. Every line is checked and every problem is collected
-with its line number, so the user fixes them all at once.
+with its line number, so the user fixes them all at once, and two lines that would write the
+same file (sample_id 1 and "01", or names that differ only in case) are refused.
+
+Each scenario carries a digest of its normalised content (defaults applied, actions resolved):
+results.jsonl records it, so a re-run notices a line that changed but kept its id.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, replace
@@ -28,15 +33,20 @@ from pathlib import Path
 import numpy as np
 
 from terra_cli.actions import PRESETS, ActionsError, normalize_actions, instruction_trajs_to_actions, resolve_actions
+from terra_cli.backends.base import MAX_SEED
 from terra_cli.errors import InputError
 from terra_cli.pipeline import inputs
+from terra_cli.pipeline.rounds import MAX_TOTAL_FRAMES
+from terra_cli.scenarios.contexts import check_images, check_regular_file, check_token_values, check_tokens_file
 
 TOKENS_SUFFIX = ".npy"
 TERRA_FRAMES = 25
 ACT_BENCH_FRAMES = 47
 ACT_BENCH_PREFIX = "NUSCENES_ACTION_"
-# Scenario ids become file names: keep them portable.
-_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,150}$")
+# Scenario ids become file names: keep them portable (fullmatch: `$` would let a trailing newline in).
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,150}")
+# A line longer than this is not a scenario (an ACT-Bench line is about 120 kB); checked before parsing.
+MAX_LINE_CHARS = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class Scenario:
     context_frames: int = inputs.DEFAULT_CONTEXT_FRAMES
     source_format: str = "terra"  # or "act-bench"
     stem: str = ""  # output path without suffix, relative to --out-dir; "" means the id
+    digest: str = ""  # of the normalised content (`content_digest`), recorded in results.jsonl
 
     @property
     def output_stem(self) -> str:
@@ -74,7 +85,24 @@ class Scenario:
         """The index-th seeded sample of this scene: seed + index, id suffixed `_s{index}`. An
         ACT-Bench sample keeps its scorer-readable file name, in folder `s{index}/`."""
         stem = f"s{index}/{self.output_stem}" if self.source_format == "act-bench" else ""
-        return replace(self, id=f"{self.id}_s{index}", seed=self.seed + index, stem=stem)
+        digest = "sha256:" + hashlib.sha256(f"{self.digest} sample {index}".encode()).hexdigest()
+        return replace(self, id=f"{self.id}_s{index}", seed=self.seed + index, stem=stem, digest=digest)
+
+    def output_names(self, decode: bool) -> list[str]:
+        """The files this scenario writes under --out-dir (what results.jsonl's `paths` lists)."""
+        return [f"{self.output_stem}.mp4", f"{self.output_stem}.npy"] if decode else [f"{self.output_stem}.npy"]
+
+
+def content_digest(scenario: Scenario, context=None) -> str:
+    """sha256 of what decides a scenario's video: id, output name, frames, seed, the context as the
+    line names it (`context`; relative paths, so the same file read from another folder matches)
+    and how many of its frames, and the resolved actions the frames use (so presets, speed and
+    action files are covered). Context files are named, not hashed."""
+    used = np.ascontiguousarray(scenario.actions[: max(scenario.frames - 1, 0)], dtype=np.float32)
+    fields = {"id": scenario.id, "stem": scenario.output_stem, "frames": scenario.frames, "seed": scenario.seed,
+              "format": scenario.source_format, "context_frames": scenario.context_frames, "context": context,
+              "actions": hashlib.sha256(used.tobytes()).hexdigest()}
+    return "sha256:" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -97,8 +125,12 @@ class ScenarioFile:
 def read_scenarios(path: Path, defaults: Defaults = Defaults(), rollouts: int = 1) -> ScenarioFile:
     """Parse and validate every line; `rollouts` > 1 expands each scenario into seeded samples."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise InputError(f"--scenarios {path} does not exist (give a .jsonl file, one scenario per line)")
+    try:
+        check_regular_file(path, "--scenarios")
+    except InputError as exc:
+        raise InputError(f"{exc} (a .jsonl file, one scenario per line)") from None
     if rollouts < 1:
         raise InputError(f"--rollouts must be at least 1, got {rollouts}")
     try:
@@ -114,13 +146,7 @@ def read_scenarios(path: Path, defaults: Defaults = Defaults(), rollouts: int = 
         if not text.strip() or text.lstrip().startswith("#"):
             continue
         try:
-            record = json.loads(text)
-            if not isinstance(record, dict):
-                raise InputError(f"expected a JSON object, got {type(record).__name__}")
-            scenario = parse_record(record, number, base, defaults)
-        except json.JSONDecodeError as exc:
-            problems.append(Problem(number, f"not JSON: {exc.msg} at column {exc.colno}"))
-            continue
+            scenario = _parse_line(text, number, base, defaults, rollouts)
         except (InputError, ActionsError) as exc:
             problems.append(Problem(number, " ".join(str(exc).split())))
             continue
@@ -134,8 +160,71 @@ def read_scenarios(path: Path, defaults: Defaults = Defaults(), rollouts: int = 
         raise InputError(f"--scenarios {path} holds no scenarios")
     if rollouts > 1:
         scenarios = [s.sample(i) for s in scenarios for i in range(rollouts)]
+    scenarios = _refuse_shared_files(scenarios, problems)
+    problems.sort(key=lambda p: p.line)
     fmt = formats.pop() if len(formats) == 1 else ("mixed" if formats else "terra")
     return ScenarioFile(path, scenarios, problems, fmt)
+
+
+def check_context_tokens(file: ScenarioFile, image_tokens: int, image_vocab: int) -> ScenarioFile:
+    """Token contexts against the model's layout (its config, before its weights load): a bad
+    line becomes a problem with its line number, like every other check."""
+    problems = list(file.problems)
+    bad_lines: set[int] = set()
+    checked: set[int] = set()
+    for s in file.scenarios:
+        if s.context_tokens is None or s.line in checked:
+            continue
+        checked.add(s.line)
+        try:
+            check_token_values(s.context_tokens, s.context_frames, image_tokens, image_vocab)
+        except InputError as exc:
+            bad_lines.add(s.line)
+            problems.append(Problem(s.line, " ".join(str(exc).split())))
+    if not bad_lines:
+        return file
+    problems.sort(key=lambda p: p.line)
+    return replace(file, scenarios=[s for s in file.scenarios if s.line not in bad_lines], problems=problems)
+
+
+def _parse_line(text: str, number: int, base: Path, defaults: Defaults, rollouts: int) -> Scenario:
+    if len(text) > MAX_LINE_CHARS:
+        raise InputError(f"the line is {len(text)} characters long; a scenario is at most {MAX_LINE_CHARS}")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"not JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:
+        raise InputError("not a scenario: the JSON is nested too deeply") from None
+    except ValueError as exc:  # Python refuses integers of more than 4300 digits
+        why = "a number has too many digits" if "digits" in str(exc) else " ".join(str(exc).split())[:120]
+        raise InputError(f"not JSON terra can read: {why}") from None
+    if not isinstance(record, dict):
+        raise InputError(f"expected a JSON object, got {type(record).__name__}")
+    try:
+        scenario = parse_record(record, number, base, defaults)
+    except RecursionError:
+        raise InputError("a value is nested too deeply") from None
+    if scenario.seed + rollouts - 1 > MAX_SEED:
+        raise InputError(f"'seed' {scenario.seed} + {rollouts} rollout(s) - 1 is above the maximum seed {MAX_SEED}")
+    context = record.get("context_frames" if scenario.source_format == "act-bench" else "context")
+    return replace(scenario, digest=content_digest(scenario, context))
+
+
+def _refuse_shared_files(scenarios: list[Scenario], problems: list[Problem]) -> list[Scenario]:
+    """Two scenarios may not write one file: equal output names, or names equal but for case
+    (one file on macOS and Windows file systems). The later line is the problem."""
+    first: dict[str, Scenario] = {}
+    bad_lines: set[int] = set()
+    for s in scenarios:
+        key = s.output_stem.casefold()
+        other = first.setdefault(key, s)
+        if other is not s and other.line != s.line and s.line not in bad_lines:
+            bad_lines.add(s.line)
+            same = "is" if other.output_stem == s.output_stem else "differs only in case from"
+            problems.append(Problem(s.line, f"id {s.id!r} writes {s.output_stem}.*, which {same} the output of id "
+                                            f"{other.id!r} on line {other.line}; give the scenarios distinct ids"))
+    return [s for s in scenarios if s.line not in bad_lines]
 
 
 def parse_record(record: dict, line: int, base: Path, defaults: Defaults) -> Scenario:
@@ -146,20 +235,38 @@ def parse_record(record: dict, line: int, base: Path, defaults: Defaults) -> Sce
 
 def _check_id(value) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise InputError(f"id must be a string or an integer, got {value!r}")
+        raise InputError(f"id must be a string or an integer, got {_short(value)}")
     text = str(value)
-    if not _SAFE_ID.match(text):
-        raise InputError(f"id {text!r} must be letters, digits, '.', '_' or '-' (it names the output files)")
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise InputError(f"id {_short(text)} holds a control character (a newline, a tab, ...); ids name the output files")
+    if not _SAFE_ID.fullmatch(text):
+        raise InputError(f"id {_short(text)} must be 1 to 151 letters, digits, '.', '_' or '-', starting with a letter "
+                         "or digit (it names the output files)")
     return text
 
 
-def _int_field(record: dict, key: str, default: int, minimum: int | None = None) -> int:
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int_field(record: dict, key: str, default: int, minimum: int | None = None, maximum: int | None = None) -> int:
     value = record.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(f"{key!r} must be an integer, got {value!r}")
+        raise InputError(f"{key!r} must be an integer, got {_short(value)}")
     if minimum is not None and value < minimum:
-        raise InputError(f"{key!r} must be at least {minimum}, got {value}")
+        raise InputError(f"{key!r} must be at least {minimum}, got {_short(value)}")
+    if maximum is not None and value > maximum:
+        raise InputError(f"{key!r} must be at most {maximum}, got {_short(value)}")
     return value
+
+
+def _finite_actions(actions: np.ndarray, frames: int) -> np.ndarray:
+    """The rows `frames` frames use, as float32, finite after the cast (1e39 is inf in float32)."""
+    used = np.asarray(actions[: max(frames - 1, 1)], dtype=np.float32)
+    if not np.isfinite(used).all():
+        raise InputError("actions hold NaN, inf, or values too large for float32 (above about 3.4e38)")
+    return used
 
 
 def _parse_terra(record: dict, line: int, base: Path, defaults: Defaults) -> Scenario:
@@ -172,18 +279,19 @@ def _parse_terra(record: dict, line: int, base: Path, defaults: Defaults) -> Sce
     scenario_id = _check_id(record["id"])
     if "actions" not in record:
         raise InputError("missing 'actions' (a preset, a file, or an inline (frames, 6, 3) array)")
-    frames = _int_field(record, "frames", defaults.frames or TERRA_FRAMES, 2)
-    seed = _int_field(record, "seed", defaults.seed, 0)
-    count = _int_field(record, "context_frames", defaults.context_frames, 1)
+    frames = _int_field(record, "frames", defaults.frames or TERRA_FRAMES, 2, MAX_TOTAL_FRAMES)
+    seed = _int_field(record, "seed", defaults.seed, 0, MAX_SEED)
+    count = _int_field(record, "context_frames", defaults.context_frames, 1, MAX_TOTAL_FRAMES)
     speed = record.get("speed", defaults.speed_kmh)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not np.isfinite(speed) or speed < 0:
         raise InputError(f"'speed' must be a number of km/h >= 0, got {speed!r}")
-    actions = _resolve_actions(record["actions"], frames, float(speed), base)
+    with np.errstate(over="ignore"):  # a value past float32's range becomes inf, which is refused next
+        actions = _finite_actions(_resolve_actions(record["actions"], frames, float(speed), base), frames)
     images, tokens = _resolve_context(record.get("context"), base)
     if tokens is not None:
-        count = _check_tokens_file(tokens, count)
+        count = check_tokens_file(tokens, count)
     elif images:
-        count = _check_images(images, count)
+        count = check_images(images, count)
     inputs.check_frame_count(frames, count)
     inputs.check_actions_cover(actions, frames)
     return Scenario(scenario_id, line, actions, frames, seed, tuple(images), tokens, count, "terra")
@@ -195,15 +303,21 @@ def _resolve_actions(value, frames: int, speed: float, base: Path) -> np.ndarray
             return resolve_actions(value, frames=frames, speed_kmh=speed)
         path = base / value
         if not path.exists():
-            raise InputError(f"actions {value!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file "
+            raise InputError(f"actions {_short(value)} is neither a preset ({', '.join(PRESETS)}) nor an existing file "
                              f"(paths are relative to the scenario file)")
+        check_regular_file(path, "actions file")
         return resolve_actions(str(path), frames=frames, speed_kmh=speed)
     if isinstance(value, list):
+        if len(value) > MAX_TOTAL_FRAMES * 6:  # (frames, 6, 3) or (frames * 6, 3): refused before converting
+            raise InputError(f"inline 'actions' have {len(value)} rows; a scenario takes at most {MAX_TOTAL_FRAMES} frames")
         try:
             array = np.asarray(value, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise InputError("inline 'actions' must be numbers of shape (frames, 6, 3)") from exc
-        return normalize_actions(array, "inline actions")
+        actions = normalize_actions(array, "inline actions")
+        if actions.shape[0] > MAX_TOTAL_FRAMES:
+            raise InputError(f"inline 'actions' have {actions.shape[0]} frames; a scenario takes at most {MAX_TOTAL_FRAMES}")
+        return actions
     raise InputError(f"'actions' must be a preset, a file path or an array, got {type(value).__name__}")
 
 
@@ -225,47 +339,6 @@ def _resolve_context(value, base: Path, relative_to: str = "the scenario file") 
     return paths, None
 
 
-def _check_tokens_file(path: Path, count: int) -> int:
-    """Header-only check (shape, dtype) of a tokens .npy; returns how many rows will be used."""
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot read {path.name} as a .npy array: {exc}") from exc
-    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
-        raise InputError(f"{path.name}: context tokens must be an int array (frames, 576), got {array.dtype} {array.shape}")
-    if array.shape[0] < 1:
-        raise InputError(f"{path.name} holds no frames")
-    return min(count, array.shape[0])
-
-
-def _check_images(paths: list[Path], count: int) -> int:
-    """Images are opened header-only (size, readable); videos and folders are counted. Returns the
-    number of context frames that will be used (the last `count`)."""
-    from PIL import Image, UnidentifiedImageError
-
-    from terra_cli.media.frames import count_frames, is_video, list_images
-
-    total = 0
-    for path in paths:
-        if path.is_dir():
-            files = list_images(path)
-            if not files:
-                raise InputError(f"context folder {path.name} holds no images")
-            total += len(files)
-        elif is_video(path):
-            total += count_frames(path) or 0
-        else:
-            try:
-                with Image.open(path) as image:
-                    image.verify()
-            except (OSError, UnidentifiedImageError) as exc:
-                raise InputError(f"context image {path.name} cannot be read: {exc}") from exc
-            total += 1
-    if total < 1:
-        raise InputError("context holds no frames")
-    return min(count, total)
-
-
 def _parse_act_bench(record: dict, line: int, base: Path, defaults: Defaults) -> Scenario:
     sample_id = record["sample_id"]
     scenario_id = _check_id(sample_id)
@@ -274,18 +347,18 @@ def _parse_act_bench(record: dict, line: int, base: Path, defaults: Defaults) ->
     frames_value = record.get("context_frames")
     if not isinstance(frames_value, list) or not frames_value or not all(isinstance(v, str) for v in frames_value):
         raise InputError("ACT-Bench 'context_frames' must be a non-empty list of image paths")
-    actions = instruction_trajs_to_actions(record["instruction_trajs"], "instruction_trajs")
+    frames = defaults.frames or ACT_BENCH_FRAMES
+    actions = _finite_actions(instruction_trajs_to_actions(record["instruction_trajs"], "instruction_trajs"), frames)
     root = defaults.image_root or base
     where = f"--image-root {root}" if defaults.image_root else "the scenario file's folder; pass --image-root DATAROOT"
     images, _ = _resolve_context(frames_value, root, relative_to=where)
-    count = _check_images(images, len(images))
-    frames = defaults.frames or ACT_BENCH_FRAMES
+    count = check_images(images, len(images))
     if actions.shape[0] < frames - 1:
         raise InputError(f"'instruction_trajs' has {actions.shape[0]} rows; {frames} frames need at least {frames - 1} "
                          f"(pass a smaller --frames)")
     inputs.check_frame_count(frames, count)
     inputs.check_actions_cover(actions, frames)
-    seed = _int_field(record, "seed", defaults.seed, 0)
+    seed = _int_field(record, "seed", defaults.seed, 0, MAX_SEED)
     return Scenario(scenario_id, line, actions, frames, seed, tuple(images), None, count, "act-bench",
                     stem=act_bench_stem(sample_id))
 

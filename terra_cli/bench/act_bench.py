@@ -1,0 +1,202 @@
+"""`terra bench --act-bench N`: an ACT-Bench-shaped run end to end, the time a user will see.
+
+N samples in ACT-Bench's own JSONL format (sample_id, context_frames image paths relative to an
+image root, instruction_trajs of 60 points per frame) are written under a temporary folder, with
+random smooth JPEG context images of nuScenes' CAM_FRONT size (1600x900, resized by the reader as
+real ones are) and preset trajectories at 10-50 km/h. They then go through `terra generate
+--scenarios`' own code (`scenarios.job.prepare_job` + `run_scenario_job`): images read and
+encoded, continuous batching, 47 frames in two rounds (the second re-seeded with the first's last
+three frames), every video decoded and written as mp4 with its tokens and a `results.jsonl` line.
+
+Reported: wall seconds per sample and generated frames/s, the phases (engine start-up, admission
+to first frame, generating, draining the writer), and the projection for ACT-Bench's 2,286
+samples: start-up once plus the measured steady time per sample.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from terra_cli.bench.scenarios import ACT_BENCH_SAMPLES, PRESETS, BusySampler, _gpu_indices
+
+NUSCENES_SIZE = (1600, 900)  # CAM_FRONT width x height
+DISTINCT_IMAGE_SETS = 64  # samples beyond this reuse earlier images (their encoding costs the same)
+
+
+@dataclass(frozen=True)
+class ActBenchPlan:
+    samples: int
+    frames: int = 47  # ACT-Bench: 3 context + 44 generated
+    context_frames: int = 3
+    max_rollouts: int | None = None  # None: auto (backends.vllm_stream.auto_in_flight)
+    backend: str = "vllm"
+    device: str = "auto"
+    dtype: str = "auto"
+    temperature: float = 0.9
+    seed: int = 0
+    image_size: tuple[int, int] = NUSCENES_SIZE
+    vllm_options: dict = field(default_factory=dict)
+
+
+def write_act_bench_samples(folder: Path, plan: ActBenchPlan) -> tuple[Path, Path]:
+    """ACT-Bench lines and their context images: returns (JSONL path, image root)."""
+    from PIL import Image
+
+    from terra_cli.actions import preset_trajs
+
+    rng = np.random.default_rng(plan.seed)
+    root = folder / "nuscenes"
+    (root / "samples" / "CAM_FRONT").mkdir(parents=True, exist_ok=True)
+    width, height = plan.image_size
+    lines = []
+    for i in range(plan.samples):
+        names = []
+        for k in range(plan.context_frames):
+            name = f"samples/CAM_FRONT/bench_{i % DISTINCT_IMAGE_SETS:04d}_{k}.jpg"
+            if i < DISTINCT_IMAGE_SETS:
+                # Smooth colour fields: JPEG sizes like a photo's, not incompressible noise.
+                coarse = rng.integers(0, 256, size=(6, 10, 3), dtype=np.uint8)
+                Image.fromarray(coarse).resize((width, height), Image.BILINEAR).save(root / name, quality=90)
+            names.append(name)
+        speed = float(rng.uniform(10, 50))
+        trajs = preset_trajs(PRESETS[i % len(PRESETS)], plan.frames - 1, speed)
+        lines.append({"sample_id": i, "context_frames": names,
+                      "instruction_trajs": np.round(trajs, 4).tolist(), "seed": plan.seed + i})
+    path = folder / "act_bench.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path, root
+
+
+def bench_tokenizer(checkpoint: Path, model: str | None, seed: int, log: Callable[[str], None] = print) -> str | None:
+    """The image tokenizer for the run: None for the model's own (a Terra snapshot), else the
+    embedded one when its codes fit the model, else random weights of Terra's tokenizer for a
+    Terra-size model (the work per image is the real one's)."""
+    from terra_cli.errors import InputError
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.default import default_tokenizer_dir
+    from terra_cli.models.resolve import resolve_model
+    from tokenizer_decoder import TERRA_TOKENIZER_CONFIG, TokenizerConfig
+
+    if model is not None and resolve_model(model).tokenizer is not None:
+        return None
+    layout = load_config(checkpoint).layout
+    embedded = TokenizerConfig.load(default_tokenizer_dir())
+    if embedded.codebook_size == layout.image_vocab_size:
+        return str(default_tokenizer_dir())
+    if TERRA_TOKENIZER_CONFIG.codebook_size != layout.image_vocab_size:
+        raise InputError(f"--act-bench: no image tokenizer with {layout.image_vocab_size} codes for --model {model}")
+    from terra_cli.bench.hf_vs_vllm import random_model_cache
+
+    target = random_model_cache() / f"random-terra-tokenizer-seed{seed}"
+    if not (target / "config.json").is_file():
+        import os
+
+        from tokenizer_decoder import ImageTokenizer
+
+        log(f"building Terra's tokenizer config with random weights -> {target} ...")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".random-tokenizer-", dir=target.parent) as tmp:
+            ImageTokenizer.from_config(TERRA_TOKENIZER_CONFIG, seed=seed, device="cpu").save_pretrained(Path(tmp) / "t")
+            os.replace(Path(tmp) / "t", target)
+    return str(target)
+
+
+def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, out_dir: Path | None = None,
+                  log: Callable[[str], None] = print) -> dict:
+    """Write the samples, run them the way `terra generate --scenarios` does, time it. Everything
+    stays in `out_dir` when given, else in a temporary folder that is removed."""
+    from terra_cli.errors import InputError
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.pipeline.rounds import plan_rounds
+    from terra_cli.scenarios.job import ScenarioJob, prepare_job, run_scenario_job
+    from terra_cli.scenarios.runner import RESULTS_NAME, read_results
+    from terra_cli.scenarios.spec import Defaults
+
+    with tempfile.TemporaryDirectory(prefix="terra-bench-act-") as tmp:
+        work = Path(out_dir) if out_dir is not None else Path(tmp)
+        outputs = work / "outputs"
+        if outputs.is_dir() and any(outputs.iterdir()):
+            raise InputError(f"--keep-outputs {work} holds an earlier run's outputs/, which this run would resume "
+                             "instead of measuring; name a new folder")
+        work.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        path, image_root = write_act_bench_samples(work, plan)
+        written_s = time.perf_counter() - started
+        job = ScenarioJob(path, outputs, Defaults(frames=plan.frames, seed=plan.seed, image_root=image_root),
+                          model=str(checkpoint), tokenizer=tokenizer, backend=plan.backend, device=plan.device,
+                          dtype=plan.dtype, engine_options=dict(plan.vllm_options), max_rollouts=plan.max_rollouts,
+                          decode=True, temperature=plan.temperature)
+        prepared = prepare_job(job)
+        generated = sum(s.frames - s.context_frames for s in prepared.file.scenarios)
+        first = prepared.file.scenarios[0]
+        rounds = len(plan_rounds(first.context_frames, first.frames, load_config(checkpoint).layout.max_frames))
+        sampler = BusySampler(_gpu_indices(prepared.device, 1))
+        marks: dict[str, float] = {}
+        ready_info: dict = {}
+        frames = [0]
+
+        def on_ready(ready) -> None:
+            marks["ready"] = time.perf_counter()
+            ready_info.update(startup_s=ready.seconds, startup=ready.startup, in_flight=ready.in_flight,
+                              in_flight_reason=ready.in_flight_reason)
+            log(f"engine ready in {ready.seconds:.1f} s, {ready.in_flight} in flight"
+                + (f" ({ready.in_flight_reason})" if ready.in_flight_reason else ""))
+
+        def on_frame() -> None:
+            if not frames[0]:
+                marks["first_frame"] = time.perf_counter()
+                sampler.start()
+            frames[0] += 1
+            marks["last_frame"] = time.perf_counter()
+
+        log(f"{plan.samples} ACT-Bench samples of {plan.frames} frames ({generated} frames to generate), "
+            f"KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
+        marks["start"] = time.perf_counter()
+        try:
+            run = run_scenario_job(prepared, on_ready=on_ready, on_frame=on_frame)
+        finally:
+            sampler.stop()
+        end = time.perf_counter()
+        if run.errors or run.done != plan.samples:
+            raise RuntimeError(f"ACT-Bench run incomplete: {run.done} of {plan.samples} done; {run.errors[:3]}")
+        records = [r for r in read_results(outputs / RESULTS_NAME) if r.get("status") == "done"]
+        videos = sorted(p.name for p in outputs.rglob("*.mp4"))
+        steady = end - marks["ready"]
+        startup = marks["ready"] - marks["start"]
+        results = {
+            "plan": {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.__dict__.items()},
+            "tokenizer": tokenizer,
+            "engine": ready_info,
+            "run": {
+                "samples": plan.samples, "rounds_per_sample": rounds, "generated_frames": frames[0],
+                "videos_written": len(videos),
+                "results_lines_done": len(records),
+                "seconds_wall": round(end - marks["start"], 2),
+                "seconds_per_sample_wall": round((end - marks["start"]) / plan.samples, 3),
+                "seconds_per_sample_steady": round(steady / plan.samples, 3),
+                "generated_frames_per_s": round(frames[0] / max(steady, 1e-9), 3),
+                "gpu_busy": sampler.busy(),
+                "phases_s": {
+                    "write_samples": round(written_s, 2),
+                    "startup": round(startup, 2),
+                    "ready_to_first_frame": round(marks["first_frame"] - marks["ready"], 2),
+                    "generating": round(marks["last_frame"] - marks["first_frame"], 2),
+                    "drain_writer": round(end - marks["last_frame"], 2),
+                },
+                "projected_samples": ACT_BENCH_SAMPLES,
+                "projected_act_bench_hours": round((startup + ACT_BENCH_SAMPLES * steady / plan.samples) / 3600, 3),
+            },
+        }
+        if frames[0] != generated:
+            raise RuntimeError(f"{frames[0]} frames reported, {generated} expected")
+    r = results["run"]
+    log(f"{r['seconds_per_sample_wall']:.2f} s/sample wall ({r['seconds_per_sample_steady']:.2f} after start-up), "
+        f"{r['generated_frames_per_s']:.2f} generated frames/s, ACT-Bench projected {r['projected_act_bench_hours']:.2f} h")
+    return results

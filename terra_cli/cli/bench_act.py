@@ -1,0 +1,52 @@
+"""`terra bench --act-bench N`: checks, the run (terra_cli/bench/act_bench.py), its table and JSON."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from rich.table import Table
+
+from terra_cli.cli.app import console, out
+
+
+def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path | None, overwrite: bool) -> None:
+    from terra_cli.bench.act_bench import bench_tokenizer, run_act_bench
+    from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
+    from terra_cli.errors import InputError
+    from terra_cli.media.atomic import atomic_write_json
+    from terra_cli.models.resolve import resolve_world_model_dir
+    from terra_cli.runtime import resolve_device
+
+    # --out and --keep-outputs were checked with the bench's other outputs (cli/bench.py).
+    if plan.context_frames < 1 or plan.frames <= plan.context_frames:
+        raise InputError(f"--frames ({plan.frames}) must be more than --context-frames ({plan.context_frames}), which must be >= 1")
+    device = resolve_device(plan.device)
+    log = lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)  # noqa: E731
+    checkpoint = resolve_world_model_dir(model) if model else random_terra_checkpoint(device, plan.seed, log)
+    tokenizer = bench_tokenizer(checkpoint, model, plan.seed, log)
+    results = run_act_bench(checkpoint, tokenizer, plan, keep_outputs, log)
+    results["model"] = str(model or checkpoint)
+    results["command"] = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results["environment"] = environment()
+    run, phases = results["run"], results["run"]["phases_s"]
+    busy = ", ".join("-" if b is None else f"{b:.0%}" for b in run["gpu_busy"].values()) or "-"
+    table = Table(title=f"terra bench --act-bench: {results['model']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in (
+        ("samples x frames (rounds)", f"{plan.samples} x {plan.frames} ({run['rounds_per_sample']})"),
+        ("rollouts in flight", str(results["engine"].get("in_flight", "-"))),
+        ("s/sample, wall", f"{run['seconds_per_sample_wall']:.3f}"),
+        ("s/sample after start-up", f"{run['seconds_per_sample_steady']:.3f}"),
+        ("generated frames/s after start-up", f"{run['generated_frames_per_s']:.2f}"),
+        ("GPU busy while generating", busy),
+        *((f"phase: {k.replace('_', ' ')} s", f"{v:.1f}") for k, v in phases.items()),
+        (f"ACT-Bench ({run['projected_samples']:,} samples), projected h", f"{run['projected_act_bench_hours']:.2f}"),
+    ):
+        table.add_row(name, value)
+    out.print(table)
+    if out_json:
+        atomic_write_json(out_json, results, overwrite=overwrite)
+        console.print(f"results -> {out_json}")

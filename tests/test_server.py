@@ -82,6 +82,7 @@ def test_video_job_tokens_match_the_reference_and_mp4_is_written(client, checkpo
     assert reply.status_code == 202, reply.text
     job = wait_job(client, reply.json()["id"])
     assert job["status"] == "done" and job["progress"] == 1.0 and job["label"] == "left-1"
+    assert 0 < job["generation_seconds"] <= job["seconds"]
     video = client.get(f"/v1/videos/{job['id']}/content")
     assert video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
     tokens = np.load(io.BytesIO(client.get(f"/v1/videos/{job['id']}/content", params={"format": "npy"}).content))

@@ -127,7 +127,7 @@ def generate_remote(url: str, request: VideoRequest, observer: Observer | None =
     except KeyboardInterrupt:
         remote.call("DELETE", f"/v1/videos/{job['id']}")
         raise
-    seconds = time.perf_counter() - started
+    seconds = job.get("generation_seconds") or time.perf_counter() - started  # the engine's time, as locally
     if job["status"] != "done":
         raise InputError(f"--server {remote.url}: the job {job['status']}" + (f": {job['error']}" if job.get("error") else ""))
     outputs, written = request.outputs, []

@@ -34,6 +34,8 @@ class VideoJob:
     finished: float | None = None
     video: Path | None = None
     tokens: Path | None = None
+    generation_started: float | None = None
+    generation_seconds: float | None = None  # engine time only, as a local run reports it
     done_event: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -45,7 +47,8 @@ class VideoJob:
                 "context_frames": self.spec.context.count, "generated_frames": self.frames_done,
                 "progress": round(self.frames_done / max(self.generated, 1), 4), "error": self.error,
                 "seed": self.spec.sampling.seed, "tokens": self.tokens is not None, "created": self.created, "finished": self.finished,
-                "seconds": None if self.finished is None else round(self.finished - self.created, 3)}
+                "seconds": None if self.finished is None else round(self.finished - self.created, 3),
+                "generation_seconds": None if self.generation_seconds is None else round(self.generation_seconds, 3)}
 
 
 class QueueFull(Exception):
@@ -113,10 +116,11 @@ class VideoJobs:
             if job.status != "encoding":
                 return
             job.status = "running"
+            job.generation_started = time.perf_counter()
             rollout = RolloutJob(job.id, tokens, spec.actions, spec.frames, spec.sampling)
             self.engine.submit(rollout, Handlers(
                 on_frame=lambda index, t: self._frame(job),
-                on_done=lambda all_tokens: self.engine.media.submit(self._write, job, all_tokens),
+                on_done=lambda all_tokens: self._generated(job, all_tokens),
                 on_cancelled=lambda: self._end(job, "cancelled"),
                 on_error=lambda exc: self._end(job, "failed", str(exc))))
         except Exception as exc:
@@ -127,6 +131,10 @@ class VideoJobs:
         if tokens.shape[1] != layout.image_tokens or tokens.min() < 0 or tokens.max() >= layout.image_vocab_size:
             raise ValueError(f"context.tokens must be codes in [0, {layout.image_vocab_size - 1}] of shape "
                              f"(frames, {layout.image_tokens})")
+
+    def _generated(self, job: VideoJob, tokens: np.ndarray) -> None:
+        job.generation_seconds = time.perf_counter() - job.generation_started
+        self.engine.media.submit(self._write, job, tokens)
 
     def _frame(self, job: VideoJob) -> None:
         job.frames_done += 1

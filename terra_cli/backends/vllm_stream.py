@@ -6,10 +6,11 @@ finishes, its next frame's request goes in (prompt = previous prompt + the 576 c
 6 action ids, served from the prefix cache), and a finished rollout's slot takes the next job.
 
 Action rows: rollout slot s owns table rows [s * max_frames * 6, (s + 1) * max_frames * 6). When a
-rollout starts a round, that round's rows are written (apply_model between steps) and the slot's
-epoch goes up; every request carries `cache_salt=f"{s}.{epoch}"`, so a prompt can never hit KV
-blocks computed while the same ids meant other waypoints, and the prefix cache never needs a
-reset while requests are in flight (vLLM refuses one then).
+rollout starts a round, that round's rows are written (apply_model between steps) and, when a row
+changes what it held, the slot's epoch goes up; every request carries `cache_salt=f"{s}.{epoch}"`,
+so a prompt can never hit KV blocks computed while the same ids meant other waypoints, and the
+prefix cache never needs a reset while requests are in flight (vLLM refuses one then). A job's
+`affinity` brings it back to its last slot, so a server session's next frame reuses its prefix.
 
 Sampling seeds depend only on (job seed, round, frame in round), the same formula as the lockstep
 `VllmBackend.generate` for rollout 0, so a job's tokens do not depend on its slot or neighbours.
@@ -41,6 +42,9 @@ class RolloutJob:
     actions: np.ndarray
     total_frames: int
     sampling: Sampling
+    # Jobs with the same affinity (a server session's steps) get the slot the last one had when it
+    # is free, so their prompts keep their salt and hit the prefix cache.
+    affinity: str | None = None
 
 
 @dataclass
@@ -159,6 +163,9 @@ class StreamDriver:
         # The table is sized for max_num_seqs sequences of max_frames frames.
         self.max_in_flight = min(max_in_flight, slots)
         self.epochs = [0] * self.max_in_flight
+        # What each slot's rows hold in its current epoch (row -> waypoints), and who used it last.
+        self.slot_rows: list[dict[int, bytes]] = [{} for _ in range(self.max_in_flight)]
+        self.slot_owner: list[str | None] = [None] * self.max_in_flight
         self.requests_done = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
@@ -176,6 +183,9 @@ class StreamDriver:
         exhausted = False
         # Rows of the lockstep backend's ActionRows are overwritten here: it must forget them.
         self.backend.action_rows.first_row.clear()
+        for slot in range(self.max_in_flight):  # the table may have changed since the last run
+            self.slot_rows[slot] = {}
+            self.epochs[slot] += 1
 
         def cancelled_now(job: RolloutJob) -> bool:
             if feed is None or job.key not in feed.cancelled():
@@ -205,7 +215,7 @@ class StreamDriver:
                         break
                     if cancelled_now(job):
                         continue
-                    rollout = self._start(job, free.pop())
+                    rollout = self._start(job, self._take_slot(free, job.affinity))
                     active[self._submit(rollout)] = rollout
                 if not active:
                     if exhausted:
@@ -233,6 +243,15 @@ class StreamDriver:
             if not self.engine.has_unfinished_requests():
                 self.backend.llm.reset_prefix_cache()
 
+    def _take_slot(self, free: list[int], affinity: str | None) -> int:
+        """The slot `affinity` used last when it is free, else one nobody claims, else any."""
+        owned = [s for s in free if affinity is not None and self.slot_owner[s] == affinity]
+        unclaimed = [s for s in free if self.slot_owner[s] is None]
+        slot = (owned or unclaimed or free)[-1]
+        free.remove(slot)
+        self.slot_owner[slot] = affinity
+        return slot
+
     # -- one rollout ------------------------------------------------------------------------
 
     def _start(self, job: RolloutJob, slot: int) -> _Rollout:
@@ -249,13 +268,27 @@ class StreamDriver:
         rnd = rollout.rounds[rollout.round_index]
         waypoints = np.ascontiguousarray(rollout.job.actions[rnd.first_frame : rnd.end - 1], dtype=np.float32)
         first_rows = (rollout.slot * layout.max_frames + np.arange(rnd.num_frames - 1)) * layout.action_tokens
-        self.backend.llm.apply_model(functools.partial(write_rows, first_rows.astype(np.int64), waypoints))
-        self.epochs[rollout.slot] += 1
+        self._write_slot_rows(rollout.slot, first_rows, waypoints)
         rollout.salt = f"{rollout.slot}.{self.epochs[rollout.slot]}"
         rollout.action_ids = layout.action_placeholder_id + first_rows[:, None] + np.arange(layout.action_tokens)
         context = rollout.frames[rnd.first_frame : rnd.first_frame + rnd.context_frames]
         rollout.prompt = interleave(context, rollout.action_ids[: rnd.context_frames])
         rollout.local_frame = rnd.context_frames
+
+    def _write_slot_rows(self, slot: int, first_rows: np.ndarray, waypoints: np.ndarray) -> None:
+        """Write a round's rows. The epoch (and so the salt) changes only when a row this epoch
+        already holds gets other waypoints: every cached block of the slot's salt saw exactly the
+        rows it holds now, so a session that appends a frame's action keeps its prefix cache."""
+        held = self.slot_rows[slot]
+        new = {int(row): waypoints[i].tobytes() for i, row in enumerate(first_rows)}
+        if any(held.get(row, value) != value for row, value in new.items()):
+            self.epochs[slot] += 1
+            held.clear()
+        changed = [i for i, row in enumerate(first_rows) if held.get(int(row)) != new[int(row)]]
+        if changed:
+            rows = np.asarray(first_rows, dtype=np.int64)[changed]
+            self.backend.llm.apply_model(functools.partial(write_rows, rows, np.ascontiguousarray(waypoints[changed])))
+        held.update(new)
 
     def _frame_finished(self, rollout: _Rollout, codes: list[int], on_frame: FrameDone | None) -> bool:
         """Store a finished frame; True when the rollout has another frame to request."""

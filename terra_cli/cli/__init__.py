@@ -7,7 +7,7 @@ import signal
 import sys
 
 from terra_cli.cli.app import actions_app, app  # noqa: F401
-from terra_cli.cli import actions, bench, eval, generate, info, refine, tokenize  # noqa: F401,E402  (registers the commands)
+from terra_cli.cli import actions, bench, eval, generate, info, refine, serve, tokenize  # noqa: F401,E402  (registers the commands)
 
 
 def _interrupt(signum, frame):

@@ -76,6 +76,7 @@ def generate(
     decoder: str = typer.Option("frames", "--decoder", help="frames: Terra's frame-wise token decoder (512x288); refiner: Terra's video refiner, the paper's ACT-Bench setting (640x384, at least 25 frames, a GPU)."),
     refiner: Optional[str] = typer.Option(None, "--refiner", help="With --decoder refiner: its weights, a .pt/.safetensors file, a folder or a hub id (default: from --model turing-motors/Terra, file video_refiner/refiner_model.pt)."),
     allow_slow: bool = typer.Option(False, "--allow-slow", help="With --decoder refiner on a CPU: run even when it is estimated to take over an hour."),
+    server: Optional[str] = typer.Option(None, "--server", help="Run on a `terra serve` at this URL (its model; no start-up here). API key: TERRA_API_KEY."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
     from terra_cli.actions import PRESETS, resolve_actions
@@ -96,6 +97,9 @@ def generate(
         from terra_cli.scenarios.job import ScenarioJob, parse_max_rollouts
         from terra_cli.scenarios.spec import Defaults
 
+        if server is not None:
+            raise InputError("--server runs one video per call; send a scenario file's lines to the server's page "
+                             "or to POST /v1/videos")
         if out_dir is None:
             raise InputError("--scenarios needs --out-dir DIR (each scenario writes DIR/ID.mp4, DIR/ID.npy and a "
                              "line in DIR/results.jsonl)")
@@ -138,6 +142,12 @@ def generate(
                            context_images=images, context_tokens=context_ids, context_frames=context_frames,
                            context_label=label)
     request.check()
+    if server is not None:
+        return _generate_on_server(server, request, model=model, variant=variant != "world_model", tokenizer=tokenizer,
+                                   backend=backend != "auto", dtype=dtype != "auto", threads=threads,
+                                   kv_cache_dtype=kv_cache_dtype != "auto", quantization=quantization != "none",
+                                   draft=draft != "none", torch_compile=torch_compile is not None,
+                                   decoder=refine is not None)
     choice = resolve_model(model, variant, tokenizer)
     buffer = TokenBuffer()
     options = engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile)
@@ -152,6 +162,18 @@ def generate(
         f"model {choice.label}; " + "; ".join(result.written)
         + f"; {time.perf_counter() - _state['started']:.1f} s in all"
     )
+
+
+def _generate_on_server(url: str, request, **engine_flags) -> None:
+    from terra_cli.server.client import generate_remote
+
+    given = [name for name, value in engine_flags.items() if value]
+    if given:
+        raise InputError(f"--{given[0].replace('_', '-')} is the server's choice (set when it started); drop it with --server")
+    result = generate_remote(url, request, observer=CliObserver())
+    say(f"{result.frames} frames ({result.context_frames} context + {result.generated_frames} generated, {result.rounds} round(s)) "
+        f"in {result.generation_seconds:.1f} s, {result.seconds_per_frame:.2f} s/frame, backend {result.backend}, "
+        f"model {result.model}; " + "; ".join(result.written) + f"; {time.perf_counter() - _state['started']:.1f} s in all")
 
 
 def _local(spec: Optional[str]) -> Optional[Path]:

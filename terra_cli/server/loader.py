@@ -1,0 +1,65 @@
+"""Load the one engine a server runs: the world model's backend and its image tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from terra_cli.errors import InputError
+from terra_cli.server.engine import EngineService
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    variant: str = "world_model"
+    tokenizer: str | None = None
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    options: dict = field(default_factory=dict)  # vLLM engine arguments (cli engine_options)
+    threads: int = 0
+    max_in_flight: int = 128  # rollouts at once on vLLM: sessions + video jobs
+    session_slots: int = 32  # of those, kept for sessions
+
+
+def check_engine_config(config: EngineConfig):
+    """Every check that needs no model; returns (model choice, backend name, device)."""
+    from terra_cli.backends import check_backend_options, resolve_backend_name
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import resolve_model
+    from terra_cli.runtime import resolve_device, resolve_dtype_name
+
+    device = resolve_device(config.device)
+    resolve_dtype_name(config.dtype, device)
+    backend = resolve_backend_name(config.backend)
+    check_backend_options(backend, config.options)
+    if config.max_in_flight < 1:
+        raise InputError(f"--max-in-flight must be at least 1, got {config.max_in_flight}")
+    choice = resolve_model(config.model, config.variant, config.tokenizer)
+    load_config(choice.world_model_dir)
+    if choice.tokenizer is None:
+        raise InputError(f"--model {choice.label} comes without an image tokenizer, which a server needs to encode "
+                         "contexts and decode frames: pass --tokenizer DIR_OR_HUB_ID")
+    return choice, backend, device
+
+
+def load_engine(config: EngineConfig) -> EngineService:
+    import torch
+
+    from terra_cli.backends import load_backend
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer
+
+    choice, backend_name, device = check_engine_config(config)
+    model_config = load_config(choice.world_model_dir)
+    tokenizer = load_tokenizer(choice.tokenizer, device)
+    check_tokenizer_matches(tokenizer, model_config)
+    options = dict(config.options)
+    if backend_name == "vllm":
+        options["max_rollouts"] = config.max_in_flight
+    elif config.threads:
+        torch.set_num_threads(config.threads)
+    backend = load_backend(backend_name, choice.world_model_dir, device=device, dtype=config.dtype, **options)
+    return EngineService(backend, tokenizer, max_in_flight=config.max_in_flight,
+                         session_slots=min(config.session_slots, max(config.max_in_flight - 1, 0)),
+                         model_label=choice.label)

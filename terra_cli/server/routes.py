@@ -1,0 +1,246 @@
+"""`/v1/videos` (jobs) and `/v1/sessions` (interactive driving), and the session WebSocket."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from terra_cli.server.requests import FieldError, SessionBody, StepBody, VideoBody, parse_context, parse_video, sampling_of
+from terra_cli.server.sessions import SessionGone
+
+videos = APIRouter(prefix="/v1/videos", tags=["videos"])
+sessions = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+
+def _state(request):
+    return request.app.state
+
+
+def _job(request: Request, video_id: str):
+    from terra_cli.server.app import ApiError
+
+    job = _state(request).jobs.get(video_id)
+    if job is None:
+        raise ApiError(404, "video_id", f"no video job {video_id!r}")
+    return job
+
+
+@videos.post("", status_code=202, summary="Submit a video job (the fields of a scenario line)")
+async def create_video(body: VideoBody, request: Request):
+    spec = parse_video(body, _state(request).settings.limits)
+    job = _state(request).jobs.create(spec)
+    return JSONResponse(job.public(), status_code=202, headers={"Location": f"/v1/videos/{job.id}"})
+
+
+@videos.get("", summary="Every job the server still holds")
+async def list_videos(request: Request):
+    jobs = _state(request).jobs
+    with jobs.lock:
+        return {"videos": [j.public() for j in jobs.jobs.values()]}
+
+
+@videos.get("/{video_id}", summary="A job's status and progress")
+async def get_video(video_id: str, request: Request):
+    return _job(request, video_id).public()
+
+
+@videos.get("/{video_id}/content", summary="The finished mp4 (format=npy: its tokens, when asked for)")
+async def video_content(video_id: str, request: Request, format: str = "mp4"):
+    from terra_cli.server.app import ApiError
+
+    job = _job(request, video_id)
+    if job.status != "done":
+        raise ApiError(409, "video_id", f"video job {video_id} is {job.status}, not done")
+    if format == "mp4":
+        return FileResponse(job.video, media_type="video/mp4", filename=f"{job.spec.label or job.id}.mp4")
+    if format == "npy":
+        if job.tokens is None:
+            raise ApiError(409, "format", "this job kept no tokens: submit it with \"tokens\": true")
+        return FileResponse(job.tokens, media_type="application/octet-stream", filename=f"{job.id}.npy")
+    raise ApiError(422, "format", f"format must be mp4 or npy, got {format!r}")
+
+
+@videos.get("/{video_id}/frames/{index}", summary="One frame of a finished job as PNG (jobs that kept tokens)")
+async def video_frame(video_id: str, index: int, request: Request):
+    from terra_cli.server.app import ApiError
+    from terra_cli.server.sessions import encode_picture
+
+    job = _job(request, video_id)
+    if job.status != "done" or job.tokens is None:
+        raise ApiError(409, "video_id", f"video job {video_id} is {job.status} or kept no tokens (\"tokens\": true)")
+    tokens = np.load(job.tokens, allow_pickle=False)
+    if not 0 <= index < tokens.shape[0]:
+        raise FieldError("index", f"the video has frames 0..{tokens.shape[0] - 1}", 404)
+    engine = _state(request).engine
+    picture = await asyncio.get_running_loop().run_in_executor(
+        engine.media, lambda: encode_picture(engine.decode(tokens[index:index + 1])[0], "png"))
+    return Response(picture, media_type="image/png")
+
+
+@videos.delete("/{video_id}", summary="Cancel a job (queued or running)")
+async def cancel_video(video_id: str, request: Request):
+    job = _state(request).jobs.cancel(video_id)
+    if job is None:
+        _job(request, video_id)
+    return job.public()
+
+
+# -- sessions -------------------------------------------------------------------------------
+
+
+@sessions.post("", status_code=201, summary="Open a session on a context")
+async def create_session(body: SessionBody, request: Request):
+    state = _state(request)
+    limits = state.settings.limits
+    sampling = sampling_of(body)
+    if not (np.isfinite(body.speed) and 0 <= body.speed <= 200):
+        raise FieldError("speed", f"speed must be from 0 to 200 km/h, got {body.speed}")
+    context = parse_context(body.context, body.context_frames, limits)
+    layout = state.engine.layout
+    if context.count >= layout.max_frames:
+        raise FieldError("context_frames", f"at most {layout.max_frames - 1} context frames, got {context.count}")
+    if context.tokens is not None:
+        t = context.tokens
+        if t.shape[1] != layout.image_tokens or t.min() < 0 or t.max() >= layout.image_vocab_size:
+            raise FieldError("context.tokens", f"context.tokens must be codes in [0, {layout.image_vocab_size - 1}] "
+                                               f"of shape (frames, {layout.image_tokens})")
+    images = context.images
+    if context.tokens is None and images is None:
+        from terra_cli.models.default import sample_context_frames
+
+        images = list(sample_context_frames(context.count))
+    session = await state.sessions.create(images, context.tokens, sampling, float(body.speed))
+    return JSONResponse(session.public(), status_code=201, headers={"Location": f"/v1/sessions/{session.id}"})
+
+
+@sessions.get("/{session_id}", summary="A session's frames so far, speed and driven path")
+async def get_session(session_id: str, request: Request):
+    return _state(request).sessions.get(session_id, touch=False).public()
+
+
+@sessions.get("/{session_id}/frames/{index}", summary="One frame as an image")
+async def session_frame(session_id: str, index: int, request: Request, format: str = "jpeg"):
+    session = _state(request).sessions.get(session_id)
+    if not 0 <= index < len(session.tokens):
+        raise FieldError("index", f"the session holds frames 0..{len(session.tokens) - 1}", 404)
+    if format not in ("jpeg", "png"):
+        raise FieldError("format", f"format must be jpeg or png, got {format!r}")
+    return Response(await _state(request).sessions.picture(session, index, format), media_type=f"image/{format}")
+
+
+@sessions.get("/{session_id}/tokens", summary="Every frame's tokens so far, context included (.npy)")
+async def session_tokens(session_id: str, request: Request):
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.stack(_state(request).sessions.get(session_id).tokens).astype(np.int64))
+    return Response(buffer.getvalue(), media_type="application/octet-stream")
+
+
+@sessions.post("/{session_id}/step", summary="Generate the next frame(s) with an action")
+async def step_session(session_id: str, body: StepBody, request: Request):
+    state = _state(request)
+    session = state.sessions.get(session_id)
+    frames = await state.sessions.step(session, body.action, body.frames, body.format)
+    return {"session": session.public(), "frames": frames}
+
+
+@sessions.post("/{session_id}/reset", summary="Back to the context frames")
+async def reset_session(session_id: str, request: Request):
+    state = _state(request)
+    session = state.sessions.get(session_id)
+    await state.sessions.reset(session)
+    return session.public()
+
+
+@sessions.get("/{session_id}/video", summary="The session so far as an mp4")
+async def session_video(session_id: str, request: Request):
+    from terra_cli.media.frames import write_video
+    from terra_cli.pipeline.video import VIDEO_FPS
+
+    state = _state(request)
+    session = state.sessions.get(session_id)
+    tokens = np.stack(session.tokens)
+
+    def render() -> bytes:
+        with tempfile.TemporaryDirectory(prefix="terra-session-") as folder:
+            path = Path(folder) / "session.mp4"
+            write_video(path, list(state.engine.decode(tokens)), fps=VIDEO_FPS)
+            return path.read_bytes()
+
+    data = await asyncio.get_running_loop().run_in_executor(state.engine.media, render)
+    return Response(data, media_type="video/mp4",
+                    headers={"Content-Disposition": f'attachment; filename="{session.id}.mp4"'})
+
+
+@sessions.delete("/{session_id}", summary="Close a session")
+async def delete_session(session_id: str, request: Request):
+    state = _state(request)
+    state.sessions.get(session_id)
+    state.sessions.close(session_id)
+    return {"id": session_id, "closed": True}
+
+
+async def stream(websocket: WebSocket, session_id: str):
+    """Each frame is pushed the moment it is decoded; actions come in as {"action": ..., "frames": n}
+    or {"type": "reset"}. The socket closing closes the session."""
+    from terra_cli.server.app import websocket_allowed
+
+    state = websocket.app.state
+    if not websocket_allowed(websocket):
+        await websocket.close(code=4401, reason="missing or wrong API key")
+        return
+    try:
+        session = state.sessions.get(session_id)
+    except SessionGone:
+        await websocket.close(code=4404, reason="no such session")
+        return
+    await websocket.accept()
+    queue: asyncio.Queue = asyncio.Queue()
+    session.listeners.add(queue)
+    for index in range(len(session.tokens)):  # what the session holds already, once
+        picture = await state.sessions.picture(session, index)
+        await websocket.send_json(state.sessions.frame_message(session, index, picture, "jpeg") | {"replay": True})
+
+    async def pump() -> None:
+        while (message := await queue.get()) is not None:
+            await websocket.send_json(message)
+        await websocket.close(code=1000, reason="session closed")
+
+    async def actions() -> None:
+        while True:
+            message = await websocket.receive_json()
+            try:
+                if not isinstance(message, dict):
+                    raise FieldError("message", "messages are JSON objects")
+                if message.get("type") == "reset":
+                    await state.sessions.reset(session)
+                    await websocket.send_json({"type": "reset", "session": session.public()})
+                    continue
+                await state.sessions.step(session, message.get("action", "straight"), int(message.get("frames", 1)),
+                                          str(message.get("format", "jpeg")))
+            except FieldError as exc:
+                await websocket.send_json({"type": "error", "field": exc.field, "message": exc.message})
+            except SessionGone:
+                if session.closed:
+                    return
+                await websocket.send_json({"type": "error", "field": "action", "message": "reset while generating"})
+            except (TypeError, ValueError) as exc:
+                await websocket.send_json({"type": "error", "field": "message", "message": str(exc)})
+
+    tasks = [asyncio.create_task(pump()), asyncio.create_task(actions())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        for task in tasks:
+            task.cancel()
+        session.listeners.discard(queue)
+        state.sessions.close(session_id)  # a client that goes away frees its session
+

@@ -1,0 +1,313 @@
+"""`terra serve`'s API in this process (FastAPI's TestClient): jobs, sessions, streaming, cancel,
+expiry, auth, caps, bad requests and a client that goes away, on a tiny model and the reference
+backend. One engine for the module; apps for auth and caps share it without their lifespan."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import numpy as np
+import pytest
+
+from server_helpers import SERVE_MAX_FRAMES, context_tokens, default_tokenizer, serve_checkpoint, wait_for, wait_job
+
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return serve_checkpoint(tmp_path_factory.mktemp("serve_model"))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    from terra_cli.server.loader import EngineConfig, load_engine
+
+    service = load_engine(EngineConfig(model=str(checkpoint), tokenizer=default_tokenizer(), backend="hf",
+                                       device="cpu", dtype="float32", threads=1))
+    yield service
+    service.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    from fastapi.testclient import TestClient
+
+    from terra_cli.server.app import Settings, create_app
+
+    with TestClient(create_app(engine, Settings(max_sessions=4, session_timeout=120))) as test_client:
+        yield test_client  # leaving runs the app's shutdown, which closes the engine
+
+
+def side_app(engine, **settings):
+    """Another app on the same engine, without lifespan (so it does not close the engine)."""
+    from fastapi.testclient import TestClient
+
+    from terra_cli.server.app import Settings, create_app
+
+    return TestClient(create_app(engine, Settings(**settings)))
+
+
+def png_b64(width=64, height=36, color=(90, 120, 160)) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_health_openapi_and_page(client):
+    assert client.get("/health").json()["status"] == "ok"
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/videos", "/v1/videos/{video_id}/content", "/v1/sessions/{session_id}/step"} <= set(paths)
+    assert "swagger" in client.get("/docs").text.lower()
+    page = client.get("/")
+    assert page.status_code == 200 and 'id="frame"' in page.text
+    for name in ("/", "/static/app.js", "/static/style.css"):  # nothing from another host: no CDN
+        assert "://" not in client.get(name).text
+    assert client.get("/static/../app.py").status_code == 404
+
+
+def test_video_job_tokens_match_the_reference_and_mp4_is_written(client, checkpoint):
+    from terra_cli.actions import preset_actions
+    from terra_cli.backends import Sampling
+    from terra_cli.backends.hf import HfBackend
+    from terra_cli.pipeline.rounds import generate_tokens
+
+    context = context_tokens(3, seed=1)
+    reply = client.post("/v1/videos", json={"id": "left-1", "context": {"tokens": context}, "actions": "left",
+                                            "frames": 4, "seed": 5, "tokens": True})
+    assert reply.status_code == 202, reply.text
+    job = wait_job(client, reply.json()["id"])
+    assert job["status"] == "done" and job["progress"] == 1.0 and job["label"] == "left-1"
+    assert 0 < job["generation_seconds"] <= job["seconds"]
+    video = client.get(f"/v1/videos/{job['id']}/content")
+    assert video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
+    tokens = np.load(io.BytesIO(client.get(f"/v1/videos/{job['id']}/content", params={"format": "npy"}).content))
+    expected = generate_tokens(HfBackend(checkpoint, device="cpu", dtype="float32"), np.array(context),
+                               preset_actions("left", 4, 30.0), 4, Sampling(seed=5))[0]
+    np.testing.assert_array_equal(tokens, expected)
+    assert client.get("/v1/videos").json()["videos"]
+
+
+def test_cancel_a_running_job(client):
+    reply = client.post("/v1/videos", json={"context": {"tokens": context_tokens(1)}, "actions": "straight",
+                                            "frames": 12})
+    job_id = reply.json()["id"]
+    assert client.delete(f"/v1/videos/{job_id}").status_code == 200
+    job = wait_job(client, job_id)
+    assert job["status"] == "cancelled" and job["generated_frames"] < 11
+    assert client.get(f"/v1/videos/{job_id}/content").status_code == 409
+    assert client.delete("/v1/videos/v-nope").status_code == 404
+
+
+def test_session_steps_roll_over_into_rounds_and_stream(client):
+    from PIL import Image
+
+    created = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(3, seed=2)}, "seed": 3})
+    assert created.status_code == 201, created.text
+    session_id = created.json()["id"]
+    step = client.post(f"/v1/sessions/{session_id}/step", json={"action": "left", "frames": 2})
+    assert step.status_code == 200, step.text
+    frames = step.json()["frames"]
+    assert [f["index"] for f in frames] == [3, 4]
+    assert Image.open(io.BytesIO(base64.b64decode(frames[-1]["image"]))).size == (512, 288)
+    with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as socket:
+        replayed = [socket.receive_json() for _ in range(5)]
+        assert [m["index"] for m in replayed] == [0, 1, 2, 3, 4] and all(m["replay"] for m in replayed)
+        socket.send_json({"action": "faster"})  # frame 5: past the 5-frame round, re-seeded from frames 2..4
+        message = socket.receive_json()
+        assert message["index"] == 5 and "replay" not in message and message["speed_kmh"] > 30.0
+        socket.send_json({"action": "sideways"})
+        assert socket.receive_json() == {"type": "error", "field": "action",
+                                         "message": "action must be one of straight, left, right, faster, brake "
+                                                    "or (6, 3) waypoints, got 'sideways'"}
+    # the socket closing closed the session
+    wait_for(lambda: client.get(f"/v1/sessions/{session_id}").status_code == 404, 60)
+
+
+def test_session_reset_video_frames_and_cap(client):
+    session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(2)}}).json()["id"]
+    assert client.post(f"/v1/sessions/{session_id}/step", json={"action": "right"}).status_code == 200
+    body = client.get(f"/v1/sessions/{session_id}").json()
+    assert body["frames"] == 3 and body["path"][-1][1] < 0  # right: y (left) goes negative
+    assert client.get(f"/v1/sessions/{session_id}/frames/2", params={"format": "png"}).content[:4] == b"\x89PNG"
+    assert client.get(f"/v1/sessions/{session_id}/video").content[4:8] == b"ftyp"
+    assert client.post(f"/v1/sessions/{session_id}/reset").json()["frames"] == 2
+    too_many = client.post(f"/v1/sessions/{session_id}/step", json={"frames": 26})
+    assert too_many.status_code == 422 and too_many.json()["error"]["field"] == "frames"
+    assert client.delete(f"/v1/sessions/{session_id}").status_code == 200
+    assert client.post(f"/v1/sessions/{session_id}/step", json={}).status_code == 404
+
+
+def test_idle_session_expires(client):
+    sessions = client.app.state.sessions
+    saved, sessions.timeout = sessions.timeout, 0.3
+    try:
+        session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(1)}}).json()["id"]
+        wait_for(lambda: client.get(f"/v1/sessions/{session_id}").status_code == 404, 30)
+    finally:
+        sessions.timeout = saved
+
+
+def test_disconnect_mid_stream_frees_the_session(client):
+    session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(1)}}).json()["id"]
+    with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as socket:
+        socket.receive_json()
+        socket.send_json({"action": "left", "frames": 3})
+    wait_for(lambda: client.get(f"/v1/sessions/{session_id}").status_code == 404, 60)
+    wait_for(lambda: client.app.state.engine.in_flight == 0, 60)
+
+
+def test_api_key_is_required_when_set(engine):
+    from starlette.websockets import WebSocketDisconnect
+
+    guarded = side_app(engine, api_key="s3cret")
+    assert guarded.get("/health").status_code == 200
+    assert guarded.get("/").status_code == 200  # the page asks for the key itself
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "s3cre"}):
+        reply = guarded.get("/v1/videos", headers=headers)
+        assert reply.status_code == 401 and reply.json()["error"]["field"] == "authorization"
+    assert guarded.get("/metrics").status_code == 401
+    assert guarded.get("/v1/videos", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert guarded.get("/v1/videos", headers={"X-API-Key": "s3cret"}).status_code == 200
+    with pytest.raises(WebSocketDisconnect):
+        with guarded.websocket_connect("/v1/sessions/s-x/stream") as socket:
+            socket.receive_json()
+
+
+def test_caps_answer_429_413_with_the_field(engine):
+    from terra_cli.server.requests import Limits
+
+    capped = side_app(engine, max_sessions=1, max_queued_jobs=1, max_upload_bytes=20_000)
+    capped.app.state.sessions.sessions["s-held"] = None  # one session's place is taken
+    full = capped.post("/v1/sessions", json={"context": {"tokens": context_tokens(1)}})
+    assert full.status_code == 429 and int(full.headers["Retry-After"]) > 0
+    job = capped.post("/v1/videos", json={"context": {"tokens": context_tokens(1)}, "actions": "left", "frames": 6})
+    assert job.status_code == 202
+    queued = capped.post("/v1/videos", json={"context": {"tokens": context_tokens(1)}, "actions": "left", "frames": 3})
+    assert queued.status_code == 429 and "Retry-After" in queued.headers
+    capped.delete(f"/v1/videos/{job.json()['id']}")
+    big = capped.post("/v1/videos", json={"actions": "left", "context": {"images": ["A" * 30_000]}})
+    assert big.status_code == 413 and big.json()["error"]["field"] == "body"
+    pixels = side_app(engine, limits=Limits(max_image_pixels=1000))
+    reply = pixels.post("/v1/videos", json={"actions": "left", "context": {"images": [png_b64(64, 36)]}})
+    assert reply.status_code == 413 and reply.json()["error"]["field"] == "context.images[0]"
+    assert "terra_requests_rejected_total 2" in capped.get("/metrics").text
+
+
+BAD_VIDEOS = [
+    ("body", "not json"),
+    ("actions", {"frames": 5}),
+    ("frames", {"actions": "left", "frames": "many"}),
+    ("frames", {"actions": "left", "frames": 101}),
+    ("frames", {"actions": "left", "frames": 3, "context": {"tokens": context_tokens(3)}}),
+    ("surprise", {"actions": "left", "surprise": 1}),
+    ("actions", {"actions": "zigzag"}),
+    ("actions", {"actions": [[1, 2]]}),
+    ("actions", {"actions": {"instruction_trajs": "no"}}),
+    ("actions", {"actions": [[[0, 1, 0.45]] * 6] * 2, "frames": 10}),
+    ("temperature", {"actions": "left", "temperature": 1e9}),
+    ("top_p", {"actions": "left", "top_p": 0}),
+    ("seed", {"actions": "left", "seed": -1}),
+    ("speed", {"actions": "left", "speed": 1e6}),
+    ("id", {"actions": "left", "id": "../etc"}),
+    ("context", {"actions": "left", "context": "/etc/passwd"}),
+    ("context", {"actions": "left", "context": 5}),
+    ("context.images", {"actions": "left", "context": {"images": []}}),
+    ("context.images[0]", {"actions": "left", "context": {"images": ["%%%"]}}),
+    ("context.images[0]", {"actions": "left", "context": {"images": [base64.b64encode(b"not an image").decode()]}}),
+    ("context.video", {"actions": "left", "context": {"video": base64.b64encode(b"not a video").decode()}}),
+    ("context.tokens", {"actions": "left", "context": {"tokens": [[1, 2], [3]]}}),
+    ("context.tokens", {"actions": "left", "context": {"tokens": "abc"}}),
+    ("context_frames", {"actions": "left", "context_frames": 0}),
+    ("context_frames", {"actions": "left", "context": {"tokens": context_tokens(1)}, "context_frames": 2}),
+]
+
+
+@pytest.mark.parametrize("field,body", BAD_VIDEOS, ids=[f"{i}-{f}" for i, (f, _) in enumerate(BAD_VIDEOS)])
+def test_malformed_video_requests_are_4xx_naming_the_field(engine, field, body):
+    api = side_app(engine)
+    reply = (api.post("/v1/videos", content=body, headers={"Content-Type": "application/json"})
+             if isinstance(body, str) else api.post("/v1/videos", json=body))
+    assert 400 <= reply.status_code < 500, reply.text
+    assert reply.json()["error"]["field"] == field, reply.json()
+
+
+def test_malformed_session_requests(engine):
+    api = side_app(engine)
+    out_of_range = api.post("/v1/sessions", json={"context": {"tokens": [[5000] * 576]}})
+    assert out_of_range.status_code == 422 and out_of_range.json()["error"]["field"] == "context.tokens"
+    too_long = api.post("/v1/sessions", json={"context": {"tokens": context_tokens(SERVE_MAX_FRAMES)}})
+    assert too_long.status_code == 422 and too_long.json()["error"]["field"] == "context_frames"
+    assert api.post("/v1/sessions/s-missing/step", json={}).json()["error"]["field"] == "session_id"
+    assert api.get("/v1/videos/v-missing").status_code == 404
+
+
+def test_paths_only_inside_data_root(engine, tmp_path):
+    from PIL import Image
+
+    from terra_cli.server.requests import Limits
+
+    root = tmp_path / "root"
+    root.mkdir()
+    Image.new("RGB", (64, 36)).save(root / "ctx.png")
+    (tmp_path / "secret.png").write_bytes((root / "ctx.png").read_bytes())
+    api = side_app(engine, limits=Limits(data_root=root))
+    outside = api.post("/v1/videos", json={"actions": "left", "context": "../secret.png", "frames": 3})
+    assert outside.status_code == 403 and outside.json()["error"]["field"] == "context"
+    missing = api.post("/v1/videos", json={"actions": "left", "context": "nope.png", "frames": 3})
+    assert missing.status_code == 404
+    inside = api.post("/v1/videos", json={"actions": "left", "context": "ctx.png", "frames": 3})
+    assert inside.status_code == 202, inside.text
+    api.delete(f"/v1/videos/{inside.json()['id']}")
+    time.sleep(0.1)
+
+
+def _png_claiming(width: int, height: int) -> str:
+    """A PNG header for a huge image with almost no data (a decompression bomb's shape), base64."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    raw = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+    return base64.b64encode(raw).decode()
+
+
+def test_decompression_bomb_is_refused_before_decoding(engine):
+    reply = side_app(engine).post("/v1/videos", json={"actions": "left", "context": {"images": [_png_claiming(60000, 60000)]}})
+    assert reply.status_code == 413 and reply.json()["error"]["field"] == "context.images[0]"
+
+
+def test_fuzzed_bodies_never_get_a_5xx(engine):
+    """Seeded random mutations of valid bodies on every POST route: each answer is a JSON 2xx/4xx."""
+    rng = np.random.default_rng(27)
+    api = side_app(engine, max_queued_jobs=1000)
+    session_id = api.post("/v1/sessions", json={"context": {"tokens": context_tokens(1)}}).json()["id"]
+    values = [None, True, -1, 0, 2**70, 1.5, float("1e308"), "", "left", "sample", "x" * 300, [], [1], [[1, 2, 3]] * 6,
+              {}, {"images": 3}, {"tokens": [[-5] * 576]}, {"video": ""}, {"instruction_trajs": [[0]]}, "../../etc/passwd"]
+    routes = {"/v1/videos": {"actions": "left", "frames": 4, "context": "sample", "seed": 1},
+              "/v1/sessions": {"context": {"tokens": context_tokens(1)}, "seed": 2},
+              f"/v1/sessions/{session_id}/step": {"action": "left", "frames": 1, "format": "jpeg"}}
+    keys = ["actions", "frames", "context", "context_frames", "seed", "speed", "temperature", "top_k", "top_p", "id",
+            "action", "format", "tokens", "bogus"]
+    for _ in range(150):
+        route = list(routes)[rng.integers(len(routes))]
+        body = dict(routes[route])
+        for _ in range(rng.integers(1, 3)):
+            body[keys[rng.integers(len(keys))]] = values[rng.integers(len(values))]
+        reply = api.post(route, json=body)
+        assert reply.status_code < 500, (route, body, reply.text)
+        payload = reply.json()
+        if reply.status_code >= 400:
+            assert payload["error"]["message"], payload
+        elif route == "/v1/videos":
+            api.delete(f"/v1/videos/{payload['id']}")
+        elif route == "/v1/sessions":
+            api.delete(f"/v1/sessions/{payload['id']}")
+    wait_for(lambda: engine.in_flight == 0 and engine.queued_jobs == 0, 120)

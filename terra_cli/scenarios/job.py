@@ -130,6 +130,54 @@ class EngineReady:
     in_flight_reason: str = ""  # why that many, with --max-rollouts auto
 
 
+@dataclass
+class LoadedEngine:
+    engine: object
+    tokenizer: object  # the image tokenizer, or None when the job needs none
+    ready: EngineReady
+
+
+def load_job_engine(job: ScenarioJob, backend: str, device: str, needs_tokenizer: bool,
+                    longest_frames: int | None = None,
+                    adjust_options: Callable[[object, dict], None] = lambda tokenizer, options: None) -> LoadedEngine:
+    """The tokenizer and the engine of a job on `device`, and how many rollouts it takes at once
+    (`--max-rollouts auto`: as many of `longest_frames` as its KV cache holds). One engine here,
+    one per Ray actor (`ray_actor.py`). `adjust_options(tokenizer, engine options)` runs between
+    the two loads (the refiner takes its GPU share there)."""
+    import torch
+
+    from terra_cli.backends import load_backend
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+
+    started = time.perf_counter()
+    choice = resolve_model(job.model, job.variant, job.tokenizer)
+    config = load_config(choice.world_model_dir)
+    tokenizer = None
+    if needs_tokenizer:
+        tokenizer = load_tokenizer(choice.tokenizer, device)
+        check_tokenizer_matches(tokenizer, config)
+    options = dict(job.engine_options)
+    adjust_options(tokenizer, options)
+    if backend == "vllm":
+        options["max_rollouts"] = job.max_rollouts or AUTO_MAX_ROLLOUTS
+    elif job.threads:
+        torch.set_num_threads(job.threads)
+    engine = load_backend(backend, choice.world_model_dir, device=device, dtype=job.dtype, **options)
+    try:
+        in_flight, reason = job.max_rollouts or 1, ""
+        if backend == "vllm" and job.max_rollouts is None:
+            from terra_cli.backends.vllm_stream import auto_in_flight
+
+            in_flight, reason = auto_in_flight(engine, longest_frames or config.layout.max_frames, AUTO_MAX_ROLLOUTS)
+    except BaseException:
+        engine.close()
+        raise
+    startup = {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"}
+    return LoadedEngine(engine, tokenizer, EngineReady(round(time.perf_counter() - started, 2), startup,
+                                                       in_flight, reason))
+
+
 def run_scenario_job(
     prepared: PreparedJob,
     *,
@@ -141,50 +189,31 @@ def run_scenario_job(
     lock: bool = True,
 ) -> ScenarioRun:
     """Load the tokenizer and the engine, run the pending scenarios, close the engine."""
-    import torch
-
-    from terra_cli.backends import load_backend
-    from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
-
     job = prepared.job
-    started = time.perf_counter()
-    choice = resolve_model(job.model, job.variant, job.tokenizer)
-    config = load_config(choice.world_model_dir)
-    tokenizer = None
-    if prepared.needs_tokenizer:
-        tokenizer = load_tokenizer(choice.tokenizer, prepared.device)
-        check_tokenizer_matches(tokenizer, config)
-    options = dict(job.engine_options)
-    frame_decoder = None
-    if job.refiner is not None:  # loaded (strictly, CPU time checked) before the engine starts
+    decoders = []
+
+    def take_refiner_share(tokenizer, options: dict) -> None:
+        # The refiner loads (strictly, CPU time checked) before the engine, which leaves it room.
         from terra_cli.refiner.decoder import RefinerDecoder, load_refiner, vllm_memory_share
 
         refiner = load_refiner(job.refiner, [s.frames for s in prepared.file.scenarios])
-        frame_decoder = RefinerDecoder(refiner, tokenizer)
+        decoders.append(RefinerDecoder(refiner, tokenizer))
         if prepared.backend == "vllm" and refiner.target_device.startswith("cuda"):
             options.setdefault("gpu_memory_utilization", vllm_memory_share(refiner.target_device))
-    if prepared.backend == "vllm":
-        options["max_rollouts"] = job.max_rollouts or AUTO_MAX_ROLLOUTS
-    elif job.threads:
-        torch.set_num_threads(job.threads)
-    engine = load_backend(prepared.backend, choice.world_model_dir, device=prepared.device, dtype=job.dtype, **options)
-    if frame_decoder is not None:
-        # Refining runs in the scenario writer's thread, beside token generation on the same
-        # device; `--no-decode` then `terra refine` runs it as a second stage instead.
-        frame_decoder.refiner.to(frame_decoder.refiner.target_device)
-    try:
-        in_flight, reason = job.max_rollouts or 1, ""
-        if prepared.backend == "vllm" and job.max_rollouts is None:
-            from terra_cli.backends.vllm_stream import auto_in_flight
 
-            longest = max((s.frames for s in prepared.file.scenarios), default=config.layout.max_frames)
-            in_flight, reason = auto_in_flight(engine, longest, AUTO_MAX_ROLLOUTS)
-        on_ready(EngineReady(round(time.perf_counter() - started, 2),
-                             {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"},
-                             in_flight, reason))
+    longest = max((s.frames for s in prepared.file.scenarios), default=None)
+    loaded = load_job_engine(job, prepared.backend, prepared.device, prepared.needs_tokenizer, longest,
+                             take_refiner_share if job.refiner is not None else (lambda tokenizer, options: None))
+    engine, tokenizer = loaded.engine, loaded.tokenizer
+    frame_decoder = decoders[0] if decoders else None
+    try:
+        if frame_decoder is not None:
+            # Refining runs in the scenario writer's thread, beside token generation on the same
+            # device; `--no-decode` then `terra refine` runs it as a second stage instead.
+            frame_decoder.refiner.to(frame_decoder.refiner.target_device)
+        on_ready(loaded.ready)
         return run_scenarios(prepared.file, job.out_dir, engine, tokenizer, decode=job.decode,
-                             max_rollouts=in_flight, skip_invalid=job.skip_invalid,
+                             max_rollouts=loaded.ready.in_flight, skip_invalid=job.skip_invalid,
                              temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
                              on_progress=lambda run, total: on_frame(), on_written=on_written,
                              only_ids=only_ids, results_name=results_name, overwrite=job.overwrite, lock=lock,

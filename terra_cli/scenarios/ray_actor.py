@@ -85,7 +85,11 @@ class ScenarioEngine:
         self.spec = spec
         self.backend_name = resolve_backend_name(spec.backend)
         self.job = job if not spec.threads else _with_threads(job, spec.threads)
-        self.engine, self.tokenizer, self.startup, self.in_flight = _load_engine(self.job, self.backend_name, spec)
+        from terra_cli.scenarios.job import load_job_engine
+
+        loaded = load_job_engine(self.job, self.backend_name, spec.device, spec.needs_tokenizer, spec.longest_frames)
+        self.engine, self.tokenizer = loaded.engine, loaded.tokenizer
+        self.startup, self.in_flight = (loaded.ready.seconds, loaded.ready.startup), loaded.ready.in_flight
         self.codec = threading.Lock()  # the image tokenizer, shared by the calling threads
         self.waiters: dict[str, _Waiter] = {}
         self.lock = threading.Lock()
@@ -210,39 +214,6 @@ class ScenarioEngine:
             path = Path(folder) / f"{key}.mp4"
             write_video(path, frames, fps=VIDEO_FPS)
             return path.read_bytes()
-
-
-def _load_engine(job: ScenarioJob, backend: str, spec: EngineSpec):
-    """(engine, tokenizer or None, (seconds, start-up phases), rollouts in flight): what
-    `job.run_scenario_job` loads, on this actor's device."""
-    import torch
-
-    from terra_cli.backends import load_backend
-    from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
-    from terra_cli.scenarios.job import AUTO_MAX_ROLLOUTS
-
-    started = time.perf_counter()
-    choice = resolve_model(job.model, job.variant, job.tokenizer)
-    config = load_config(choice.world_model_dir)
-    tokenizer = None
-    if spec.needs_tokenizer:
-        tokenizer = load_tokenizer(choice.tokenizer, spec.device)
-        check_tokenizer_matches(tokenizer, config)
-    options = dict(job.engine_options)
-    if backend == "vllm":
-        options["max_rollouts"] = job.max_rollouts or AUTO_MAX_ROLLOUTS
-    elif job.threads:
-        torch.set_num_threads(job.threads)
-    engine = load_backend(backend, choice.world_model_dir, device=spec.device, dtype=job.dtype, **options)
-    in_flight = job.max_rollouts or 1
-    if backend == "vllm" and job.max_rollouts is None:
-        from terra_cli.backends.vllm_stream import auto_in_flight
-
-        in_flight, _ = auto_in_flight(engine, spec.longest_frames or config.layout.max_frames, AUTO_MAX_ROLLOUTS)
-    startup = (round(time.perf_counter() - started, 2),
-               {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"})
-    return engine, tokenizer, startup, in_flight
 
 
 def _with_threads(job: ScenarioJob, threads: int) -> ScenarioJob:

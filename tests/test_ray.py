@@ -91,7 +91,9 @@ def test_a_slow_engine_takes_fewer_scenarios_and_a_poison_one_fails_alone(cluste
     """Engine 1 sleeps after every frame; a scenario that fails on each engine in turn is recorded
     as failed with every reason, and the others are written."""
     folder, model = work
-    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "1=0.5")  # engine 1: 1 s a scenario, engine 0: ~0.05 s
+    # engine 1: 4 s a scenario, engine 0: ~0.05 s; so wide that engine 0 starting late on a loaded
+    # machine (seen with 0.5 s under CI's parallel workers) cannot let engine 1 catch up
+    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "1=2.0")
     monkeypatch.setenv("TERRA_RAY_TEST_FAIL", "poison")  # valid (token ranges are checked up front), fails on every engine
     result = run(folder, model, "slow", scenarios="poison.jsonl")
     shares = {row["engine"]: row["scenarios"] for row in result.summary()}

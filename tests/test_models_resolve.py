@@ -141,3 +141,14 @@ def test_spatio_temporal_embedding_and_the_interleaved_input():
                  else actions[frame * layout.action_tokens + slot - layout.image_tokens])
         want = token + st.spatio_embeddings.weight[slot] + st.temporal_embeddings.weight[frame]
         torch.testing.assert_close(embeds[p], want, msg=f"position {p}")
+
+
+def test_load_tokenizer_checks_it_against_the_model_when_asked():
+    from terra_cli.models.default import default_tokenizer_dir
+    from terra_cli.models.resolve import load_tokenizer, split_tokenizer_spec
+
+    spec = split_tokenizer_spec(str(default_tokenizer_dir()))
+    embedded = load_tokenizer(spec, "cpu", matching=tiny_config(image_tokens=576, image_vocab=1024, layers=1))
+    assert embedded.codebook_size == 1024
+    with pytest.raises(InputError, match="has 1024 codes but the world model expects 512"):
+        load_tokenizer(spec, "cpu", matching=tiny_config(image_tokens=576, image_vocab=512, layers=1))

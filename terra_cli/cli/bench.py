@@ -211,7 +211,7 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
     from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.modeling_hf import load_model
-    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+    from terra_cli.models.resolve import load_tokenizer, resolve_model
     from terra_cli.runtime import resolve_device
 
     try:
@@ -227,8 +227,7 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
     config = load_config(choice.world_model_dir)
     if frames < 2 or frames > config.layout.max_frames:
         raise InputError(f"--frames must be 2..{config.layout.max_frames} for --draft-acceptance, got {frames}")
-    tok = load_tokenizer(choice.tokenizer, device)
-    check_tokenizer_matches(tok, config)
+    tok = load_tokenizer(choice.tokenizer, device, matching=config)
     wm = load_model(choice.world_model_dir, device)
     plan = AcceptancePlan(seeds=seeds, frames=frames, temperatures=temps)
     results = run_draft_acceptance(wm, tok, plan, log=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False))

@@ -73,11 +73,7 @@ def eval_command(
 
     from terra_cli.errors import InputError
     from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import (
-        check_tokenizer_matches,
-        load_tokenizer,
-        resolve_model,
-    )
+    from terra_cli.models.resolve import load_tokenizer, resolve_model
     from terra_cli.runtime import resolve_device, resolve_dtype_name
 
     dev = resolve_device(device)
@@ -89,8 +85,7 @@ def eval_command(
     model_dir = choice.world_model_dir
     config = load_config(model_dir)
     plan.check_model(config.layout.max_frames)  # before the synthetic truth is rendered
-    tok = load_tokenizer(choice.tokenizer, dev)
-    check_tokenizer_matches(tok, config)
+    tok = load_tokenizer(choice.tokenizer, dev, matching=config)
     wm = load_backend(backend_name, model_dir, device=dev, dtype=dtype,
                       **({"max_rollouts": plan.seeds} if backend_name == "vllm" else {}))
     seconds_load = time.perf_counter() - started

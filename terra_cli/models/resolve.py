@@ -83,10 +83,14 @@ def split_tokenizer_spec(spec: str, terra_subfolder: str = DEFAULT_TOKENIZER_SUB
     return TokenizerSpec(repo, sub)
 
 
-def load_tokenizer(spec: TokenizerSpec, device: str):
+def load_tokenizer(spec: TokenizerSpec, device: str, matching=None):
+    """The image tokenizer; with `matching` (a world model's config), checked against its codes."""
     from tokenizer_decoder import ImageTokenizer
 
-    return ImageTokenizer.from_pretrained(spec.source, spec.subfolder, device=device)
+    tokenizer = ImageTokenizer.from_pretrained(spec.source, spec.subfolder, device=device)
+    if matching is not None:
+        check_tokenizer_matches(tokenizer, matching)
+    return tokenizer
 
 
 def check_tokenizer_matches(tokenizer, config) -> None:

@@ -150,7 +150,7 @@ def generate_video(
     frame by frame; it is checked and loaded before the world model runs."""
     from terra_cli.backends import check_backend_options, load_backend, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer
+    from terra_cli.models.resolve import load_tokenizer
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 
     observer = observer or Observer()
@@ -175,8 +175,7 @@ def generate_video(
     tokenizer = None
     if needs_tokenizer:
         started = time.perf_counter()
-        tokenizer = load_tokenizer(model.tokenizer, device)
-        check_tokenizer_matches(tokenizer, config)
+        tokenizer = load_tokenizer(model.tokenizer, device, matching=config)
         observer.message(f"tokenizer: {tokenizer.source}  ({time.perf_counter() - started:.1f} s to load)")
 
     context = _context_tokens(request, tokenizer, layout, observer)

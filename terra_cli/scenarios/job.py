@@ -148,15 +148,14 @@ def load_job_engine(job: ScenarioJob, backend: str, device: str, needs_tokenizer
 
     from terra_cli.backends import load_backend
     from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer, resolve_model
+    from terra_cli.models.resolve import load_tokenizer, resolve_model
 
     started = time.perf_counter()
     choice = resolve_model(job.model, job.variant, job.tokenizer)
     config = load_config(choice.world_model_dir)
     tokenizer = None
     if needs_tokenizer:
-        tokenizer = load_tokenizer(choice.tokenizer, device)
-        check_tokenizer_matches(tokenizer, config)
+        tokenizer = load_tokenizer(choice.tokenizer, device, matching=config)
     options = dict(job.engine_options)
     adjust_options(tokenizer, options)
     if backend == "vllm":

@@ -23,7 +23,7 @@ class EngineConfig:
 
 
 def check_engine_config(config: EngineConfig):
-    """Every check that needs no model; returns (model choice, backend name, device)."""
+    """Every check that needs no model; returns (model choice, its config, backend name, device)."""
     from terra_cli.backends import check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_model
@@ -36,24 +36,21 @@ def check_engine_config(config: EngineConfig):
     if config.max_in_flight < 1:
         raise InputError(f"--max-in-flight must be at least 1, got {config.max_in_flight}")
     choice = resolve_model(config.model, config.variant, config.tokenizer)
-    load_config(choice.world_model_dir)
+    model_config = load_config(choice.world_model_dir)
     if choice.tokenizer is None:
         raise InputError(f"--model {choice.label} comes without an image tokenizer, which a server needs to encode "
                          "contexts and decode frames: pass --tokenizer DIR_OR_HUB_ID")
-    return choice, backend, device
+    return choice, model_config, backend, device
 
 
 def load_engine(config: EngineConfig) -> EngineService:
     import torch
 
     from terra_cli.backends import load_backend
-    from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import check_tokenizer_matches, load_tokenizer
+    from terra_cli.models.resolve import load_tokenizer
 
-    choice, backend_name, device = check_engine_config(config)
-    model_config = load_config(choice.world_model_dir)
-    tokenizer = load_tokenizer(choice.tokenizer, device)
-    check_tokenizer_matches(tokenizer, model_config)
+    choice, model_config, backend_name, device = check_engine_config(config)
+    tokenizer = load_tokenizer(choice.tokenizer, device, matching=model_config)
     options = dict(config.options)
     if backend_name == "vllm":
         options["max_rollouts"] = config.max_in_flight

@@ -179,6 +179,8 @@ CASES = {
     "backend unknown": lambda a: _generate(a, "--backend", "onnx"),
     "quantization unknown": lambda a: _generate(a, "--quantization", "int3"),
     "kv cache dtype unknown": lambda a: _generate(a, "--kv-cache-dtype", "int2"),
+    "attention unknown": lambda a: _generate(a, "--attention", "flashinfer"),
+    "attention terra with a draft": lambda a: _generate(a, "--attention", "terra", "--draft", "previous-frame"),
     "vllm option with the hf backend": lambda a: _generate(a, "--no-torch-compile"),
     "scenario option without scenarios": lambda a: _generate(a, "--data-parallel", "2"),
     # generate: inputs
@@ -396,6 +398,7 @@ EXPECTED = {
     "dtype unknown": "is not a dtype", "device unknown": "is not a device", "device absent gpu": "no CUDA GPU",
     "backend unknown": "--backend must be", "quantization unknown": "--quantization must be",
     "kv cache dtype unknown": "--kv-cache-dtype must be",
+    "attention unknown": "--attention must be auto, terra or vllm", "attention terra with a draft": "does not run --draft",
     "vllm option with the hf backend": "--no-torch-compile: vLLM engine option(s), not for the hf backend",
     "bench kv cache dtype unknown": "--kv-cache-dtype must be", "scenario option without scenarios": "works with --scenarios",
     "context tokens too wide": "shape (frames, 16)", "context tokens float": "must be an int array",

@@ -29,27 +29,42 @@ MIN_ARGMAX_AGREEMENT = 0.95
 MAX_ABS_LOGIT_DIFF = 0.25
 
 
-@pytest.mark.parametrize("torch_compile", [True, False], ids=["compiled", "no-torch-compile"])
-def test_vllm_logits_match_the_reference_on_terra_size_bf16_weights(tmp_path, torch_compile):
+@pytest.fixture(scope="module")
+def terra_checkpoint(tmp_path_factory):
+    from terra_cli.bench.hf_vs_vllm import write_random_terra_checkpoint
+
+    checkpoint = tmp_path_factory.mktemp("terra") / "terra_random"
+    write_random_terra_checkpoint(checkpoint, "cuda", seed=0)
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def reference(terra_checkpoint):
+    from terra_cli.backends.hf import HfBackend
+
+    return HfBackend(terra_checkpoint, device="cuda", dtype="bfloat16")
+
+
+def measure(checkpoint, reference, name: str, **engine_options) -> dict:
+    """One vLLM engine's greedy frame against the reference: teacher-forced argmax agreement and
+    logit differences (written to $OUT/parity-NAME.json when $OUT is set)."""
     from vllm import SamplingParams
 
     from terra_cli.backends.base import Sampling
-    from terra_cli.backends.hf import HfBackend
     from terra_cli.backends.vllm import VllmBackend, interleave
-    from terra_cli.bench.hf_vs_vllm import bench_inputs, environment, write_random_terra_checkpoint
+    from terra_cli.bench.hf_vs_vllm import bench_inputs, environment
     from terra_cli.models.checkpoint import load_config
 
-    checkpoint = tmp_path / "terra_random"
-    write_random_terra_checkpoint(checkpoint, "cuda", seed=0)
     layout = load_config(checkpoint).layout
     k = CONTEXT_FRAMES
     context, actions = bench_inputs(layout, k, k + 2, seed=0)
     greedy = Sampling(temperature=0)
-    reference = HfBackend(checkpoint, device="cuda", dtype="bfloat16")
-    reference_frame = reference.generate(context, actions, k + 1, greedy)[0, k]
+    if not hasattr(reference, "greedy_frame"):  # the reference's own frame, once for every engine measured
+        reference.greedy_frame = reference.generate(context, actions, k + 1, greedy)[0, k]
+    reference_frame = reference.greedy_frame
 
-    backend = VllmBackend(checkpoint, device="cuda", max_rollouts=4, logprobs_mode="raw_logits",
-                          torch_compile=torch_compile)
+    backend = VllmBackend(checkpoint, device="cuda", max_rollouts=4, logprobs_mode="raw_logits", **engine_options)
+    attention = backend.attention
     try:
         request = {"prompt_token_ids": interleave(context[:k], backend.action_rows.ids_for(actions[:k]))}
         params = SamplingParams(temperature=0, max_tokens=layout.image_tokens, min_tokens=layout.image_tokens,
@@ -87,7 +102,8 @@ def test_vllm_logits_match_the_reference_on_terra_size_bf16_weights(tmp_path, to
     report = {
         "model": "Terra's released config, random bf16 weights",
         "context_frames": k,
-        "torch_compile": torch_compile,
+        "engine_options": engine_options,
+        "attention": attention,
         "free_running_greedy_identical_fraction": round(float((vllm_frame == reference_frame).mean()), 4),
         "teacher_forced_reference_argmax_equals_vllm_code": round(agree / layout.image_tokens, 4),
         "frame_loop_identical_to_direct_request_fraction": round(float((loop_frame == vllm_frame).mean()), 4),
@@ -99,7 +115,29 @@ def test_vllm_logits_match_the_reference_on_terra_size_bf16_weights(tmp_path, to
         "environment": environment(),
     }
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], f"parity-{'compiled' if torch_compile else 'no-torch-compile'}.json").write_text(json.dumps(report, indent=2) + "\n")
+        Path(os.environ["OUT"], f"parity-{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+@pytest.mark.parametrize("torch_compile", [True, False], ids=["compiled", "no-torch-compile"])
+def test_vllm_logits_match_the_reference_on_terra_size_bf16_weights(terra_checkpoint, reference, torch_compile):
+    report = measure(terra_checkpoint, reference, "compiled" if torch_compile else "no-torch-compile",
+                     torch_compile=torch_compile, attention="vllm")
     assert report["teacher_forced_reference_argmax_equals_vllm_code"] >= MIN_ARGMAX_AGREEMENT, report
     assert report["teacher_forced_reference_argmax_equals_frame_loop_code"] >= MIN_ARGMAX_AGREEMENT, report
     assert report["teacher_forced_max_abs_logit_diff"] <= MAX_ABS_LOGIT_DIFF, report
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_terra_attention_agrees_as_well_as_vllms_own(terra_checkpoint, reference, kv_cache_dtype):
+    """terra's decode kernel (and FA3 for the prompt rows) against vLLM's FlashAttention-3 alone, on
+    the same weights and KV dtype, both measured against the reference: no worse agreement."""
+    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
+    stock = measure(terra_checkpoint, reference, f"vllm-{kv_cache_dtype}", attention="vllm", torch_compile=False,
+                    **options)
+    terra = measure(terra_checkpoint, reference, f"terra-{kv_cache_dtype}", attention="terra", torch_compile=False,
+                    **options)
+    assert terra["attention"] == "terra" and stock["attention"] == "vllm"
+    for key in ("teacher_forced_reference_argmax_equals_vllm_code", "teacher_forced_reference_argmax_equals_frame_loop_code"):
+        assert terra[key] >= stock[key] - 0.01, (terra, stock)
+    assert terra["teacher_forced_max_abs_logit_diff"] <= max(MAX_ABS_LOGIT_DIFF, 1.5 * stock["teacher_forced_max_abs_logit_diff"]), (terra, stock)

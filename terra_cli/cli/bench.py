@@ -70,7 +70,8 @@ def bench(
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="--scenarios/--act-bench: rollouts in flight per engine, or auto (as many as the KV cache holds, at most 256)."),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios: engines, one per GPU."),
     lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto or fp8 (fp8_e4m3, fp8_e5m2)."),
+    kv_cache_dtype: str = opts.kv_cache_dtype_option(),
+    attention: str = opts.attention_option(),
     backend: str = typer.Option("vllm", "--backend", help="--scenarios: vllm, or hf for a CPU smoke test."),
     keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios/--act-bench: keep the inputs (scenario file, images) and every output in this folder (new or empty; --overwrite to reuse one)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model dir or hub id (default: Terra's config, random weights)."),
@@ -105,7 +106,7 @@ def bench(
 
     vllm_options = _parse_vllm_args(vllm_arg)
     chosen = engine_options(kv_cache_dtype=kv_cache_dtype, draft=draft, draft_tokens=draft_tokens,
-                            torch_compile=torch_compile)
+                            torch_compile=torch_compile, attention=attention)
     if "draft_tokens" in chosen:
         vllm_options["disable_log_stats"] = False  # statistics on: the bench reports the codes each step kept
     vllm_options.update(chosen)

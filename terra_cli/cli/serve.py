@@ -43,8 +43,9 @@ def serve(
     device: str = opts.device_option(),
     dtype: str = opts.dtype_option(),
     threads: int = typer.Option(0, min=0, help="CPU threads for the reference backend (0: torch's default)."),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="vLLM KV-cache dtype: auto or fp8 (GPU)."),
-    quantization: str = typer.Option("none", "--quantization", help="vLLM weight quantization: none or fp8 (GPU)."),
+    kv_cache_dtype: str = opts.kv_cache_dtype_option(),
+    quantization: str = opts.quantization_option(),
+    attention: str = opts.attention_option(),
     draft: str = opts.draft_option(),
     draft_tokens: int = opts.draft_tokens_option(),
     torch_compile: Optional[bool] = opts.torch_compile_option(),
@@ -75,7 +76,7 @@ def serve(
     if data_root is not None and not data_root.is_dir():
         raise InputError(f"--data-root {data_root} is not a folder")
     config = EngineConfig(model, variant, tokenizer, backend, device, dtype,
-                          engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile),
+                          engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention),
                           threads, max_in_flight, max_sessions)
     check_engine_config(config)  # a typo fails here, before the engine loads
     limits = Limits(max_frames=max_frames, max_image_pixels=max_image_pixels,

@@ -22,4 +22,15 @@ def register() -> None:
     for arch, cls in models:
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, cls)
+    _register_attention()
     vllm_cpu_fixes.apply()
+
+
+def _register_attention() -> None:
+    """terra's decode attention under vLLM's CUSTOM backend name (a path: imported only when an
+    engine asks for it, on a GPU). Releases without the registry cannot use --attention terra."""
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    except ImportError:
+        return
+    register_backend(AttentionBackendEnum.CUSTOM, "terra_cli.models.vllm_attention.TerraDecodeBackend")

@@ -1,0 +1,1 @@
+"""GPU kernels terra runs inside vLLM (Triton; each checked against a float64 reference)."""

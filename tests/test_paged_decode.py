@@ -1,0 +1,160 @@
+"""terra's paged decode kernel (kernels/paged_decode.py) against a float64 reference. The kernels run
+under Triton's interpreter in a process of their own (tests/paged_decode_interpreted.py): fp8 and
+bf16 caches in vLLM's paged layout, both program shapes, split and unsplit, contexts that end
+mid-page and mid-tile, empty sequences, and mixed batches whose prompt rows the kernel must leave
+alone. Its speed is measured on the GPU (benchmarks/scripts/gpu_paged_decode.py), and its
+agreement inside vLLM by tests/test_gpu_parity.py."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import paged_decode_interpreted as cases  # noqa: E402
+
+from terra_cli.kernels import paged_decode as pd  # noqa: E402
+
+# Relative error: float32 outputs (the kernel's own: fp16 products, fp32 sums), and bf16 outputs
+# (the interpreter rounds them toward zero: twice a GPU's error). A wrong page, head or scale is
+# off by order 1.
+TOLERANCE = 5e-4
+BF16_TOLERANCE = 6e-3
+
+
+@pytest.fixture(scope="module")
+def kernel_outputs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("interpreted")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(Path(cases.__file__)), str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {path.stem: torch.from_numpy(np.load(path)) for path in out.glob("*.npy")}
+
+
+def relative_error(got, want):
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("name", list(cases.CASES))
+def test_decode_matches_the_float64_reference(kernel_outputs, name):
+    seed, seq_lens, query_lens, dtype, _, _, _, k_scale, v_scale = cases.CASES[name]
+    query, key_cache, value_cache, table, lens, starts = cases.make_batch(seed, seq_lens, query_lens, dtype)
+    out = kernel_outputs[name]
+    ref = pd.paged_decode_reference(query, key_cache, value_cache, table, lens, starts, scale=cases.SCALE,
+                                    k_scale=k_scale, v_scale=v_scale)
+    decode = [int(starts[i]) for i, n in enumerate(query_lens) if n == 1]
+    assert torch.isfinite(out[decode]).all()
+    assert relative_error(out[decode], ref[decode]) < TOLERANCE
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # the empty sequence
+    assert torch.isnan(out[3:8]).all()  # the prompt's rows: untouched
+
+
+def test_fp8_query_uses_its_scale(kernel_outputs):
+    query, key_cache, value_cache, table, lens, starts = cases.make_batch(7, [70, 33], [1, 1], "fp8")
+    query8 = (query.float() / 0.25).to(torch.float8_e4m3fn)
+    ref = pd.paged_decode_reference(query8, key_cache, value_cache, table, lens, starts, scale=cases.SCALE, q_scale=0.25)
+    assert relative_error(kernel_outputs["fp8-query"], ref) < BF16_TOLERANCE
+
+
+def test_mixed_batch_sends_prompt_rows_to_the_other_kernel(kernel_outputs):
+    query, key_cache, value_cache, table, lens, starts = cases.make_batch(3, [40, 90, 17], [1, 6, 1], "fp8")
+    out = kernel_outputs["mixed"]
+    assert torch.equal(kernel_outputs["mixed-prompt-query"], query[1:7].float())
+    assert (out[1:7] == 7.0).all()
+    ref = pd.paged_decode_reference(query, key_cache, value_cache, table, lens, starts, scale=cases.SCALE)
+    assert relative_error(out[[0, 7]], ref[[0, 7]]) < BF16_TOLERANCE
+
+
+def test_prefill_rows_pick_the_prompt_requests():
+    starts = torch.tensor([0, 1, 2, 7, 8, 8, 11], dtype=torch.int32)  # lengths 1, 1, 5, 1, 0 (padding), 3
+    lens = torch.tensor([10, 20, 30, 40, 0, 50], dtype=torch.int32)
+    table = torch.arange(6, dtype=torch.int32)[:, None].repeat(1, 4)
+    rows = pd.prefill_rows(starts, lens, table, "cpu")
+    assert rows.token_index.tolist() == [2, 3, 4, 5, 6, 8, 9, 10]
+    assert rows.query_start_loc.tolist() == [0, 5, 8]
+    assert rows.seq_lens.tolist() == [30, 50]
+    assert rows.block_table[:, 0].tolist() == [2, 5]
+    assert rows.max_query_len == 5
+    assert pd.prefill_rows(torch.tensor([0, 1, 2, 2], dtype=torch.int32), lens[:3], table[:3], "cpu") is None
+
+
+def test_decode_plan_and_workspace():
+    for sms in (78, 132):
+        for n in range(1, 600):
+            plan = pd.decode_plan(n, cases.KV_HEADS, sms)
+            assert plan.splits & (plan.splits - 1) == 0 and 1 <= plan.splits <= pd.MAX_SPLITS
+            programs = n * plan.splits * (cases.KV_HEADS if plan.program == "per-head" else 1)
+            assert programs >= min(n, sms), (n, plan)  # a small batch still spreads over the GPU
+        rows = pd.workspace_rows(512, cases.KV_HEADS, sms)
+        assert all(n * pd.decode_plan(n, cases.KV_HEADS, sms).splits <= rows for n in range(1, 513))
+
+
+def test_kernel_refuses_shapes_it_does_not_cover():
+    query, key_cache, value_cache, table, lens, starts = cases.make_batch(0, [20], [1], "fp8")
+    out = torch.empty(query.shape, dtype=torch.bfloat16)
+    kwargs = dict(scale=0.1, k_scale=torch.tensor([1.0]), v_scale=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="power of two"):
+        pd.paged_decode_attention(query, key_cache, value_cache, table, lens, starts, out,
+                                  plan=pd.DecodePlan("all-heads", 3, 32), **kwargs)
+    with pytest.raises(ValueError, match="heads"):
+        pd.paged_decode_attention(query[:, :30], key_cache, value_cache, table, lens, starts, out[:, :30], **kwargs)
+
+
+def test_attention_choice(monkeypatch):
+    from types import SimpleNamespace
+
+    from terra_cli.backends.vllm import VllmUnavailable, choose_attention, terra_attention_unsupported
+
+    config = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=64)  # Terra's
+    choose = choose_attention
+    assert choose("auto", config, on_gpu=False, kv_cache_dtype="fp8", drafting=False) == "vllm"
+    assert choose("vllm", config, on_gpu=True, kv_cache_dtype="fp8", drafting=False) == "vllm"
+    with pytest.raises(VllmUnavailable, match="--attention terra: it needs a CUDA GPU"):
+        choose("terra", config, on_gpu=False, kv_cache_dtype=None, drafting=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "Hopper" in terra_attention_unsupported(config, on_gpu=True)
+    assert choose("auto", config, on_gpu=True, kv_cache_dtype="fp8", drafting=False) == "vllm"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert terra_attention_unsupported(config, on_gpu=True) is None
+    # auto: terra's kernel where it was measured faster (an fp8 cache), vLLM's elsewhere
+    assert choose("auto", config, on_gpu=True, kv_cache_dtype="fp8", drafting=False) == "terra"
+    assert choose("auto", config, on_gpu=True, kv_cache_dtype=None, drafting=False) == "vllm"
+    assert choose("auto", config, on_gpu=True, kv_cache_dtype="fp8", drafting=True) == "vllm"
+    assert choose("terra", config, on_gpu=True, kv_cache_dtype=None, drafting=False) == "terra"
+    odd = SimpleNamespace(hidden_size=1536, num_attention_heads=32, num_key_value_heads=4, head_dim=48)
+    assert "head size 48" in terra_attention_unsupported(odd, on_gpu=True)
+
+
+def test_attention_option_is_checked_before_a_model_loads():
+    from terra_cli.backends import engine_options
+    from terra_cli.errors import InputError
+
+    assert engine_options(attention="TERRA") == {"attention": "terra"}
+    assert engine_options(attention="auto") == {}
+    with pytest.raises(InputError, match="--attention must be auto, terra or vllm"):
+        engine_options(attention="flashinfer")
+    with pytest.raises(InputError, match="does not run --draft"):
+        engine_options(draft="previous-frame", attention="terra")
+
+
+def test_plugin_registers_the_backend_with_vllm():
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from terra_cli.models import vllm_plugin
+
+    vllm_plugin.register()
+    backend = AttentionBackendEnum.CUSTOM.get_class()
+    assert backend.__module__ == "terra_cli.models.vllm_attention"
+    assert backend.supports_head_size(64) and not backend.supports_head_size(48)
+    assert backend.supports_kv_cache_dtype("fp8") and not backend.supports_kv_cache_dtype("fp8_e5m2")
+    # decode-only CUDA graphs: a step with a prompt in it runs eagerly (its rows go to FA3)
+    assert backend.get_builder_cls()._cudagraph_support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE

@@ -2,7 +2,7 @@
 # Issue 28: terra's paged decode kernel (--attention terra) against vLLM's FlashAttention-3, one
 # phase per device call, on the GPU host once vLLM's bundle is in /tmp/site (gpu_bundle.sh a1, a2, b;
 # ff too for act). Logs and JSON go to $OUT.
-#   kernel     the kernel alone vs FA3 and the copy rate (gpu_paged_decode.py), ~2 min
+#   kernel     the kernel alone vs FA3 and the copy rate (gpu_paged_attention.py), ~2 min
 #   parity     tests/test_gpu_parity.py -k terra_attention: both attentions against the reference
 #   profile    decode steps at 256 rollouts and at one rollout, both attentions, fp8 and bf16 KV
 #   scenarios  terra bench --scenarios 256 (25 frames, 256 in flight, fp8 KV): vllm, then terra
@@ -13,8 +13,8 @@ export TERRA_CACHE=${TERRA_CACHE:-/tmp/terra-cache} HF_HUB_OFFLINE=1
 source benchmarks/scripts/gpu_common.sh
 gpu_setup || exit 1
 case "$1" in
-  kernel) timeout 300 python3 benchmarks/scripts/gpu_paged_decode.py --out "$OUT/paged_decode.json" \
-            > "$OUT/paged_decode.log" 2>&1; grep -v '^{' "$OUT/paged_decode.log" | tail -20 ;;
+  kernel) timeout 300 python3 benchmarks/scripts/gpu_paged_attention.py --out "$OUT/paged_attention.json" \
+            > "$OUT/paged_attention.log" 2>&1; grep -v '^{' "$OUT/paged_attention.log" | tail -20 ;;
   parity) timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_parity.py -k terra_attention \
             > "$OUT/parity.log" 2>&1; tail -5 "$OUT/parity.log"
           for f in "$OUT"/parity-*.json; do python3 -c "import json,sys; r=json.load(open(sys.argv[1])); \

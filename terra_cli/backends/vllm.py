@@ -153,15 +153,12 @@ def compile_by_default(on_gpu: bool) -> bool:
     return not on_gpu
 
 
-def eager_compilation_config(on_gpu: bool, attention: str = "vllm") -> dict:
+def eager_compilation_config(on_gpu: bool) -> dict:
     """vLLM without torch.compile (no Dynamo or Inductor at start-up) but, on a GPU, still with CUDA
     graphs: FULL graphs capture the whole forward, so they need no compiled pieces (vLLM 0.25
     otherwise drops graphs altogether when compilation is off). vLLM's custom kernels stand in
-    for Inductor's fused ones. terra's attention captures decode-only steps (a step with a prompt
-    in it runs eagerly: models/vllm_attention.py)."""
-    if not on_gpu:
-        return {"mode": 0}
-    return {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY" if attention == "terra" else "FULL"}
+    for Inductor's fused ones."""
+    return {"mode": 0, "cudagraph_mode": "FULL"} if on_gpu else {"mode": 0}
 
 
 def terra_attention_unsupported(config, on_gpu: bool) -> str | None:
@@ -185,7 +182,7 @@ def terra_attention_unsupported(config, on_gpu: bool) -> str | None:
 
 
 def choose_attention(requested: str, config, *, on_gpu: bool, kv_cache_dtype: str | None, drafting: bool) -> str:
-    """"terra" (kernels/paged_decode.py inside vLLM) or "vllm" (vLLM's own choice: FlashAttention-3
+    """"terra" (kernels/paged_attention.py inside vLLM) or "vllm" (vLLM's own choice: FlashAttention-3
     on a Hopper GPU). auto takes terra's where it was measured faster: decoding from an fp8 KV
     cache on Hopper (benchmarks/README.md, issue 28)."""
     if requested == "vllm":
@@ -315,7 +312,7 @@ class VllmBackend:
         if self.attention == "terra":
             kwargs["attention_config"] = {"backend": "CUSTOM"}  # registered by models/vllm_plugin.py
         if not torch_compile:
-            kwargs["compilation_config"] = eager_compilation_config(on_gpu, self.attention)
+            kwargs["compilation_config"] = eager_compilation_config(on_gpu)
         if draft_tokens:
             kwargs["speculative_config"] = previous_frame_draft(self.checkpoint_dir, self.config, draft_tokens)
         kwargs.update(engine_kwargs)

@@ -1,19 +1,19 @@
-"""terra's paged decode kernel as a vLLM attention backend (`attention_config={"backend": "CUSTOM"}`).
+"""terra's paged attention kernel as a vLLM attention backend (`attention_config={"backend": "CUSTOM"}`).
 
-The plugin registers `TerraDecodeBackend` under vLLM's CUSTOM slot; the engine asks for it when
+The plugin registers `TerraAttentionBackend` under vLLM's CUSTOM slot; the engine asks for it when
 `--attention terra` (or `auto` on a Hopper GPU with an fp8 KV cache) is chosen. It is vLLM's
-FlashAttention backend with the decode rows taken over:
+FlashAttention backend with the attention call replaced; the KV cache keeps FlashAttention's
+layout and write path, so nothing else in vLLM changes.
 
-- every request whose query is one token (a decode step) goes through
-  `kernels.paged_decode` (one program per sequence and split, all KV heads together);
-- the other requests of a step (a prompt's uncached tail, a new scenario's context) go through
-  FlashAttention-3 as before, gathered into a batch of their own;
-- the KV cache keeps FlashAttention's layout and write path, so nothing else in vLLM changes.
+- A step of up to `unified_tokens` query tokens (every step vLLM captures in a CUDA graph: all
+  decodes, and decodes beside a prompt's uncached tail) runs wholly in `kernels.paged_attention`:
+  decodes one program per sequence and split, prompt rows a few tokens per program.
+- A larger step (a long prompt being prefilled, run eagerly) sends its prompt rows to
+  FlashAttention-3, whose cost grows with the prompt once, and its decodes to the kernel.
 
-CUDA graphs: batches of decodes only are captured whole (FULL_DECODE_ONLY); a step with a prompt
-runs eagerly. With hundreds of rollouts in flight that step's launches overlap the GPU's work.
-Nothing here falls back silently: a configuration the kernel does not cover is refused when the
-engine is built, naming the reason (vLLM prints it).
+So every step can be a FULL CUDA graph, as with FlashAttention-3 alone. Nothing here falls back
+silently: a configuration the kernel does not cover is refused when the engine is built, naming
+the reason (vLLM prints it).
 """
 
 from __future__ import annotations
@@ -25,20 +25,24 @@ import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
-from terra_cli.kernels.paged_decode import (
-    DecodePlan,
+from terra_cli.kernels.paged_attention import (
     PrefillRows,
     decode_plan,
-    mixed_batch_attention,
+    make_workspace,
+    paged_attention,
     prefill_rows,
-    workspace_rows,
+    query_rows,
+    split_batch_attention,
 )
 
 FP8_MAX = 448.0  # float8_e4m3fn
+# Steps up to this many query tokens run wholly in terra's kernel (at least every step vLLM
+# captures in a graph); prompt rows there cost a cache read per CHUNK tokens, fine for a few hundred.
+UNIFIED_TOKENS = 512
 
 
 @dataclass
-class TerraDecodeMetadata:
+class TerraAttentionMetadata:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
@@ -46,50 +50,44 @@ class TerraDecodeMetadata:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    plan: DecodePlan
+    sm_count: int
     workspace: tuple[torch.Tensor, torch.Tensor]
-    prefill: PrefillRows | None  # the requests that are not single-token decodes, if any
+    prefill: PrefillRows | None  # a large prompt step: the rows FlashAttention-3 runs
     use_cascade: bool = False
 
 
-class TerraDecodeMetadataBuilder(AttentionMetadataBuilder[TerraDecodeMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+class TerraAttentionMetadataBuilder(AttentionMetadataBuilder[TerraAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         model_config, parallel_config = vllm_config.model_config, vllm_config.parallel_config
-        self.num_heads = model_config.get_num_attention_heads(parallel_config)
-        self.num_kv_heads = model_config.get_num_kv_heads(parallel_config)
-        self.head_size = model_config.get_head_size()
+        num_heads = model_config.get_num_attention_heads(parallel_config)
+        num_kv_heads = model_config.get_num_kv_heads(parallel_config)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        # One workspace for every layer (they run one after another on one stream), sized for
-        # the largest batch the engine schedules or captures.
-        max_seqs = max(vllm_config.scheduler_config.max_num_seqs,
-                       vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-        rows = workspace_rows(max_seqs, self.num_kv_heads, self.sm_count) * self.num_heads
-        self.workspace = (torch.empty(rows * self.head_size, dtype=torch.float32, device=device),
-                          torch.empty(rows, dtype=torch.float32, device=device))
+        # One workspace for every layer (they run one after another on one stream).
+        self.workspace = make_workspace(num_heads, num_kv_heads, model_config.get_head_size(), device)
+        self.unified_tokens = max(UNIFIED_TOKENS, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> TerraDecodeMetadata:
+              fast_build: bool = False) -> TerraAttentionMetadata:
         m = common_attn_metadata
         num_reqs = m.num_reqs
         prefill = None
-        if m.max_query_len > 1:
+        if m.max_query_len > 1 and m.num_actual_tokens > self.unified_tokens:
             prefill = prefill_rows(m.query_start_loc_cpu[: num_reqs + 1], m.seq_lens[:num_reqs],
                                    m.block_table_tensor[:num_reqs], self.device)
-        return TerraDecodeMetadata(
+        return TerraAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len, max_seq_len=m.max_seq_len,
             query_start_loc=m.query_start_loc[: num_reqs + 1], seq_lens=m.seq_lens[:num_reqs],
-            block_table=m.block_table_tensor[:num_reqs], slot_mapping=m.slot_mapping,
-            plan=decode_plan(num_reqs, self.num_kv_heads, self.sm_count), workspace=self.workspace,
-            prefill=prefill)
+            block_table=m.block_table_tensor[:num_reqs], slot_mapping=m.slot_mapping, sm_count=self.sm_count,
+            workspace=self.workspace, prefill=prefill)
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return False
 
 
-class TerraDecodeImpl(FlashAttentionImpl):
+class TerraAttentionImpl(FlashAttentionImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         unsupported = [name for name, present in (
@@ -98,8 +96,8 @@ class TerraDecodeImpl(FlashAttentionImpl):
             ("encoder attention", self.attn_type != AttentionType.DECODER),
             ("KV-cache sharing", self.kv_sharing_target_layer_name is not None)) if present]
         if unsupported:
-            raise ValueError(f"terra's decode attention does not support {', '.join(unsupported)}; "
-                             "use --attention flash")
+            raise ValueError(f"terra's attention does not support {', '.join(unsupported)}; "
+                             "use --attention vllm")
         # The query stays in bf16 for the decode kernel (more exact than FA3's fp8 query); the
         # prompt rows are quantized here for FA3, as vLLM's layer would have done.
         self.supports_quant_query_input = False
@@ -107,23 +105,30 @@ class TerraDecodeImpl(FlashAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported by terra's decode attention")
+            raise NotImplementedError("fused output quantization is not supported by terra's attention")
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
-        md: TerraDecodeMetadata = attn_metadata
+        md: TerraAttentionMetadata = attn_metadata
         key_cache, value_cache = kv_cache.unbind(1)
         fp8 = self.kv_cache_dtype.startswith("fp8")
         if fp8:
             key_cache = key_cache.view(torch.float8_e4m3fn)
             value_cache = value_cache.view(torch.float8_e4m3fn)
 
+        num_seqs = md.seq_lens.shape[0]
+        _, chunk = query_rows(self.num_heads, self.num_kv_heads)
+        options = dict(scale=self.scale, k_scale=layer._k_scale, v_scale=layer._v_scale, workspace=md.workspace)
+        if md.prefill is None:
+            plan = decode_plan(num_seqs, self.num_kv_heads, md.sm_count, query.shape[0] // chunk + num_seqs)
+            return paged_attention(query, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                                   output, plan=plan, **options)
+
         def prompt_attention(q: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
             return self._flash_attention(layer, q, key_cache, value_cache, rows, md.max_seq_len, output.dtype, fp8)
 
-        return mixed_batch_attention(query, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                                     output, prefill=md.prefill, prompt_attention=prompt_attention, scale=self.scale,
-                                     k_scale=layer._k_scale, v_scale=layer._v_scale, plan=md.plan,
-                                     workspace=md.workspace)
+        return split_batch_attention(query, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                                     output, prefill=md.prefill, prompt_attention=prompt_attention,
+                                     plan=decode_plan(num_seqs, self.num_kv_heads, md.sm_count), **options)
 
     def _flash_attention(self, layer, q, key_cache, value_cache, rows: PrefillRows, max_seq_len: int, dtype,
                          fp8: bool) -> torch.Tensor:
@@ -144,7 +149,7 @@ class TerraDecodeImpl(FlashAttentionImpl):
         return out
 
 
-class TerraDecodeBackend(FlashAttentionBackend):
+class TerraAttentionBackend(FlashAttentionBackend):
     supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
 
     @staticmethod
@@ -153,11 +158,11 @@ class TerraDecodeBackend(FlashAttentionBackend):
 
     @staticmethod
     def get_impl_cls():
-        return TerraDecodeImpl
+        return TerraAttentionImpl
 
     @staticmethod
     def get_builder_cls():
-        return TerraDecodeMetadataBuilder
+        return TerraAttentionMetadataBuilder
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:

@@ -33,4 +33,4 @@ def _register_attention() -> None:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     except ImportError:
         return
-    register_backend(AttentionBackendEnum.CUSTOM, "terra_cli.models.vllm_attention.TerraDecodeBackend")
+    register_backend(AttentionBackendEnum.CUSTOM, "terra_cli.models.vllm_attention.TerraAttentionBackend")

@@ -2,18 +2,20 @@
 
 Terra's attention shapes (32 query heads over 4 KV heads of 64, pages of 16 tokens), a decode
 step's 22 attention calls captured in one CUDA graph over distinct caches (cycled, so nothing sits
-in L2), timed by replaying it. Cases: 8 to 256 rollouts with contexts spread over a 25-frame round
-(1,746..14,550 tokens, mean about 8,150), 256 all at 8,148, one rollout early and late in a video.
-For each, the plan `decode_plan` chooses, half and twice its splits, and the other program shape;
-each variant is checked against a float64 reference first. FA3 (vLLM's build) runs too when
-vLLM's bundle is on PYTHONPATH.
+in L2), timed by replaying it. Cases: 1 to 256 rollouts with contexts spread over a 25-frame round
+(1,746..14,550 tokens, mean about 8,150), a step with two prompt tails beside 254 decodes, one
+rollout early and late in a video, and a 512-token prompt tail (the largest a captured step runs
+through the kernel). For each, the plan `decode_plan` chooses (and a few others); every variant
+is checked against a float64 reference first. FA3 (vLLM's build) runs too when vLLM's bundle is
+on PYTHONPATH.
 
-    python3 benchmarks/scripts/gpu_paged_decode.py --out $OUT/paged_decode.json [--quick]
+    python3 benchmarks/scripts/gpu_paged_attention.py --out $OUT/paged_attention.json [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from terra_cli.kernels import paged_decode as pd  # noqa: E402
+from terra_cli.kernels import paged_attention as pd  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 32, 4, 64, 16, 22
 SCALE = HEAD_DIM ** -0.5
@@ -51,11 +53,13 @@ def copy_rate() -> float:
 
 
 class Case:
-    def __init__(self, name: str, lengths: list[int], dtype: torch.dtype, caches: int, seed: int = 0):
+    def __init__(self, name: str, lengths: list[int], dtype: torch.dtype, caches: int, seed: int = 0,
+                 query_lens: list[int] | None = None):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.name, self.dtype = name, dtype
         self.lengths = lengths
         self.batch = len(lengths)
+        self.query_lens = query_lens or [1] * self.batch
         pages = [math.ceil(n / PAGE) for n in lengths]
         total = sum(pages)
         width = max(pages)
@@ -66,21 +70,32 @@ class Case:
             self.block_table[i, :count] = order[used:used + count]
             used += count
         self.seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-        self.query_start = torch.arange(self.batch + 1, dtype=torch.int32, device="cuda")
+        self.query_start = torch.tensor([0] + list(itertools.accumulate(self.query_lens)), dtype=torch.int32,
+                                        device="cuda")
+        self.tokens = sum(self.query_lens)
         self.caches = []
         for _ in range(caches):
             kv = torch.randn(total, 2, PAGE, KV_HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
             self.caches.append(kv.to(dtype) if dtype != torch.bfloat16 else kv)
-        self.query = torch.randn(self.batch, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+        self.query = torch.randn(self.tokens, HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
         self.out = torch.empty_like(self.query)
         self.kv_bytes = sum(lengths) * KV_HEADS * HEAD_DIM * 2 * torch.empty((), dtype=dtype).element_size()
         one = torch.ones(1, device="cuda", dtype=torch.float32)
         self.k_scale, self.v_scale, self.q_scale = one, one, one
 
-    def reference(self, rows: int) -> torch.Tensor:
+    def reference(self, seqs: list[int]) -> tuple[list[int], torch.Tensor]:
+        """(query rows, reference) for these sequences."""
         key, value = self.caches[0].unbind(1)
-        return pd.paged_decode_reference(self.query[:rows], key, value, self.block_table[:rows], self.seq_lens[:rows],
-                                         self.query_start[:rows + 1], scale=SCALE).cpu()
+        rows, outs = [], []
+        starts = self.query_start.tolist()
+        for seq in seqs:
+            n = self.query_lens[seq]
+            sub_start = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+            outs.append(pd.paged_attention_reference(self.query[starts[seq]:starts[seq] + n], key, value,
+                                                     self.block_table[seq:seq + 1], self.seq_lens[seq:seq + 1],
+                                                     sub_start, scale=SCALE).cpu())
+            rows += list(range(starts[seq], starts[seq] + n))
+        return rows, torch.cat(outs)
 
 
 def time_graph(step, replays: int = 20) -> float:
@@ -108,15 +123,18 @@ def time_graph(step, replays: int = 20) -> float:
     return statistics.median(times)
 
 
-def terra_step(case: Case, program: str, splits: int, warps: int, stages: int, tile: int):
-    heads = case.batch * HEADS * splits
-    workspace = (torch.empty(heads * HEAD_DIM, device="cuda"), torch.empty(heads, device="cuda"))
+WORKSPACE = None
+
+
+def terra_step(case: Case, plan, decode_only: bool = False):
+    global WORKSPACE
+    WORKSPACE = WORKSPACE or pd.make_workspace(HEADS, KV_HEADS, HEAD_DIM, "cuda")
 
     def step(layer: int):
         key, value = case.caches[layer % len(case.caches)].unbind(1)
-        pd.paged_decode_attention(case.query, key, value, case.block_table, case.seq_lens, case.query_start,
-                                  case.out, scale=SCALE, k_scale=case.k_scale, v_scale=case.v_scale,
-                                  plan=pd.DecodePlan(program, splits, tile, warps, stages), workspace=workspace)
+        pd.paged_attention(case.query, key, value, case.block_table, case.seq_lens, case.query_start, case.out,
+                           scale=SCALE, k_scale=case.k_scale, v_scale=case.v_scale, plan=plan, workspace=WORKSPACE,
+                           decode_only=decode_only)
     return step
 
 
@@ -130,19 +148,22 @@ def fa3_step(case: Case):
 
     def step(layer: int):
         key, value = case.caches[layer % len(case.caches)].unbind(1)
-        flash_attn_varlen_func(q=query, k=key, v=value, out=case.out, cu_seqlens_q=case.query_start, max_seqlen_q=1,
+        flash_attn_varlen_func(q=query, k=key, v=value, out=case.out, cu_seqlens_q=case.query_start,
+                               max_seqlen_q=max(case.query_lens),
                                seqused_k=case.seq_lens, max_seqlen_k=max_len, softmax_scale=SCALE, causal=True,
                                block_table=case.block_table, fa_version=3, q_descale=descale, k_descale=descale,
                                v_descale=descale)
     return step
 
 
-def check(case: Case, step, rows: int) -> float:
+def check(case: Case, step, seqs: int) -> float:
+    """Relative error of the first `seqs` sequences' rows and every prompt's rows (NaN: a row unwritten)."""
     case.out.fill_(float("nan"))
     step(0)
     torch.cuda.synchronize()
-    ref = case.reference(rows)
-    got = case.out[:rows].double().cpu()
+    chosen = sorted(set(range(min(seqs, case.batch))) | {i for i, n in enumerate(case.query_lens) if n > 1})
+    rows, ref = case.reference(chosen)
+    got = case.out[rows].double().cpu()
     if torch.isnan(got).any():
         return float("nan")
     return float((got - ref).norm() / ref.norm())
@@ -180,44 +201,41 @@ def main() -> None:
         return torch.randint(1746, 14551, (n,), generator=gen).tolist()
 
     sms = props.multi_processor_count
-    cases = [("256 spread fp8", spread(256), FP8), ("256 x 8148 fp8", [8148] * 256, FP8),
-             ("128 spread fp8", spread(128), FP8), ("64 spread fp8", spread(64), FP8),
-             ("32 spread fp8", spread(32), FP8), ("16 spread fp8", spread(16), FP8), ("8 spread fp8", spread(8), FP8),
-             ("1 early fp8", [1746], FP8), ("1 late fp8", [13968], FP8),
-             ("256 spread bf16", spread(256), torch.bfloat16), ("128 spread bf16", spread(128), torch.bfloat16),
-             ("1 late bf16", [13968], torch.bfloat16)]
+    tails = spread(256)
+    tails[:2] = [14000, 13000]
+    # (name, contexts, dtype, query lengths, variants beside the plan chosen)
+    cases = [("256 spread fp8", spread(256), FP8, None, ("decode-only", "half", "double")),
+             ("256 spread fp8 + 2 prompt tails of 22", tails, FP8, [22, 22] + [1] * 254, ()),
+             ("128 spread fp8", spread(128), FP8, None, ()), ("64 spread fp8", spread(64), FP8, None, ()),
+             ("32 spread fp8", spread(32), FP8, None, ()), ("8 spread fp8", spread(8), FP8, None, ("half", "double")),
+             ("1 early fp8", [1746], FP8, None, ()), ("1 late fp8", [13968], FP8, None, ()),
+             ("1 prompt tail of 512 after 8148 fp8", [8660], FP8, [512], ()),
+             ("256 spread bf16", spread(256), torch.bfloat16, None, ()), ("1 late bf16", [13968], torch.bfloat16, None, ())]
     if args.quick:
-        cases = cases[:1] + cases[8:9]
-    for name, lengths, dtype in cases:
-        case = Case(name, lengths, dtype, caches=8 if len(lengths) > 16 else 64)
-        check_rows = min(case.batch, 8)
-        chosen = pd.decode_plan(case.batch, KV_HEADS, sms)
-        grid = {chosen}
-        for splits in (chosen.splits // 2, chosen.splits * 2):
-            if 1 <= splits <= pd.MAX_SPLITS:
-                grid.add(pd.DecodePlan(chosen.program, splits, chosen.tile))
-        # the other program shape with as many programs
-        if chosen.program == "all-heads":
-            grid.add(pd.DecodePlan("per-head", max(1, chosen.splits // KV_HEADS), 64))
-        else:
-            grid.add(pd.DecodePlan("all-heads", min(pd.MAX_SPLITS, chosen.splits * KV_HEADS), 32))
-        if name.startswith("256 spread fp8"):
-            grid |= {pd.DecodePlan("all-heads", 8, 16, 4, 2), pd.DecodePlan("all-heads", 8, 32, 4, 2),
-                     pd.DecodePlan("all-heads", 8, 64, 4, 3), pd.DecodePlan("all-heads", 8, 32, 2, 3)}
-        for plan in sorted(grid, key=lambda p: (p != chosen, p.program, p.splits, p.tile)):
-            variant = f"{plan.program} s{plan.splits} w{plan.warps} st{plan.stages} t{plan.tile}"
+        cases = cases[:2]
+    for name, lengths, dtype, query_lens, extra in cases:
+        case = Case(name, lengths, dtype, caches=8 if len(lengths) > 16 else 64, query_lens=query_lens)
+        blocks = case.tokens // 2 + case.batch
+        chosen = pd.decode_plan(case.batch, KV_HEADS, sms, blocks)
+        variants = [("chosen", chosen, False)]
+        if "decode-only" in extra:
+            variants.append(("decode-only", pd.decode_plan(case.batch, KV_HEADS, sms), True))
+        for label, factor in (("half", 0.5), ("double", 2)):
+            if label in extra and 1 <= int(chosen.splits * factor) <= pd.MAX_SPLITS:
+                variants.append((label, pd.DecodePlan(chosen.program, int(chosen.splits * factor), chosen.tile), False))
+        for label, plan, decode_only in variants:
+            variant = f"{label}: {plan.program} s{plan.splits} w{plan.warps} st{plan.stages} t{plan.tile}"
             try:
-                step = terra_step(case, plan.program, plan.splits, plan.warps, plan.stages, plan.tile)
-                err = check(case, step, check_rows)
-                ms = time_graph(step)
-                record(case, variant, ms, err, program=plan.program, splits=plan.splits, warps=plan.warps,
-                       stages=plan.stages, tile=plan.tile, chosen=plan == chosen)
+                step = terra_step(case, plan, decode_only)
+                err = check(case, step, 8)
+                record(case, variant, time_graph(step), err, program=plan.program, splits=plan.splits,
+                       tile=plan.tile, chosen=label == "chosen", decode_only=decode_only)
             except Exception as error:  # noqa: BLE001
                 log(f"{case.name} {variant}: {error!r}")
         if have_fa3:
             try:
                 step = fa3_step(case)
-                err = check(case, step, check_rows)
+                err = check(case, step, 8)
                 record(case, "FA3", time_graph(step), err)
             except Exception as error:  # noqa: BLE001
                 log(f"{case.name} FA3: {error!r}")

@@ -1,9 +1,9 @@
-"""terra's paged decode kernel (kernels/paged_decode.py) against a float64 reference. The kernels run
-under Triton's interpreter in a process of their own (tests/paged_decode_interpreted.py): fp8 and
-bf16 caches in vLLM's paged layout, both program shapes, split and unsplit, contexts that end
-mid-page and mid-tile, empty sequences, and mixed batches whose prompt rows the kernel must leave
-alone. Its speed is measured on the GPU (benchmarks/scripts/gpu_paged_decode.py), and its
-agreement inside vLLM by tests/test_gpu_parity.py."""
+"""terra's paged attention kernel (kernels/paged_attention.py) against a float64 reference. The
+kernels run under Triton's interpreter in a process of their own (tests/paged_attention_interpreted.py):
+fp8 and bf16 caches in vLLM's paged layout, both program shapes, split and unsplit, decodes whose
+contexts end mid-page and mid-tile, empty and padded slots, prompt rows (causal, chunked), and
+large prompt steps whose prompt rows another kernel runs. Its speed is measured on the GPU
+(benchmarks/scripts/gpu_paged_attention.py), and its agreement inside vLLM by tests/test_gpu_parity.py."""
 
 import os
 import subprocess
@@ -17,13 +17,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).parent))
-import paged_decode_interpreted as cases  # noqa: E402
+import paged_attention_interpreted as cases  # noqa: E402
 
-from terra_cli.kernels import paged_decode as pd  # noqa: E402
+from terra_cli.kernels import paged_attention as pd  # noqa: E402
 
 # Relative error: float32 outputs (the kernel's own: fp16 products, fp32 sums), and bf16 outputs
-# (the interpreter rounds them toward zero: twice a GPU's error). A wrong page, head or scale is
-# off by order 1.
+# (the interpreter rounds them toward zero: twice a GPU's error). A wrong page, head, causal limit
+# or scale is off by order 1.
 TOLERANCE = 5e-4
 BF16_TOLERANCE = 6e-3
 
@@ -43,32 +43,46 @@ def relative_error(got, want):
 
 
 @pytest.mark.parametrize("name", list(cases.CASES))
-def test_decode_matches_the_float64_reference(kernel_outputs, name):
-    seed, seq_lens, query_lens, dtype, _, _, _, k_scale, v_scale = cases.CASES[name]
-    query, key_cache, value_cache, table, lens, starts = cases.make_batch(seed, seq_lens, query_lens, dtype)
+def test_attention_matches_the_float64_reference(kernel_outputs, name):
+    seed, dtype, _, _, _, decode_only = cases.CASES[name]
+    query, key_cache, value_cache, table, lens, starts = cases.make_batch(seed, cases.SEQ_LENS, cases.QUERY_LENS, dtype)
     out = kernel_outputs[name]
-    ref = pd.paged_decode_reference(query, key_cache, value_cache, table, lens, starts, scale=cases.SCALE,
-                                    k_scale=k_scale, v_scale=v_scale)
-    decode = [int(starts[i]) for i, n in enumerate(query_lens) if n == 1]
-    assert torch.isfinite(out[decode]).all()
-    assert relative_error(out[decode], ref[decode]) < TOLERANCE
-    assert torch.equal(out[2], torch.zeros_like(out[2]))  # the empty sequence
-    assert torch.isnan(out[3:8]).all()  # the prompt's rows: untouched
+    ref = pd.paged_attention_reference(query, key_cache, value_cache, table, lens, starts, scale=cases.SCALE,
+                                       k_scale=0.5, v_scale=1.5)
+    decodes = [int(starts[i]) for i, n in enumerate(cases.QUERY_LENS) if n == 1 and cases.SEQ_LENS[i]]
+    prompts = [row for i, n in enumerate(cases.QUERY_LENS) if n > 1 for row in range(int(starts[i]), int(starts[i + 1]))]
+    assert relative_error(out[decodes], ref[decodes]) < TOLERANCE
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # the empty slot
+    if decode_only:
+        assert torch.isnan(out[prompts]).all()  # another kernel's rows: untouched
+    else:
+        for row in prompts:  # each prompt row on its own: a wrong causal limit shows in one row
+            assert relative_error(out[row], ref[row]) < TOLERANCE, row
 
 
 def test_fp8_query_uses_its_scale(kernel_outputs):
     query, key_cache, value_cache, table, lens, starts = cases.make_batch(7, [70, 33], [1, 1], "fp8")
     query8 = (query.float() / 0.25).to(torch.float8_e4m3fn)
-    ref = pd.paged_decode_reference(query8, key_cache, value_cache, table, lens, starts, scale=cases.SCALE, q_scale=0.25)
+    ref = pd.paged_attention_reference(query8, key_cache, value_cache, table, lens, starts, scale=cases.SCALE,
+                                       q_scale=0.25)
     assert relative_error(kernel_outputs["fp8-query"], ref) < BF16_TOLERANCE
 
 
-def test_mixed_batch_sends_prompt_rows_to_the_other_kernel(kernel_outputs):
+def test_padded_graph_batch_leaves_unowned_rows_alone(kernel_outputs):
+    query, key_cache, value_cache, table, lens, starts = cases.make_batch(11, [30, 200, 0, 0], [1, 3, 0, 0], "fp8",
+                                                                          padded_rows=5)
+    out = kernel_outputs["padded"]
+    ref = pd.paged_attention_reference(query, key_cache, value_cache, table, lens, starts, scale=cases.SCALE)
+    assert relative_error(out[:4], ref[:4]) < TOLERANCE
+    assert torch.isnan(out[4:]).all()
+
+
+def test_large_prompt_step_sends_prompt_rows_to_the_other_kernel(kernel_outputs):
     query, key_cache, value_cache, table, lens, starts = cases.make_batch(3, [40, 90, 17], [1, 6, 1], "fp8")
-    out = kernel_outputs["mixed"]
-    assert torch.equal(kernel_outputs["mixed-prompt-query"], query[1:7].float())
+    out = kernel_outputs["split"]
+    assert torch.equal(kernel_outputs["split-prompt-query"], query[1:7].float())
     assert (out[1:7] == 7.0).all()
-    ref = pd.paged_decode_reference(query, key_cache, value_cache, table, lens, starts, scale=cases.SCALE)
+    ref = pd.paged_attention_reference(query, key_cache, value_cache, table, lens, starts, scale=cases.SCALE)
     assert relative_error(out[[0, 7]], ref[[0, 7]]) < BF16_TOLERANCE
 
 
@@ -85,15 +99,20 @@ def test_prefill_rows_pick_the_prompt_requests():
     assert pd.prefill_rows(torch.tensor([0, 1, 2, 2], dtype=torch.int32), lens[:3], table[:3], "cpu") is None
 
 
-def test_decode_plan_and_workspace():
+def test_decode_plan_fits_the_workspace_and_fills_the_gpu():
+    group, chunk = pd.query_rows(cases.HEADS, cases.KV_HEADS)
+    assert (group, chunk) == (8, 2)  # Terra: a KV head's 8 query heads, 2 tokens per program
     for sms in (78, 132):
-        for n in range(1, 600):
-            plan = pd.decode_plan(n, cases.KV_HEADS, sms)
-            assert plan.splits & (plan.splits - 1) == 0 and 1 <= plan.splits <= pd.MAX_SPLITS
-            programs = n * plan.splits * (cases.KV_HEADS if plan.program == "per-head" else 1)
-            assert programs >= min(n, sms), (n, plan)  # a small batch still spreads over the GPU
-        rows = pd.workspace_rows(512, cases.KV_HEADS, sms)
-        assert all(n * pd.decode_plan(n, cases.KV_HEADS, sms).splits <= rows for n in range(1, 513))
+        for seqs in range(1, 600):
+            for tokens in (seqs, seqs + 22, 512):
+                if tokens < seqs:
+                    continue
+                blocks = tokens // chunk + seqs
+                plan = pd.decode_plan(seqs, cases.KV_HEADS, sms, blocks)
+                assert plan.splits & (plan.splits - 1) == 0 and 1 <= plan.splits <= pd.MAX_SPLITS
+                assert plan.splits == 1 or blocks * plan.splits <= pd.WORKSPACE_BLOCKS
+            programs = seqs * plan.splits * (cases.KV_HEADS if plan.program == "per-head" else 1)
+            assert programs >= min(seqs, sms), (seqs, plan)  # a small batch still spreads over the GPU
 
 
 def test_kernel_refuses_shapes_it_does_not_cover():
@@ -101,10 +120,10 @@ def test_kernel_refuses_shapes_it_does_not_cover():
     out = torch.empty(query.shape, dtype=torch.bfloat16)
     kwargs = dict(scale=0.1, k_scale=torch.tensor([1.0]), v_scale=torch.tensor([1.0]))
     with pytest.raises(ValueError, match="power of two"):
-        pd.paged_decode_attention(query, key_cache, value_cache, table, lens, starts, out,
-                                  plan=pd.DecodePlan("all-heads", 3, 32), **kwargs)
+        pd.paged_attention(query, key_cache, value_cache, table, lens, starts, out,
+                           plan=pd.DecodePlan("all-heads", 3, 32), **kwargs)
     with pytest.raises(ValueError, match="heads"):
-        pd.paged_decode_attention(query[:, :30], key_cache, value_cache, table, lens, starts, out[:, :30], **kwargs)
+        pd.paged_attention(query[:, :30], key_cache, value_cache, table, lens, starts, out[:, :30], **kwargs)
 
 
 def test_attention_choice(monkeypatch):
@@ -156,5 +175,5 @@ def test_plugin_registers_the_backend_with_vllm():
     assert backend.__module__ == "terra_cli.models.vllm_attention"
     assert backend.supports_head_size(64) and not backend.supports_head_size(48)
     assert backend.supports_kv_cache_dtype("fp8") and not backend.supports_kv_cache_dtype("fp8_e5m2")
-    # decode-only CUDA graphs: a step with a prompt in it runs eagerly (its rows go to FA3)
-    assert backend.get_builder_cls()._cudagraph_support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # every step, prompts beside decodes included, can be a FULL CUDA graph
+    assert backend.get_builder_cls()._cudagraph_support == AttentionCGSupport.ALWAYS

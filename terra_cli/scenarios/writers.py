@@ -267,11 +267,15 @@ class WriterPool:
             self._dispatch()
 
     def _exited(self, w: _Worker) -> None:
+        if self.closing:  # close() stops and reaps them
+            with self.lock:
+                w.dead = w.reaped = True
+            return
         w.process.join(1.0)
         with self.lock:
             expected = self.closing and w.task is None
             w.dead = w.reaped = True
-            if w.process.exitcode is None:  # its pipe closed but it runs on: it is of no use now
+            if w.process.exitcode is None and not self.closing:  # its pipe closed but it runs on: of no use now
                 w.process.kill()
                 w.process.join(1.0)
             if not expected:

@@ -23,7 +23,6 @@ from typer.testing import CliRunner
 
 from terra_cli.backends.hf import HfBackend
 from terra_cli.cli import app
-from terra_cli.errors import OutputError
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 from terra_cli.scenarios.runner import RESULTS_NAME, WRITER_QUEUE, ScenarioRun, _Writer, completed_ids, \
     read_results, run_scenarios

@@ -98,8 +98,8 @@ def can_pool(decoder) -> bool:
 
 
 class _Worker:
-    def __init__(self, index: int, process, conn):
-        self.index, self.process, self.conn = index, process, conn
+    def __init__(self, process, conn):
+        self.process, self.conn = process, conn
         self.ready = False  # loaded its decoder and waits for tasks
         self.dead = False  # takes no more tasks (its pipe broke, or it could not start)
         self.reaped = False  # the collector saw it exit
@@ -137,7 +137,7 @@ class WriterPool:
                                               daemon=True)
                     process.start()
                     child.close()
-                    self.workers.append(_Worker(index, process, parent))
+                    self.workers.append(_Worker(process, parent))
             self.thread = threading.Thread(target=self._collect, name="terra-video-writers", daemon=True)
             self.thread.start()
         except BaseException:
@@ -147,9 +147,6 @@ class WriterPool:
     @property
     def size(self) -> int:
         return len(self.workers)
-
-    def pids(self) -> list[int]:
-        return [w.process.pid for w in self.workers]
 
     def check(self) -> None:
         """Raise the pool's failure (a worker that died or could not start), if any."""

@@ -27,7 +27,7 @@ from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 from terra_cli.scenarios.runner import RESULTS_NAME, WRITER_QUEUE, ScenarioRun, _Writer, completed_ids, \
     read_results, run_scenarios
 from terra_cli.scenarios.spec import Defaults, read_scenarios
-from terra_cli.scenarios.writers import WriterDied, default_writers
+from terra_cli.scenarios.writers import OPEN_PER_PROCESS, WriterDied, default_writers
 from test_scenarios_safety import REPO, bounded, line, write_lines
 
 TOKENS = 16  # 64x64 frames through a 16x-downsampling tokenizer: 4x4 codes
@@ -207,10 +207,10 @@ def test_the_engine_blocks_when_the_writer_processes_fall_behind(tmp_path):
     pool = StalledPool()
     writer = _Writer(tmp_path, None, ResultsLog(tmp_path), ScenarioRun(), lambda record: None, (), pool)
     tokens = np.zeros((3, TOKENS), dtype=np.int64)
-    for _ in range(2 * pool.size + WRITER_QUEUE):
+    for _ in range(OPEN_PER_PROCESS * pool.size + WRITER_QUEUE):
         bounded(lambda: writer.put(scenario, tokens, 0.0), 10)
     deadline = time.monotonic() + 10
-    while len(pool.submitted) < 2 * pool.size and time.monotonic() < deadline:
+    while len(pool.submitted) < OPEN_PER_PROCESS * pool.size and time.monotonic() < deadline:
         time.sleep(0.05)
     raised = queue.Queue()
 
@@ -224,7 +224,7 @@ def test_the_engine_blocks_when_the_writer_processes_fall_behind(tmp_path):
     blocked.start()
     blocked.join(1.0)
     assert blocked.is_alive(), "put returned although the writer and its queue were full"
-    assert len(pool.submitted) == 2 * pool.size and writer.queue.qsize() == WRITER_QUEUE
+    assert len(pool.submitted) == OPEN_PER_PROCESS * pool.size and writer.queue.qsize() == WRITER_QUEUE
     pool.fail()
     blocked.join(10)  # the blocked put gives up once the writer has failed
     assert not blocked.is_alive()

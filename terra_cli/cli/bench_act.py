@@ -38,6 +38,7 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     for name, value in (
         ("samples x frames (rounds)", f"{plan.samples} x {plan.frames} ({run['rounds_per_sample']})"),
         ("rollouts in flight", str(results["engine"].get("in_flight", "-"))),
+        ("video writer processes", str(run["writers"])),
         ("s/sample, wall", f"{run['seconds_per_sample_wall']:.3f}"),
         ("s/sample after start-up", f"{run['seconds_per_sample_steady']:.3f}"),
         ("generated frames/s after start-up", f"{run['generated_frames_per_s']:.2f}"),

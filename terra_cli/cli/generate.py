@@ -25,6 +25,7 @@ from terra_cli.errors import InputError
         "      --frames 10 --temperature 0 --backend hf --no-decode --save-tokens out.npy\n\n"
         "  terra generate out.mp4 --actions left --draft previous-frame --draft-tokens 4   # several codes per engine step\n\n"
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 256 --kv-cache-dtype fp8\n\n"
+        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --writers 2   # two processes make the mp4s\n\n"
         "  terra generate --scenarios act_bench.jsonl --image-root /data/nuscenes --out-dir actbench/ \\\n"
         "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames\n\n"
         "  terra generate out.mp4 --model turing-motors/Terra --context frames/ --actions left --frames 47 \\\n"
@@ -64,6 +65,7 @@ def generate(
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
+    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto: on a GPU one per 4 CPU cores, 1 to 4; on a CPU 0", help="With --scenarios: processes that decode finished scenarios and encode their mp4s beside the engine, which then only generates tokens (e.g. --writers 2); 0: a thread of the engine's process does it. --decoder refiner always decodes in the engine's process."),
     kv_cache_dtype: str = opts.kv_cache_dtype_option(),
     quantization: str = opts.quantization_option(),
     attention: str = opts.attention_option(),
@@ -111,10 +113,10 @@ def generate(
         job = ScenarioJob(scenarios, out_dir, defaults, rollouts, skip_invalid, model, variant, tokenizer, backend,
                           device, dtype, engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention),
                           parse_max_rollouts(max_rollouts), not no_decode, temperature, top_k, top_p, threads,
-                          overwrite, refine)
+                          overwrite, refine, writers)
         return _generate_scenarios(job, data_parallel, ray_address, engines)
     for name, value in (("--data-parallel", data_parallel != 1), ("--ray", ray_address), ("--engines", engines), ("--image-root", image_root), ("--out-dir", out_dir),
-                        ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid)):
+                        ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid), ("--writers", writers is not None)):
         if value:
             raise InputError(f"{name} works with --scenarios FILE")
     frames = 25 if frames is None else frames
@@ -251,6 +253,8 @@ def _generate_scenarios(job, data_parallel: int, ray_address: Optional[str] = No
     if ray is not None and job.refiner is not None:
         raise InputError("--decoder refiner runs on one engine for now: drop --ray/--data-parallel, or write tokens "
                          "(--no-decode) and refine them with terra refine")
+    if ray is not None and job.writers is not None:
+        raise InputError("--writers works on one engine: with --ray/--data-parallel each engine encodes its own videos")
     with OutDirLock(job.out_dir):  # one run per --out-dir, held from before the model loads
         _run_scenarios(prepared, data_parallel, ray)
 

@@ -235,6 +235,16 @@ def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: floa
     return path
 
 
+def video_bytes(frames: Sequence[np.ndarray], fps: float = 10, folder: str | os.PathLike | None = None) -> bytes:
+    """The mp4 `write_video` makes of these frames, as bytes, for a process that encodes videos
+    another process places (a Ray engine, a scenario writer process). The file goes through a
+    temporary folder (inside `folder` when given) that is removed before this returns."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="terra-video-", dir=folder) as tmp:
+        return write_video(Path(tmp) / "video.mp4", frames, fps=fps).read_bytes()
+
+
 def frame_filename(index: int, prefix: str = "frame") -> str:
     return f"{prefix}_{index:04d}.png"
 

@@ -40,6 +40,7 @@ class ScenarioJob:
     threads: int = 0  # CPU threads for the reference backend (0: torch's default)
     overwrite: bool = False  # replace files no terra run recorded for their scenario; re-run changed scenarios
     refiner: object = None  # refiner.decoder.RefinerChoice: decode with Terra's video refiner
+    writers: int | None = None  # video writer processes (scenarios.writers); None: default_writers for the device
 
 
 @dataclass
@@ -72,6 +73,7 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     resolve_dtype_name(job.dtype, device)
     if job.max_rollouts is not None and job.max_rollouts < 1:
         raise InputError(f"--max-rollouts must be at least 1 or auto, got {job.max_rollouts}")
+    _check_writers(job)
     if job.defaults.image_root is not None and not Path(job.defaults.image_root).is_dir():
         raise InputError(f"--image-root {job.defaults.image_root} is not a folder (give the nuScenes dataroot)")
     file = read_scenarios(job.scenarios, job.defaults, job.rollouts)  # every line, before any model
@@ -109,6 +111,31 @@ def parse_max_rollouts(text) -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise InputError(f"--max-rollouts must be auto or a whole number >= 1, got {text!r}")
     return int(value)
+
+
+MAX_WRITERS = 32
+
+
+def _check_writers(job: ScenarioJob) -> None:
+    if job.writers is None or job.writers == 0:
+        return
+    if not 0 < job.writers <= MAX_WRITERS:
+        raise InputError(f"--writers must be 0 to {MAX_WRITERS}, got {job.writers}")
+    if not job.decode:
+        raise InputError("--writers makes videos: drop it with --no-decode (tokens only)")
+    if job.refiner is not None:
+        raise InputError("--decoder refiner decodes in the engine's process (one copy of the refiner on the GPU): "
+                         "drop --writers")
+
+
+def job_writers(job: ScenarioJob, device: str) -> int:
+    """The writer processes a run on `device` uses: --writers, or its default; none without videos
+    or with the refiner (see runner.run_scenarios)."""
+    from terra_cli.scenarios.writers import default_writers
+
+    if not job.decode or job.refiner is not None:
+        return 0
+    return default_writers(device) if job.writers is None else job.writers
 
 
 def _check_refiner(job: ScenarioJob, file: ScenarioFile) -> None:
@@ -216,6 +243,6 @@ def run_scenario_job(
                              temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
                              on_progress=lambda run, total: on_frame(), on_written=on_written,
                              only_ids=only_ids, results_name=results_name, overwrite=job.overwrite, lock=lock,
-                             frame_decoder=frame_decoder)
+                             frame_decoder=frame_decoder, writers=job_writers(job, prepared.device))
     finally:
         engine.close()

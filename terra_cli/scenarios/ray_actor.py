@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import os
 import queue
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -206,14 +204,12 @@ class ScenarioEngine:
     def _encode_video(self, key: str, tokens: np.ndarray) -> bytes | None:
         if not self.job.decode or self.tokenizer is None:
             return None
-        from terra_cli.media.frames import write_video
+        from terra_cli.media.frames import video_bytes
+        from terra_cli.scenarios.writers import decode_frames
 
         with self.codec:
-            frames = list(self.tokenizer.decode_tokens(tokens))
-        with tempfile.TemporaryDirectory(prefix="terra-ray-") as folder:
-            path = Path(folder) / f"{key}.mp4"
-            write_video(path, frames, fps=VIDEO_FPS)
-            return path.read_bytes()
+            frames = decode_frames(self.tokenizer, tokens)
+        return video_bytes(frames, fps=VIDEO_FPS)
 
 
 def _with_threads(job: ScenarioJob, threads: int) -> ScenarioJob:

@@ -2,8 +2,11 @@
 
 Generation goes through `backends.vllm_stream.StreamDriver` (continuous batching) on the vLLM
 backend, or scenario by scenario through `pipeline.rounds.generate_tokens` on the reference.
-Contexts are encoded in batches as scenarios are admitted; finished scenarios are decoded and
-written by a background thread, so the engine keeps stepping while a video is encoded. Each
+Contexts are encoded in batches as scenarios are admitted; finished scenarios go to a background
+thread that writes them, so the engine keeps stepping while a video is made. With `writers` > 0
+the tokens are decoded and the mp4 encoded in that many writer processes (`scenarios.writers`),
+off this process's interpreter lock, and the thread only places their bytes; with 0 it decodes and
+encodes itself. Either way this process is the only one that writes into the folder. Each
 written scenario appends one line to `DIR/results.jsonl` (id, status, seed, frames, seconds,
 paths, digest); a re-run skips every id whose line says done, whose files exist and whose content
 is unchanged. The folder is held by one run at a time (`outdir.OutDirLock`), and a file is replaced
@@ -38,6 +41,7 @@ from terra_cli.errors import InputError, OutputError
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
 from terra_cli.scenarios.spec import Scenario, ScenarioFile
+from terra_cli.scenarios.writers import WriterDied, WriterPool, can_pool, decode_frames, write_in_order
 
 ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
 VIDEO_FPS = 10
@@ -54,6 +58,7 @@ class ScenarioRun:
     generated_frames: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+    writers: int = 0  # video writer processes the run used (0: the writer thread decodes and encodes)
 
 
 def completed_ids(out_dir: Path) -> set[str]:
@@ -117,12 +122,14 @@ def run_scenarios(
     overwrite: bool = False,
     lock: bool = True,
     frame_decoder=None,
+    writers: int = 0,
 ) -> ScenarioRun:
     """Generate and write every pending scenario (of `only_ids`, when given: a data-parallel
     worker's share, whose skipped lines the parent records). KeyboardInterrupt stops generation;
     scenarios already finished are still written before it propagates. `overwrite` lets existing
     files be replaced and changed scenarios run again; `lock` False: the caller holds --out-dir
-    (a data-parallel parent)."""
+    (a data-parallel parent). `writers`: processes that decode and encode the videos (0: the
+    writer thread does; the refiner, `frame_decoder`, always decodes in this process)."""
     check_scenarios(file, skip_invalid)
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
@@ -138,9 +145,16 @@ def run_scenarios(
         pending = plan.pending
         by_key = {s.id: s for s in pending}
         started = {s.id: 0.0 for s in pending}
-        # frame_decoder: Terra's video refiner (refiner.decoder.RefinerDecoder); default: the tokenizer, frame by frame
+        # frame_decoder: Terra's video refiner (refiner.decoder.RefinerDecoder); default: the tokenizer, frame by frame.
+        # The refiner decodes in the writer thread here, never in writer processes: it was loaded in this process
+        # before the engine (taking its share of the GPU then), a copy of its 1.5B-parameter UNet per process would
+        # not fit beside vLLM, and its seconds of GPU work per window dwarf what the thread costs the engine loop.
+        pool = None
+        if decode and pending and writers > 0 and frame_decoder is None and can_pool(tokenizer):
+            pool = WriterPool(tokenizer, writers, VIDEO_FPS)
+        run.writers = pool.size if pool is not None else 0
         writer = _Writer(out_dir, (frame_decoder or tokenizer) if decode else None, log, run, on_written,
-                         plan.replaceable)
+                         plan.replaceable, pool)
         clock = time.perf_counter()
 
         def sampling(s: Scenario) -> Sampling:
@@ -222,14 +236,16 @@ def _sample_road(count: int) -> list[np.ndarray]:
 
 
 class _Writer:
-    """A background thread that decodes and writes finished scenarios (bounded queue). A scenario
-    counts as written once its line is in the results log; if the log cannot be appended the
-    thread stops, and `check`, `put` and `close` raise that error in the caller's thread."""
+    """A background thread that writes finished scenarios (bounded queue), decoding and encoding
+    them itself or, with a `pool`, placing the mp4 bytes its processes make, in the order the
+    scenarios finished. A scenario counts as written once its line is in the results log; if the
+    log cannot be appended or a writer process dies, the thread stops, and `check`, `put` and
+    `close` raise that error in the caller's thread."""
 
     def __init__(self, out_dir: Path, tokenizer, log: ResultsLog, run: ScenarioRun, on_written: Callable[[dict], None],
-                 replaceable: Container[str] = ()):
+                 replaceable: Container[str] = (), pool: WriterPool | None = None):
         self.out_dir, self.tokenizer, self.log, self.run = out_dir, tokenizer, log, run
-        self.on_written, self.replaceable = on_written, replaceable
+        self.on_written, self.replaceable, self.pool = on_written, replaceable, pool
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(maxsize=WRITER_QUEUE)
         self.thread = threading.Thread(target=self._work, name="terra-scenario-writer", daemon=True)
@@ -252,28 +268,40 @@ class _Writer:
 
     def close(self, quiet: bool = False) -> None:
         """Write what is queued and stop. Waits only while the writer makes progress; a second
-        Ctrl-C or SIGTERM interrupts the wait. `quiet`: the caller is already raising."""
-        while self.thread.is_alive():
-            try:
-                self.queue.put(None, timeout=WAIT_SECONDS)
-                break
-            except queue.Full:
-                continue
-        while self.thread.is_alive():
-            self.thread.join(WAIT_SECONDS)
+        Ctrl-C or SIGTERM interrupts the wait (the writer processes are stopped either way).
+        `quiet`: the caller is already raising."""
+        try:
+            while self.thread.is_alive():
+                try:
+                    self.queue.put(None, timeout=WAIT_SECONDS)
+                    break
+                except queue.Full:
+                    continue
+            while self.thread.is_alive():
+                self.thread.join(WAIT_SECONDS)
+        finally:
+            if self.pool is not None:
+                self.pool.close()
         if not quiet:
             self.check()
 
     def _work(self) -> None:
         try:
-            while (item := self.queue.get()) is not None:
-                self._write(*item)
+            if self.pool is not None:  # the processes make the videos; this thread places them, in order
+                write_in_order(self.pool, self.queue, self._write)
+            else:
+                while (item := self.queue.get()) is not None:
+                    self._write(*item)
+        except WriterDied as exc:
+            self.error = WriterDied(f"{exc}; the run stopped with {self.run.done} scenario(s) written and recorded; "
+                                    "run the same command again to resume")
         except BaseException as exc:  # handed to the main thread, which ends the run with it
             self.error = exc
 
-    def _write(self, scenario: Scenario, tokens: np.ndarray, seconds: float) -> None:
+    def _write(self, scenario: Scenario, tokens: np.ndarray, seconds: float, video=None) -> None:
         try:
-            record = save_finished(self.out_dir, self.log, scenario, tokens, seconds, decoder=self.tokenizer,
+            record = save_finished(self.out_dir, self.log, scenario, tokens, seconds,
+                                   decoder=self.tokenizer if video is None else None, video=video,
                                    replaceable=self.replaceable)
         except NotRecorded as exc:
             raise OutputError(f"{exc}; the run stopped with {self.run.done} scenario(s) written and recorded"
@@ -295,11 +323,12 @@ class NotRecorded(OutputError):
 
 
 def save_finished(out_dir: Path, log: ResultsLog, scenario: Scenario, tokens: np.ndarray, seconds: float, *,
-                  decoder=None, video: bytes | None = None, replaceable: bool | Container[str] = (),
+                  decoder=None, video: bytes | Exception | None = None, replaceable: bool | Container[str] = (),
                   extra: dict | None = None) -> dict:
     """Write one finished scenario (its files atomically, then its results line) and return the
     line: what a single-engine run's writer and the Ray driver both do with a finished scenario.
-    `video`: the mp4 already encoded (by a Ray engine). Raises NotRecorded if the log fails."""
+    `video`: the mp4 already encoded (by a Ray engine or a writer process), or why that failed.
+    Raises NotRecorded if the log fails."""
     written: list[str] = []
     common = {"id": scenario.id, "seed": scenario.seed, "line": scenario.line, "digest": scenario.digest}
     try:
@@ -327,10 +356,12 @@ def _remove(out_dir: Path, names: list[str]) -> None:
 
 def write_scenario(out_dir: Path, scenario: Scenario, tokens: np.ndarray, tokenizer, *,
                    overwrite: bool | Container[str] = False, written: list[str] | None = None,
-                   video: bytes | None = None) -> list[str]:
-    """`{stem}.npy` (all frames' tokens) and, with a tokenizer, `{stem}.mp4`; each atomic. An
-    existing file is replaced only if `overwrite` is True or names it (`plan_outputs` says which);
-    otherwise the write fails and nothing is replaced. `written` collects the names as they land."""
+                   video: bytes | Exception | None = None) -> list[str]:
+    """`{stem}.npy` (all frames' tokens) and, with a tokenizer or `video` bytes, `{stem}.mp4`; each
+    atomic. An existing file is replaced only if `overwrite` is True or names it (`plan_outputs`
+    says which); otherwise the write fails and nothing is replaced. `written` collects the names
+    as they land. `video` an Exception: the video failed where it was made; it is raised after the
+    tokens are written, as a decode failing here would be."""
     from terra_cli.media.atomic import atomic_path, atomic_save_npy
     from terra_cli.media.frames import write_video
 
@@ -344,7 +375,9 @@ def write_scenario(out_dir: Path, scenario: Scenario, tokens: np.ndarray, tokeni
     atomic_save_npy(out_dir / tokens_name, tokens.astype(np.int64), overwrite=may_replace(tokens_name))
     written.append(tokens_name)
     video_name = f"{stem}.mp4"
-    if video is not None:  # encoded elsewhere (a Ray engine): placed as it is
+    if isinstance(video, Exception):
+        raise video
+    if video is not None:  # encoded elsewhere (a Ray engine, a writer process): placed as it is
         with atomic_path(out_dir / video_name, overwrite=may_replace(video_name)) as tmp, open(tmp, "wb") as f:
             f.write(video)
             f.flush()
@@ -353,8 +386,7 @@ def write_scenario(out_dir: Path, scenario: Scenario, tokens: np.ndarray, tokeni
         return [video_name, tokens_name]
     if tokenizer is None:
         return [tokens_name]
-    seeded = {"seed": scenario.seed} if getattr(tokenizer, "seeded", False) else {}  # the refiner samples noise
-    write_video(out_dir / video_name, list(tokenizer.decode_tokens(tokens, **seeded)), fps=VIDEO_FPS,
+    write_video(out_dir / video_name, decode_frames(tokenizer, tokens, scenario.seed), fps=VIDEO_FPS,
                 overwrite=may_replace(video_name))
     written.append(video_name)
     return [video_name, tokens_name]

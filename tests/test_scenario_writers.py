@@ -1,0 +1,342 @@
+"""Video writer processes for `--scenarios` (terra_cli/scenarios/writers.py, issue #28): the
+engine's process only generates and places bytes, the processes decode and encode. Checked: the
+same files and results.jsonl as the writer thread; a video that fails in a process is recorded
+failed as before; a killed or unstartable process ends the run with one error, no partial file
+and no hang; Ctrl-C keeps every finished scenario; the engine blocks when the writers fall behind."""
+
+import json
+import multiprocessing
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from terra_cli.backends.hf import HfBackend
+from terra_cli.cli import app
+from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+from terra_cli.scenarios.runner import RESULTS_NAME, WRITER_QUEUE, ScenarioRun, _Writer, completed_ids, \
+    read_results, run_scenarios
+from terra_cli.scenarios.spec import Defaults, read_scenarios
+from terra_cli.scenarios.writers import OPEN_PER_PROCESS, WriterDied, default_writers
+from test_scenarios_safety import REPO, bounded, line, write_lines
+
+TOKENS = 16  # 64x64 frames through a 16x-downsampling tokenizer: 4x4 codes
+SIZE = (64, 64)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("writers_model"), tiny_config(image_tokens=TOKENS, layers=1))
+
+
+@pytest.fixture(scope="module")
+def backend(model):
+    return HfBackend(model, device="cpu", dtype="float32")
+
+
+def save_tokenizer(folder: Path, codes_bits: int = 9) -> Path:
+    from tokenizer_decoder import ImageTokenizer, small_config
+
+    ImageTokenizer.from_config(small_config(z_channels=codes_bits), seed=0, device="cpu").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return save_tokenizer(tmp_path_factory.mktemp("writers_tokenizer"))  # 512 codes: the tiny model's
+
+
+def load(folder: Path):
+    from tokenizer_decoder import ImageTokenizer
+
+    return ImageTokenizer.from_pretrained(folder, device="cpu", image_size=SIZE)
+
+
+@pytest.fixture(autouse=True)
+def own_tmp(tmp_path, monkeypatch):
+    """The pool's temporary folder goes under this test's tmp_path, so a leftover is seen."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder
+    assert not list(folder.iterdir()), "a writer pool left temporary files"
+    assert not multiprocessing.active_children(), "a writer process outlived its run"
+
+
+def lines(count, **extra):
+    return [line(f"v{i}", seed=i, frames=3 + i % 3, **extra) for i in range(count)]
+
+
+def files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def test_writer_processes_write_what_the_writer_thread_writes(tmp_path, backend, tokenizer_dir):
+    file = read_scenarios(write_lines(tmp_path, lines(7)), Defaults())
+    tokenizer = load(tokenizer_dir)
+    runs = {writers: run_scenarios(file, tmp_path / f"w{writers}", backend, tokenizer, max_rollouts=1, writers=writers)
+            for writers in (0, 2)}
+    assert [(r.done, r.failed, r.writers) for r in runs.values()] == [(7, 0, 0), (7, 0, 2)]
+    thread, pool = tmp_path / "w0", tmp_path / "w2"
+    assert files(thread) == files(pool) == sorted([RESULTS_NAME, *(f"v{i}.{x}" for i in range(7) for x in ("mp4", "npy"))])
+    for i in range(7):
+        np.testing.assert_array_equal(np.load(pool / f"v{i}.npy"), np.load(thread / f"v{i}.npy"))
+        assert (pool / f"v{i}.mp4").read_bytes() == (thread / f"v{i}.mp4").read_bytes(), f"v{i}.mp4 differs"
+
+    def lines_of(folder):  # everything but the timing, in the order written
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in read_results(folder / RESULTS_NAME)]
+
+    assert lines_of(pool) == lines_of(thread)
+    assert [r["id"] for r in lines_of(pool)] == [f"v{i}" for i in range(7)]  # the order they finished
+    again = run_scenarios(file, pool, backend, tokenizer, max_rollouts=1, writers=2)
+    assert (again.resumed, again.done, again.writers) == (7, 0, 0)  # nothing pending: no processes started
+
+
+def test_a_video_that_fails_in_a_writer_process_is_recorded_failed_as_in_the_thread(tmp_path, backend):
+    """A tokenizer of 256 codes cannot decode the tiny model's 512: each video fails, each
+    scenario is recorded failed with its tokens kept, as when the thread decodes."""
+    file = read_scenarios(write_lines(tmp_path, lines(2)), Defaults())
+    tokenizer = load(save_tokenizer(tmp_path / "tok256", codes_bits=8))
+    records = {}
+    for writers in (0, 1):
+        run = run_scenarios(file, tmp_path / f"w{writers}", backend, tokenizer, max_rollouts=1, writers=writers)
+        assert (run.done, run.failed, len(run.errors)) == (0, 2, 2)
+        records[writers] = [{k: v for k, v in r.items() if k != "seconds"}
+                            for r in read_results(tmp_path / f"w{writers}" / RESULTS_NAME)]
+        assert files(tmp_path / f"w{writers}") == [RESULTS_NAME, "v0.npy", "v1.npy"]
+    assert records[1] == records[0]
+    assert records[1][0]["status"] == "failed" and "token values must lie in [0, 256)" in records[1][0]["reason"]
+    assert records[1][0]["paths"] == ["v0.npy"]
+
+
+def test_a_killed_writer_process_ends_the_run_with_one_error_and_no_partial_file(tmp_path, backend, tokenizer_dir):
+    file = read_scenarios(write_lines(tmp_path, lines(8)), Defaults())
+    out = tmp_path / "out"
+    killed = []
+
+    def kill_the_writers(record):
+        if not killed:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGKILL)
+                killed.append(child.pid)
+
+    with pytest.raises(WriterDied, match=r"video writer process \d+ was killed \(SIGKILL.*scenario\(s\) written and "
+                                         r"recorded; run the same command again to resume"):
+        bounded(lambda: run_scenarios(file, out, backend, load(tokenizer_dir), max_rollouts=1, writers=1,
+                                      on_written=kill_the_writers), 120)
+    assert len(killed) == 1
+    done = [r for r in read_results(out / RESULTS_NAME) if r["status"] == "done"]
+    assert 1 <= len(done) < 8 and completed_ids(out) == {r["id"] for r in done}
+    # every file there is a recorded one: nothing half-written, nothing unaccounted for
+    assert files(out) == sorted([RESULTS_NAME, *(p for r in done for p in r["paths"])])
+    rerun = bounded(lambda: run_scenarios(file, out, backend, load(tokenizer_dir), max_rollouts=1, writers=1), 120)
+    assert (rerun.resumed, rerun.done) == (len(done), 8 - len(done))
+
+
+def test_a_writer_process_that_cannot_start_ends_the_run_with_one_error(tmp_path, backend, tokenizer_dir):
+    file = read_scenarios(write_lines(tmp_path, lines(3)), Defaults())
+    copy = tmp_path / "tok"
+    tokenizer = load(save_tokenizer(copy))
+    (copy / "model.safetensors").unlink()  # loaded here; gone for the processes
+    with pytest.raises(WriterDied, match="a video writer process could not start: .*model.safetensors"):
+        bounded(lambda: run_scenarios(file, tmp_path / "out", backend, tokenizer, max_rollouts=1, writers=1), 120)
+    assert files(tmp_path / "out") == []  # not even a results line: nothing was written
+
+
+def test_an_interrupt_writes_every_finished_scenario_through_the_processes(tmp_path, backend, tokenizer_dir):
+    file = read_scenarios(write_lines(tmp_path, lines(4)), Defaults())  # v0: 1 generated frame, v1: 2, v2: 3
+    out = tmp_path / "out"
+    frames = []
+
+    def stop_inside_v2(run, total):
+        frames.append(1)
+        if len(frames) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bounded(lambda: run_scenarios(file, out, backend, load(tokenizer_dir), max_rollouts=1, writers=1,
+                                      on_progress=stop_inside_v2), 120)
+    assert completed_ids(out) == {"v0", "v1"}
+    assert files(out) == [RESULTS_NAME, "v0.mp4", "v0.npy", "v1.mp4", "v1.npy"]
+
+
+class StalledPool:
+    """A pool whose videos never come: what the writer hands it, and a way to break it."""
+
+    size = 2
+
+    def __init__(self):
+        self.submitted, self.failure = [], None
+
+    def submit(self, key, tokens):
+        future = Future()
+        self.submitted.append(future)
+        if self.failure is not None:
+            future.set_exception(self.failure)
+        return future
+
+    def check(self):
+        if self.failure is not None:
+            raise self.failure
+
+    def fail(self):
+        self.failure = WriterDied("stalled pool stopped")
+        for future in self.submitted:
+            future.set_exception(self.failure)
+
+    def close(self):
+        pass
+
+
+def test_the_engine_blocks_when_the_writer_processes_fall_behind(tmp_path):
+    """Two scenarios per process go to the pool and 64 wait in the queue; the next put blocks
+    (memory stays bounded) until the writer fails, and then raises instead of waiting."""
+    from terra_cli.scenarios.runner import ResultsLog
+
+    scenario = read_scenarios(write_lines(tmp_path, lines(1)), Defaults()).scenarios[0]
+    pool = StalledPool()
+    writer = _Writer(tmp_path, None, ResultsLog(tmp_path), ScenarioRun(), lambda record: None, (), pool)
+    tokens = np.zeros((3, TOKENS), dtype=np.int64)
+    for _ in range(OPEN_PER_PROCESS * pool.size + WRITER_QUEUE):
+        bounded(lambda: writer.put(scenario, tokens, 0.0), 10)
+    deadline = time.monotonic() + 10
+    while len(pool.submitted) < OPEN_PER_PROCESS * pool.size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raised = queue.Queue()
+
+    def put_one_more():
+        try:
+            writer.put(scenario, tokens, 0.0)
+        except BaseException as exc:  # noqa: BLE001 (looked at below)
+            raised.put(exc)
+
+    blocked = threading.Thread(target=put_one_more, daemon=True)
+    blocked.start()
+    blocked.join(1.0)
+    assert blocked.is_alive(), "put returned although the writer and its queue were full"
+    assert len(pool.submitted) == OPEN_PER_PROCESS * pool.size and writer.queue.qsize() == WRITER_QUEUE
+    pool.fail()
+    blocked.join(10)  # the blocked put gives up once the writer has failed
+    assert not blocked.is_alive()
+    assert isinstance(raised.get_nowait(), WriterDied)
+    with pytest.raises(WriterDied, match="stalled pool stopped; the run stopped with 0 scenario"):
+        bounded(lambda: writer.put(scenario, tokens, 0.0), 10)
+    with pytest.raises(WriterDied):
+        bounded(lambda: writer.close(), 10)
+    assert not list(tmp_path.glob("*.mp4"))
+
+
+def test_default_writers_and_the_option_checks(tmp_path, model):
+    assert default_writers("cpu", cpus=64) == 0
+    assert [default_writers("cuda", cpus=n) for n in (1, 2, 8, 12, 16, 128)] == [1, 1, 2, 3, 4, 4]
+    assert default_writers("cuda:1", cpus=16) == 4
+    path = write_lines(tmp_path, lines(1))
+    base = ["generate", "--scenarios", path, "--out-dir", tmp_path / "out", "--model", model, "--backend", "hf"]
+    for extra, message in ((["--no-decode", "--writers", "2"], "--writers makes videos"),
+                           (["--writers", "33"], "--writers must be 0 to 32"),
+                           (["--decoder", "refiner", "--refiner", tmp_path / "r.pt", "--writers", "1"],
+                            "--decoder refiner decodes in the engine's process")):
+        result = CliRunner().invoke(app, [str(a) for a in base + extra])
+        assert result.exit_code == 2 and message in result.output, (extra, result.output)
+    single = CliRunner().invoke(app, ["generate", "out.mp4", "--actions", "left", "--writers", "1"])
+    assert single.exit_code == 2 and "--writers works with --scenarios FILE" in single.output
+    assert not (tmp_path / "out").exists()
+
+
+# -- through the CLI, in a process of its own ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory):
+    """A model of Terra's 576 codes a frame and a small tokenizer of its 512 codes (what the CLI loads)."""
+    folder = tmp_path_factory.mktemp("writers_cli")
+    return (write_tiny_checkpoint(folder / "model", tiny_config(layers=1)), save_tokenizer(folder / "tokenizer"))
+
+
+def start_cli(tmp_path, cli_model, count, *extra):
+    model, tokenizer = cli_model
+    np.save(tmp_path / "ctx.npy", np.random.default_rng(0).integers(0, 512, size=(2, 576)))
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(line(f"v{i}", seed=i, frames=4)) + "\n" for i in range(count)))
+    return subprocess.Popen(
+        [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(path), "--out-dir", str(tmp_path / "out"),
+         "--model", str(model), "--tokenizer", str(tokenizer), "--backend", "hf", "--device", "cpu", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+
+
+def writer_pids(parent: int) -> list[int]:
+    """The writer processes of a run: its spawned children (not multiprocessing's resource tracker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_for_first_record(process, out: Path, seconds=180) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while not read_results(out / RESULTS_NAME) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process.poll() is None, process.stdout.read()
+    return writer_pids(process.pid)
+
+
+def gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_cli_ctrl_c_to_the_terminal_keeps_every_finished_video(tmp_path, cli_model):
+    """Ctrl-C reaches every process of the terminal's group, the writer processes included: they
+    ignore it and finish what the engine had finished; exit 130, every done line has its files."""
+    process = start_cli(tmp_path, cli_model, 12, "--writers", "1")
+    out = tmp_path / "out"
+    try:
+        pids = wait_for_first_record(process, out)
+        assert len(pids) == 1
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    done = [r for r in read_results(out / RESULTS_NAME) if r["status"] == "done"]
+    assert 1 <= len(done) < 12 and f"interrupted: {len(done)} scenario(s) written and recorded" in output
+    assert files(out) == sorted([RESULTS_NAME, *(f"{r['id']}.{x}" for r in done for x in ("mp4", "npy"))])
+    assert all(gone(pid) for pid in pids)
+
+
+def test_cli_a_killed_writer_process_is_one_error_line(tmp_path, cli_model):
+    process = start_cli(tmp_path, cli_model, 12, "--writers", "1")
+    out = tmp_path / "out"
+    try:
+        pids = wait_for_first_record(process, out)
+        assert len(pids) == 1
+        os.kill(pids[0], signal.SIGKILL)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 2, output
+    errors = [text for text in output.splitlines() if text.startswith("error:")]
+    assert len(errors) == 1 and f"video writer process {pids[0]} was killed (SIGKILL" in errors[0], output
+    assert "Traceback" not in output
+    done = [r for r in read_results(out / RESULTS_NAME) if r["status"] == "done"]
+    assert files(out) == sorted([RESULTS_NAME, *(f"{r['id']}.{x}" for r in done for x in ("mp4", "npy"))])

@@ -2,11 +2,11 @@
 # Issue 28: terra's paged decode kernel (--attention terra) against vLLM's FlashAttention-3, one
 # phase per device call, on the GPU host once vLLM's bundle is in /tmp/site (gpu_bundle.sh a1, a2, b;
 # ff too for act). Logs and JSON go to $OUT.
-#   kernel     the kernel alone vs FA3 and the copy rate (gpu_paged_attention.py), ~2 min
+#   kernel     the kernel alone vs FA3 and the copy rate (gpu_paged_attention.py), ~1 min
 #   parity     tests/test_gpu_parity.py -k terra_attention: both attentions against the reference
 #   profile    decode steps at 256 rollouts and at one rollout, both attentions, fp8 and bf16 KV
-#   scenarios  terra bench --scenarios 256 (25 frames, 256 in flight, fp8 KV): vllm, then terra
-#   single     terra bench --hf-vs-vllm --skip-hf --batch 1 (bf16) and 128 in flight (bf16): both
+#   scenarios  terra bench --scenarios 256 (25 frames, 256 in flight, fp8 KV): vllm, then terra ($ATTENTIONS)
+#   single     terra bench --hf-vs-vllm --skip-hf --batch 1 (bf16) and 128 in flight (bf16): both ($SINGLE_ONLY: 1)
 #   act        terra bench --act-bench 256 --kv-cache-dtype fp8 (auto: terra), end to end
 set -uo pipefail
 export TERRA_CACHE=${TERRA_CACHE:-/tmp/terra-cache} HF_HUB_OFFLINE=1
@@ -24,7 +24,7 @@ case "$1" in
              --only "${2:-profile-fp8,profile-fp8-terra,profile-bf16,profile-bf16-terra}" 2>&1 |
              grep -v "^INFO\|^(EngineCore\|Capturing CUDA graphs\|Loading safetensors" > "$OUT/log.txt"
            cat "$OUT/attention-profile.md" 2>/dev/null || tail -40 "$OUT/log.txt" ;;
-  scenarios) for attention in vllm terra; do
+  scenarios) for attention in ${ATTENTIONS:-vllm terra}; do
                step "scenarios-fp8-$attention" 280 bench --scenarios 256 --max-rollouts 256 --kv-cache-dtype fp8 \
                  --attention "$attention" --out "$OUT/scenarios-fp8-$attention.json"
              done ;;
@@ -32,6 +32,7 @@ case "$1" in
             step "single-$attention" 140 bench --hf-vs-vllm --skip-hf --batch 1 --frames 25 --attention "$attention" \
               --out "$OUT/single-$attention.json"
           done
+          [ -n "${SINGLE_ONLY:-}" ] && exit 0
           for attention in vllm terra; do
             step "scenarios-bf16-$attention" 150 bench --scenarios 128 --max-rollouts 128 --attention "$attention" \
               --out "$OUT/scenarios-bf16-$attention.json"

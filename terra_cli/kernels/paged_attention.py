@@ -230,33 +230,32 @@ if triton is not None:
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr,
         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNKED: tl.constexpr,
     ):
+        # One program per query row (block, KV head, row): its splits, merged by log-sum-exp.
         block = tl.program_id(0)
         kvh = tl.program_id(1)
+        row = tl.program_id(2)
         seq, first, q_start, q_len = _query_block(query_start_ptr, num_seqs, block, CHUNKED, CHUNK)
+        token = first + row // GROUP_PAD
         if CHUNKED:
-            if first >= q_len:
+            if token >= q_len:
                 return
-        elif q_len != 1:
+        elif q_len != 1 or token > 0:
             return
-        rows = tl.arange(0, CHUNK * GROUP_PAD)[:, None, None]
-        splits = tl.arange(0, NUM_SPLITS)[None, :, None]
-        dims = tl.arange(0, HEAD_DIM)[None, None, :]
-        token = first + rows // GROUP_PAD
-        head = rows % GROUP_PAD
-        row_ok = (head < GROUP) & (token < q_len)
-        entry = ((block * KV_HEADS + kvh) * (CHUNK * GROUP_PAD) + rows) * NUM_SPLITS + splits
-        lse = tl.load(part_lse_ptr + entry, mask=row_ok, other=float("-inf"))  # (rows, splits, 1)
-        top = tl.max(lse, 1)
+        if row % GROUP_PAD >= GROUP:
+            return
+        splits = tl.arange(0, NUM_SPLITS)
+        dims = tl.arange(0, HEAD_DIM)
+        entry = ((block * KV_HEADS + kvh) * (CHUNK * GROUP_PAD) + row) * NUM_SPLITS + splits
+        lse = tl.load(part_lse_ptr + entry)
+        top = tl.max(lse, 0)
         seen = lse > float("-inf")
-        weight = tl.where(seen, tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[:, None, :]), 0.0)
-        o = tl.load(part_out_ptr + entry * HEAD_DIM + dims, mask=row_ok & seen, other=0.0)
-        total = tl.sum(weight, 1)
-        merged = tl.sum(o * weight, 1) / tl.where(total > 0, total, 1.0)  # (rows, HEAD_DIM)
-        out_rows = tl.reshape(token, (CHUNK * GROUP_PAD, 1))
-        out_heads = kvh * GROUP + tl.reshape(head, (CHUNK * GROUP_PAD, 1))
-        tl.store(out_ptr + (q_start + out_rows) * stride_o_tok + out_heads * stride_o_head
-                 + tl.arange(0, HEAD_DIM)[None, :], merged.to(out_ptr.dtype.element_ty),
-                 mask=tl.reshape(row_ok, (CHUNK * GROUP_PAD, 1)))
+        weight = tl.where(seen, tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)), 0.0)
+        o = tl.load(part_out_ptr + entry[:, None] * HEAD_DIM + dims[None, :], mask=seen[:, None], other=0.0)
+        total = tl.sum(weight, 0)
+        merged = tl.sum(o * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+        head = kvh * GROUP + row % GROUP_PAD
+        tl.store(out_ptr + (q_start + token) * stride_o_tok + head * stride_o_head + dims,
+                 merged.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention(
@@ -321,8 +320,8 @@ def paged_attention(
         KV_PER_PROGRAM=per_program, PAGE=page, TILE_N=plan.tile, Q_IS_FP8=q_is_fp8, **shapes,
         num_warps=plan.warps, num_stages=plan.stages)
     if splits > 1:
-        _paged_attention_merge[(blocks, num_kv_heads)](part_out, part_lse, query_start_loc, out, num_seqs,
-                                                       out.stride(0), out.stride(1), **shapes, num_warps=2)
+        _paged_attention_merge[(blocks, num_kv_heads, chunk * group_pad)](
+            part_out, part_lse, query_start_loc, out, num_seqs, out.stride(0), out.stride(1), **shapes, num_warps=1)
     return out
 
 

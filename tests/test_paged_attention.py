@@ -129,13 +129,13 @@ def test_kernel_refuses_shapes_it_does_not_cover():
 def test_attention_choice(monkeypatch):
     from types import SimpleNamespace
 
-    from terra_cli.backends.vllm import VllmUnavailable, choose_attention, terra_attention_unsupported
+    from terra_cli.backends.attention import AttentionUnavailable, choose_attention, terra_attention_unsupported
 
     config = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=64)  # Terra's
     choose = choose_attention
     assert choose("auto", config, on_gpu=False, kv_cache_dtype="fp8", drafting=False) == "vllm"
     assert choose("vllm", config, on_gpu=True, kv_cache_dtype="fp8", drafting=False) == "vllm"
-    with pytest.raises(VllmUnavailable, match="--attention terra: it needs a CUDA GPU"):
+    with pytest.raises(AttentionUnavailable, match="--attention terra: it needs a CUDA GPU"):
         choose("terra", config, on_gpu=False, kv_cache_dtype=None, drafting=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     assert "Hopper" in terra_attention_unsupported(config, on_gpu=True)

@@ -13,7 +13,7 @@ export TERRA_CACHE=${TERRA_CACHE:-/tmp/terra-cache} HF_HUB_OFFLINE=1
 source benchmarks/scripts/gpu_common.sh
 gpu_setup || exit 1
 case "$1" in
-  kernel) timeout 300 python3 benchmarks/scripts/gpu_paged_attention.py --out "$OUT/paged_attention.json" \
+  kernel) timeout 300 python3 benchmarks/scripts/gpu_paged_attention.py --out "$OUT/paged_attention.json" ${KERNEL_ARGS:-} \
             > "$OUT/paged_attention.log" 2>&1; grep -v '^{' "$OUT/paged_attention.log" | tail -20 ;;
   parity) timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_parity.py -k terra_attention \
             > "$OUT/parity.log" 2>&1; tail -5 "$OUT/parity.log"

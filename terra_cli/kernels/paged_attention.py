@@ -76,12 +76,14 @@ def query_rows(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
     return group, max(1, ROWS // group)
 
 
-def make_workspace(num_heads: int, num_kv_heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split partials for any launch: (outputs, log-sum-exps) float32."""
+def make_workspace(num_heads: int, num_kv_heads: int, head_dim: int, device) -> tuple[torch.Tensor, ...]:
+    """Scratch for any launch: split partials (outputs, log-sum-exps) float32, and each query
+    block's request (int32)."""
     group, chunk = query_rows(num_heads, num_kv_heads)
     entries = WORKSPACE_BLOCKS * num_kv_heads * group * chunk
     return (torch.empty(entries * head_dim, dtype=torch.float32, device=device),
-            torch.empty(entries, dtype=torch.float32, device=device))
+            torch.empty(entries, dtype=torch.float32, device=device),
+            torch.empty(WORKSPACE_BLOCKS, dtype=torch.int32, device=device))
 
 
 @dataclass
@@ -121,29 +123,36 @@ def prefill_rows(query_start_loc_cpu: torch.Tensor, seq_lens: torch.Tensor, bloc
 if triton is not None:
 
     @triton.jit
-    def _query_block(query_start_ptr, num_seqs, block, CHUNKED: tl.constexpr, CHUNK: tl.constexpr):
-        """(request, its first query token in this block, query start, query length). Chunked:
-        request r's blocks are numbered from start[r] // CHUNK + r (gaps allowed), so a block finds
-        its request by bisection, with no per-step table. Otherwise block r is request r."""
+    def _block_requests(query_start_ptr, block_seq_ptr, num_seqs, num_blocks, CHUNK: tl.constexpr):
+        # Request r's query blocks are numbered from start[r] // CHUNK + r: one per CHUNK query
+        # tokens, then a gap up to the next request's first block. Program r writes r into its
+        # blocks and -1 into its gap (the last request: up to the launch's last block).
+        seq = tl.program_id(0)
+        q_start = tl.load(query_start_ptr + seq)
+        q_end = tl.load(query_start_ptr + seq + 1)
+        first = q_start // CHUNK + seq
+        owned = tl.cdiv(q_end - q_start, CHUNK)
+        end = tl.where(seq + 1 < num_seqs, q_end // CHUNK + seq + 1, num_blocks)
+        for block in range(first, end):
+            tl.store(block_seq_ptr + block, tl.where(block < first + owned, seq, -1))
+
+    @triton.jit
+    def _query_block(query_start_ptr, block_seq_ptr, block, CHUNKED: tl.constexpr, CHUNK: tl.constexpr):
+        """(request or -1 for a gap, its first query token in this block, query start, query
+        length). Chunked: from the block's request in `block_seq`; otherwise block r is request r."""
         seq = block
         if CHUNKED:
-            lo = num_seqs * 0
-            hi = num_seqs
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                before = tl.load(query_start_ptr + mid) // CHUNK + mid <= block
-                lo = tl.where(before, mid, lo)
-                hi = tl.where(before, hi, mid)
-            seq = lo
-        q_start = tl.load(query_start_ptr + seq)
-        q_len = tl.load(query_start_ptr + seq + 1) - q_start
-        first = (block - (q_start // CHUNK + seq)) * CHUNK if CHUNKED else block * 0
+            seq = tl.load(block_seq_ptr + block)
+        safe = tl.maximum(seq, 0)
+        q_start = tl.load(query_start_ptr + safe)
+        q_len = tl.load(query_start_ptr + safe + 1) - q_start
+        first = (block - (q_start // CHUNK + safe)) * CHUNK if CHUNKED else block * 0
         return seq, first, q_start, q_len
 
     @triton.jit
     def _paged_attention(
         q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, k_scale_ptr, v_scale_ptr, q_scale_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr, num_seqs,
+        out_ptr, part_out_ptr, part_lse_ptr, block_seq_ptr,
         stride_q_tok, stride_q_head,
         stride_k_block, stride_k_slot, stride_k_head,
         stride_v_block, stride_v_slot, stride_v_head,
@@ -158,9 +167,9 @@ if triton is not None:
         # fp8, so tiles are read as whole contiguous pages), one split of the cache.
         block = tl.program_id(0)
         split = tl.program_id(2)
-        seq, first, q_start, q_len = _query_block(query_start_ptr, num_seqs, block, CHUNKED, CHUNK)
+        seq, first, q_start, q_len = _query_block(query_start_ptr, block_seq_ptr, block, CHUNKED, CHUNK)
         if CHUNKED:
-            if first >= q_len:
+            if seq < 0:
                 return  # a gap in the block numbering
         elif q_len != 1:
             return  # a prompt: another kernel's rows (or a padded slot with no query)
@@ -226,7 +235,7 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_merge(
-        part_out_ptr, part_lse_ptr, query_start_ptr, out_ptr, num_seqs, stride_o_tok, stride_o_head,
+        part_out_ptr, part_lse_ptr, query_start_ptr, block_seq_ptr, out_ptr, stride_o_tok, stride_o_head,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr,
         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNKED: tl.constexpr,
     ):
@@ -234,10 +243,10 @@ if triton is not None:
         block = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.program_id(2)
-        seq, first, q_start, q_len = _query_block(query_start_ptr, num_seqs, block, CHUNKED, CHUNK)
+        seq, first, q_start, q_len = _query_block(query_start_ptr, block_seq_ptr, block, CHUNKED, CHUNK)
         token = first + row // GROUP_PAD
         if CHUNKED:
-            if token >= q_len:
+            if seq < 0 or token >= q_len:
                 return
         elif q_len != 1 or token > 0:
             return
@@ -273,7 +282,7 @@ def paged_attention(
     q_scale: torch.Tensor | None = None,
     decode_only: bool = False,
     plan: DecodePlan | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    workspace: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged cache (the cache already
     holds the rows' own keys and values): decodes, and prompts chunked CHUNK tokens per program,
@@ -299,10 +308,12 @@ def paged_attention(
     if splits & (splits - 1) or not 1 <= splits <= MAX_SPLITS or (splits > 1 and blocks * splits > WORKSPACE_BLOCKS):
         raise ValueError(f"paged attention: {splits} splits (a power of two up to {MAX_SPLITS}, "
                          f"at most {WORKSPACE_BLOCKS} blocks x splits)")
-    if splits > 1:
-        part_out, part_lse = workspace or make_workspace(num_heads, num_kv_heads, head_dim, query.device)
-    else:
-        part_out = part_lse = out  # not read
+    if not decode_only and blocks > WORKSPACE_BLOCKS:
+        raise ValueError(f"paged attention: {num_tokens} query tokens are more than a chunked launch takes; "
+                         "send the prompts to another kernel (decode_only=True)")
+    part_out, part_lse, block_seq = workspace or make_workspace(num_heads, num_kv_heads, head_dim, query.device)
+    if not decode_only:
+        _block_requests[(num_seqs,)](query_start_loc, block_seq, num_seqs, blocks, CHUNK=chunk)
     per_program = num_kv_heads if plan.program == "all-heads" else 1
     if plan.program not in ("all-heads", "per-head"):
         raise ValueError(f"paged attention: unknown program {plan.program!r}")
@@ -311,7 +322,7 @@ def paged_attention(
                   HEAD_DIM=head_dim, NUM_SPLITS=splits, CHUNKED=not decode_only)
     _paged_attention[(blocks, num_kv_heads // per_program, splits)](
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, k_scale, v_scale,
-        q_scale if q_is_fp8 else k_scale, out, part_out, part_lse, num_seqs,
+        q_scale if q_is_fp8 else k_scale, out, part_out, part_lse, block_seq,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -321,7 +332,7 @@ def paged_attention(
         num_warps=plan.warps, num_stages=plan.stages)
     if splits > 1:
         _paged_attention_merge[(blocks, num_kv_heads, chunk * group_pad)](
-            part_out, part_lse, query_start_loc, out, num_seqs, out.stride(0), out.stride(1), **shapes, num_warps=1)
+            part_out, part_lse, query_start_loc, block_seq, out, out.stride(0), out.stride(1), **shapes, num_warps=1)
     return out
 
 

@@ -51,7 +51,7 @@ class TerraAttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     sm_count: int
-    workspace: tuple[torch.Tensor, torch.Tensor]
+    workspace: tuple[torch.Tensor, ...]
     prefill: PrefillRows | None  # a large prompt step: the rows FlashAttention-3 runs
     use_cascade: bool = False
 

@@ -25,7 +25,7 @@ case "$1" in
              grep -v "^INFO\|^(EngineCore\|Capturing CUDA graphs\|Loading safetensors" > "$OUT/log.txt"
            cat "$OUT/attention-profile.md" 2>/dev/null || tail -40 "$OUT/log.txt" ;;
   scenarios) for attention in ${ATTENTIONS:-vllm terra}; do
-               step "scenarios-fp8-$attention" 280 bench --scenarios 256 --max-rollouts 256 --kv-cache-dtype fp8 \
+               step "scenarios-fp8-$attention" ${SCENARIO_LIMIT_S:-300} bench --scenarios 256 --max-rollouts 256 --kv-cache-dtype fp8 \
                  --attention "$attention" --out "$OUT/scenarios-fp8-$attention.json"
              done ;;
   single) for attention in vllm terra; do

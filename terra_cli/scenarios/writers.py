@@ -37,7 +37,9 @@ import numpy as np
 
 from terra_cli.errors import OutputError
 
-MAX_DEFAULT_WRITERS = 4
+# Each process holds its own CUDA context and decoder beside vLLM's 85% of the GPU; two keep up with
+# ACT-Bench's rate (about 0.9 s of decode and encode per sample) and were not measured on a GPU yet.
+MAX_DEFAULT_WRITERS = 2
 OPEN_PER_PROCESS = 2  # scenarios handed to the pool and not yet written, per process (their mp4s wait in memory)
 POLL_SECONDS = 0.05  # how often write_in_order looks for a finished video while it also waits for new work
 WAIT_SECONDS = 0.2  # how often it looks whether the pool broke while there is nothing to do
@@ -46,7 +48,7 @@ _SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP
 
 
 def default_writers(device: str, cpus: int | None = None) -> int:
-    """--writers auto. On a GPU one process per 4 CPU cores, 1 to 4: the decode is the GPU's and
+    """--writers auto. On a GPU one process per 4 CPU cores, 1 to 2: the decode is the GPU's and
     the mp4 encode ffmpeg's, and a process keeps both off the engine loop's interpreter lock. On a
     CPU 0 (a thread of the engine's process): the decode needs the cores that generate, wherever
     it runs."""

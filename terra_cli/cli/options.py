@@ -2,8 +2,9 @@
 
 Each function returns a fresh `typer.Option` to use as a parameter default, e.g.
 `device: str = device_option()`. Options whose default or meaning differs between commands
-(--model, --tokenizer, --frames, --context-frames, --seed, eval's greedy --temperature, --out,
---plot), and options of one command only (bench's --vllm-arg), stay with their command.
+(--model and --tokenizer of bench, eval, refine and tokenize, --frames, --context-frames, --seed,
+eval's greedy --temperature, --out, --plot), and options of one command only (bench's
+--vllm-arg), stay with their command.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ def top_k_option():
 
 def top_p_option():
     return typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0: off).")
+
+
+def model_option():
+    return typer.Option(None, "--model", "-m", help="World-model directory or hub id (default: the embedded terra-mini).")
+
+
+def variant_option():
+    return typer.Option("world_model", help=(
+        "Subfolder of turing-motors/Terra (or of a local snapshot): world_model or world_model_v2; "
+        "each comes with its tokenizer."))
+
+
+def tokenizer_option():
+    return typer.Option(None, "--tokenizer", "-t", help="Image tokenizer directory or hub id (overrides the one paired with --model).")
 
 
 def backend_option():

@@ -36,9 +36,9 @@ def is_loopback(host: str) -> bool:
 )
 @friendly_errors
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="World-model directory or hub id (default: the embedded terra-mini)."),
-    variant: str = typer.Option("world_model", help="Subfolder of turing-motors/Terra: world_model or world_model_v2."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Image tokenizer directory or hub id (overrides the one paired with --model)."),
+    model: Optional[str] = opts.model_option(),
+    variant: str = opts.variant_option(),
+    tokenizer: Optional[str] = opts.tokenizer_option(),
     backend: str = opts.backend_option(),
     device: str = opts.device_option(),
     dtype: str = opts.dtype_option(),

@@ -282,6 +282,7 @@ def paged_attention(
     q_scale: torch.Tensor | None = None,
     decode_only: bool = False,
     plan: DecodePlan | None = None,
+    sm_count: int | None = None,
     workspace: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged cache (the cache already
@@ -291,7 +292,8 @@ def paged_attention(
     `query`, `out`: (tokens, heads, head_dim); `key_cache`, `value_cache`: (blocks, block_size,
     kv_heads, head_dim), fp8 or 16-bit; `k_scale`, `v_scale`, `q_scale` (an fp8 query): one-element
     float32 tensors, read on the device so a captured graph sees a changed scale. `plan`:
-    `decode_plan` for the batch when None. `workspace`: `make_workspace(...)`, made when None."""
+    `decode_plan` for the batch (on `sm_count` SMs, the device's when None) when None.
+    `workspace`: `make_workspace(...)`, made when None."""
     num_seqs = seq_lens.shape[0]
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
@@ -302,8 +304,9 @@ def paged_attention(
     group_pad, chunk = query_rows(num_heads, num_kv_heads)
     blocks = num_seqs if decode_only else num_tokens // chunk + num_seqs
     if plan is None:
-        sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 1
-        plan = decode_plan(num_seqs, num_kv_heads, sms, blocks)
+        if sm_count is None:
+            sm_count = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 1
+        plan = decode_plan(num_seqs, num_kv_heads, sm_count, blocks)
     splits = plan.splits
     if splits & (splits - 1) or not 1 <= splits <= MAX_SPLITS or (splits > 1 and blocks * splits > WORKSPACE_BLOCKS):
         raise ValueError(f"paged attention: {splits} splits (a power of two up to {MAX_SPLITS}, "

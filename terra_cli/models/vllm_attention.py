@@ -27,11 +27,9 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 
 from terra_cli.kernels.paged_attention import (
     PrefillRows,
-    decode_plan,
     make_workspace,
     paged_attention,
     prefill_rows,
-    query_rows,
     split_batch_attention,
 )
 
@@ -115,20 +113,17 @@ class TerraAttentionImpl(FlashAttentionImpl):
             key_cache = key_cache.view(torch.float8_e4m3fn)
             value_cache = value_cache.view(torch.float8_e4m3fn)
 
-        num_seqs = md.seq_lens.shape[0]
-        _, chunk = query_rows(self.num_heads, self.num_kv_heads)
-        options = dict(scale=self.scale, k_scale=layer._k_scale, v_scale=layer._v_scale, workspace=md.workspace)
+        options = dict(scale=self.scale, k_scale=layer._k_scale, v_scale=layer._v_scale, sm_count=md.sm_count,
+                       workspace=md.workspace)
         if md.prefill is None:
-            plan = decode_plan(num_seqs, self.num_kv_heads, md.sm_count, query.shape[0] // chunk + num_seqs)
             return paged_attention(query, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                                   output, plan=plan, **options)
+                                   output, **options)
 
         def prompt_attention(q: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
             return self._flash_attention(layer, q, key_cache, value_cache, rows, md.max_seq_len, output.dtype, fp8)
 
         return split_batch_attention(query, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                                     output, prefill=md.prefill, prompt_attention=prompt_attention,
-                                     plan=decode_plan(num_seqs, self.num_kv_heads, md.sm_count), **options)
+                                     output, prefill=md.prefill, prompt_attention=prompt_attention, **options)
 
     def _flash_attention(self, layer, q, key_cache, value_cache, rows: PrefillRows, max_seq_len: int, dtype,
                          fp8: bool) -> torch.Tensor:

@@ -76,7 +76,7 @@ def test_scenario_bench_runs_the_product_path_and_reports_rates(tmp_path):
                                       "--keep-outputs", str(keep)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert [e["worker"] for e in report["engines"]] == [0, 1]
+    assert [e["engine"] for e in report["engines"]] == [0, 1]
     assert report["stream"]["generated_frames"] == 5 * 2
     assert report["stream"]["generated_frames_per_s"] > 0 and report["lockstep"]["rollouts"] == 2
     assert len(list((keep / "outputs").glob("s*.npy"))) == 5
@@ -131,6 +131,38 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path):
     # A kept folder of an earlier run would resume, not measure: refused before anything runs.
     with pytest.raises(InputError, match="earlier run's outputs"):
         run_act_bench(model, tokenizer, plan, keep, log=lambda msg: None)
+
+
+@pytest.mark.slow
+def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path):
+    """`terra bench --act-bench 3 --data-parallel 2` (reference backend on CPU, a local Ray
+    cluster): the samples are handed to both engines, each video is written once by the driver,
+    the report has each engine's share, and the tokens equal a one-engine run's."""
+    import json
+
+    pytest.importorskip("ray")
+    from typer.testing import CliRunner
+
+    from terra_cli.cli import app
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=1024, layers=1, max_frames=4))
+    common = ["bench", "--act-bench", "3", "--frames", "5", "--model", str(model), "--backend", "hf", "--device", "cpu"]
+    one = CliRunner().invoke(app, [*common, "--keep-outputs", str(tmp_path / "one"), "--out", str(tmp_path / "one.json")])
+    assert one.exit_code == 0, one.output
+    two = CliRunner().invoke(app, [*common, "--data-parallel", "2", "--keep-outputs", str(tmp_path / "two"),
+                                   "--out", str(tmp_path / "two.json")])
+    assert two.exit_code == 0, two.output
+    report = json.loads((tmp_path / "two.json").read_text())
+    assert [e["engine"] for e in report["engines"]] == [0, 1]
+    assert sum(e["scenarios"] for e in report["engines"]) == 3 and report["run"]["videos_written"] == 3
+    assert report["run"]["generated_frames"] == 3 * 2 and report["run"]["results_lines_done"] == 3
+    for name in (f"NUSCENES_ACTION_{i:06d}" for i in range(3)):
+        np.testing.assert_array_equal(np.load(tmp_path / "two" / "outputs" / f"{name}.npy"),
+                                      np.load(tmp_path / "one" / "outputs" / f"{name}.npy"))
+        assert (tmp_path / "two" / "outputs" / f"{name}.mp4").stat().st_size > 0
+    refused = CliRunner().invoke(app, [*common, "--data-parallel", "2", "--writers", "1"])
+    assert refused.exit_code == 2 and "--writers works on one engine" in refused.output
 
 
 def test_max_rollouts_is_auto_or_a_count_and_a_bad_value_is_one_line(tmp_path):

@@ -25,7 +25,8 @@ from typing import Callable
 
 import numpy as np
 
-from terra_cli.bench.scenarios import ACT_BENCH_SAMPLES, PRESETS, BusySampler, _gpu_indices
+from terra_cli.bench.scenarios import (ACT_BENCH_SAMPLES, PRESETS, BusySampler, _gpu_indices, add_engine_shares,
+                                       run_engines, uses_ray)
 
 NUSCENES_SIZE = (1600, 900)  # CAM_FRONT width x height
 DISTINCT_IMAGE_SETS = 64  # samples beyond this reuse earlier images (their encoding costs the same)
@@ -45,6 +46,8 @@ class ActBenchPlan:
     image_size: tuple[int, int] = NUSCENES_SIZE
     vllm_options: dict = field(default_factory=dict)
     writers: int | None = None  # video writer processes; None: the scenario job's default for the device
+    data_parallel: int = 1  # engines, one per GPU
+    ray: str | None = None  # run the engines as Ray actors: local, or a cluster's address (several engines: local)
 
 
 def write_act_bench_samples(folder: Path, plan: ActBenchPlan) -> tuple[Path, Path]:
@@ -117,7 +120,7 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
     from terra_cli.errors import InputError
     from terra_cli.models.checkpoint import load_config
     from terra_cli.pipeline.rounds import plan_rounds
-    from terra_cli.scenarios.job import ScenarioJob, prepare_job, run_scenario_job
+    from terra_cli.scenarios.job import ScenarioJob, prepare_job
     from terra_cli.scenarios.runner import RESULTS_NAME, read_results
     from terra_cli.scenarios.spec import Defaults
 
@@ -139,30 +142,33 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
         generated = sum(s.frames - s.context_frames for s in prepared.file.scenarios)
         first = prepared.file.scenarios[0]
         rounds = len(plan_rounds(first.context_frames, first.frames, load_config(checkpoint).layout.max_frames))
-        sampler = BusySampler(_gpu_indices(prepared.device, 1))
+        sampler = BusySampler(_gpu_indices(prepared.device, plan.data_parallel))
         marks: dict[str, float] = {}
-        ready_info: dict = {}
+        engines: dict[int, dict] = {}
         frames = [0]
 
-        def on_ready(ready) -> None:
-            marks["ready"] = time.perf_counter()
-            ready_info.update(startup_s=ready.seconds, startup=ready.startup, in_flight=ready.in_flight,
-                              in_flight_reason=ready.in_flight_reason)
-            log(f"engine ready in {ready.seconds:.1f} s, {ready.in_flight} in flight"
+        def on_ready(index, ready) -> None:
+            marks.setdefault("ready", time.perf_counter())  # the first engine's: from then on, work is done
+            engines[index] = {"engine": index, "startup_s": ready.seconds, "startup": ready.startup,
+                              "in_flight": ready.in_flight, "in_flight_reason": ready.in_flight_reason}
+            log(f"engine {index} ready in {ready.seconds:.1f} s, {ready.in_flight} in flight"
                 + (f" ({ready.in_flight_reason})" if ready.in_flight_reason else ""))
 
-        def on_frame() -> None:
+        def on_frames(count: int) -> None:
             if not frames[0]:
                 marks["first_frame"] = time.perf_counter()
                 sampler.start()
-            frames[0] += 1
-            marks["last_frame"] = time.perf_counter()
+            if count > frames[0]:
+                frames[0] = count
+                marks["last_frame"] = time.perf_counter()
 
-        log(f"{plan.samples} ACT-Bench samples of {plan.frames} frames ({generated} frames to generate), "
+        where = f" on {plan.data_parallel} engine(s) on Ray ({plan.ray or 'local'})" \
+            if uses_ray(plan.data_parallel, plan.ray) else ""
+        log(f"{plan.samples} ACT-Bench samples of {plan.frames} frames ({generated} frames to generate){where}, "
             f"KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
         marks["start"] = time.perf_counter()
         try:
-            run = run_scenario_job(prepared, on_ready=on_ready, on_frame=on_frame)
+            run = run_engines(prepared, plan.data_parallel, plan.ray, on_ready, on_frames)
         finally:
             sampler.stop()
         end = time.perf_counter()
@@ -172,19 +178,21 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
         videos = sorted(p.name for p in outputs.rglob("*.mp4"))
         steady = end - marks["ready"]
         startup = marks["ready"] - marks["start"]
+        add_engine_shares(engines, run)
         results = {
             "plan": {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.__dict__.items()},
             "tokenizer": tokenizer,
-            "engine": ready_info,
+            "engine": engines[min(engines)],
+            "engines": [engines[k] for k in sorted(engines)],
             "run": {
-                "samples": plan.samples, "rounds_per_sample": rounds, "generated_frames": frames[0],
+                "samples": plan.samples, "rounds_per_sample": rounds, "generated_frames": run.generated_frames,
                 "videos_written": len(videos),
                 "writers": run.writers,
                 "results_lines_done": len(records),
                 "seconds_wall": round(end - marks["start"], 2),
                 "seconds_per_sample_wall": round((end - marks["start"]) / plan.samples, 3),
                 "seconds_per_sample_steady": round(steady / plan.samples, 3),
-                "generated_frames_per_s": round(frames[0] / max(steady, 1e-9), 3),
+                "generated_frames_per_s": round(run.generated_frames / max(steady, 1e-9), 3),
                 "gpu_busy": sampler.busy(),
                 "phases_s": {
                     "write_samples": round(written_s, 2),
@@ -197,8 +205,8 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                 "projected_act_bench_hours": round((startup + ACT_BENCH_SAMPLES * steady / plan.samples) / 3600, 3),
             },
         }
-        if frames[0] != generated:
-            raise RuntimeError(f"{frames[0]} frames reported, {generated} expected")
+        if run.generated_frames != generated:
+            raise RuntimeError(f"{run.generated_frames} frames written, {generated} expected")
     r = results["run"]
     log(f"{r['seconds_per_sample_wall']:.2f} s/sample wall ({r['seconds_per_sample_steady']:.2f} after start-up), "
         f"{r['generated_frames_per_s']:.2f} generated frames/s, ACT-Bench projected {r['projected_act_bench_hours']:.2f} h")

@@ -31,7 +31,8 @@ class ScenarioBenchPlan:
     frames: int = 25
     context_frames: int = 3
     max_rollouts: int | None = None  # None: auto (backends.vllm_stream.auto_in_flight)
-    data_parallel: int = 1
+    data_parallel: int = 1  # engines, one per GPU
+    ray: str | None = None  # run the engines as Ray actors: local, or a cluster's address (several engines: local)
     lockstep: int = 0  # rollouts of the lockstep comparison; 0 skips it
     backend: str = "vllm"
     device: str = "auto"
@@ -96,7 +97,7 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
     """Run the plan; the scenario outputs (tokens) stay in `out_dir` when given, else in a
     temporary folder that is removed."""
     from terra_cli.models.checkpoint import load_config
-    from terra_cli.scenarios.job import ScenarioJob, prepare_job, run_scenario_job
+    from terra_cli.scenarios.job import ScenarioJob, prepare_job
     from terra_cli.scenarios.spec import Defaults
 
     layout = load_config(checkpoint).layout
@@ -116,46 +117,32 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
         frames = [0]
 
         def on_ready(worker, ready):
-            engines[worker] = {"worker": worker, "startup_s": ready.seconds, "startup": ready.startup,
+            engines[worker] = {"engine": worker, "startup_s": ready.seconds, "startup": ready.startup,
                                "in_flight": ready.in_flight}
             log(f"engine {worker} ready in {ready.seconds:.1f} s, {ready.in_flight} in flight"
                 + (f" ({ready.in_flight_reason})" if ready.in_flight_reason else ""))
 
-        def on_frame(worker):
+        def on_frames(count):
             if not frames[0]:
                 marks["first_frame"] = time.perf_counter()
                 sampler.start()
-            frames[0] += 1
+            frames[0] = max(frames[0], count)
 
-        log(f"{plan.scenarios} scenarios of {plan.frames} frames, {plan.data_parallel} engine(s), "
+        where = f"on Ray ({plan.ray or 'local'}), " if uses_ray(plan.data_parallel, plan.ray) else ""
+        log(f"{plan.scenarios} scenarios of {plan.frames} frames, {plan.data_parallel} engine(s) {where}"
             f"up to {plan.max_rollouts or 'auto'} in flight each, KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
         marks["start"] = time.perf_counter()
         try:
-            if plan.data_parallel > 1:
-                from terra_cli.scenarios.job import EngineReady
-                from terra_cli.scenarios.ray_runner import run_on_ray
-
-                def on_event(kind, engine, payload):
-                    if kind == "ready":
-                        on_ready(engine.index, EngineReady(payload["startup_s"], payload["startup"], payload["in_flight"]))
-                    elif kind == "tick" and payload.progress_frames > frames[0]:  # frame counts come in ticks
-                        on_frame(None)
-                        frames[0] = payload.progress_frames
-
-                run = run_on_ray(prepared, None, plan.data_parallel, on_event=on_event)
-                frames[0] = run.generated_frames
-                for row in run.summary():  # an engine still starting when the work ran out
-                    engines.setdefault(row["engine"], {"worker": row["engine"], "startup_s": row["startup_s"],
-                                                       "startup": {}, "in_flight": None})
-            else:
-                run = run_scenario_job(prepared, on_ready=lambda r: on_ready(0, r), on_frame=lambda: on_frame(0))
+            run = run_engines(prepared, plan.data_parallel, plan.ray, on_ready, on_frames)
         finally:
             sampler.stop()
+        frames[0] = run.generated_frames
         end = time.perf_counter()
         if run.errors or run.done != plan.scenarios:
             raise RuntimeError(f"scenario run incomplete: {run.done} of {plan.scenarios} done; {run.errors[:3]}")
         generating = end - marks["first_frame"]
         rate = frames[0] / generating
+        add_engine_shares(engines, run)
         results = {
             "plan": {k: v for k, v in plan.__dict__.items()},
             "engines": [engines[k] for k in sorted(engines)],
@@ -170,6 +157,46 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
         if plan.lockstep:
             results["lockstep"] = _lockstep(checkpoint, layout, plan, gpus, log)
     return results
+
+
+def add_engine_shares(engines: dict[int, dict], run) -> None:
+    """Ray runs: each engine's scenarios, share, restarts and redone frames, beside its start-up
+    (an engine still starting when the work ran out has a row too)."""
+    for row in getattr(run, "summary", lambda: [])():
+        engines.setdefault(row["engine"], {"engine": row["engine"], "startup_s": row["startup_s"], "startup": {},
+                                           "in_flight": None})
+        engines[row["engine"]].update({k: row[k] for k in ("scenarios", "share", "frames", "restarts", "lost_frames")})
+
+
+def uses_ray(engines: int, ray: str | None) -> bool:
+    return engines > 1 or ray is not None
+
+
+def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_frames: Callable[[int], None]):
+    """Run a prepared scenario job the way `generate --scenarios` does: one engine in this
+    process, or Ray actors (`ray` given, or several engines: a local cluster). Calls
+    on_ready(engine index, EngineReady) as each engine is ready, and on_frames(generated frames
+    so far) after each frame (one engine) or every tick (Ray: frames of written scenarios and
+    the engines' last counts of open ones). Returns the run (a ScenarioRun, RayRun on Ray)."""
+    from terra_cli.scenarios.job import EngineReady, run_scenario_job
+
+    if not uses_ray(engines, ray):
+        count = [0]
+
+        def on_frame():
+            count[0] += 1
+            on_frames(count[0])
+
+        return run_scenario_job(prepared, on_ready=lambda ready: on_ready(0, ready), on_frame=on_frame)
+    from terra_cli.scenarios.ray_runner import run_on_ray
+
+    def on_event(kind, engine, payload):
+        if kind == "ready":
+            on_ready(engine.index, EngineReady(payload["startup_s"], payload["startup"], payload["in_flight"]))
+        elif kind == "tick" and payload.progress_frames:
+            on_frames(payload.progress_frames)
+
+    return run_on_ray(prepared, None if ray in (None, "local") else ray, engines, on_event=on_event)
 
 
 def _lockstep(checkpoint: Path, layout, plan: ScenarioBenchPlan, gpus: list[int], log) -> dict:

@@ -70,7 +70,8 @@ def bench(
     act_bench: int = typer.Option(0, "--act-bench", min=0, help="End to end like ACT-Bench: N samples (random nuScenes-size JPEGs, 47 frames in 2 rounds) through `generate --scenarios`, videos included; s/sample and a 2,286-sample projection."),
     writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto, as generate --scenarios", help="--act-bench: video writer processes (0: a thread of the engine's process), as `generate --scenarios --writers`."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="--scenarios/--act-bench: rollouts in flight per engine, or auto (as many as the KV cache holds, at most 256)."),
-    data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios: engines, one per GPU."),
+    data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios/--act-bench: engines, one per GPU; more than one run as actors of a local Ray cluster (needs terra-cli[ray])."),
+    ray_address: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="--scenarios/--act-bench: run the --data-parallel engines as Ray actors, also one: local (a cluster of this machine), auto, ray://HOST:10001 or HOST:6379, as `generate --scenarios --ray`."),
     lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
     kv_cache_dtype: str = opts.kv_cache_dtype_option(),
     attention: str = opts.attention_option(),
@@ -119,6 +120,8 @@ def bench(
     Sampling(temperature=temperature, seed=seed)  # --seed and --temperature in range, before anything runs
     if writers is not None and not act_bench:
         raise InputError("--writers goes with --act-bench (the other measures write no videos)")
+    if (data_parallel != 1 or ray_address is not None) and not (scenarios or act_bench):
+        raise InputError("--data-parallel and --ray go with --scenarios or --act-bench")
     outputs = OutputPlan(overwrite)
     outputs.input("--model", Path(model) if model and os.path.lexists(model) else None)
     for name, path, used in (("--out", out_json, True), ("--plot", plot, hf_vs_vllm),
@@ -142,10 +145,13 @@ def bench(
         from terra_cli.cli.bench_act import act_bench as run_act_bench
         from terra_cli.scenarios.job import parse_max_rollouts
 
-        if data_parallel != 1 or lockstep:
-            raise InputError("--act-bench runs on one engine: drop --data-parallel and --lockstep")
+        if lockstep:
+            raise InputError("--lockstep goes with --scenarios")
+        if writers is not None and (data_parallel > 1 or ray_address is not None):
+            raise InputError("--writers works on one engine: on Ray (--data-parallel/--ray) each engine encodes its own videos")
         plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
-                            dtype, temperature, seed, vllm_options=vllm_options, writers=writers)
+                            dtype, temperature, seed, vllm_options=vllm_options, writers=writers,
+                            data_parallel=data_parallel, ray=ray_address)
         return run_act_bench(model, plan, keep_outputs, out_json, overwrite)
     frames = 25 if frames is None else frames
     if draft_acceptance:
@@ -154,8 +160,8 @@ def bench(
         from terra_cli.bench.scenarios import ScenarioBenchPlan
         from terra_cli.scenarios.job import parse_max_rollouts
 
-        plan = ScenarioBenchPlan(scenarios, frames, context_frames, parse_max_rollouts(max_rollouts), data_parallel, lockstep,
-                                 backend, device, dtype, temperature, seed, vllm_options)
+        plan = ScenarioBenchPlan(scenarios, frames, context_frames, parse_max_rollouts(max_rollouts), data_parallel,
+                                 ray_address, lockstep, backend, device, dtype, temperature, seed, vllm_options)
         return _scenario_bench(model, plan, keep_outputs, out_json, overwrite)
     if context_frames < 1 or frames <= context_frames:
         raise InputError(f"--frames ({frames}) must be more than --context-frames ({context_frames}), which must be >= 1")
@@ -274,7 +280,7 @@ def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
     for col in ("run", "engines", "start-up s", "generated frames/s", "GPU busy", "ACT-Bench h (projected)"):
         table.add_column(col, justify="left" if col == "run" else "right")
     busy = ", ".join("-" if b is None else f"{b:.0%}" for b in stream["gpu_busy"].values()) or "-"
-    table.add_row(f"continuous, {plan.scenarios} x {plan.frames} frames", str(len(results["engines"])),
+    table.add_row(f"continuous, {plan.scenarios} x {plan.frames} frames", engine_shares(results["engines"]),
                   ", ".join("not ready" if e["startup_s"] is None else f"{e['startup_s']:.1f}" for e in results["engines"]),
                   f"{stream['generated_frames_per_s']:.2f}", busy, f"{stream['projected_act_bench_hours']:.2f}")
     if "lockstep" in results:
@@ -285,6 +291,13 @@ def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
     if out_json:
         atomic_write_json(out_json, results, overwrite=overwrite)
         console.print(f"results -> {out_json}")
+
+
+def engine_shares(engines: list[dict]) -> str:
+    """How many engines, and on Ray each one's share of the scenarios and its restarts."""
+    shares = [f"{e['share']:.0f}%" + (f" ({e['restarts']} restart)" if e.get("restarts") else "")
+              for e in engines if e.get("share") is not None]
+    return f"{len(engines)}" + (f": {', '.join(shares)}" if shares else "")
 
 
 def _refiner_bench(windows: str, compile_mode: str, full_cfg: bool, plain_cross_attention: bool, tiny: bool,

@@ -14,6 +14,7 @@ from terra_cli.cli.app import console, out
 def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path | None, overwrite: bool) -> None:
     from terra_cli.bench.act_bench import bench_tokenizer, run_act_bench
     from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
+    from terra_cli.cli.bench import engine_shares
     from terra_cli.errors import InputError
     from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.resolve import resolve_world_model_dir
@@ -37,7 +38,8 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     table.add_column("value", justify="right")
     for name, value in (
         ("samples x frames (rounds)", f"{plan.samples} x {plan.frames} ({run['rounds_per_sample']})"),
-        ("rollouts in flight", str(results["engine"].get("in_flight", "-"))),
+        ("engines (share of samples)", engine_shares(results["engines"])),
+        ("rollouts in flight per engine", ", ".join(str(e.get("in_flight") or "-") for e in results["engines"])),
         ("video writer processes", str(run["writers"])),
         ("s/sample, wall", f"{run['seconds_per_sample_wall']:.3f}"),
         ("s/sample after start-up", f"{run['seconds_per_sample_steady']:.3f}"),

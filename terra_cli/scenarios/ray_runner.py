@@ -8,7 +8,8 @@ driver writes them with `runner.save_finished`, as a single-engine run does. No 
 filesystem is needed, and the driver is the only writer: a scenario is written once.
 
 Hand-out is dynamic: each engine holds at most `window` open calls (its continuous batch plus a
-few queued), topped up as scenarios finish, so a fast engine takes more and a slow one less.
+few queued while there is work to spare, `may_queue`), topped up as scenarios finish, so a fast
+engine takes more and a slow one less.
 A dead actor's open scenarios go back to the front of the queue for the others; Ray restarts it
 (max_restarts) and it rejoins once its engine is loaded again. A scenario that fails
 MAX_ATTEMPTS times (an error of its own, or an engine dying under it), each time on another
@@ -89,6 +90,20 @@ def window_for(in_flight: int, backend: str) -> int:
     """Open calls per engine: its whole continuous batch and a few more, so it never waits on
     the driver; the reference engine runs one scenario at a time and gets one queued."""
     return in_flight + max(2, in_flight // 8) if backend == "vllm" else 2
+
+
+def may_queue(engine: EngineState, engines: list[EngineState], pending: int) -> bool:
+    """Whether `engine`, its batch full, may take one more call to hold queued. Only while the
+    pending scenarios outnumber the other engines' free places: a queued scenario cannot move to
+    an engine that frees up, so near the end of a run it would leave that engine idle and this
+    one with a tail of few rollouts. An engine still (re)starting counts with this one's batch."""
+    free = 0
+    for other in engines:
+        if other is engine or other.status == "dead":
+            continue
+        batch = other.in_flight if other.status == "alive" else engine.in_flight
+        free += max(0, batch - len(other.open))
+    return pending > free
 
 
 def test_frame_delays() -> dict[int, float]:
@@ -209,6 +224,8 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     def hand_out(engine: EngineState) -> None:
         limit = window_for(engine.in_flight, engine.backend)
         while len(engine.open) < limit and pending:
+            if len(engine.open) >= engine.in_flight and not may_queue(engine, run.engines, len(pending)):
+                return
             s = take(engine)
             if s is None:
                 return

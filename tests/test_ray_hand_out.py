@@ -1,0 +1,43 @@
+"""How the Ray driver hands out scenarios near the end of a run (scenarios/ray_runner.may_queue):
+an engine with a full batch takes a call to hold queued only while the other engines' free places
+would still find work. Plain data, no Ray needed."""
+
+from terra_cli.scenarios.ray_runner import EngineState, may_queue
+
+
+def engine(index, status="alive", in_flight=256, open_calls=0):
+    e = EngineState(index, actor=None, status=status, in_flight=in_flight)
+    e.open = {object(): None for _ in range(open_calls)}
+    return e
+
+
+def test_first_engine_ready_leaves_the_second_its_batch():
+    """512 scenarios, 256 in flight each: the engine ready first fills its batch and queues
+    nothing more while the other is still starting, so each ends up with 256, not 288 and 224."""
+    first, second = engine(0, open_calls=256), engine(1, status="starting", in_flight=1)
+    assert not may_queue(first, [first, second], pending=256)
+    assert may_queue(first, [first, second], pending=257)
+
+
+def test_a_single_engine_always_queues():
+    alone = engine(0, open_calls=256)
+    assert may_queue(alone, [alone], pending=1)
+
+
+def test_free_places_of_live_engines_count_and_dead_ones_do_not():
+    busy, idle, dead = engine(0, open_calls=256), engine(1, open_calls=250), engine(2, status="dead", open_calls=0)
+    engines = [busy, idle, dead]
+    assert not may_queue(busy, engines, pending=6)  # engine 1 has 6 free places for them
+    assert may_queue(busy, engines, pending=7)
+    restarting = engine(1, status="restarting", in_flight=256)
+    assert not may_queue(busy, [busy, restarting], pending=200)  # it comes back with a batch of its own
+    assert may_queue(busy, [busy, restarting], pending=300)
+
+
+def test_reference_engines_one_scenario_each():
+    """In-flight 1 (the reference backend): the queued second call waits for another engine's
+    free place to be taken first."""
+    a, b = engine(0, in_flight=1, open_calls=1), engine(1, in_flight=1, open_calls=0)
+    assert not may_queue(a, [a, b], pending=1)
+    b.open = {object(): None}
+    assert may_queue(a, [a, b], pending=1)

@@ -23,7 +23,7 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -c "import ray; print('ray', ray.__version__)" | tee -a "$STEP_LOG"
 common=(--kv-cache-dtype fp8 --max-rollouts 256)
 case $what in
-  one) CUDA_VISIBLE_DEVICES=0 step ray-one 420 bench --scenarios 256 --ray local "${common[@]}" --out "$OUT/ray-one.json" ;;
+  one) export CUDA_VISIBLE_DEVICES=0; step ray-one 420 bench --scenarios 256 --ray local "${common[@]}" --out "$OUT/ray-one.json" ;;
   two) step ray-two 450 bench --scenarios 512 --data-parallel 2 "${common[@]}" --out "$OUT/ray-two.json"
        cp "$OUT/ray-two.json" /tmp/ray-two.json ;;
   kill) timeout 560 python3 benchmarks/scripts/gpu_ray_kill.py --scenarios 512 --engines 2 --max-rollouts 256 \

@@ -129,6 +129,29 @@ def test_killed_engines_lose_nothing_and_rejoin(cluster, work, monkeypatch):
     assert [e.restarts for e in result.engines] == [1, 1]
 
 
+def test_a_restarted_engine_takes_back_the_scenarios_it_lost(cluster, work, monkeypatch):
+    """Engine 1 is SIGKILLed as soon as it is ready, with its share of four scenarios open; engine
+    0 is slow (8 s a scenario). The two lost scenarios go back to the queue for any engine, not
+    only to the others: engine 1 rejoins and writes them while engine 0 still works on its own
+    (on two H100s, the survivor redid a whole batch while the restarted engine stood idle)."""
+    folder, model = work
+    lines = (folder / "s.jsonl").read_text().splitlines()[:4]
+    (folder / "four.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "0=4.0")
+    killed = []
+
+    def on_event(kind, engine, payload):
+        if kind == "ready" and engine.index == 1 and not killed:
+            killed.append(payload["pid"])
+            os.kill(payload["pid"], signal.SIGKILL)
+
+    result = run(folder, model, "back", scenarios="four.jsonl", on_event=on_event)
+    shares = {row["engine"]: row["scenarios"] for row in result.summary()}
+    assert killed and result.engines[1].restarts == 1 and result.failed == 0
+    assert shares[1] >= 1 and shares[0] + shares[1] == 4
+    assert_written_once_as_one_engine(folder, "back", [f"v{i}" for i in range(4)])
+
+
 def test_ctrl_c_stops_the_actors_keeps_finished_scenarios_and_a_rerun_completes(cluster, work):
     folder, model = work
     out = folder / "cut"

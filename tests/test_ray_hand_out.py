@@ -1,8 +1,9 @@
-"""How the Ray driver hands out scenarios near the end of a run (scenarios/ray_runner.may_queue):
-an engine with a full batch takes a call to hold queued only while the other engines' free places
+"""How the Ray driver hands out scenarios when the work left is less than the engines can hold
+(scenarios/ray_runner.fair_share, may_queue): no engine holds more than its share of it, and an
+engine with a full batch takes a call to hold queued only while the other engines' free places
 would still find work. Plain data, no Ray needed."""
 
-from terra_cli.scenarios.ray_runner import EngineState, may_queue
+from terra_cli.scenarios.ray_runner import EngineState, fair_share, may_queue
 
 
 def engine(index, status="alive", in_flight=256, open_calls=0):
@@ -41,3 +42,24 @@ def test_reference_engines_one_scenario_each():
     assert not may_queue(a, [a, b], pending=1)
     b.open = {object(): None}
     assert may_queue(a, [a, b], pending=1)
+
+
+def test_a_run_smaller_than_the_batches_is_split_between_the_engines():
+    """256 samples, two engines of 256 rollouts (measured on two H100s: the engine ready first took
+    all 256 and the other stood idle): each may hold 128, an engine still starting included."""
+    first, second = engine(0), engine(1, status="starting", in_flight=1)
+    assert fair_share([first, second], pending=256) == 128
+    first.open = {object(): None for _ in range(128)}
+    assert fair_share([first, second], pending=128) == 128  # full: the rest waits for engine 1
+    assert fair_share([first, engine(1, status="dead")], pending=128) == 256  # unless it is dead
+    assert fair_share([first], pending=1) == 129  # one engine: never binds
+    assert fair_share([engine(0), engine(1), engine(2)], pending=7) == 3  # rounded up
+
+
+def test_after_a_kill_the_survivor_keeps_its_batch_and_the_restarted_engine_gets_the_rest():
+    """Two engines of 256; engine 1 died with 256 open, which are pending again: the survivor's
+    share is the 256 it holds, so the requeued ones wait for engine 1 to come back."""
+    survivor, restarting = engine(0, open_calls=256), engine(1, status="restarting")
+    assert fair_share([survivor, restarting], pending=256) == 256
+    rejoined = engine(1)
+    assert fair_share([survivor, rejoined], pending=256) == 256 and len(rejoined.open) < 256

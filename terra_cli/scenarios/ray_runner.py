@@ -8,12 +8,12 @@ driver writes them with `runner.save_finished`, as a single-engine run does. No 
 filesystem is needed, and the driver is the only writer: a scenario is written once.
 
 Hand-out is dynamic: each engine holds at most `window` open calls (its continuous batch plus a
-few queued while there is work to spare, `may_queue`), topped up as scenarios finish, so a fast
-engine takes more and a slow one less.
-A dead actor's open scenarios go back to the front of the queue for the others; Ray restarts it
-(max_restarts) and it rejoins once its engine is loaded again. A scenario that fails
-MAX_ATTEMPTS times (an error of its own, or an engine dying under it), each time on another
-engine where there is one, is recorded as failed with the reasons, and the run goes on.
+few queued while there is work to spare, `may_queue`), and never more than its `fair_share` of
+the work left, topped up as scenarios finish, so a fast engine takes more and a slow one less.
+A dead actor's open scenarios go back to the front of the queue for any engine, itself included;
+Ray restarts it (max_restarts) and it rejoins once its engine is loaded again. A scenario that
+fails MAX_ATTEMPTS times (errors of its own, each retried on another engine where there is one,
+or engines dying under it) is recorded as failed with the reasons, and the run goes on.
 """
 
 from __future__ import annotations
@@ -92,6 +92,16 @@ def window_for(in_flight: int, backend: str) -> int:
     return in_flight + max(2, in_flight // 8) if backend == "vllm" else 2
 
 
+def fair_share(engines: list[EngineState], pending: int) -> int:
+    """The most scenarios one engine may hold open: the work left (pending and open) spread over
+    the engines that are up or coming up. It binds only near the end of a run, or in a run
+    smaller than the engines' batches together (256 samples on two engines of 256 rollouts:
+    128 each, not all on the engine that was ready first)."""
+    live = [e for e in engines if e.status != "dead"]
+    left = pending + sum(len(e.open) for e in live)
+    return -(-left // max(1, len(live)))
+
+
 def may_queue(engine: EngineState, engines: list[EngineState], pending: int) -> bool:
     """Whether `engine`, its batch full, may take one more call to hold queued. Only while the
     pending scenarios outnumber the other engines' free places: a queued scenario cannot move to
@@ -166,10 +176,11 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
         run.engines.append(EngineState(index, actor, probe=actor.ready.remote()))
     clock = time.perf_counter()
 
-    def record_failure(s: Scenario, engine: EngineState, why: str, final: bool = False) -> None:
+    def record_failure(s: Scenario, engine: EngineState, why: str, final: bool = False, suspect: bool = True) -> None:
         attempts.setdefault(s.id, []).append(f"engine {engine.index}: {why}")
         if len(attempts[s.id]) < MAX_ATTEMPTS and not final:
-            avoid[s.id] = engine.index
+            if suspect:  # its own error: the retry goes to another engine where there is one
+                avoid[s.id] = engine.index
             pending.appendleft(s)
             run.requeued += 1
             return
@@ -208,8 +219,10 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
         engine.counted, engine.live, engine.pending_frames, engine.stats_ref = engine.counted + engine.live, 0, 0, None
         engine.probe = engine.actor.ready.remote()
         on_event("lost", engine, why)
+        # Not suspects: a whole batch was open, so the restarted engine may take them back (the
+        # attempts still count, so a scenario that kills every engine it runs on ends as failed).
         for s in reversed(scenarios):
-            record_failure(s, engine, f"engine died ({why})")
+            record_failure(s, engine, f"engine died ({why})", suspect=False)
 
     def take(engine: EngineState) -> Scenario | None:
         others = sum(e.status != "dead" for e in run.engines) > 1  # a retry waits for another engine
@@ -224,6 +237,8 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     def hand_out(engine: EngineState) -> None:
         limit = window_for(engine.in_flight, engine.backend)
         while len(engine.open) < limit and pending:
+            if len(engine.open) >= fair_share(run.engines, len(pending)):
+                return
             if len(engine.open) >= engine.in_flight and not may_queue(engine, run.engines, len(pending)):
                 return
             s = take(engine)

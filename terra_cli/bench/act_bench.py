@@ -25,8 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from terra_cli.bench.scenarios import (ACT_BENCH_SAMPLES, PRESETS, BusySampler, _gpu_indices, add_engine_shares,
-                                       run_engines, uses_ray)
+from terra_cli.bench.scenarios import ACT_BENCH_SAMPLES, PRESETS, TimedRun, uses_ray
 
 NUSCENES_SIZE = (1600, 900)  # CAM_FRONT width x height
 DISTINCT_IMAGE_SETS = 64  # samples beyond this reuse earlier images (their encoding costs the same)
@@ -142,48 +141,25 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
         generated = sum(s.frames - s.context_frames for s in prepared.file.scenarios)
         first = prepared.file.scenarios[0]
         rounds = len(plan_rounds(first.context_frames, first.frames, load_config(checkpoint).layout.max_frames))
-        sampler = BusySampler(_gpu_indices(prepared.device, plan.data_parallel))
-        marks: dict[str, float] = {}
-        engines: dict[int, dict] = {}
-        frames = [0]
-
-        def on_ready(index, ready) -> None:
-            marks.setdefault("ready", time.perf_counter())  # the first engine's: from then on, work is done
-            engines[index] = {"engine": index, "startup_s": ready.seconds, "startup": ready.startup,
-                              "in_flight": ready.in_flight, "in_flight_reason": ready.in_flight_reason}
-            log(f"engine {index} ready in {ready.seconds:.1f} s, {ready.in_flight} in flight"
-                + (f" ({ready.in_flight_reason})" if ready.in_flight_reason else ""))
-
-        def on_frames(count: int) -> None:
-            if not frames[0]:
-                marks["first_frame"] = time.perf_counter()
-                sampler.start()
-            if count > frames[0]:
-                frames[0] = count
-                marks["last_frame"] = time.perf_counter()
-
         where = f" on {plan.data_parallel} engine(s) on Ray ({plan.ray or 'local'})" \
             if uses_ray(plan.data_parallel, plan.ray) else ""
         log(f"{plan.samples} ACT-Bench samples of {plan.frames} frames ({generated} frames to generate){where}, "
             f"KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
-        marks["start"] = time.perf_counter()
-        try:
-            run = run_engines(prepared, plan.data_parallel, plan.ray, on_ready, on_frames)
-        finally:
-            sampler.stop()
-        end = time.perf_counter()
+        timed = TimedRun(prepared, plan.data_parallel, plan.ray, log)
+        run = timed.run()
+        marks, end = timed.marks, timed.marks["end"]
         if run.errors or run.done != plan.samples:
             raise RuntimeError(f"ACT-Bench run incomplete: {run.done} of {plan.samples} done; {run.errors[:3]}")
         records = [r for r in read_results(outputs / RESULTS_NAME) if r.get("status") == "done"]
         videos = sorted(p.name for p in outputs.rglob("*.mp4"))
         steady = end - marks["ready"]
-        startup = marks["ready"] - marks["start"]
-        add_engine_shares(engines, run)
+        startup = marks["ready"] - marks["start"]  # the first engine's: from then on, work is done
+        engines = timed.engine_rows()
         results = {
             "plan": {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.__dict__.items()},
             "tokenizer": tokenizer,
-            "engine": engines[min(engines)],
-            "engines": [engines[k] for k in sorted(engines)],
+            "engine": engines[0],
+            "engines": engines,
             "run": {
                 "samples": plan.samples, "rounds_per_sample": rounds, "generated_frames": run.generated_frames,
                 "videos_written": len(videos),
@@ -193,7 +169,7 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                 "seconds_per_sample_wall": round((end - marks["start"]) / plan.samples, 3),
                 "seconds_per_sample_steady": round(steady / plan.samples, 3),
                 "generated_frames_per_s": round(run.generated_frames / max(steady, 1e-9), 3),
-                "gpu_busy": sampler.busy(),
+                "gpu_busy": timed.sampler.busy(),
                 "phases_s": {
                     "write_samples": round(written_s, 2),
                     "startup": round(startup, 2),

@@ -111,61 +111,75 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
                           max_rollouts=plan.max_rollouts, decode=False, temperature=plan.temperature)
         prepared = prepare_job(job)
         gpus = _gpu_indices(prepared.device, plan.data_parallel)
-        sampler = BusySampler(gpus)
-        marks: dict[str, float] = {}
-        engines: dict[int, dict] = {}
-        frames = [0]
-
-        def on_ready(worker, ready):
-            engines[worker] = {"engine": worker, "startup_s": ready.seconds, "startup": ready.startup,
-                               "in_flight": ready.in_flight}
-            log(f"engine {worker} ready in {ready.seconds:.1f} s, {ready.in_flight} in flight"
-                + (f" ({ready.in_flight_reason})" if ready.in_flight_reason else ""))
-
-        def on_frames(count):
-            if not frames[0]:
-                marks["first_frame"] = time.perf_counter()
-                sampler.start()
-            frames[0] = max(frames[0], count)
-
         where = f"on Ray ({plan.ray or 'local'}), " if uses_ray(plan.data_parallel, plan.ray) else ""
         log(f"{plan.scenarios} scenarios of {plan.frames} frames, {plan.data_parallel} engine(s) {where}"
             f"up to {plan.max_rollouts or 'auto'} in flight each, KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
-        marks["start"] = time.perf_counter()
-        try:
-            run = run_engines(prepared, plan.data_parallel, plan.ray, on_ready, on_frames)
-        finally:
-            sampler.stop()
-        frames[0] = run.generated_frames
-        end = time.perf_counter()
+        timed = TimedRun(prepared, plan.data_parallel, plan.ray, log)
+        run = timed.run()
         if run.errors or run.done != plan.scenarios:
             raise RuntimeError(f"scenario run incomplete: {run.done} of {plan.scenarios} done; {run.errors[:3]}")
-        generating = end - marks["first_frame"]
-        rate = frames[0] / generating
-        add_engine_shares(engines, run)
+        marks = timed.marks
+        generating = marks["end"] - marks["first_frame"]
+        rate = run.generated_frames / generating
         results = {
             "plan": {k: v for k, v in plan.__dict__.items()},
-            "engines": [engines[k] for k in sorted(engines)],
+            "engines": timed.engine_rows(),
             "stream": {
-                "scenarios": plan.scenarios, "generated_frames": frames[0],
-                "seconds_generating": round(generating, 2), "seconds_wall": round(end - marks["start"], 2),
-                "generated_frames_per_s": round(rate, 3), "gpu_busy": sampler.busy(),
+                "scenarios": plan.scenarios, "generated_frames": run.generated_frames,
+                "seconds_generating": round(generating, 2), "seconds_wall": round(marks["end"] - marks["start"], 2),
+                "generated_frames_per_s": round(rate, 3), "gpu_busy": timed.sampler.busy(),
                 "projected_act_bench_hours": round(ACT_BENCH_SAMPLES * ACT_BENCH_GENERATED_FRAMES / rate / 3600, 3),
             },
         }
-        log(f"continuous: {rate:.2f} generated frames/s over {generating:.1f} s, GPU busy {sampler.busy()}")
+        log(f"continuous: {rate:.2f} generated frames/s over {generating:.1f} s, GPU busy {timed.sampler.busy()}")
         if plan.lockstep:
             results["lockstep"] = _lockstep(checkpoint, layout, plan, gpus, log)
     return results
 
 
-def add_engine_shares(engines: dict[int, dict], run) -> None:
-    """Ray runs: each engine's scenarios, share, restarts and redone frames, beside its start-up
-    (an engine still starting when the work ran out has a row too)."""
-    for row in getattr(run, "summary", lambda: [])():
-        engines.setdefault(row["engine"], {"engine": row["engine"], "startup_s": row["startup_s"], "startup": {},
-                                           "in_flight": None})
-        engines[row["engine"]].update({k: row[k] for k in ("scenarios", "share", "frames", "restarts", "lost_frames")})
+class TimedRun:
+    """A prepared scenario job run as `generate --scenarios` runs it (`run_engines`), with what a
+    bench reports: marks (start, the first engine ready, first and last frame, end), each
+    engine's start-up and in-flight count (on Ray also its share, restarts and lost frames), and
+    how busy the GPUs were from the first frame on."""
+
+    def __init__(self, prepared, engines: int = 1, ray: str | None = None, log: Callable[[str], None] = print):
+        self.prepared, self.engine_count, self.ray, self.log = prepared, engines, ray, log
+        self.sampler = BusySampler(_gpu_indices(prepared.device, engines))
+        self.marks: dict[str, float] = {}
+        self.engines: dict[int, dict] = {}
+        self.frames = 0
+
+    def on_ready(self, index: int, ready) -> None:
+        self.marks.setdefault("ready", time.perf_counter())
+        self.engines[index] = {"engine": index, "startup_s": ready.seconds, "startup": ready.startup,
+                               "in_flight": ready.in_flight, "in_flight_reason": ready.in_flight_reason}
+        self.log(f"engine {index} ready in {ready.seconds:.1f} s, {ready.in_flight} in flight"
+                 + (f" ({ready.in_flight_reason})" if ready.in_flight_reason else ""))
+
+    def on_frames(self, count: int) -> None:
+        if not self.frames:
+            self.marks["first_frame"] = time.perf_counter()
+            self.sampler.start()
+        if count > self.frames:
+            self.frames = count
+            self.marks["last_frame"] = time.perf_counter()
+
+    def run(self):
+        self.marks["start"] = time.perf_counter()
+        try:
+            run = run_engines(self.prepared, self.engine_count, self.ray, self.on_ready, self.on_frames)
+        finally:
+            self.sampler.stop()
+        self.marks["end"] = time.perf_counter()
+        for row in getattr(run, "summary", lambda: [])():  # Ray; an engine still starting at the end has a row too
+            engine = self.engines.setdefault(row["engine"], {"engine": row["engine"], "startup_s": row["startup_s"],
+                                                             "startup": {}, "in_flight": None})
+            engine.update({k: row[k] for k in ("scenarios", "share", "frames", "restarts", "lost_frames")})
+        return run
+
+    def engine_rows(self) -> list[dict]:
+        return [self.engines[k] for k in sorted(self.engines)]
 
 
 def uses_ray(engines: int, ray: str | None) -> bool:

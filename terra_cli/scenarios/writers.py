@@ -37,9 +37,6 @@ import numpy as np
 
 from terra_cli.errors import OutputError
 
-# Each process holds its own CUDA context and decoder beside vLLM's 85% of the GPU; two keep up with
-# ACT-Bench's rate (about 0.9 s of decode and encode per sample) and were not measured on a GPU yet.
-MAX_DEFAULT_WRITERS = 2
 OPEN_PER_PROCESS = 2  # scenarios handed to the pool and not yet written, per process (their mp4s wait in memory)
 POLL_SECONDS = 0.05  # how often write_in_order looks for a finished video while it also waits for new work
 WAIT_SECONDS = 0.2  # how often it looks whether the pool broke while there is nothing to do
@@ -47,16 +44,14 @@ CLOSE_SECONDS = 10.0  # an idle worker told to stop exits well within this; one 
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
-def default_writers(device: str, cpus: int | None = None) -> int:
-    """--writers auto. On a GPU one process per 4 CPU cores, 1 to 2: the decode is the GPU's and
-    the mp4 encode ffmpeg's, and a process keeps both off the engine loop's interpreter lock. On a
-    CPU 0 (a thread of the engine's process): the decode needs the cores that generate, wherever
-    it runs."""
-    if not str(device).startswith("cuda"):
-        return 0
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_DEFAULT_WRITERS, cpus // 4))
+def default_writers(device: str) -> int:
+    """--writers auto: one process on a GPU, none on a CPU (a thread of the engine's process: the
+    decode needs the cores that generate, wherever it runs). One, because each process holds its
+    own CUDA context and decoder beside vLLM's 85% of the GPU, where the engine's process with
+    its context encoder already sits near the card's limit (benchmarks/README.md, Ray on two
+    H100s), and because one keeps up: about 0.9 s of decode and encode per ACT-Bench sample
+    against a sample every 1.6 s from an engine at 27 frames/s."""
+    return 1 if str(device).startswith("cuda") else 0
 
 
 def decode_frames(decoder, tokens: np.ndarray, seed: int | None = None) -> list[np.ndarray]:

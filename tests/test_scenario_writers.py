@@ -339,3 +339,43 @@ def test_cli_a_killed_writer_process_is_one_error_line(tmp_path, cli_model):
     assert "Traceback" not in output
     done = [r for r in read_results(out / RESULTS_NAME) if r["status"] == "done"]
     assert files(out) == sorted([RESULTS_NAME, *(f"{r['id']}.{x}" for r in done for x in ("mp4", "npy"))])
+
+
+def test_a_ray_engine_actor_decodes_in_its_writer_process_and_dies_with_it(tmp_path):
+    """The Ray actor's class, as plain Python: with --writers 1 its videos come from its own writer
+    process (the same mp4 as the calling thread makes); once that process is killed, the call
+    fails with WriterDied and the actor ends itself (here: `_die` recorded), for Ray to restart it
+    with fresh writers instead of failing every later scenario."""
+    from terra_cli.scenarios.job import ScenarioJob
+    from terra_cli.scenarios.ray_actor import EngineSpec, ScenarioEngine, ScenarioWork
+
+    from terra_cli.models.default import default_tokenizer_dir
+
+    file = read_scenarios(write_lines(tmp_path, lines(2)), Defaults())
+    # the embedded tokenizer (1024 codes, 576 a frame) and a tiny model of its codes
+    model = write_tiny_checkpoint(tmp_path / "m", tiny_config(image_vocab=1024, layers=1, max_frames=4))
+    context = np.random.default_rng(0).integers(0, 1024, size=(file.scenarios[0].context_frames, 576))
+
+    def engine(writers):
+        job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "out", model=str(model), tokenizer=str(default_tokenizer_dir()),
+                          backend="hf", device="cpu", dtype="float32", writers=writers)
+        return ScenarioEngine(EngineSpec(job, "hf", "cpu", needs_tokenizer=True))
+
+    pooled, threaded = engine(1), engine(0)
+    assert pooled.pool is not None and pooled.pool.size == 1 and threaded.pool is None
+    first = pooled.generate(ScenarioWork(file.scenarios[0], context_tokens=context))
+    same = threaded.generate(ScenarioWork(file.scenarios[0], context_tokens=context))
+    np.testing.assert_array_equal(first.tokens, same.tokens)
+    assert first.video == same.video and first.video[4:8] == b"ftyp"
+    died = []
+    pooled._die = died.append
+    for w in pooled.pool.workers:
+        os.kill(w.process.pid, signal.SIGKILL)
+        w.process.join(10)
+    with pytest.raises(WriterDied, match="video writer process"):
+        pooled.generate(ScenarioWork(file.scenarios[1], context_tokens=context))
+    deadline = time.monotonic() + 10
+    while not died and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(died) == 1 and isinstance(died[0], WriterDied)
+    pooled.pool.close()

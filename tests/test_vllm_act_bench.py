@@ -61,5 +61,5 @@ def test_act_bench_cli_on_vllm_cpu(tmp_path):
     # An explicit count is kept; a bad one is a one-line error before anything runs.
     bad = invoke_terra("bench", "--act-bench", 1, "--max-rollouts", "lots", "--model", model, "--device", "cpu")
     assert bad.returncode == 2 and "--max-rollouts must be auto or a whole number" in bad.stderr
-    two = invoke_terra("bench", "--act-bench", 1, "--data-parallel", 2, "--writers", 1, "--model", model, "--device", "cpu")
-    assert two.returncode == 2 and "--writers works on one engine" in two.stderr
+    lockstep = invoke_terra("bench", "--act-bench", 1, "--lockstep", 2, "--model", model, "--device", "cpu")
+    assert lockstep.returncode == 2 and "--lockstep goes with --scenarios" in lockstep.stderr

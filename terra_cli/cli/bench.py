@@ -70,7 +70,7 @@ def bench(
     heatmap: Optional[Path] = typer.Option(None, "--heatmap", help="--draft-acceptance: PNG of the acceptance per grid position."),
     scenarios: int = typer.Option(0, "--scenarios", min=0, help="Scenario throughput: N scenarios of --frames frames through `generate --scenarios`'s engine (continuous batching)."),
     act_bench: int = typer.Option(0, "--act-bench", min=0, help="End to end like ACT-Bench: N samples (random nuScenes-size JPEGs, 47 frames in 2 rounds) through `generate --scenarios`, videos included; s/sample and a 2,286-sample projection."),
-    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto, as generate --scenarios", help="--act-bench: video writer processes (0: a thread of the engine's process), as `generate --scenarios --writers`."),
+    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto, as generate --scenarios", help="--act-bench: video writer processes per engine (0: a thread of the engine's process), as `generate --scenarios --writers`."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="--scenarios/--act-bench: rollouts in flight per engine, or auto (as many as the KV cache holds, at most 256)."),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios/--act-bench: engines, one per GPU; more than one run as actors of a local Ray cluster (needs terra-cli[ray])."),
     ray_address: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="--scenarios/--act-bench: run the --data-parallel engines as Ray actors, also one: local (a cluster of this machine), auto, ray://HOST:10001 or HOST:6379, as `generate --scenarios --ray`."),
@@ -149,8 +149,6 @@ def bench(
 
         if lockstep:
             raise InputError("--lockstep goes with --scenarios")
-        if writers is not None and (data_parallel > 1 or ray_address is not None):
-            raise InputError("--writers works on one engine: on Ray (--data-parallel/--ray) each engine encodes its own videos")
         plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
                             dtype, temperature, seed, vllm_options=vllm_options, writers=writers,
                             data_parallel=data_parallel, ray=ray_address)

@@ -65,7 +65,7 @@ def generate(
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
-    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto: 1 on a GPU, 0 on a CPU", help="With --scenarios: processes that decode finished scenarios and encode their mp4s beside the engine, which then only generates tokens (e.g. --writers 2); 0: a thread of the engine's process does it. --decoder refiner always decodes in the engine's process."),
+    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto: 1 on a GPU, 0 on a CPU", help="With --scenarios: processes that decode finished scenarios and encode their mp4s beside the engine, which then only generates tokens (e.g. --writers 2); 0: a thread of the engine's process does it. With --ray/--data-parallel: per engine, on its node. --decoder refiner always decodes in the engine's process."),
     kv_cache_dtype: str = opts.kv_cache_dtype_option(),
     quantization: str = opts.quantization_option(),
     attention: str = opts.attention_option(),
@@ -253,8 +253,6 @@ def _generate_scenarios(job, data_parallel: int, ray_address: Optional[str] = No
     if ray is not None and job.refiner is not None:
         raise InputError("--decoder refiner runs on one engine for now: drop --ray/--data-parallel, or write tokens "
                          "(--no-decode) and refine them with terra refine")
-    if ray is not None and job.writers is not None:
-        raise InputError("--writers works on one engine: with --ray/--data-parallel each engine encodes its own videos")
     with OutDirLock(job.out_dir):  # one run per --out-dir, held from before the model loads
         _run_scenarios(prepared, data_parallel, ray)
 

@@ -4,13 +4,15 @@ The driver (`scenarios.ray_runner`) calls `generate` once per scenario and keeps
 open per actor; the actor runs them concurrently (a threaded actor), so every open call is a
 rollout in the engine's continuous batch. On vLLM one thread drives `StreamDriver` over a
 `JobFeed` that the calls put their jobs into; on the reference backend one thread runs them
-scenario by scenario. Contexts are encoded and videos decoded in the calling threads, under a
-lock, so the engine keeps stepping meanwhile.
+scenario by scenario. Contexts are encoded in the calling threads, under a lock, so the engine
+keeps stepping meanwhile. Videos are decoded and encoded by the actor's own writer processes
+(`--writers`, one on a GPU by default: `scenarios.writers.WriterPool`), so the actor's interpreter
+only generates, as a single engine's process does; with none (a CPU), in the calling threads.
 
 Nothing here reads the scenario file or writes into the output folder: the actor needs no
 filesystem shared with the driver, only the model (a hub id or the same path on every node).
-An engine error ends the actor's process, so Ray restarts it with a fresh engine and the driver
-hands its unfinished scenarios to the others.
+An engine error, or a writer process that died, ends the actor's process, so Ray restarts it
+with a fresh engine and writers, and the driver hands its unfinished scenarios out again.
 """
 
 from __future__ import annotations
@@ -89,6 +91,13 @@ class ScenarioEngine:
         self.engine, self.tokenizer = loaded.engine, loaded.tokenizer
         self.startup, self.in_flight = (loaded.ready.seconds, loaded.ready.startup), loaded.ready.in_flight
         self.codec = threading.Lock()  # the image tokenizer, shared by the calling threads
+        self.pool = None
+        from terra_cli.scenarios.job import job_writers
+        from terra_cli.scenarios.writers import WriterPool, can_pool
+
+        writers = job_writers(self.job, spec.device) if self.tokenizer is not None else 0
+        if writers and can_pool(self.tokenizer):
+            self.pool = WriterPool(self.tokenizer, writers, VIDEO_FPS)
         self.waiters: dict[str, _Waiter] = {}
         self.lock = threading.Lock()
         self.frames = 0
@@ -111,7 +120,7 @@ class ScenarioEngine:
 
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "backend": self.backend_name,
                 "device": self.spec.device, "startup_s": self.startup[0], "startup": self.startup[1],
-                "in_flight": self.in_flight}
+                "in_flight": self.in_flight, "writers": self.pool.size if self.pool is not None else 0}
 
     def stats(self) -> dict:
         with self.lock:
@@ -156,14 +165,18 @@ class ScenarioEngine:
     def _drive(self, target) -> None:
         try:
             target()
-        except BaseException as exc:  # the engine is unusable: fail the open calls, then die for a restart
-            with self.lock:
-                self.failure = exc
-                for waiter in self.waiters.values():
-                    waiter.error = RuntimeError(f"engine {self.spec.index} failed: {type(exc).__name__}: {exc}")
-                    waiter.event.set()
-            time.sleep(0.5)  # let the failed calls' replies leave before the process goes
-            os._exit(1)
+        except BaseException as exc:  # the engine is unusable
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail the open calls, then end the process, for Ray to restart the actor afresh."""
+        with self.lock:
+            self.failure = exc
+            for waiter in self.waiters.values():
+                waiter.error = RuntimeError(f"engine {self.spec.index} failed: {type(exc).__name__}: {exc}")
+                waiter.event.set()
+        time.sleep(0.5)  # let the failed calls' replies leave before the process goes
+        os._exit(1)
 
     def _frame_done(self, key: str) -> None:
         with self.lock:
@@ -204,6 +217,14 @@ class ScenarioEngine:
     def _encode_video(self, key: str, tokens: np.ndarray) -> bytes | None:
         if not self.job.decode or self.tokenizer is None:
             return None
+        if self.pool is not None:
+            from terra_cli.scenarios.writers import WriterDied
+
+            try:
+                return self.pool.submit(key, tokens).result()  # VideoFailed: this scenario's, retried elsewhere
+            except WriterDied as exc:  # every later video would fail too
+                threading.Thread(target=self._die, args=(exc,), daemon=True).start()
+                raise
         from terra_cli.media.frames import video_bytes
         from terra_cli.scenarios.writers import decode_frames
 

@@ -267,6 +267,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
                     return
                 engine.status, engine.node, engine.backend = "alive", info["node"], info["backend"]
                 engine.in_flight = info["in_flight"]
+                run.writers = max(run.writers, info.get("writers", 0))  # per engine
                 engine.startup_s = info["startup_s"]
                 engine.first_ready = engine.first_ready or time.perf_counter()
                 on_event("ready" if engine.restarts == 0 else "rejoined", engine, info)

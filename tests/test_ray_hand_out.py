@@ -63,3 +63,24 @@ def test_after_a_kill_the_survivor_keeps_its_batch_and_the_restarted_engine_gets
     assert fair_share([survivor, restarting], pending=256) == 256
     rejoined = engine(1)
     assert fair_share([survivor, rejoined], pending=256) == 256 and len(rejoined.open) < 256
+
+
+def test_work_is_kept_for_a_starting_engine_only_as_long_as_the_others_took_to_start():
+    """An engine that takes far longer to start than the others did (a node downloading the
+    model) stops holding work back: after 2 x the slowest start + 10 s its share goes to the
+    engines that are up; a restarting engine is waited for the same way."""
+    from terra_cli.scenarios.ray_runner import counted
+
+    up = engine(0)
+    up.startup_s = 20.0
+    late = engine(1, status="starting")
+    now = late.since + 45.0  # within 2 x 20 + 10 s
+    assert counted(late, [up, late], now) and fair_share([up, late], pending=256, now=now) == 128
+    up.open = {object(): None for _ in range(256)}
+    assert not may_queue(up, [up, late], pending=200, now=now)  # engine 1's 256 places are still kept
+    up.open = {}
+    now = late.since + 51.0
+    assert not counted(late, [up, late], now) and fair_share([up, late], pending=256, now=now) == 256
+    assert may_queue(up, [up, late], pending=1, now=now)
+    # before any engine is up there is nothing to compare with: every starting engine counts
+    assert counted(late, [engine(0, status="starting"), late], late.since + 1000.0)

@@ -34,6 +34,11 @@ from terra_cli.scenarios.spec import Scenario
 MAX_ATTEMPTS = 3
 ENGINE_RESTARTS = 3  # per actor; then it stays dead and the others finish the run
 TICK_SECONDS = 0.5
+# An engine still starting is waited for (work kept for it, `fair_share`) while its start has taken
+# at most this many times the slowest start among the engines up, plus START_GRACE_S; one that
+# takes longer (a node downloading the model, say) no longer holds work back from the others.
+START_PATIENCE = 2.0
+START_GRACE_S = 10.0
 
 
 @dataclass
@@ -58,6 +63,7 @@ class EngineState:
     restarts: int = 0
     lost_frames: int = 0  # generated frames of scenarios open when it died
     first_ready: float | None = None
+    since: float = field(default_factory=time.perf_counter)  # when it began starting, or restarting
 
     def frames_per_second(self, now: float) -> float:
         frames = max(self.counted + self.live, self.written_frames)  # live counts arrive every tick
@@ -92,24 +98,35 @@ def window_for(in_flight: int, backend: str) -> int:
     return in_flight + max(2, in_flight // 8) if backend == "vllm" else 2
 
 
-def fair_share(engines: list[EngineState], pending: int) -> int:
+def counted(engine: EngineState, engines: list[EngineState], now: float) -> bool:
+    """Whether work is kept for `engine`: it is up, or (re)starting for no longer than the others
+    took (START_PATIENCE), or no engine is up yet to compare with."""
+    if engine.status in ("alive", "dead"):
+        return engine.status == "alive"
+    starts = [e.startup_s for e in engines if e.status == "alive" and e.startup_s is not None]
+    return not starts or now - engine.since <= START_PATIENCE * max(starts) + START_GRACE_S
+
+
+def fair_share(engines: list[EngineState], pending: int, now: float | None = None) -> int:
     """The most scenarios one engine may hold open: the work left (pending and open) spread over
-    the engines that are up or coming up. It binds only near the end of a run, or in a run
-    smaller than the engines' batches together (256 samples on two engines of 256 rollouts:
-    128 each, not all on the engine that was ready first)."""
-    live = [e for e in engines if e.status != "dead"]
-    left = pending + sum(len(e.open) for e in live)
+    the engines that are up or coming up (`counted`). It binds only near the end of a run, or in
+    a run smaller than the engines' batches together (256 samples on two engines of 256
+    rollouts: 128 each, not all on the engine that was ready first)."""
+    now = time.perf_counter() if now is None else now
+    live = [e for e in engines if counted(e, engines, now)]
+    left = pending + sum(len(e.open) for e in engines)
     return -(-left // max(1, len(live)))
 
 
-def may_queue(engine: EngineState, engines: list[EngineState], pending: int) -> bool:
+def may_queue(engine: EngineState, engines: list[EngineState], pending: int, now: float | None = None) -> bool:
     """Whether `engine`, its batch full, may take one more call to hold queued. Only while the
     pending scenarios outnumber the other engines' free places: a queued scenario cannot move to
     an engine that frees up, so near the end of a run it would leave that engine idle and this
     one with a tail of few rollouts. An engine still (re)starting counts with this one's batch."""
+    now = time.perf_counter() if now is None else now
     free = 0
     for other in engines:
-        if other is engine or other.status == "dead":
+        if other is engine or not counted(other, engines, now):
             continue
         batch = other.in_flight if other.status == "alive" else engine.in_flight
         free += max(0, batch - len(other.open))
@@ -214,7 +231,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
         """The actor died: its open scenarios go back to the queue; Ray restarts it."""
         scenarios = list(engine.open.values())
         engine.open.clear()
-        engine.status, engine.restarts = "restarting", engine.restarts + 1
+        engine.status, engine.restarts, engine.since = "restarting", engine.restarts + 1, time.perf_counter()
         engine.lost_frames += engine.pending_frames  # as of its last stats: the work to redo
         engine.counted, engine.live, engine.pending_frames, engine.stats_ref = engine.counted + engine.live, 0, 0, None
         engine.probe = engine.actor.ready.remote()
@@ -237,9 +254,10 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     def hand_out(engine: EngineState) -> None:
         limit = window_for(engine.in_flight, engine.backend)
         while len(engine.open) < limit and pending:
-            if len(engine.open) >= fair_share(run.engines, len(pending)):
+            now = time.perf_counter()
+            if len(engine.open) >= fair_share(run.engines, len(pending), now):
                 return
-            if len(engine.open) >= engine.in_flight and not may_queue(engine, run.engines, len(pending)):
+            if len(engine.open) >= engine.in_flight and not may_queue(engine, run.engines, len(pending), now):
                 return
             s = take(engine)
             if s is None:

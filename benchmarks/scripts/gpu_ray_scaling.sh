@@ -5,8 +5,10 @@
 # 2-engine JSON is also kept in /tmp for `kill`.
 #   one    terra bench --scenarios 256 on ONE Ray engine actor (CUDA_VISIBLE_DEVICES=0)
 #   two    terra bench --scenarios 512 on two engine actors (--data-parallel 2)
-#   kill   the same 512 on two engines, engine 1 SIGKILLed halfway (gpu_ray_kill.py)
-#   act    terra bench --act-bench $ACT_SAMPLES (default 256) on two engines, videos included
+#   kill   the same 512 on two engines, engine 1 SIGKILLed halfway (gpu_ray_kill.py); its time lost
+#          is against `two`'s JSON in /tmp, so run `two` first on the same machine
+#   act    terra bench --act-bench $ACT_SAMPLES (default 256: 128 per engine; 512 fills both batches
+#          but needs about 480 s) on two engines, videos included
 # fp8 KV cache, 256 rollouts in flight per engine, --attention auto (terra's kernel on Hopper).
 set -uo pipefail
 what=${1:?usage: gpu_ray_scaling.sh one|two|kill|act}

@@ -75,6 +75,7 @@ def test_scenario_bench_runs_the_product_path_and_reports_rates(tmp_path):
                                       "--data-parallel", "2", "--lockstep", "2", "--out", str(out),
                                       "--keep-outputs", str(keep)])
     assert result.exit_code == 0, result.output
+    assert "scenarios" in result.output and "10/10 generated frames" in result.output  # the progress bar
     report = json.loads(out.read_text())
     assert [e["engine"] for e in report["engines"]] == [0, 1]
     assert report["stream"]["generated_frames"] == 5 * 2
@@ -105,9 +106,12 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path):
     assert tokenizer == str(default_tokenizer_dir())  # the embedded tokenizer's 1024 codes fit this model
     plan = ActBenchPlan(1, frames=5, backend="hf", device="cpu", image_size=(512, 288))
     keep = tmp_path / "kept"
-    report = run_act_bench(model, tokenizer, plan, keep, log=lambda msg: None)
+    progress = []
+    report = run_act_bench(model, tokenizer, plan, keep, log=lambda msg: None,
+                           progress=lambda done, total: progress.append((done, total)))
     run = report["run"]
     assert run["rounds_per_sample"] == 2 and run["generated_frames"] == 2
+    assert progress == [(1, 2), (2, 2)]  # one call per generated frame, against the total
     assert run["videos_written"] == run["results_lines_done"] == 1
     assert run["writers"] == 0  # on a CPU the writer thread makes the videos (scenarios.writers.default_writers)
     assert run["seconds_per_sample_wall"] >= run["seconds_per_sample_steady"] > 0

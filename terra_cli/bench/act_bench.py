@@ -113,9 +113,11 @@ def bench_tokenizer(checkpoint: Path, model: str | None, seed: int, log: Callabl
 
 
 def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, out_dir: Path | None = None,
-                  log: Callable[[str], None] = print) -> dict:
+                  log: Callable[[str], None] = print,
+                  progress: Callable[[int, int], None] = lambda done, total: None) -> dict:
     """Write the samples, run them the way `terra generate --scenarios` does, time it. Everything
-    stays in `out_dir` when given, else in a temporary folder that is removed."""
+    stays in `out_dir` when given, else in a temporary folder that is removed.
+    `progress(generated frames, all to generate)` as they come."""
     from terra_cli.errors import InputError
     from terra_cli.models.checkpoint import load_config
     from terra_cli.pipeline.rounds import plan_rounds
@@ -145,7 +147,7 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
             if uses_ray(plan.data_parallel, plan.ray) else ""
         log(f"{plan.samples} ACT-Bench samples of {plan.frames} frames ({generated} frames to generate){where}, "
             f"KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
-        timed = TimedRun(prepared, plan.data_parallel, plan.ray, log)
+        timed = TimedRun(prepared, plan.data_parallel, plan.ray, log, progress)
         run = timed.run()
         marks, end = timed.marks, timed.marks["end"]
         if run.errors or run.done != plan.samples:

@@ -93,9 +93,10 @@ def write_bench_scenarios(folder: Path, layout, plan: ScenarioBenchPlan) -> Path
 
 
 def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path | None = None,
-                       log: Callable[[str], None] = print) -> dict:
+                       log: Callable[[str], None] = print,
+                       progress: Callable[[int, int], None] = lambda done, total: None) -> dict:
     """Run the plan; the scenario outputs (tokens) stay in `out_dir` when given, else in a
-    temporary folder that is removed."""
+    temporary folder that is removed. `progress(generated frames, all to generate)` as they come."""
     from terra_cli.models.checkpoint import load_config
     from terra_cli.scenarios.job import ScenarioJob, prepare_job
     from terra_cli.scenarios.spec import Defaults
@@ -114,7 +115,7 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
         where = f"on Ray ({plan.ray or 'local'}), " if uses_ray(plan.data_parallel, plan.ray) else ""
         log(f"{plan.scenarios} scenarios of {plan.frames} frames, {plan.data_parallel} engine(s) {where}"
             f"up to {plan.max_rollouts or 'auto'} in flight each, KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
-        timed = TimedRun(prepared, plan.data_parallel, plan.ray, log)
+        timed = TimedRun(prepared, plan.data_parallel, plan.ray, log, progress)
         run = timed.run()
         if run.errors or run.done != plan.scenarios:
             raise RuntimeError(f"scenario run incomplete: {run.done} of {plan.scenarios} done; {run.errors[:3]}")
@@ -143,8 +144,10 @@ class TimedRun:
     engine's start-up and in-flight count (on Ray also its share, restarts and lost frames), and
     how busy the GPUs were from the first frame on."""
 
-    def __init__(self, prepared, engines: int = 1, ray: str | None = None, log: Callable[[str], None] = print):
-        self.prepared, self.engine_count, self.ray, self.log = prepared, engines, ray, log
+    def __init__(self, prepared, engines: int = 1, ray: str | None = None, log: Callable[[str], None] = print,
+                 progress: Callable[[int, int], None] = lambda done, total: None):
+        self.prepared, self.engine_count, self.ray, self.log, self.progress = prepared, engines, ray, log, progress
+        self.total = sum(s.frames - s.context_frames for s in prepared.file.scenarios)
         self.sampler = BusySampler(_gpu_indices(prepared.device, engines))
         self.marks: dict[str, float] = {}
         self.engines: dict[int, dict] = {}
@@ -164,6 +167,7 @@ class TimedRun:
         if count > self.frames:
             self.frames = count
             self.marks["last_frame"] = time.perf_counter()
+            self.progress(count, self.total)
 
     def run(self):
         self.marks["start"] = time.perf_counter()

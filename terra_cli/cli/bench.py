@@ -261,6 +261,7 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
 def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
     from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
     from terra_cli.bench.scenarios import run_scenario_bench
+    from terra_cli.cli.progress import LazyFrameBar
     from terra_cli.errors import InputError
     from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.resolve import resolve_world_model_dir
@@ -271,7 +272,11 @@ def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
     device = resolve_device(plan.device)
     log = lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)  # noqa: E731
     checkpoint = resolve_world_model_dir(model) if model else random_terra_checkpoint(device, plan.seed, log)
-    results = run_scenario_bench(checkpoint, plan, keep_outputs, log)
+    bar = LazyFrameBar(console, "scenarios")
+    try:
+        results = run_scenario_bench(checkpoint, plan, keep_outputs, log, bar)
+    finally:
+        bar.close()
     results["model"] = str(model or checkpoint)
     results["command"] = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     results["environment"] = environment()

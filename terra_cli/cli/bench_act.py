@@ -15,6 +15,7 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     from terra_cli.bench.act_bench import bench_tokenizer, run_act_bench
     from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
     from terra_cli.cli.bench import engine_shares
+    from terra_cli.cli.progress import LazyFrameBar
     from terra_cli.errors import InputError
     from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.resolve import resolve_world_model_dir
@@ -27,7 +28,11 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     log = lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)  # noqa: E731
     checkpoint = resolve_world_model_dir(model) if model else random_terra_checkpoint(device, plan.seed, log)
     tokenizer = bench_tokenizer(checkpoint, model, plan.seed, log)
-    results = run_act_bench(checkpoint, tokenizer, plan, keep_outputs, log)
+    bar = LazyFrameBar(console, "ACT-Bench")
+    try:
+        results = run_act_bench(checkpoint, tokenizer, plan, keep_outputs, log, bar)
+    finally:
+        bar.close()
     results["model"] = str(model or checkpoint)
     results["command"] = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     results["environment"] = environment()

@@ -109,3 +109,27 @@ class TaskProgress:
 
     def note(self, text: str) -> None:
         self.progress.update(self.task, note=text)
+
+
+class LazyFrameBar:
+    """`bar(done, total)`: a TaskProgress of generated frames (frames/s beside it, ETA) that
+    appears with the first frame, for a library call that reports its progress that way (the
+    benches); `close()` ends it. Lines printed on the same console go above it."""
+
+    def __init__(self, console: Console, label: str):
+        self.console, self.label = console, label
+        self.bar: TaskProgress | None = None
+        self.started = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = TaskProgress(self.console, self.label, total, unit="generated frames")
+            self.bar.__enter__()
+            self.started = time.perf_counter()
+        rate = done / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.progress.update(self.bar.task, completed=done, note=f"{rate:.1f} frames/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None

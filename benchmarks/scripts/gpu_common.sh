@@ -27,3 +27,16 @@ step() {  # NAME LIMIT_S TERRA_ARGS...: the log in $OUT/NAME.log; command, tail 
     tail -20 | tee -a "$STEP_LOG"
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$STEP_LOG"
 }
+
+watch_gpu_memory() {  # NAME: sample every GPU's used memory each second into $OUT/NAME-memory.csv until stop_gpu_memory
+  nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total --format=csv,noheader,nounits -lms 1000 \
+    > "$OUT/$1-memory.csv" 2>/dev/null &
+  GPU_MEMORY_PID=$!
+  GPU_MEMORY_NAME=$1
+}
+
+stop_gpu_memory() {  # the peak per GPU into $STEP_LOG (writer processes beside vLLM's 85%: how close to the card's limit)
+  kill "$GPU_MEMORY_PID" 2>/dev/null
+  awk -F', ' '{if ($3 > peak[$2]) peak[$2] = $3; total[$2] = $4} END {for (g in peak) printf "GPU %s peak %d of %d MiB\n", g, peak[g], total[g]}' \
+    "$OUT/$GPU_MEMORY_NAME-memory.csv" | tee -a "$STEP_LOG"
+}

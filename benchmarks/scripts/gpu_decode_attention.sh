@@ -37,6 +37,8 @@ case "$1" in
             step "scenarios-bf16-$attention" 150 bench --scenarios 128 --max-rollouts 128 --attention "$attention" \
               --out "$OUT/scenarios-bf16-$attention.json"
           done ;;
-  act) step act256 570 bench --act-bench 256 --kv-cache-dtype fp8 --out "$OUT/act256.json" ;;
+  act) watch_gpu_memory act256
+       step act256 570 bench --act-bench 256 --kv-cache-dtype fp8 --out "$OUT/act256.json"
+       stop_gpu_memory ;;
   *) echo "usage: gpu_decode_attention.sh kernel|parity|profile|scenarios|single|act" >&2; exit 2 ;;
 esac

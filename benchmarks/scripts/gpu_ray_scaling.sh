@@ -31,8 +31,10 @@ case $what in
   kill) timeout 560 python3 benchmarks/scripts/gpu_ray_kill.py --scenarios 512 --engines 2 --max-rollouts 256 \
           --kv-cache-dtype fp8 --baseline /tmp/ray-two.json --out "$OUT/ray-kill.json" > "$OUT/ray-kill.log" 2>&1
         echo "kill: exit $?" | tee -a "$STEP_LOG"; tail -40 "$OUT/ray-kill.log" | tee -a "$STEP_LOG" ;;
-  act) step act-two 560 bench --act-bench "${ACT_SAMPLES:-256}" --data-parallel 2 --kv-cache-dtype fp8 \
-         --out "$OUT/act-two.json" ;;
+  act) watch_gpu_memory act-two
+       step act-two 560 bench --act-bench "${ACT_SAMPLES:-256}" --data-parallel 2 --kv-cache-dtype fp8 \
+         --out "$OUT/act-two.json"
+       stop_gpu_memory ;;
   *) echo "usage: gpu_ray_scaling.sh one|two|kill|act"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv | tee -a "$STEP_LOG"

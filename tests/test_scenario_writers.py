@@ -21,27 +21,16 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from terra_cli.backends.hf import HfBackend
 from terra_cli.cli import app
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 from terra_cli.scenarios.runner import RESULTS_NAME, WRITER_QUEUE, ScenarioRun, _Writer, completed_ids, \
     read_results, run_scenarios
 from terra_cli.scenarios.spec import Defaults, read_scenarios
 from terra_cli.scenarios.writers import OPEN_PER_PROCESS, WriterDied, default_writers
-from test_scenarios_safety import REPO, bounded, line, write_lines
+# The same tiny model and reference engine (module fixtures, one per module) as the safety tests.
+from test_scenarios_safety import REPO, TOKENS, backend, bounded, line, model, write_lines  # noqa: F401
 
-TOKENS = 16  # 64x64 frames through a 16x-downsampling tokenizer: 4x4 codes
-SIZE = (64, 64)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("writers_model"), tiny_config(image_tokens=TOKENS, layers=1))
-
-
-@pytest.fixture(scope="module")
-def backend(model):
-    return HfBackend(model, device="cpu", dtype="float32")
+SIZE = (64, 64)  # frames through a 16x-downsampling tokenizer: 4x4 codes, TOKENS of them
 
 
 def save_tokenizer(folder: Path, codes_bits: int = 9) -> Path:

@@ -140,14 +140,13 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                           dtype=plan.dtype, engine_options=dict(plan.vllm_options), max_rollouts=plan.max_rollouts,
                           decode=True, temperature=plan.temperature, writers=plan.writers)
         prepared = prepare_job(job)
-        generated = sum(s.frames - s.context_frames for s in prepared.file.scenarios)
         first = prepared.file.scenarios[0]
         rounds = len(plan_rounds(first.context_frames, first.frames, load_config(checkpoint).layout.max_frames))
+        timed = TimedRun(prepared, plan.data_parallel, plan.ray, log, progress)
         where = f" on {plan.data_parallel} engine(s) on Ray ({plan.ray or 'local'})" \
             if uses_ray(plan.data_parallel, plan.ray) else ""
-        log(f"{plan.samples} ACT-Bench samples of {plan.frames} frames ({generated} frames to generate){where}, "
+        log(f"{plan.samples} ACT-Bench samples of {plan.frames} frames ({timed.total} frames to generate){where}, "
             f"KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
-        timed = TimedRun(prepared, plan.data_parallel, plan.ray, log, progress)
         run = timed.run()
         marks, end = timed.marks, timed.marks["end"]
         if run.errors or run.done != plan.samples:
@@ -183,8 +182,8 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                 "projected_act_bench_hours": round((startup + ACT_BENCH_SAMPLES * steady / plan.samples) / 3600, 3),
             },
         }
-        if run.generated_frames != generated:
-            raise RuntimeError(f"{run.generated_frames} frames written, {generated} expected")
+        if run.generated_frames != timed.total:
+            raise RuntimeError(f"{run.generated_frames} frames written, {timed.total} expected")
     r = results["run"]
     log(f"{r['seconds_per_sample_wall']:.2f} s/sample wall ({r['seconds_per_sample_steady']:.2f} after start-up), "
         f"{r['generated_frames_per_s']:.2f} generated frames/s, ACT-Bench projected {r['projected_act_bench_hours']:.2f} h")

@@ -110,6 +110,9 @@ class TaskProgress:
     def note(self, text: str) -> None:
         self.progress.update(self.task, note=text)
 
+    def set(self, completed: int, note: str) -> None:
+        self.progress.update(self.task, completed=completed, note=note)
+
 
 class LazyFrameBar:
     """`bar(done, total)`: a TaskProgress of generated frames (frames/s beside it, ETA) that
@@ -127,7 +130,7 @@ class LazyFrameBar:
             self.bar.__enter__()
             self.started = time.perf_counter()
         rate = done / max(time.perf_counter() - self.started, 1e-9)
-        self.bar.progress.update(self.bar.task, completed=done, note=f"{rate:.1f} frames/s")
+        self.bar.set(done, f"{rate:.1f} frames/s")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -91,13 +91,10 @@ class ScenarioEngine:
         self.engine, self.tokenizer = loaded.engine, loaded.tokenizer
         self.startup, self.in_flight = (loaded.ready.seconds, loaded.ready.startup), loaded.ready.in_flight
         self.codec = threading.Lock()  # the image tokenizer, shared by the calling threads
-        self.pool = None
         from terra_cli.scenarios.job import job_writers
-        from terra_cli.scenarios.writers import WriterPool, can_pool
+        from terra_cli.scenarios.writers import start_pool
 
-        writers = job_writers(self.job, spec.device) if self.tokenizer is not None else 0
-        if writers and can_pool(self.tokenizer):
-            self.pool = WriterPool(self.tokenizer, writers, VIDEO_FPS)
+        self.pool = start_pool(self.tokenizer, job_writers(self.job, spec.device), VIDEO_FPS)
         self.waiters: dict[str, _Waiter] = {}
         self.lock = threading.Lock()
         self.frames = 0

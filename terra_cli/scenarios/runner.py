@@ -41,7 +41,7 @@ from terra_cli.errors import InputError, OutputError
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
 from terra_cli.scenarios.spec import Scenario, ScenarioFile
-from terra_cli.scenarios.writers import WriterDied, WriterPool, can_pool, decode_frames, write_in_order
+from terra_cli.scenarios.writers import WriterDied, WriterPool, decode_frames, start_pool, write_in_order
 
 ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
 VIDEO_FPS = 10
@@ -149,9 +149,7 @@ def run_scenarios(
         # The refiner decodes in the writer thread here, never in writer processes: it was loaded in this process
         # before the engine (taking its share of the GPU then), a copy of its 1.5B-parameter UNet per process would
         # not fit beside vLLM, and its seconds of GPU work per window dwarf what the thread costs the engine loop.
-        pool = None
-        if decode and pending and writers > 0 and frame_decoder is None and can_pool(tokenizer):
-            pool = WriterPool(tokenizer, writers, VIDEO_FPS)
+        pool = start_pool(tokenizer, writers, VIDEO_FPS) if decode and pending and frame_decoder is None else None
         run.writers = pool.size if pool is not None else 0
         writer = _Writer(out_dir, (frame_decoder or tokenizer) if decode else None, log, run, on_written,
                          plan.replaceable, pool)

@@ -94,8 +94,12 @@ class DecoderSpec:
                 "image_size": tuple(tokenizer.image_size)}
 
 
-def can_pool(decoder) -> bool:
-    return DecoderSpec.of(decoder) is not None
+def start_pool(decoder, workers: int, fps: float) -> "WriterPool | None":
+    """`workers` writer processes for `decoder`, or None where there are none to start: 0 asked,
+    no decoder, or one a process cannot load from a folder (the refiner stays in its process)."""
+    if workers < 1 or decoder is None or DecoderSpec.of(decoder) is None:
+        return None
+    return WriterPool(decoder, workers, fps)
 
 
 def write_in_order(pool, items: queue.Queue, write: Callable) -> None:

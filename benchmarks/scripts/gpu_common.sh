@@ -12,7 +12,8 @@ gpu_setup() {  # WHEEL...: unpack these into /tmp/site (what the host lacks), in
     [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" /tmp/site
   done
   chmod +x /tmp/site/imageio_ffmpeg/binaries/* 2>/dev/null  # zip extraction drops the executable bit
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 ||
+  # TERRA_INSTALLED: a caller that installed terra already and starts two scripts at once (one pip each would race)
+  [ -n "${TERRA_INSTALLED:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 ||
     { echo "pip install -e . failed"; return 1; }
   nvidia-smi -L | tee "$OUT/gpu.txt"
 }
@@ -39,4 +40,28 @@ stop_gpu_memory() {  # the peak per GPU into $STEP_LOG (writer processes beside 
   kill "$GPU_MEMORY_PID" 2>/dev/null
   awk -F', ' '{if ($3 > peak[$2]) peak[$2] = $3; total[$2] = $4} END {for (g in peak) printf "GPU %s peak %d of %d MiB\n", g, peak[g], total[g]}' \
     "$OUT/$GPU_MEMORY_NAME-memory.csv" | tee -a "$STEP_LOG"
+}
+
+# A run longer than one device call (10 minutes): start it in its own process session, which
+# outlives the call while the machine stays held, and collect it in a later call. Its log, exit
+# code and files live in /tmp/bg/NAME (each call empties $OUT).
+in_background() {  # NAME COMMAND...: COMMAND runs with OUT=/tmp/bg/NAME; returns at once
+  local name=$1
+  shift
+  mkdir -p "/tmp/bg/$name"
+  OUT=/tmp/bg/$name STEP_LOG=/tmp/bg/$name/summary.txt setsid bash -c '"$@" > "$OUT/background.log" 2>&1; echo $? > "$OUT/rc"' \
+    background "$@" < /dev/null > /dev/null 2>&1 &
+  echo "== $name: started in the background: $*" | tee -a "$STEP_LOG"
+}
+
+await_background() {  # NAME LIMIT_S: wait up to LIMIT_S for NAME, then pack /tmp/bg/NAME into $OUT/NAME.tar.gz
+  local name=$1 limit=$2 t0=$SECONDS
+  while [ ! -e "/tmp/bg/$name/rc" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 5; done
+  if [ -e "/tmp/bg/$name/rc" ]; then
+    echo "== $name: finished, exit $(cat "/tmp/bg/$name/rc")" | tee -a "$STEP_LOG"
+  else
+    echo "== $name: still running after $limit s more" | tee -a "$STEP_LOG"
+  fi
+  tail -25 "/tmp/bg/$name/summary.txt" 2>/dev/null | tee -a "$STEP_LOG"
+  tar -C /tmp/bg -czf "$OUT/$name.tar.gz" "$name"
 }

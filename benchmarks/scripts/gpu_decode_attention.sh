@@ -6,8 +6,10 @@
 #   parity     tests/test_gpu_parity.py -k terra_attention: both attentions against the reference
 #   profile    decode steps at 256 rollouts and at one rollout, both attentions, fp8 and bf16 KV
 #   scenarios  terra bench --scenarios 256 (25 frames, 256 in flight, fp8 KV): vllm, then terra ($ATTENTIONS)
-#   single     terra bench --hf-vs-vllm --skip-hf --batch 1 (bf16) and 128 in flight (bf16): both ($SINGLE_ONLY: 1)
-#   act        terra bench --act-bench 256 --kv-cache-dtype fp8 (auto: terra), end to end
+#   single     terra bench --hf-vs-vllm --skip-hf --batch 1 --frames 25 (bf16): one rollout, both attentions
+#   bf16       terra bench --scenarios 128 --max-rollouts 128 (bf16 KV): both attentions
+#   act        terra bench --act-bench $ACT_SAMPLES (256) --kv-cache-dtype fp8 (auto: terra), end to end, within
+#              $ACT_LIMIT_S (570; longer than a device call: start it with gpu_common.sh's in_background)
 set -uo pipefail
 export TERRA_CACHE=${TERRA_CACHE:-/tmp/terra-cache} HF_HUB_OFFLINE=1
 source benchmarks/scripts/gpu_common.sh
@@ -31,14 +33,13 @@ case "$1" in
   single) for attention in vllm terra; do
             step "single-$attention" 140 bench --hf-vs-vllm --skip-hf --batch 1 --frames 25 --attention "$attention" \
               --out "$OUT/single-$attention.json"
-          done
-          [ -n "${SINGLE_ONLY:-}" ] && exit 0
-          for attention in vllm terra; do
+          done ;;
+  bf16) for attention in vllm terra; do
             step "scenarios-bf16-$attention" 150 bench --scenarios 128 --max-rollouts 128 --attention "$attention" \
               --out "$OUT/scenarios-bf16-$attention.json"
           done ;;
-  act) watch_gpu_memory act256
-       step act256 570 bench --act-bench 256 --kv-cache-dtype fp8 --out "$OUT/act256.json"
+  act) watch_gpu_memory act
+       step act "${ACT_LIMIT_S:-570}" bench --act-bench "${ACT_SAMPLES:-256}" --kv-cache-dtype fp8 --out "$OUT/act.json"
        stop_gpu_memory ;;
-  *) echo "usage: gpu_decode_attention.sh kernel|parity|profile|scenarios|single|act" >&2; exit 2 ;;
+  *) echo "usage: gpu_decode_attention.sh kernel|parity|profile|scenarios|single|bf16|act" >&2; exit 2 ;;
 esac

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 28's one-GPU runs on a two-GPU host (nvidia-h100-x2), in two device calls back to back
+# (after gpu_bundle.sh a1, a2, b, ff): GPU 0 runs the ACT-Bench end-to-end bench, which outlasts one
+# call, while GPU 1 runs the shorter benches of gpu_decode_attention.sh. Each process sees one GPU
+# and has its own TERRA_CACHE; both share the host's 32 cores (the rows say so).
+#   start    carry .gpu/ray2 when Ray's first part is in /tmp/dl (unpacked for gpu_ray_scaling.sh);
+#            GPU 0: `act` in the background (ACT_SAMPLES, default 256); GPU 1: `bf16`
+#   collect  GPU 1: `single`; then wait for GPU 0's act run and pack it into $OUT/act.tar.gz
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+STEP_LOG=$OUT/summary.txt
+source benchmarks/scripts/gpu_common.sh
+export TERRA_INSTALLED=1
+case "${1:-}" in
+  start)
+    if [ ! -d /tmp/site/ray ] && [ -e /tmp/dl/ray.tar.xz.aa ] && [ -e .gpu/ray2/ray.tar.xz.ab ]; then
+      cat /tmp/dl/ray.tar.xz.aa .gpu/ray2/ray.tar.xz.ab | tar -C /tmp/site -xJf - && echo "ray unpacked" | tee -a "$STEP_LOG"
+    fi
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+    CUDA_VISIBLE_DEVICES=0 TERRA_CACHE=/tmp/terra-cache-0 ACT_LIMIT_S=${ACT_LIMIT_S:-1150} \
+      in_background act bash benchmarks/scripts/gpu_decode_attention.sh act
+    CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh bf16 ;;
+  collect)
+    CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh single
+    await_background act "${AWAIT_S:-540}" ;;
+  *) echo "usage: gpu_pair.sh start|collect" >&2; exit 2 ;;
+esac
+nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv | tee -a "$STEP_LOG"

@@ -183,3 +183,25 @@ def test_max_rollouts_is_auto_or_a_count_and_a_bad_value_is_one_line(tmp_path):
     result = invoke_terra("generate", "--scenarios", scenarios, "--out-dir", tmp_path / "out", "--max-rollouts", "0")
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: --max-rollouts")
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_busy_timeline_averages_each_bucket_by_sample_time():
+    from terra_cli.bench.scenarios import BusySampler
+
+    sampler = BusySampler([0, 3])
+    # Samples come late when NVML is slow: buckets follow their times, not their count.
+    sampler.times = [0.0, 4.0, 9.9, 10.0, 25.0, 31.0]
+    sampler.samples = {0: [100, 100, 40, 0, 0, 20], 3: [10, 10, 10, 10, 10, 90]}
+    assert sampler.timeline(10) == {"0": [0.8, 0.0, 0.0, 0.2], "3": [0.1, 0.1, 0.1, 0.9]}
+    assert sampler.timeline(20) == {"0": [0.6, 0.1], "3": [0.1, 0.5]}
+    assert BusySampler([0]).timeline() == {}  # no NVML (a CPU run): nothing to show
+
+
+def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
+    from terra_cli.bench.scenarios import describe_engine_loop
+
+    loop = {"steps": 400, "seconds": 20.0, "in_engine_step_s": 9.0, "admitting_jobs_s": 1.0, "handling_frames_s": 6.0,
+            "other_s": 4.0, "ms_per_step": 22.5}
+    assert describe_engine_loop(loop) == ("engine loop: 45% in vLLM's step (22.50 ms x 400 steps), "
+                                          "5% taking in jobs, 30% handling finished frames")
+    assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None

@@ -53,6 +53,10 @@ def test_act_bench_cli_on_vllm_cpu(tmp_path):
     assert run["videos_written"] == run["results_lines_done"] == 2
     assert run["writers"] == 1 and run["phases_s"]["drain_writer"] >= 0  # the videos came from a writer process
     assert run["seconds_per_sample_wall"] >= run["seconds_per_sample_steady"] > 0
+    # Where the engine loop's time went, and the GPU busy timeline (none on a CPU).
+    loop = run["engine_loop"]
+    assert loop["steps"] > 0 and 0 < loop["in_engine_step_s"] <= loop["seconds"] <= run["seconds_wall"]
+    assert "engine loop: " in result.stdout and run["gpu_busy_timeline"] == {}
     assert "ACT-Bench (2,286 samples), projected h" in result.stdout
     # Distinct seeds per sample: the two videos' generated frames differ, and their contexts too.
     a, b = (np.load(keep / "outputs" / f"NUSCENES_ACTION_00000{i}.npy") for i in (0, 1))

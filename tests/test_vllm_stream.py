@@ -125,3 +125,34 @@ def test_a_feed_cancelled_before_it_starts_never_reaches_the_engine(backend):
     assert cancelled == ["gone"] and set(started) == {"kept"}
     with pytest.raises(RuntimeError):
         feed.put(job("after", 3))
+
+
+def test_the_loop_times_say_where_the_drivers_thread_spent_the_run(backend):
+    """A job source that takes 0.3 s per job and a frame callback that takes 0.05 s: the driver's
+    LoopTimes put those seconds outside vLLM's step, and the parts add up to the run."""
+    import time
+
+    from terra_cli.backends.vllm_stream import StreamDriver
+
+    def slow_jobs():
+        for i in range(2):
+            time.sleep(0.3)
+            yield job(f"t{i}", i, frames=4)
+
+    frames = []
+
+    def slow_frame(j, index, tokens):
+        frames.append(index)
+        time.sleep(0.05)
+
+    driver = StreamDriver(backend, 2)
+    started = time.perf_counter()
+    driver.run(slow_jobs(), on_frame=slow_frame)
+    wall = time.perf_counter() - started
+    loop = driver.loop.as_dict()
+    assert len(frames) == 4
+    assert loop["admitting_jobs_s"] >= 0.6 and loop["handling_frames_s"] >= 0.2
+    assert loop["steps"] >= 2 * ENGINE_IMAGE_TOKENS and loop["in_engine_step_s"] > 0
+    parts = loop["in_engine_step_s"] + loop["admitting_jobs_s"] + loop["handling_frames_s"] + loop["other_s"]
+    assert abs(parts - loop["seconds"]) < 0.01 and loop["seconds"] <= wall
+    assert loop["ms_per_step"] == round(1000 * loop["in_engine_step_s"] / loop["steps"], 3)

@@ -35,7 +35,7 @@ case "$1" in
               --out "$OUT/single-$attention.json"
           done ;;
   bf16) for attention in vllm terra; do
-            step "scenarios-bf16-$attention" 150 bench --scenarios 128 --max-rollouts 128 --attention "$attention" \
+            step "scenarios-bf16-$attention" "${BF16_LIMIT_S:-230}" bench --scenarios 128 --max-rollouts 128 --attention "$attention" \
               --out "$OUT/scenarios-bf16-$attention.json"
           done ;;
   act) watch_gpu_memory act

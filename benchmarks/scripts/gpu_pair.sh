@@ -22,6 +22,7 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh bf16 ;;
   collect)
     CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh single
+    [ -n "${AND_BF16:-}" ] && CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh bf16
     await_background act "${AWAIT_S:-540}" ;;
   *) echo "usage: gpu_pair.sh start|collect" >&2; exit 2 ;;
 esac

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 
@@ -149,6 +150,29 @@ def auto_in_flight(backend: VllmBackend, longest_frames: int, cap: int) -> tuple
     return chosen, f"the KV cache holds {capacity} rollouts of {tokens} tokens; {chosen} in flight (at most {cap})"
 
 
+@dataclass
+class LoopTimes:
+    """Where the driver's thread spent a run's wall time: inside vLLM's `engine.step()` (scheduling,
+    the model, sampling, output processing), taking in new jobs (whatever the job source does to
+    make one, such as encoding its context images, and their first requests; with a `JobFeed`, also
+    waiting for one while nothing is in flight), and handling
+    finished frames (callbacks, the next frame's request). On a GPU the engine waits on neither of
+    the last two: a share of them is time the GPU may stand idle."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    admit_s: float = 0.0
+    frames_s: float = 0.0
+    run_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        other = max(0.0, self.run_s - self.step_s - self.admit_s - self.frames_s)
+        return {"steps": self.steps, "seconds": round(self.run_s, 3), "in_engine_step_s": round(self.step_s, 3),
+                "admitting_jobs_s": round(self.admit_s, 3), "handling_frames_s": round(self.frames_s, 3),
+                "other_s": round(other, 3),
+                "ms_per_step": round(1000 * self.step_s / self.steps, 3) if self.steps else None}
+
+
 class StreamDriver:
     """Runs `RolloutJob`s with up to `max_in_flight` at once on a `VllmBackend`'s engine."""
 
@@ -169,6 +193,7 @@ class StreamDriver:
         self.requests_done = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
+        self.loop = LoopTimes()  # summed over every run() of this driver
 
     def run(self, jobs: Iterable[RolloutJob] | JobFeed, on_frame: FrameDone | None = None,
             on_done: JobDone | None = None, on_cancelled: JobCancelled | None = None,
@@ -195,6 +220,8 @@ class StreamDriver:
                 on_cancelled(job)
             return True
 
+        clock = time.perf_counter
+        began = clock()
         try:
             while True:
                 if feed is not None:
@@ -204,6 +231,7 @@ class StreamDriver:
                         self.engine.abort_request([request_id])
                         free.append(rollout.slot)
                         cancelled_now(rollout.job)
+                admitting = clock()
                 while free and not exhausted:
                     if feed is None:
                         job = next(pending, None)
@@ -217,11 +245,17 @@ class StreamDriver:
                         continue
                     rollout = self._start(job, self._take_slot(free, job.affinity))
                     active[self._submit(rollout)] = rollout
+                stepping = clock()
+                self.loop.admit_s += stepping - admitting
                 if not active:
                     if exhausted:
                         break
                     continue
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                handling = clock()
+                self.loop.step_s += handling - stepping
+                self.loop.steps += 1
+                for out in outputs:
                     rollout = active.pop(out.request_id, None)
                     if rollout is None:  # aborted (cancelled) after it was stepped
                         continue
@@ -234,11 +268,13 @@ class StreamDriver:
                         free.append(rollout.slot)
                         if on_done is not None:
                             on_done(rollout.job, rollout.frames)
+                self.loop.frames_s += clock() - handling
         except BaseException:
             if active:
                 self.engine.abort_request(list(active))
             raise
         finally:
+            self.loop.run_s += clock() - began
             # Our salted blocks are useless to lockstep calls, and nothing is in flight now.
             if not self.engine.has_unfinished_requests():
                 self.backend.llm.reset_prefix_cache()

@@ -23,6 +23,7 @@ import numpy as np
 ACT_BENCH_SAMPLES = 2286
 ACT_BENCH_GENERATED_FRAMES = 44
 PRESETS = ("left", "right", "straight", "stop", "accelerate")
+BUSY_BUCKET_S = 10.0  # the GPU busy timeline's resolution in the reports
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class BusySampler:
     def __init__(self, gpus: list[int], interval: float = 0.1):
         self.gpus, self.interval = gpus, interval
         self.samples: dict[int, list[int]] = {g: [] for g in gpus}
+        self.times: list[float] = []  # seconds since the first sample, one per round of samples
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="terra-busy-sampler", daemon=True)
 
@@ -69,13 +71,37 @@ class BusySampler:
             handles = {g: pynvml.nvmlDeviceGetHandleByIndex(g) for g in self.gpus}
         except Exception:  # no NVML (CPU, or the package is missing): busy stays unknown
             return
+        first = time.perf_counter()
         while not self._stop.is_set():
             for g, handle in handles.items():
                 self.samples[g].append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            self.times.append(time.perf_counter() - first)
             time.sleep(self.interval)
 
     def busy(self) -> dict[str, float | None]:
         return {str(g): (round(float(np.mean(s)) / 100, 3) if s else None) for g, s in self.samples.items()}
+
+    def timeline(self, bucket_s: float = BUSY_BUCKET_S) -> dict[str, list[float]]:
+        """Busy fraction of each GPU per `bucket_s` seconds, in order: a steady dip and one phase
+        of the run (a round's start, the end's drain) look alike in the mean, not here."""
+        buckets = (np.asarray(self.times) // bucket_s).astype(int)
+        timeline = {}
+        for g, s in self.samples.items():
+            values, owners = np.asarray(s[:len(buckets)], dtype=float), buckets[:len(s)]
+            if values.size:
+                timeline[str(g)] = [round(float(values[owners == b].mean()) / 100, 3) if (owners == b).any() else None
+                                    for b in range(int(owners.max()) + 1)]
+        return timeline
+
+
+def describe_engine_loop(loop: dict | None) -> str | None:
+    """One line on where the engine loop's time went (`vllm_stream.LoopTimes`), for the log."""
+    if not loop or not loop.get("seconds"):
+        return None
+    share = {k: 100 * loop[k] / loop["seconds"] for k in ("in_engine_step_s", "admitting_jobs_s", "handling_frames_s")}
+    return (f"engine loop: {share['in_engine_step_s']:.0f}% in vLLM's step ({loop['ms_per_step']:.2f} ms x "
+            f"{loop['steps']} steps), {share['admitting_jobs_s']:.0f}% taking in jobs, "
+            f"{share['handling_frames_s']:.0f}% handling finished frames")
 
 
 def write_bench_scenarios(folder: Path, layout, plan: ScenarioBenchPlan) -> Path:
@@ -129,10 +155,14 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
                 "scenarios": plan.scenarios, "generated_frames": run.generated_frames,
                 "seconds_generating": round(generating, 2), "seconds_wall": round(marks["end"] - marks["start"], 2),
                 "generated_frames_per_s": round(rate, 3), "gpu_busy": timed.sampler.busy(),
+                "gpu_busy_timeline": timed.sampler.timeline(), "gpu_busy_bucket_s": BUSY_BUCKET_S,
+                "engine_loop": getattr(run, "engine_loop", None),
                 "projected_act_bench_hours": round(ACT_BENCH_SAMPLES * ACT_BENCH_GENERATED_FRAMES / rate / 3600, 3),
             },
         }
         log(f"continuous: {rate:.2f} generated frames/s over {generating:.1f} s, GPU busy {timed.sampler.busy()}")
+        if line := describe_engine_loop(results["stream"]["engine_loop"]):
+            log(line)
         if plan.lockstep:
             results["lockstep"] = _lockstep(checkpoint, layout, plan, gpus, log)
     return results

@@ -59,6 +59,7 @@ class ScenarioRun:
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
     writers: int = 0  # video writer processes the run used (0: the writer thread decodes and encodes)
+    engine_loop: dict | None = None  # vLLM: where the engine loop's time went (vllm_stream.LoopTimes.as_dict)
 
 
 def completed_ids(out_dir: Path) -> set[str]:
@@ -176,9 +177,12 @@ def run_scenarios(
                         started[s.id] = time.perf_counter()
                         yield RolloutJob(s.id, context, s.actions, s.frames, sampling(s))
 
-                StreamDriver(backend, max_rollouts).run(
-                    jobs(), on_frame=lambda job, i, t: progress(),
-                    on_done=lambda job, tokens: finished(job.key, tokens.copy()))
+                driver = StreamDriver(backend, max_rollouts)
+                try:
+                    driver.run(jobs(), on_frame=lambda job, i, t: progress(),
+                               on_done=lambda job, tokens: finished(job.key, tokens.copy()))
+                finally:
+                    run.engine_loop = driver.loop.as_dict()
             else:
                 from terra_cli.pipeline.rounds import generate_tokens
 

@@ -155,4 +155,107 @@ def test_the_loop_times_say_where_the_drivers_thread_spent_the_run(backend):
     assert loop["steps"] >= 2 * ENGINE_IMAGE_TOKENS and loop["in_engine_step_s"] > 0
     parts = loop["in_engine_step_s"] + loop["admitting_jobs_s"] + loop["handling_frames_s"] + loop["other_s"]
     assert abs(parts - loop["seconds"]) < 0.01 and loop["seconds"] <= wall
-    assert loop["ms_per_step"] == round(1000 * loop["in_engine_step_s"] / loop["steps"], 3)
+    assert loop["ms_per_step"] == pytest.approx(1000 * loop["in_engine_step_s"] / loop["steps"], abs=0.01)
+
+
+class SlowTokenizer:
+    """Stands in for the image tokenizer: each encode takes `seconds`, and the `fail_at`-th raises."""
+
+    def __init__(self, seconds=0.4, fail_at=None):
+        self.seconds, self.fail_at, self.calls = seconds, fail_at, []
+
+    def tokenize(self, images):
+        import time
+
+        self.calls.append(time.perf_counter())
+        if len(self.calls) == self.fail_at:
+            raise OSError("cannot read image")
+        time.sleep(self.seconds)
+        return np.full((len(images), ENGINE_IMAGE_TOKENS), len(self.calls), dtype=np.int64)
+
+
+def image_scenarios(folder, count):
+    import json
+
+    from PIL import Image
+
+    from terra_cli.scenarios.spec import Defaults, read_scenarios
+
+    for i in range(2):
+        Image.new("RGB", (64, 36), (40 * i, 90, 160)).save(folder / f"{i}.png")
+    trajs = [[[0.4 * i, 0.0] for i in range(60)]] * 3
+    path = folder / "act.jsonl"
+    path.write_text("".join(json.dumps({"sample_id": n, "context_frames": ["0.png", "1.png"], "instruction_trajs": trajs})
+                            + "\n" for n in range(count)))
+    return read_scenarios(path, Defaults(frames=3))
+
+
+def test_the_engine_generates_while_later_contexts_are_still_being_encoded(tmp_path, backend, monkeypatch):
+    """Contexts are encoded in a thread ahead of the engine: the first frame comes before the
+    last scenario's images were encoded (the engine loop used to encode every one it could admit
+    first), and each scenario still gets its own context."""
+    import time
+
+    from terra_cli.scenarios import runner
+
+    monkeypatch.setattr(runner, "ENCODE_BATCH", 1)
+    file = image_scenarios(tmp_path, 4)
+    tokenizer, frames = SlowTokenizer(), []
+    run = runner.run_scenarios(file, tmp_path / "out", backend, tokenizer, max_rollouts=4, decode=False,
+                               on_progress=lambda r, total: frames.append(time.perf_counter()))
+    assert run.done == 4 and len(tokenizer.calls) == 4 and len(frames) == 4
+    assert frames[0] < tokenizer.calls[-1]
+    for n in range(4):  # scenario n's context is what the n-th encode returned
+        tokens = np.load(tmp_path / "out" / f"NUSCENES_ACTION_{n:06d}.npy")
+        assert (tokens[:2] == n + 1).all()
+
+
+def test_a_context_that_cannot_be_encoded_ends_the_run_with_its_error(tmp_path, backend, monkeypatch):
+    from terra_cli.scenarios import runner
+
+    monkeypatch.setattr(runner, "ENCODE_BATCH", 1)
+    file = image_scenarios(tmp_path, 4)
+    with pytest.raises(OSError, match="cannot read image"):
+        runner.run_scenarios(file, tmp_path / "out", backend, SlowTokenizer(seconds=0.05, fail_at=3),
+                             max_rollouts=2, decode=False)
+    # What finished before the failure was written; nothing of the failed or later scenarios.
+    written = sorted(p.name for p in (tmp_path / "out").glob("*.npy"))
+    assert set(written) <= {"NUSCENES_ACTION_000000.npy", "NUSCENES_ACTION_000001.npy"}
+    # The engine is left empty and usable.
+    assert not backend.llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_bounded_feed_holds_its_producer_until_there_is_room_and_frees_it_on_close():
+    import threading
+
+    from terra_cli.backends.vllm_stream import JobFeed
+
+    feed = JobFeed(capacity=2)
+    feed.put(job("a", 1))
+    feed.put(job("b", 2))
+    third = threading.Thread(target=feed.put, args=(job("c", 3),), daemon=True)
+    third.start()
+    third.join(0.3)
+    assert third.is_alive()  # full: the third waits
+    assert feed.get(0).key == "a"
+    third.join(2)
+    assert not third.is_alive()  # room again: it went in
+    assert [feed.get(0).key, feed.get(0).key] == ["b", "c"]
+    feed.put(job("d", 4))
+    feed.put(job("e", 5))
+    errors = []
+
+    def blocked_put():
+        try:
+            feed.put(job("f", 6))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    waiting = threading.Thread(target=blocked_put, daemon=True)
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive()
+    feed.close()  # a producer waiting for room is told the feed is closed
+    waiting.join(2)
+    assert errors == ["this JobFeed is closed"]
+    assert [feed.get(0).key, feed.get(0).key] == ["d", "e"] and feed.get(0) is None and feed.finished

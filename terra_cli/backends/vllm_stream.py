@@ -76,22 +76,31 @@ class JobFeed:
     work joins the running batch at the next engine step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int | None = None) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._capacity = capacity  # jobs waiting at most; put() blocks beyond it (None: no bound)
+        self._waiting = 0
         self._cancelled: set[str] = set()
         self._closed = False
 
     def put(self, job: RolloutJob) -> None:
-        with self._lock:
+        """Add a job; with a capacity, wait while that many are waiting. Raises RuntimeError once
+        the feed is closed, also while waiting."""
+        with self._room:
+            if self._capacity is not None:
+                self._room.wait_for(lambda: self._closed or self._waiting < self._capacity)
             if self._closed:
                 raise RuntimeError("this JobFeed is closed")
+            self._waiting += 1
             self._jobs.put(job)
 
     def close(self) -> None:
-        with self._lock:
+        with self._room:
             self._closed = True
             self._jobs.put(None)  # wakes a waiting driver
+            self._room.notify_all()  # and a producer waiting for room
 
     def cancel(self, key: str) -> None:
         """Drop the job `key` whether it is queued or in flight (on_cancelled is called for it)."""
@@ -110,9 +119,14 @@ class JobFeed:
     def get(self, wait: float) -> RolloutJob | None:
         """The next job, waiting up to `wait` seconds; None when there is none now."""
         try:
-            return self._jobs.get(timeout=wait) if wait > 0 else self._jobs.get_nowait()
+            job = self._jobs.get(timeout=wait) if wait > 0 else self._jobs.get_nowait()
         except queue.Empty:
             return None
+        if job is not None:
+            with self._room:
+                self._waiting -= 1
+                self._room.notify()
+        return job
 
     @property
     def finished(self) -> bool:

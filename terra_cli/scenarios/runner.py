@@ -2,8 +2,9 @@
 
 Generation goes through `backends.vllm_stream.StreamDriver` (continuous batching) on the vLLM
 backend, or scenario by scenario through `pipeline.rounds.generate_tokens` on the reference.
-Contexts are encoded in batches as scenarios are admitted; finished scenarios go to a background
-thread that writes them, so the engine keeps stepping while a video is made. With `writers` > 0
+On vLLM, contexts are read and encoded in batches by a thread, ahead of the engine (`_EncodeAhead`);
+on the reference, as scenarios are admitted. Finished scenarios go to a background thread that
+writes them, so the engine keeps stepping while a video is made. With `writers` > 0
 the tokens are decoded and the mp4 encoded in that many writer processes (`scenarios.writers`),
 off this process's interpreter lock, and the thread only places their bytes; with 0 it decodes and
 encodes itself. Either way this process is the only one that writes into the folder. Each
@@ -44,6 +45,7 @@ from terra_cli.scenarios.spec import Scenario, ScenarioFile
 from terra_cli.scenarios.writers import WriterDied, WriterPool, decode_frames, start_pool, write_in_order
 
 ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
+STOP_WAIT_SECONDS = 1.0  # how long a finished run waits for the encoding thread to end
 VIDEO_FPS = 10
 WRITER_QUEUE = 64  # finished scenarios waiting for the writer (tokens only: small)
 WAIT_SECONDS = 0.2  # how often a blocked put or close looks at whether the writer is still alive
@@ -159,8 +161,12 @@ def run_scenarios(
         def sampling(s: Scenario) -> Sampling:
             return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=s.seed)
 
+        ahead: _EncodeAhead | None = None
+
         def progress() -> None:
             writer.check()  # a dead writer ends the run now, not after the next scenario
+            if ahead is not None:
+                ahead.check()  # so does a context that could not be read or encoded
             on_progress(run, len(pending))
 
         def finished(key: str, tokens: np.ndarray) -> None:
@@ -172,17 +178,19 @@ def run_scenarios(
             if getattr(backend, "name", "") == "vllm":
                 from terra_cli.backends.vllm_stream import RolloutJob, StreamDriver
 
-                def jobs() -> Iterator[RolloutJob]:
-                    for s, context in _encoded(pending, tokenizer):
-                        started[s.id] = time.perf_counter()
-                        yield RolloutJob(s.id, context, s.actions, s.frames, sampling(s))
+                def job(s: Scenario, context: np.ndarray) -> RolloutJob:
+                    started[s.id] = time.perf_counter()
+                    return RolloutJob(s.id, context, s.actions, s.frames, sampling(s))
 
                 driver = StreamDriver(backend, max_rollouts)
+                ahead = _EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts))
                 try:
-                    driver.run(jobs(), on_frame=lambda job, i, t: progress(),
+                    driver.run(ahead.feed, on_frame=lambda job, i, t: progress(),
                                on_done=lambda job, tokens: finished(job.key, tokens.copy()))
                 finally:
+                    ahead.stop()
                     run.engine_loop = driver.loop.as_dict()
+                ahead.check()
             else:
                 from terra_cli.pipeline.rounds import generate_tokens
 
@@ -229,6 +237,47 @@ def _encoded(scenarios: list[Scenario], tokenizer) -> Iterator[tuple[Scenario, n
                 yield s, load_context_tokens(s.context_tokens, s.context_frames)
             else:
                 yield s, contexts[s.id]
+
+
+class _EncodeAhead:
+    """Scenarios' contexts read and encoded in a thread, ahead of the engine loop, into a bounded
+    `JobFeed`: the engine keeps stepping while images are read and encoded, and its first frames
+    start after the first ENCODE_BATCH scenarios instead of after a whole batch of them (on an
+    H100, 42 s of encoding for 256 ACT-Bench samples, with the GPU idle, when the loop did it:
+    benchmarks/README.md). A failure to read or encode is kept for `check()`, which the run calls
+    after every frame and at its end; the feed closes then, so the driver finishes what is in
+    flight and returns."""
+
+    def __init__(self, scenarios: list[Scenario], tokenizer, make_job: Callable, ahead: int):
+        from terra_cli.backends.vllm_stream import JobFeed
+
+        self.feed = JobFeed(capacity=ahead)
+        self.error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._work, args=(scenarios, tokenizer, make_job),
+                                        name="terra-encode-ahead", daemon=True)
+        self._thread.start()
+
+    def _work(self, scenarios: list[Scenario], tokenizer, make_job: Callable) -> None:
+        try:
+            for s, context in _encoded(scenarios, tokenizer):
+                self.feed.put(make_job(s, context))
+        except BaseException as exc:
+            if not self._stopping:  # (a put refused because the run stopped is no error)
+                self.error = exc
+        finally:
+            self.feed.close()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """The run is over (done, failed or interrupted): the thread ends after the encode in
+        progress, if any; an interrupt does not wait for it."""
+        self._stopping = True
+        self.feed.close()
+        self._thread.join(STOP_WAIT_SECONDS)
 
 
 def _sample_road(count: int) -> list[np.ndarray]:

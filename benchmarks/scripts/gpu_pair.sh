@@ -4,8 +4,10 @@
 # call, while GPU 1 runs the shorter benches of gpu_decode_attention.sh. Each process sees one GPU
 # and has its own TERRA_CACHE; both share the host's 32 cores (the rows say so).
 #   start    carry .gpu/ray2 when Ray's first part is in /tmp/dl (unpacked for gpu_ray_scaling.sh);
-#            GPU 0: `act` in the background (ACT_SAMPLES, default 256); GPU 1: `bf16`
-#   collect  GPU 1: `single`; then wait for GPU 0's act run and pack it into $OUT/act.tar.gz
+#            GPU 0: `act` in the background (ACT_SAMPLES, default 256); GPU 1: `scenarios` with
+#            terra's attention (fp8, 256 in flight, tokens only: the act run's same-host baseline)
+#   collect  GPU 1: `single` (and `bf16` with AND_BF16=1); then wait for GPU 0's act run and pack it
+#            into $OUT/act.tar.gz (AWAIT_S, default 540)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEP_LOG=$OUT/summary.txt
@@ -19,7 +21,7 @@ case "${1:-}" in
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
     CUDA_VISIBLE_DEVICES=0 TERRA_CACHE=/tmp/terra-cache-0 ACT_LIMIT_S=${ACT_LIMIT_S:-1150} \
       in_background act bash benchmarks/scripts/gpu_decode_attention.sh act
-    CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh bf16 ;;
+    CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 ATTENTIONS=terra bash benchmarks/scripts/gpu_decode_attention.sh scenarios ;;
   collect)
     CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh single
     [ -n "${AND_BF16:-}" ] && CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh bf16

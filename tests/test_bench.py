@@ -205,3 +205,18 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     assert describe_engine_loop(loop) == ("engine loop: 45% in vLLM's step (22.50 ms x 400 steps), "
                                           "5% taking in jobs, 30% handling finished frames")
     assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None
+
+
+def test_the_pipelined_projection_takes_the_slower_of_engine_and_writer_per_sample():
+    from terra_cli.bench.act_bench import pipelined_projection_s
+
+    once = {"startup": 40.0, "ready_to_first_frame": 10.0}
+    # One batch of 100: the engine took 300 s, the writer 50 s for the 100 videos after it.
+    engine_bound = pipelined_projection_s({**once, "generating": 300.0, "drain_writer": 50.0}, 100, 128, target=1000)
+    assert engine_bound == pytest.approx(40 + 10 + 1000 * 3.0 + 50)
+    # A writer slower than the engine sets the pace instead.
+    writer_bound = pipelined_projection_s({**once, "generating": 300.0, "drain_writer": 500.0}, 100, 128, target=1000)
+    assert writer_bound == pytest.approx(40 + 10 + 1000 * 5.0 + 500)
+    # 400 samples through 100 in flight: the drain held the last 100 videos, not all 400.
+    longer = pipelined_projection_s({**once, "generating": 1200.0, "drain_writer": 200.0}, 400, 100, target=1000)
+    assert longer == pytest.approx(40 + 10 + 1000 * max(3.0, 2.0) + 200)

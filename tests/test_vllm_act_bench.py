@@ -58,6 +58,8 @@ def test_act_bench_cli_on_vllm_cpu(tmp_path):
     assert loop["steps"] > 0 and 0 < loop["in_engine_step_s"] <= loop["seconds"] <= run["seconds_wall"]
     assert "engine loop: " in result.stdout and run["gpu_busy_timeline"] == {}
     assert "ACT-Bench (2,286 samples), projected h" in result.stdout
+    assert "with encoding and writing beside generation, h" in result.stdout
+    assert run["projected_act_bench_hours_pipelined"] > 0
     # Distinct seeds per sample: the two videos' generated frames differ, and their contexts too.
     a, b = (np.load(keep / "outputs" / f"NUSCENES_ACTION_00000{i}.npy") for i in (0, 1))
     assert a.shape == b.shape == (5, 576)

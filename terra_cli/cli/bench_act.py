@@ -52,6 +52,7 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
         ("GPU busy while generating", busy),
         *((f"phase: {k.replace('_', ' ')} s", f"{v:.1f}") for k, v in phases.items()),
         (f"ACT-Bench ({run['projected_samples']:,} samples), projected h", f"{run['projected_act_bench_hours']:.2f}"),
+        ("  with encoding and writing beside generation, h", f"{run['projected_act_bench_hours_pipelined']:.2f}"),
     ):
         table.add_row(name, value)
     out.print(table)

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -254,12 +255,16 @@ class _EncodeAhead:
         self.feed = JobFeed(capacity=ahead)
         self.error: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._work, args=(scenarios, tokenizer, make_job),
+        self._thread = threading.Thread(target=self._work, args=(scenarios, tokenizer, make_job, _cuda_device()),
                                         name="terra-encode-ahead", daemon=True)
         self._thread.start()
 
-    def _work(self, scenarios: list[Scenario], tokenizer, make_job: Callable) -> None:
+    def _work(self, scenarios: list[Scenario], tokenizer, make_job: Callable, cuda_device: int | None) -> None:
         try:
+            if cuda_device is not None:  # a new thread starts on GPU 0, whatever this run's engine uses
+                import torch
+
+                torch.cuda.set_device(cuda_device)
             for s, context in _encoded(scenarios, tokenizer):
                 self.feed.put(make_job(s, context))
         except BaseException as exc:
@@ -278,6 +283,14 @@ class _EncodeAhead:
         self._stopping = True
         self.feed.close()
         self._thread.join(STOP_WAIT_SECONDS)
+
+
+def _cuda_device() -> int | None:
+    """The calling thread's current GPU, where CUDA is in use; None elsewhere."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
 
 
 def _sample_road(count: int) -> list[np.ndarray]:

@@ -196,9 +196,9 @@ def test_the_engine_generates_while_later_contexts_are_still_being_encoded(tmp_p
     first), and each scenario still gets its own context."""
     import time
 
-    from terra_cli.scenarios import runner
+    from terra_cli.scenarios import encoding, runner
 
-    monkeypatch.setattr(runner, "ENCODE_BATCH", 1)
+    monkeypatch.setattr(encoding, "ENCODE_BATCH", 1)
     file = image_scenarios(tmp_path, 4)
     tokenizer, frames = SlowTokenizer(), []
     run = runner.run_scenarios(file, tmp_path / "out", backend, tokenizer, max_rollouts=4, decode=False,
@@ -211,9 +211,9 @@ def test_the_engine_generates_while_later_contexts_are_still_being_encoded(tmp_p
 
 
 def test_a_context_that_cannot_be_encoded_ends_the_run_with_its_error(tmp_path, backend, monkeypatch):
-    from terra_cli.scenarios import runner
+    from terra_cli.scenarios import encoding, runner
 
-    monkeypatch.setattr(runner, "ENCODE_BATCH", 1)
+    monkeypatch.setattr(encoding, "ENCODE_BATCH", 1)
     file = image_scenarios(tmp_path, 4)
     with pytest.raises(OSError, match="cannot read image"):
         runner.run_scenarios(file, tmp_path / "out", backend, SlowTokenizer(seconds=0.05, fail_at=3),

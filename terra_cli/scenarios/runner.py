@@ -2,7 +2,7 @@
 
 Generation goes through `backends.vllm_stream.StreamDriver` (continuous batching) on the vLLM
 backend, or scenario by scenario through `pipeline.rounds.generate_tokens` on the reference.
-On vLLM, contexts are read and encoded in batches by a thread, ahead of the engine (`_EncodeAhead`);
+On vLLM, contexts are read and encoded in batches by a thread, ahead of the engine (`encoding.EncodeAhead`);
 on the reference, as scenarios are admitted. Finished scenarios go to a background thread that
 writes them, so the engine keeps stepping while a video is made. With `writers` > 0
 the tokens are decoded and the mp4 encoded in that many writer processes (`scenarios.writers`),
@@ -29,12 +29,11 @@ import contextlib
 import json
 import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Container, Iterator
+from typing import Callable, Container
 
 import numpy as np
 
@@ -42,11 +41,10 @@ from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError, OutputError
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
+from terra_cli.scenarios.encoding import ENCODE_BATCH, EncodeAhead, encoded
 from terra_cli.scenarios.spec import Scenario, ScenarioFile
 from terra_cli.scenarios.writers import WriterDied, WriterPool, decode_frames, start_pool, write_in_order
 
-ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
-STOP_WAIT_SECONDS = 1.0  # how long a finished run waits for the encoding thread to end
 VIDEO_FPS = 10
 WRITER_QUEUE = 64  # finished scenarios waiting for the writer (tokens only: small)
 WAIT_SECONDS = 0.2  # how often a blocked put or close looks at whether the writer is still alive
@@ -162,7 +160,7 @@ def run_scenarios(
         def sampling(s: Scenario) -> Sampling:
             return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=s.seed)
 
-        ahead: _EncodeAhead | None = None
+        ahead: EncodeAhead | None = None
 
         def progress() -> None:
             writer.check()  # a dead writer ends the run now, not after the next scenario
@@ -184,7 +182,7 @@ def run_scenarios(
                     return RolloutJob(s.id, context, s.actions, s.frames, sampling(s))
 
                 driver = StreamDriver(backend, max_rollouts)
-                ahead = _EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts))
+                ahead = EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts))
                 try:
                     driver.run(ahead.feed, on_frame=lambda job, i, t: progress(),
                                on_done=lambda job, tokens: finished(job.key, tokens.copy()))
@@ -195,7 +193,7 @@ def run_scenarios(
             else:
                 from terra_cli.pipeline.rounds import generate_tokens
 
-                for s, context in _encoded(pending, tokenizer):
+                for s, context in encoded(pending, tokenizer):
                     started[s.id] = time.perf_counter()
                     tokens = generate_tokens(backend, context, s.actions, s.frames, sampling(s),
                                              on_frame=lambda i, t: progress())[0]
@@ -215,88 +213,6 @@ def log_skipped(file: ScenarioFile, log: ResultsLog) -> int:
         log.add({"id": None, "line": problem.line, "status": "skipped", "reason": problem.message})
     return len(file.problems)
 
-
-def _encoded(scenarios: list[Scenario], tokenizer) -> Iterator[tuple[Scenario, np.ndarray]]:
-    """(scenario, context tokens (K, T)) in order; image contexts encoded ENCODE_BATCH scenarios at a time."""
-    from terra_cli.pipeline.inputs import load_context_tokens, read_context_frames
-
-    for start in range(0, len(scenarios), ENCODE_BATCH):
-        chunk = scenarios[start : start + ENCODE_BATCH]
-        images, owners = [], []
-        for s in chunk:
-            if s.context_tokens is None:
-                frames = read_context_frames(list(s.context_images), s.context_frames) if s.context_images \
-                    else _sample_road(s.context_frames)
-                images.extend(frames)
-                owners.append((s, len(frames)))
-        encoded = iter(tokenizer.tokenize(images)) if images else iter(())
-        contexts = {}
-        for s, count in owners:
-            contexts[s.id] = np.stack([next(encoded) for _ in range(count)])
-        for s in chunk:
-            if s.context_tokens is not None:
-                yield s, load_context_tokens(s.context_tokens, s.context_frames)
-            else:
-                yield s, contexts[s.id]
-
-
-class _EncodeAhead:
-    """Scenarios' contexts read and encoded in a thread, ahead of the engine loop, into a bounded
-    `JobFeed`: the engine keeps stepping while images are read and encoded, and its first frames
-    start after the first ENCODE_BATCH scenarios instead of after a whole batch of them (on an
-    H100, 42 s of encoding for 256 ACT-Bench samples, with the GPU idle, when the loop did it:
-    benchmarks/README.md). A failure to read or encode is kept for `check()`, which the run calls
-    after every frame and at its end; the feed closes then, so the driver finishes what is in
-    flight and returns."""
-
-    def __init__(self, scenarios: list[Scenario], tokenizer, make_job: Callable, ahead: int):
-        from terra_cli.backends.vllm_stream import JobFeed
-
-        self.feed = JobFeed(capacity=ahead)
-        self.error: BaseException | None = None
-        self._stopping = False
-        self._thread = threading.Thread(target=self._work, args=(scenarios, tokenizer, make_job, _cuda_device()),
-                                        name="terra-encode-ahead", daemon=True)
-        self._thread.start()
-
-    def _work(self, scenarios: list[Scenario], tokenizer, make_job: Callable, cuda_device: int | None) -> None:
-        try:
-            if cuda_device is not None:  # a new thread starts on GPU 0, whatever this run's engine uses
-                import torch
-
-                torch.cuda.set_device(cuda_device)
-            for s, context in _encoded(scenarios, tokenizer):
-                self.feed.put(make_job(s, context))
-        except BaseException as exc:
-            if not self._stopping:  # (a put refused because the run stopped is no error)
-                self.error = exc
-        finally:
-            self.feed.close()
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def stop(self) -> None:
-        """The run is over (done, failed or interrupted): the thread ends after the encode in
-        progress, if any; an interrupt does not wait for it."""
-        self._stopping = True
-        self.feed.close()
-        self._thread.join(STOP_WAIT_SECONDS)
-
-
-def _cuda_device() -> int | None:
-    """The calling thread's current GPU, where CUDA is in use; None elsewhere."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return torch.cuda.current_device()
-
-
-def _sample_road(count: int) -> list[np.ndarray]:
-    from terra_cli.models.default import sample_context_frames
-
-    return list(sample_context_frames(count))
 
 
 class _Writer:

@@ -1,0 +1,99 @@
+"""Scenario contexts to tokens for `run_scenarios`: image contexts read and encoded in batches
+(`encoded`), token contexts loaded, and on vLLM all of it in a thread ahead of the engine
+(`EncodeAhead`), so the engine never waits on a JPEG or the encoder while it has work."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Callable, Iterator
+
+import numpy as np
+
+from terra_cli.scenarios.spec import Scenario
+
+ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
+STOP_WAIT_SECONDS = 1.0  # how long a finished run waits for the encoding thread to end
+
+
+def encoded(scenarios: list[Scenario], tokenizer) -> Iterator[tuple[Scenario, np.ndarray]]:
+    """(scenario, context tokens (K, T)) in order; image contexts encoded ENCODE_BATCH scenarios at a time."""
+    from terra_cli.pipeline.inputs import load_context_tokens, read_context_frames
+
+    for start in range(0, len(scenarios), ENCODE_BATCH):
+        chunk = scenarios[start : start + ENCODE_BATCH]
+        images, owners = [], []
+        for s in chunk:
+            if s.context_tokens is None:
+                frames = read_context_frames(list(s.context_images), s.context_frames) if s.context_images \
+                    else _sample_road(s.context_frames)
+                images.extend(frames)
+                owners.append((s, len(frames)))
+        rows = iter(tokenizer.tokenize(images)) if images else iter(())
+        contexts = {}
+        for s, count in owners:
+            contexts[s.id] = np.stack([next(rows) for _ in range(count)])
+        for s in chunk:
+            if s.context_tokens is not None:
+                yield s, load_context_tokens(s.context_tokens, s.context_frames)
+            else:
+                yield s, contexts[s.id]
+
+
+class EncodeAhead:
+    """Scenarios' contexts read and encoded in a thread, ahead of the engine loop, into a bounded
+    `JobFeed`: the engine keeps stepping while images are read and encoded, and its first frames
+    start after the first ENCODE_BATCH scenarios instead of after a whole batch of them (on an
+    H100, 42 s of encoding for 256 ACT-Bench samples, with the GPU idle, when the loop did it:
+    benchmarks/README.md). A failure to read or encode is kept for `check()`, which the run calls
+    after every frame and at its end; the feed closes then, so the driver finishes what is in
+    flight and returns."""
+
+    def __init__(self, scenarios: list[Scenario], tokenizer, make_job: Callable, ahead: int):
+        from terra_cli.backends.vllm_stream import JobFeed
+
+        self.feed = JobFeed(capacity=ahead)
+        self.error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._work, args=(scenarios, tokenizer, make_job, _cuda_device()),
+                                        name="terra-encode-ahead", daemon=True)
+        self._thread.start()
+
+    def _work(self, scenarios: list[Scenario], tokenizer, make_job: Callable, cuda_device: int | None) -> None:
+        try:
+            if cuda_device is not None:  # a new thread starts on GPU 0, whatever this run's engine uses
+                import torch
+
+                torch.cuda.set_device(cuda_device)
+            for s, context in encoded(scenarios, tokenizer):
+                self.feed.put(make_job(s, context))
+        except BaseException as exc:
+            if not self._stopping:  # (a put refused because the run stopped is no error)
+                self.error = exc
+        finally:
+            self.feed.close()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """The run is over (done, failed or interrupted): the thread ends after the encode in
+        progress, if any; an interrupt does not wait for it."""
+        self._stopping = True
+        self.feed.close()
+        self._thread.join(STOP_WAIT_SECONDS)
+
+
+def _cuda_device() -> int | None:
+    """The calling thread's current GPU, where CUDA is in use; None elsewhere."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
+def _sample_road(count: int) -> list[np.ndarray]:
+    from terra_cli.models.default import sample_context_frames
+
+    return list(sample_context_frames(count))

@@ -6,8 +6,9 @@
 #   start    carry .gpu/ray2 when Ray's first part is in /tmp/dl (unpacked for gpu_ray_scaling.sh);
 #            GPU 0: `act` in the background (ACT_SAMPLES, default 256); GPU 1: `scenarios` with
 #            terra's attention (fp8, 256 in flight, tokens only: the act run's same-host baseline)
-#   collect  GPU 1: `single` (and `bf16` with AND_BF16=1); then wait for GPU 0's act run and pack it
-#            into $OUT/act.tar.gz (AWAIT_S, default 540)
+#   collect  GPU 1: `single` (and `bf16` with AND_BF16=1); then wait up to AWAIT_S (default 400) for
+#            GPU 0's act run and pack what it has into $OUT/act.tar.gz
+#   await    wait up to AWAIT_S more for the act run (about 1,000 s in all for 256 samples on an H100)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEP_LOG=$OUT/summary.txt
@@ -25,7 +26,8 @@ case "${1:-}" in
   collect)
     CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh single
     [ -n "${AND_BF16:-}" ] && CUDA_VISIBLE_DEVICES=1 TERRA_CACHE=/tmp/terra-cache-1 bash benchmarks/scripts/gpu_decode_attention.sh bf16
-    await_background act "${AWAIT_S:-540}" ;;
-  *) echo "usage: gpu_pair.sh start|collect" >&2; exit 2 ;;
+    await_background act "${AWAIT_S:-400}" ;;
+  await) await_background act "${AWAIT_S:-540}" ;;
+  *) echo "usage: gpu_pair.sh start|collect|await" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv | tee -a "$STEP_LOG"

@@ -31,6 +31,9 @@ def test_a_vllm_engine_actor_writes_what_the_engine_in_this_process_writes(tmp_p
                       backend="vllm", device="cpu", dtype="float32", max_rollouts=8, decode=False)
     result = run_on_ray(prepare_job(job), None, 1)  # a local cluster of this machine, one engine
     assert result.done == 6 and not result.errors
+    # The actor's engine loop times come back with the run's summary, taken as it ended.
+    loop = result.summary()[0]["engine_loop"]
+    assert loop["steps"] > 0 and 0 < loop["in_engine_step_s"] <= loop["seconds"]
     records = read_results(tmp_path / "actor" / RESULTS_NAME)
     assert sorted(r["id"] for r in records if r["status"] == "done") == [f"v{i}" for i in range(6)]
     assert {(r["engine"], bool(r["node"])) for r in records} == {(0, True)}

@@ -177,11 +177,13 @@ class LoopTimes:
     step_s: float = 0.0
     admit_s: float = 0.0
     frames_s: float = 0.0
-    run_s: float = 0.0
+    run_s: float = 0.0  # of the runs that returned
+    running_since: float | None = None  # the run in progress (a server's or a Ray actor's never returns)
 
     def as_dict(self) -> dict:
-        other = max(0.0, self.run_s - self.step_s - self.admit_s - self.frames_s)
-        return {"steps": self.steps, "seconds": round(self.run_s, 3), "in_engine_step_s": round(self.step_s, 3),
+        run_s = self.run_s + (time.perf_counter() - self.running_since if self.running_since is not None else 0.0)
+        other = max(0.0, run_s - self.step_s - self.admit_s - self.frames_s)
+        return {"steps": self.steps, "seconds": round(run_s, 3), "in_engine_step_s": round(self.step_s, 3),
                 "admitting_jobs_s": round(self.admit_s, 3), "handling_frames_s": round(self.frames_s, 3),
                 "other_s": round(other, 3),
                 "ms_per_step": round(1000 * self.step_s / self.steps, 3) if self.steps else None}
@@ -235,7 +237,7 @@ class StreamDriver:
             return True
 
         clock = time.perf_counter
-        began = clock()
+        began = self.loop.running_since = clock()
         try:
             while True:
                 if feed is not None:
@@ -289,6 +291,7 @@ class StreamDriver:
             raise
         finally:
             self.loop.run_s += clock() - began
+            self.loop.running_since = None
             # Our salted blocks are useless to lockstep calls, and nothing is in flight now.
             if not self.engine.has_unfinished_requests():
                 self.backend.llm.reset_prefix_cache()

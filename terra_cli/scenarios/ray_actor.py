@@ -99,6 +99,7 @@ class ScenarioEngine:
         self.lock = threading.Lock()
         self.frames = 0
         self.failure: BaseException | None = None
+        self.driver = None  # vLLM: the StreamDriver, whose loop times stats() reports
         if self.backend_name == "vllm":
             from terra_cli.backends.vllm_stream import JobFeed
 
@@ -120,8 +121,10 @@ class ScenarioEngine:
                 "in_flight": self.in_flight, "writers": self.pool.size if self.pool is not None else 0}
 
     def stats(self) -> dict:
+        loop = self.driver.loop.as_dict() if self.driver is not None else None
         with self.lock:
-            return {"frames": self.frames, "pending_frames": sum(w.frames for w in self.waiters.values())}
+            return {"frames": self.frames, "pending_frames": sum(w.frames for w in self.waiters.values()),
+                    "engine_loop": loop}
 
     def generate(self, work: ScenarioWork) -> Finished:
         from terra_cli.backends.base import Sampling
@@ -194,9 +197,9 @@ class ScenarioEngine:
     def _drive_stream(self) -> None:
         from terra_cli.backends.vllm_stream import StreamDriver
 
-        StreamDriver(self.engine, self.in_flight).run(
-            self.feed, on_frame=lambda job, i, t: self._frame_done(job.key),
-            on_done=lambda job, tokens: self._finish(job.key, tokens.copy()))
+        self.driver = StreamDriver(self.engine, self.in_flight)
+        self.driver.run(self.feed, on_frame=lambda job, i, t: self._frame_done(job.key),
+                        on_done=lambda job, tokens: self._finish(job.key, tokens.copy()))
 
     def _drive_reference(self) -> None:
         from terra_cli.pipeline.rounds import generate_tokens

@@ -34,6 +34,7 @@ from terra_cli.scenarios.spec import Scenario
 MAX_ATTEMPTS = 3
 ENGINE_RESTARTS = 3  # per actor; then it stays dead and the others finish the run
 TICK_SECONDS = 0.5
+FINAL_STATS_SECONDS = 5.0  # how long the end of a run waits for an engine's last loop times
 # An engine still starting is waited for (work kept for it, `fair_share`) while its start has taken
 # at most this many times the slowest start among the engines up, plus START_GRACE_S; one that
 # takes longer (a node downloading the model, say) no longer holds work back from the others.
@@ -64,6 +65,7 @@ class EngineState:
     lost_frames: int = 0  # generated frames of scenarios open when it died
     first_ready: float | None = None
     since: float = field(default_factory=time.perf_counter)  # when it began starting, or restarting
+    engine_loop: dict | None = None  # vLLM: its engine loop's times as of its last stats (this incarnation)
 
     def frames_per_second(self, now: float) -> float:
         frames = max(self.counted + self.live, self.written_frames)  # live counts arrive every tick
@@ -85,7 +87,8 @@ class RayRun(ScenarioRun):
         now, done = time.perf_counter(), max(self.done, 1)
         return [{"engine": e.index, "node": e.node, "status": e.status, "scenarios": e.done,
                  "share": round(100 * e.done / done, 1), "frames": e.written_frames,
-                 "frames_per_s": round(e.frames_per_second(now), 2), "restarts": e.restarts, "lost_frames": e.lost_frames, "startup_s": e.startup_s}
+                 "frames_per_s": round(e.frames_per_second(now), 2), "restarts": e.restarts,
+                 "lost_frames": e.lost_frames, "startup_s": e.startup_s, "engine_loop": e.engine_loop}
                 for e in self.engines]
 
 
@@ -297,6 +300,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
                 except Exception:  # a dying actor: its generate calls say so
                     return
                 engine.live, engine.pending_frames = stats["frames"], stats["pending_frames"]
+                engine.engine_loop = stats.get("engine_loop")
                 return
             if ref in engine.open:
                 s = engine.open.pop(ref)
@@ -331,6 +335,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
             for ref in ready:
                 settle(ref)
             on_event("tick", None, run)
+        _last_engine_loops(run.engines)
     except KeyboardInterrupt:
         # Whatever is already back is written before the actors go.
         refs = [r for e in run.engines for r in e.open]
@@ -348,6 +353,19 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
                 pass
         run.seconds = time.perf_counter() - clock
     return run
+
+
+def _last_engine_loops(engines: list[EngineState]) -> None:
+    """Each live engine's loop times as the run ends (the ticks' last stats may predate its last steps)."""
+    import ray
+
+    alive = [e for e in engines if e.status == "alive"]
+    refs = [e.actor.stats.remote() for e in alive]
+    for engine, ref in zip(alive, refs):
+        try:
+            engine.engine_loop = ray.get(ref, timeout=FINAL_STATS_SECONDS).get("engine_loop")
+        except Exception:  # a report, not the run: an engine that does not answer keeps its last
+            pass
 
 
 def read_work(s: Scenario):

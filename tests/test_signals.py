@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -25,17 +26,22 @@ def test_sigterm_saves_finished_frames_and_leaves_no_partial_file(tmp_path):
         [sys.executable, "-m", "terra_cli", "generate", "--model", str(model), "--context-tokens", str(tmp_path / "ctx.npy"),
          "--actions", "left", "--frames", "25", "--backend", "hf", "--device", "cpu", "--no-decode",
          "--save-tokens", str(out / "tokens.npy")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    # The model is loaded once its "backend:" line is out; generating its 23 frames takes about 6 s
+    # on a quiet 2-core machine, so SIGTERM a second later lands mid-run (a fixed wait from the start
+    # could land after the run, when the machine is quiet).
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-        if (out / "tokens.npy").exists():
-            break
-        # The progress bar shows the first finished frame ("1/23") only on a terminal; wait a while.
-        if time.monotonic() > deadline - 110:
-            break
+    while time.monotonic() < deadline and proc.poll() is None and not any("backend:" in line for line in lines):
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert proc.poll() is None, "the run ended before it could be interrupted: " + "".join(lines)[-2000:]
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    err = "".join(lines)
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     saved = np.load(out / "tokens.npy")

@@ -26,8 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from terra_cli.bench.scenarios import (ACT_BENCH_SAMPLES, BUSY_BUCKET_S, PRESETS, TimedRun, describe_engine_loop,
-                                      uses_ray)
+from terra_cli.bench.scenarios import ACT_BENCH_SAMPLES, PRESETS, TimedRun, uses_ray
 
 NUSCENES_SIZE = (1600, 900)  # CAM_FRONT width x height
 DISTINCT_IMAGE_SETS = 64  # samples beyond this reuse earlier images (their encoding costs the same)
@@ -187,9 +186,7 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                 "seconds_per_sample_wall": round((end - marks["start"]) / plan.samples, 3),
                 "seconds_per_sample_steady": round(steady / plan.samples, 3),
                 "generated_frames_per_s": round(run.generated_frames / max(steady, 1e-9), 3),
-                "gpu_busy": timed.sampler.busy(),
-                "gpu_busy_timeline": timed.sampler.timeline(), "gpu_busy_bucket_s": BUSY_BUCKET_S,
-                "engine_loop": getattr(run, "engine_loop", None),
+                **timed.measures(),
                 "phases_s": {
                     "write_samples": round(written_s, 2),
                     "startup": round(startup, 2),
@@ -207,8 +204,6 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
         if run.generated_frames != timed.total:
             raise RuntimeError(f"{run.generated_frames} frames written, {timed.total} expected")
     r = results["run"]
-    if line := describe_engine_loop(r["engine_loop"]):
-        log(line)
     log(f"{r['seconds_per_sample_wall']:.2f} s/sample wall ({r['seconds_per_sample_steady']:.2f} after start-up), "
         f"{r['generated_frames_per_s']:.2f} generated frames/s, ACT-Bench projected {r['projected_act_bench_hours']:.2f} h "
         f"({r['projected_act_bench_hours_pipelined']:.2f} h with encoding and writing beside generation)")

@@ -154,15 +154,11 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
             "stream": {
                 "scenarios": plan.scenarios, "generated_frames": run.generated_frames,
                 "seconds_generating": round(generating, 2), "seconds_wall": round(marks["end"] - marks["start"], 2),
-                "generated_frames_per_s": round(rate, 3), "gpu_busy": timed.sampler.busy(),
-                "gpu_busy_timeline": timed.sampler.timeline(), "gpu_busy_bucket_s": BUSY_BUCKET_S,
-                "engine_loop": getattr(run, "engine_loop", None),
+                "generated_frames_per_s": round(rate, 3), **timed.measures(),
                 "projected_act_bench_hours": round(ACT_BENCH_SAMPLES * ACT_BENCH_GENERATED_FRAMES / rate / 3600, 3),
             },
         }
         log(f"continuous: {rate:.2f} generated frames/s over {generating:.1f} s, GPU busy {timed.sampler.busy()}")
-        if line := describe_engine_loop(results["stream"]["engine_loop"]):
-            log(line)
         if plan.lockstep:
             results["lockstep"] = _lockstep(checkpoint, layout, plan, gpus, log)
     return results
@@ -182,6 +178,7 @@ class TimedRun:
         self.marks: dict[str, float] = {}
         self.engines: dict[int, dict] = {}
         self.frames = 0
+        self.engine_loop: dict | None = None
 
     def on_ready(self, index: int, ready) -> None:
         self.marks.setdefault("ready", time.perf_counter())
@@ -206,6 +203,9 @@ class TimedRun:
         finally:
             self.sampler.stop()
         self.marks["end"] = time.perf_counter()
+        self.engine_loop = getattr(run, "engine_loop", None)  # one engine in this process
+        if line := describe_engine_loop(self.engine_loop):
+            self.log(line)
         for row in getattr(run, "summary", lambda: [])():  # Ray; an engine still starting at the end has a row too
             engine = self.engines.setdefault(row["engine"], {"engine": row["engine"], "startup_s": row["startup_s"],
                                                              "startup": {}, "in_flight": None})
@@ -213,6 +213,12 @@ class TimedRun:
             if line := describe_engine_loop(row["engine_loop"]):
                 self.log(f"engine {row['engine']} {line}")
         return run
+
+    def measures(self) -> dict:
+        """What every bench reports beside its own numbers: the GPUs' busy fraction (mean and per
+        BUSY_BUCKET_S) and, for one engine in this process, where its loop's time went."""
+        return {"gpu_busy": self.sampler.busy(), "gpu_busy_timeline": self.sampler.timeline(),
+                "gpu_busy_bucket_s": BUSY_BUCKET_S, "engine_loop": self.engine_loop}
 
     def engine_rows(self) -> list[dict]:
         return [self.engines[k] for k in sorted(self.engines)]

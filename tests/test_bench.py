@@ -197,6 +197,25 @@ def test_gpu_busy_timeline_averages_each_bucket_by_sample_time():
     assert BusySampler([0]).timeline() == {}  # no NVML (a CPU run): nothing to show
 
 
+def test_the_frame_rate_timeline_counts_each_new_frame_in_the_bucket_it_arrived(monkeypatch):
+    from types import SimpleNamespace
+
+    from terra_cli.bench import scenarios as bench
+
+    timed = bench.TimedRun.__new__(bench.TimedRun)
+    timed.frames, timed.frame_marks, timed.marks, timed.total = 0, [], {}, 100
+    timed.progress, timed.sampler = lambda done, total: None, SimpleNamespace(start=lambda: None)
+    clock = iter([100.0, 103.0, 112.0, 112.5, 113.0, 135.0])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    # Ray reports counts per tick: a jump of several frames lands in one bucket; a repeat adds none.
+    for count in (1, 3, 3, 4, 9, 10):
+        timed.on_frames(count)
+    assert timed.frames_timeline(10) == [0.3, 0.6, 0.0, 0.1]
+    assert timed.frames_timeline(20) == [0.45, 0.05]
+    assert timed.marks == {"first_frame": 100.0, "last_frame": 135.0}
+    assert bench.TimedRun.frames_timeline(SimpleNamespace(frame_marks=[])) == []  # no frame yet
+
+
 def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     from terra_cli.bench.scenarios import describe_engine_loop
 

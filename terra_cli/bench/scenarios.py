@@ -178,6 +178,7 @@ class TimedRun:
         self.marks: dict[str, float] = {}
         self.engines: dict[int, dict] = {}
         self.frames = 0
+        self.frame_marks: list[float] = []  # perf_counter at each new frame count, for the rate timeline
         self.engine_loop: dict | None = None
 
     def on_ready(self, index: int, ready) -> None:
@@ -188,12 +189,14 @@ class TimedRun:
                  + (f" ({ready.in_flight_reason})" if ready.in_flight_reason else ""))
 
     def on_frames(self, count: int) -> None:
+        now = time.perf_counter()
         if not self.frames:
-            self.marks["first_frame"] = time.perf_counter()
+            self.marks["first_frame"] = now
             self.sampler.start()
         if count > self.frames:
+            self.frame_marks.extend([now] * (count - self.frames))
             self.frames = count
-            self.marks["last_frame"] = time.perf_counter()
+            self.marks["last_frame"] = now
             self.progress(count, self.total)
 
     def run(self):
@@ -218,7 +221,16 @@ class TimedRun:
         """What every bench reports beside its own numbers: the GPUs' busy fraction (mean and per
         BUSY_BUCKET_S) and, for one engine in this process, where its loop's time went."""
         return {"gpu_busy": self.sampler.busy(), "gpu_busy_timeline": self.sampler.timeline(),
-                "gpu_busy_bucket_s": BUSY_BUCKET_S, "engine_loop": self.engine_loop}
+                "frames_per_s_timeline": self.frames_timeline(), "gpu_busy_bucket_s": BUSY_BUCKET_S,
+                "engine_loop": self.engine_loop}
+
+    def frames_timeline(self, bucket_s: float = BUSY_BUCKET_S) -> list[float]:
+        """Generated frames/s per `bucket_s` from the first frame, beside the busy timeline: a
+        rate that changes with a phase (a round's start, another job on the host) shows here."""
+        if not self.frame_marks:
+            return []
+        buckets = ((np.asarray(self.frame_marks) - self.frame_marks[0]) // bucket_s).astype(int)
+        return [round(n / bucket_s, 2) for n in np.bincount(buckets).tolist()]
 
     def engine_rows(self) -> list[dict]:
         return [self.engines[k] for k in sorted(self.engines)]

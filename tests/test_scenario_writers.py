@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from terra_cli.cli import app
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
-from terra_cli.scenarios.runner import RESULTS_NAME, WRITER_QUEUE, ScenarioRun, _Writer, completed_ids, \
+from terra_cli.scenarios.runner import RESULTS_NAME, ScenarioRun, _Writer, completed_ids, \
     read_results, run_scenarios
 from terra_cli.scenarios.spec import Defaults, read_scenarios
 from terra_cli.scenarios.writers import OPEN_PER_PROCESS, WriterDied, default_writers
@@ -187,36 +187,46 @@ class StalledPool:
         pass
 
 
-def test_the_engine_blocks_when_the_writer_processes_fall_behind(tmp_path):
-    """Two scenarios per process go to the pool and 64 wait in the queue; the next put blocks
-    (memory stays bounded) until the writer fails, and then raises instead of waiting."""
+def test_a_writer_that_falls_behind_holds_back_admission_never_the_engine(tmp_path):
+    """With the processes stalled, `put` (the engine loop's call) still returns at once however
+    long the backlog; `wait_for_room` (admission's) waits while the backlog is at its limit, and
+    raises, as `put` and `close` do, once the writer failed."""
     from terra_cli.scenarios.runner import ResultsLog
 
     scenario = read_scenarios(write_lines(tmp_path, lines(1)), Defaults()).scenarios[0]
     pool = StalledPool()
     writer = _Writer(tmp_path, None, ResultsLog(tmp_path), ScenarioRun(), lambda record: None, (), pool)
     tokens = np.zeros((3, TOKENS), dtype=np.int64)
-    for _ in range(OPEN_PER_PROCESS * pool.size + WRITER_QUEUE):
-        bounded(lambda: writer.put(scenario, tokens, 0.0), 10)
-    deadline = time.monotonic() + 10
-    while len(pool.submitted) < OPEN_PER_PROCESS * pool.size and time.monotonic() < deadline:
-        time.sleep(0.05)
-    raised = queue.Queue()
+    limit = 8
+    for _ in range(OPEN_PER_PROCESS * pool.size + 3 * limit):
+        bounded(lambda: writer.put(scenario, tokens, 0.0), 2)
+    assert writer.backlog == OPEN_PER_PROCESS * pool.size + 3 * limit
+    bounded(lambda: writer.wait_for_room(writer.backlog + 1), 2)  # below the limit: no wait
+    raised, stop = queue.Queue(), threading.Event()
 
-    def put_one_more():
+    def admit_one_more():
         try:
-            writer.put(scenario, tokens, 0.0)
+            writer.wait_for_room(limit, stop)
         except BaseException as exc:  # noqa: BLE001 (looked at below)
             raised.put(exc)
+        else:
+            raised.put(None)
 
-    blocked = threading.Thread(target=put_one_more, daemon=True)
-    blocked.start()
-    blocked.join(1.0)
-    assert blocked.is_alive(), "put returned although the writer and its queue were full"
-    assert len(pool.submitted) == OPEN_PER_PROCESS * pool.size and writer.queue.qsize() == WRITER_QUEUE
+    held = threading.Thread(target=admit_one_more, daemon=True)
+    held.start()
+    held.join(1.0)
+    assert held.is_alive(), "admission went on although the writer was far behind"
+    stop.set()  # the run ended: the wait returns without an error
+    held.join(5)
+    assert not held.is_alive() and raised.get_nowait() is None
+    held = threading.Thread(target=admit_one_more, daemon=True)
+    stop.clear()
+    held.start()
+    held.join(0.5)
+    assert held.is_alive()
     pool.fail()
-    blocked.join(10)  # the blocked put gives up once the writer has failed
-    assert not blocked.is_alive()
+    held.join(10)  # the held admission gives up once the writer has failed
+    assert not held.is_alive()
     assert isinstance(raised.get_nowait(), WriterDied)
     with pytest.raises(WriterDied, match="stalled pool stopped; the run stopped with 0 scenario"):
         bounded(lambda: writer.put(scenario, tokens, 0.0), 10)

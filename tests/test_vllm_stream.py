@@ -210,6 +210,55 @@ def test_the_engine_generates_while_later_contexts_are_still_being_encoded(tmp_p
         assert (tokens[:2] == n + 1).all()
 
 
+class HeldDecoder(SlowTokenizer):
+    """A video decoder that makes nothing until `release` is set: a writer far behind the engine."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__(seconds=0.0)
+        self.release = threading.Event()
+
+    def decode_tokens(self, tokens):
+        self.release.wait(60)
+        return [np.full((32, 64, 3), 100, dtype=np.uint8) for _ in tokens]
+
+
+def test_scenarios_finishing_together_never_wait_for_the_writer_new_ones_do(tmp_path, backend, monkeypatch):
+    """With the writer held, the scenarios in flight still finish together and are all taken
+    (the engine loop used to wait on the writer, through a bounded queue), and no new scenario
+    starts while the backlog is at its limit (here max(1, 4 in flight) = 4): the run holds with
+    4 to 7 scenarios generated (the limit, plus what was in flight when it was reached) and none
+    written; the rest follow once the writer drains."""
+    import threading
+    import time
+
+    from terra_cli.scenarios import encoding, runner
+
+    monkeypatch.setattr(encoding, "ENCODE_BATCH", 1)
+    monkeypatch.setattr(runner, "WRITER_BACKLOG", 1)
+    file = image_scenarios(tmp_path, 12)
+    decoder, frames, seen_when_held = HeldDecoder(), [], []
+
+    def release_once_idle():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            count = len(frames)
+            time.sleep(1.5)
+            if count and len(frames) == count:  # nothing new for 1.5 s: the run is held
+                break
+        seen_when_held.append(len(frames))
+        decoder.release.set()
+
+    threading.Thread(target=release_once_idle, daemon=True).start()
+    run = runner.run_scenarios(file, tmp_path / "out", backend, decoder, max_rollouts=4, writers=0,
+                               on_progress=lambda r, total: frames.append(r.done))
+    assert len(seen_when_held) == 1 and 4 <= seen_when_held[0] <= 7, seen_when_held
+    assert frames[:seen_when_held[0]] == [0] * seen_when_held[0]
+    assert run.done == 12 and len(frames) == 12
+    assert len(list((tmp_path / "out").glob("*.mp4"))) == 12
+
+
 def test_a_context_that_cannot_be_encoded_ends_the_run_with_its_error(tmp_path, backend, monkeypatch):
     from terra_cli.scenarios import encoding, runner
 

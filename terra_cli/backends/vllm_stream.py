@@ -32,6 +32,7 @@ from terra_cli.backends.vllm import VllmBackend, write_rows, interleave
 from terra_cli.pipeline.rounds import Round, plan_rounds
 
 ROUND_SEED_STRIDE = 100_003  # = pipeline.rounds: a fresh random stream per round
+HOLD_POLL_SECONDS = 0.05  # how often an idle driver looks again at a feed that holds its jobs back
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,10 @@ class JobFeed:
     work joins the running batch at the next engine step.
     """
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None, hold: Callable[[], bool] | None = None) -> None:
+        # hold: while it returns True, `get` gives no job (the consumer is not to take more now,
+        # such as a run whose video writer is behind); it may raise, to end the run.
+        self._hold = hold
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
@@ -117,7 +121,11 @@ class JobFeed:
             self._cancelled.discard(key)
 
     def get(self, wait: float) -> RolloutJob | None:
-        """The next job, waiting up to `wait` seconds; None when there is none now."""
+        """The next job, waiting up to `wait` seconds; None when there is none now or the feed
+        holds its jobs back."""
+        if self._hold is not None and self._hold():
+            time.sleep(min(wait, HOLD_POLL_SECONDS))
+            return None
         try:
             job = self._jobs.get(timeout=wait) if wait > 0 else self._jobs.get_nowait()
         except queue.Empty:

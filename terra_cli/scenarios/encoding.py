@@ -47,12 +47,14 @@ class EncodeAhead:
     H100, 42 s of encoding for 256 ACT-Bench samples, with the GPU idle, when the loop did it:
     benchmarks/README.md). A failure to read or encode is kept for `check()`, which the run calls
     after every frame and at its end; the feed closes then, so the driver finishes what is in
-    flight and returns."""
+    flight and returns. `hold`: the feed's (`JobFeed`), which keeps the engine from taking new
+    scenarios while it says so."""
 
-    def __init__(self, scenarios: list[Scenario], tokenizer, make_job: Callable, ahead: int):
+    def __init__(self, scenarios: list[Scenario], tokenizer, make_job: Callable, ahead: int,
+                 hold: Callable[[], bool] | None = None):
         from terra_cli.backends.vllm_stream import JobFeed
 
-        self.feed = JobFeed(capacity=ahead)
+        self.feed = JobFeed(capacity=ahead, hold=hold)
         self.error: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._work, args=(scenarios, tokenizer, make_job, _cuda_device()),

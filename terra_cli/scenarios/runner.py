@@ -13,9 +13,12 @@ paths, digest); a re-run skips every id whose line says done, whose files exist 
 is unchanged. The folder is held by one run at a time (`outdir.OutDirLock`), and a file is replaced
 only when an earlier run recorded it for the same scenario, or with `overwrite`.
 
-A results log that cannot be appended ends the run with one line (OutputError); nothing waits
-forever on the writer: `put` gives up when it has died, and the interrupt path never blocks on a
-full queue.
+The engine loop never waits on the writer: a finished scenario's tokens are always taken, and
+while the writer is behind, the engine takes no new scenario (`_Writer.behind`, the job feed's
+hold) but keeps stepping the rollouts in flight. (A bounded queue that blocked the loop left 256
+ACT-Bench samples finishing together to crawl through at one rollout's pace for 230 s on an H100:
+benchmarks/README.md.) A results log that cannot be appended ends the run with one line
+(OutputError); nothing waits forever on a writer that has died.
 
 `ScenarioJob` is the whole request as plain data: `prepare_job` validates it without a model,
 `run_scenario_job` loads the engine and runs it, and `scenarios.ray_runner` hands the scenarios
@@ -46,7 +49,9 @@ from terra_cli.scenarios.spec import Scenario, ScenarioFile
 from terra_cli.scenarios.writers import WriterDied, WriterPool, decode_frames, start_pool, write_in_order
 
 VIDEO_FPS = 10
-WRITER_QUEUE = 64  # finished scenarios waiting for the writer (tokens only: small)
+# No new scenario starts while this many finished ones (or the rollouts in flight, if more) wait
+# for the writer: tokens only, 0.2 MB for an ACT-Bench sample.
+WRITER_BACKLOG = 64
 WAIT_SECONDS = 0.2  # how often a blocked put or close looks at whether the writer is still alive
 
 
@@ -157,6 +162,8 @@ def run_scenarios(
                          plan.replaceable, pool)
         clock = time.perf_counter()
 
+        backlog_limit = max(WRITER_BACKLOG, max_rollouts)
+
         def sampling(s: Scenario) -> Sampling:
             return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=s.seed)
 
@@ -182,7 +189,8 @@ def run_scenarios(
                     return RolloutJob(s.id, context, s.actions, s.frames, sampling(s))
 
                 driver = StreamDriver(backend, max_rollouts)
-                ahead = EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts))
+                ahead = EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts),
+                                    hold=lambda: writer.behind(backlog_limit))
                 try:
                     driver.run(ahead.feed, on_frame=lambda job, i, t: progress(),
                                on_done=lambda job, tokens: finished(job.key, tokens.copy()))
@@ -194,6 +202,7 @@ def run_scenarios(
                 from terra_cli.pipeline.rounds import generate_tokens
 
                 for s, context in encoded(pending, tokenizer):
+                    writer.wait_for_room(backlog_limit)
                     started[s.id] = time.perf_counter()
                     tokens = generate_tokens(backend, context, s.actions, s.frames, sampling(s),
                                              on_frame=lambda i, t: progress())[0]
@@ -216,18 +225,22 @@ def log_skipped(file: ScenarioFile, log: ResultsLog) -> int:
 
 
 class _Writer:
-    """A background thread that writes finished scenarios (bounded queue), decoding and encoding
-    them itself or, with a `pool`, placing the mp4 bytes its processes make, in the order the
-    scenarios finished. A scenario counts as written once its line is in the results log; if the
-    log cannot be appended or a writer process dies, the thread stops, and `check`, `put` and
-    `close` raise that error in the caller's thread."""
+    """A background thread that writes finished scenarios, decoding and encoding them itself or,
+    with a `pool`, placing the mp4 bytes its processes make, in the order the scenarios finished.
+    `put` never blocks (the engine loop calls it); admission asks `behind` or waits in
+    `wait_for_room` while the backlog is long. A scenario counts as written once its line is in
+    the results log; if the log cannot be appended or a writer process dies, the thread stops,
+    and `check`, `put`, `behind`, `wait_for_room` and `close` raise that error in the caller's
+    thread."""
 
     def __init__(self, out_dir: Path, tokenizer, log: ResultsLog, run: ScenarioRun, on_written: Callable[[dict], None],
                  replaceable: Container[str] = (), pool: WriterPool | None = None):
         self.out_dir, self.tokenizer, self.log, self.run = out_dir, tokenizer, log, run
         self.on_written, self.replaceable, self.pool = on_written, replaceable, pool
         self.error: BaseException | None = None
-        self.queue: queue.Queue = queue.Queue(maxsize=WRITER_QUEUE)
+        self.queue: queue.Queue = queue.Queue()
+        self.backlog = 0  # put and not yet written (or failed)
+        self._room = threading.Condition()
         self.thread = threading.Thread(target=self._work, name="terra-scenario-writer", daemon=True)
         self.thread.start()
 
@@ -236,27 +249,34 @@ class _Writer:
             raise self.error
 
     def put(self, scenario: Scenario, tokens: np.ndarray, seconds: float) -> None:
-        while True:  # never waits on a writer that is gone
-            self.check()
-            if not self.thread.is_alive():
-                raise OutputError("the scenario writer stopped before every scenario was written")
-            try:
-                self.queue.put((scenario, tokens, seconds), timeout=WAIT_SECONDS)
-                return
-            except queue.Full:
-                continue
+        self._check_alive()
+        with self._room:
+            self.backlog += 1
+        self.queue.put((scenario, tokens, seconds))
+
+    def behind(self, limit: int) -> bool:
+        """Whether `limit` or more scenarios wait to be written; raises if the writer failed or stopped."""
+        self._check_alive()
+        return self.backlog >= limit
+
+    def wait_for_room(self, limit: int, stop: threading.Event | None = None) -> None:
+        """Return once fewer than `limit` scenarios wait to be written, or `stop` is set; raise if
+        the writer failed or stopped."""
+        with self._room:
+            while self.behind(limit) and not (stop is not None and stop.is_set()):
+                self._room.wait(WAIT_SECONDS)
+
+    def _check_alive(self) -> None:
+        self.check()
+        if not self.thread.is_alive():
+            raise OutputError("the scenario writer stopped before every scenario was written")
 
     def close(self, quiet: bool = False) -> None:
         """Write what is queued and stop. Waits only while the writer makes progress; a second
         Ctrl-C or SIGTERM interrupts the wait (the writer processes are stopped either way).
         `quiet`: the caller is already raising."""
         try:
-            while self.thread.is_alive():
-                try:
-                    self.queue.put(None, timeout=WAIT_SECONDS)
-                    break
-                except queue.Full:
-                    continue
+            self.queue.put(None)
             while self.thread.is_alive():
                 self.thread.join(WAIT_SECONDS)
         finally:
@@ -277,6 +297,9 @@ class _Writer:
                                     "run the same command again to resume")
         except BaseException as exc:  # handed to the main thread, which ends the run with it
             self.error = exc
+        finally:
+            with self._room:
+                self._room.notify_all()  # an admission waiting for room learns the writer is gone
 
     def _write(self, scenario: Scenario, tokens: np.ndarray, seconds: float, video=None) -> None:
         try:
@@ -291,6 +314,9 @@ class _Writer:
         else:
             self.run.failed += 1
             self.run.errors.append(f"{scenario.id}: {record['reason']}")
+        with self._room:
+            self.backlog -= 1
+            self._room.notify_all()
         self.on_written(record)
 
 

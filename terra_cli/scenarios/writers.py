@@ -106,7 +106,7 @@ def write_in_order(pool, items: queue.Queue, write: Callable) -> None:
     """Take (scenario, tokens, seconds) from `items` until None, hand each to `pool`, and call
     `write(scenario, tokens, seconds, video)` in the order they came, `video` the mp4 bytes or that
     scenario's VideoFailed. At most OPEN_PER_PROCESS per process are open at once: when the
-    processes fall behind, `items` (a bounded queue) fills up and blocks whoever puts into it.
+    processes fall behind, the rest wait in `items` (the run holds back new scenarios meanwhile).
     Raises WriterDied once the pool broke."""
     pending: deque = deque()  # (scenario, tokens, seconds, future of its mp4)
     closing = False

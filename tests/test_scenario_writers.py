@@ -160,28 +160,40 @@ def test_an_interrupt_writes_every_finished_scenario_through_the_processes(tmp_p
 
 
 class StalledPool:
-    """A pool whose videos never come: what the writer hands it, and a way to break it."""
+    """A pool whose videos come only once told (`deliver`, `stall`): what the writer hands it, and a way to break it."""
 
     size = 2
 
     def __init__(self):
-        self.submitted, self.failure = [], None
+        self.submitted, self.failure, self.delivering = [], None, False
 
     def submit(self, key, tokens):
         future = Future()
         self.submitted.append(future)
         if self.failure is not None:
             future.set_exception(self.failure)
+        elif self.delivering:
+            future.set_result(b"mp4 bytes")
         return future
 
     def check(self):
         if self.failure is not None:
             raise self.failure
 
+    def deliver(self):
+        self.delivering = True
+        for future in self.submitted:
+            if not future.done():
+                future.set_result(b"mp4 bytes")
+
+    def stall(self):
+        self.delivering = False
+
     def fail(self):
         self.failure = WriterDied("stalled pool stopped")
         for future in self.submitted:
-            future.set_exception(self.failure)
+            if not future.done():
+                future.set_exception(self.failure)
 
     def close(self):
         pass
@@ -189,24 +201,27 @@ class StalledPool:
 
 def test_a_writer_that_falls_behind_holds_back_admission_never_the_engine(tmp_path):
     """With the processes stalled, `put` (the engine loop's call) still returns at once however
-    long the backlog; `wait_for_room` (admission's) waits while the backlog is at its limit, and
-    raises, as `put` and `close` do, once the writer failed."""
+    long the backlog; `wait_for_room` (admission's) waits while the backlog is at its limit, goes
+    on once the videos come and are written, and raises, as `put` and `close` do, once the
+    writer failed."""
     from terra_cli.scenarios.runner import ResultsLog
 
-    scenario = read_scenarios(write_lines(tmp_path, lines(1)), Defaults()).scenarios[0]
+    limit, count = 8, OPEN_PER_PROCESS * StalledPool.size + 3 * 8
+    scenarios = read_scenarios(write_lines(tmp_path, lines(2 * count)), Defaults()).scenarios
+    out = tmp_path / "out"
+    out.mkdir()
     pool = StalledPool()
-    writer = _Writer(tmp_path, None, ResultsLog(tmp_path), ScenarioRun(), lambda record: None, (), pool)
+    writer = _Writer(out, None, ResultsLog(out), ScenarioRun(), lambda record: None, (), pool)
     tokens = np.zeros((3, TOKENS), dtype=np.int64)
-    limit = 8
-    for _ in range(OPEN_PER_PROCESS * pool.size + 3 * limit):
+    for scenario in scenarios[:count]:
         bounded(lambda: writer.put(scenario, tokens, 0.0), 2)
-    assert writer.backlog == OPEN_PER_PROCESS * pool.size + 3 * limit
-    bounded(lambda: writer.wait_for_room(writer.backlog + 1), 2)  # below the limit: no wait
-    raised, stop = queue.Queue(), threading.Event()
+    assert writer.backlog == count
+    bounded(lambda: writer.wait_for_room(count + 1), 2)  # below the limit: no wait
+    raised = queue.Queue()
 
     def admit_one_more():
         try:
-            writer.wait_for_room(limit, stop)
+            writer.wait_for_room(limit)
         except BaseException as exc:  # noqa: BLE001 (looked at below)
             raised.put(exc)
         else:
@@ -216,11 +231,15 @@ def test_a_writer_that_falls_behind_holds_back_admission_never_the_engine(tmp_pa
     held.start()
     held.join(1.0)
     assert held.is_alive(), "admission went on although the writer was far behind"
-    stop.set()  # the run ended: the wait returns without an error
-    held.join(5)
+    pool.deliver()  # the videos come: written in order, the backlog drains, admission goes on
+    held.join(10)
     assert not held.is_alive() and raised.get_nowait() is None
+    bounded(lambda: writer.wait_for_room(1), 10)
+    assert len(list(out.glob("*.mp4"))) == count and writer.backlog == 0
+    pool.stall()
+    for scenario in scenarios[count:]:
+        bounded(lambda: writer.put(scenario, tokens, 0.0), 2)
     held = threading.Thread(target=admit_one_more, daemon=True)
-    stop.clear()
     held.start()
     held.join(0.5)
     assert held.is_alive()
@@ -228,11 +247,11 @@ def test_a_writer_that_falls_behind_holds_back_admission_never_the_engine(tmp_pa
     held.join(10)  # the held admission gives up once the writer has failed
     assert not held.is_alive()
     assert isinstance(raised.get_nowait(), WriterDied)
-    with pytest.raises(WriterDied, match="stalled pool stopped; the run stopped with 0 scenario"):
-        bounded(lambda: writer.put(scenario, tokens, 0.0), 10)
+    with pytest.raises(WriterDied, match=f"stalled pool stopped; the run stopped with {count} scenario"):
+        bounded(lambda: writer.put(scenarios[0], tokens, 0.0), 10)
     with pytest.raises(WriterDied):
         bounded(lambda: writer.close(), 10)
-    assert not list(tmp_path.glob("*.mp4"))
+    assert len(list(out.glob("*.mp4"))) == count
 
 
 def test_default_writers_and_the_option_checks(tmp_path, model):

@@ -52,7 +52,7 @@ VIDEO_FPS = 10
 # No new scenario starts while this many finished ones (or the rollouts in flight, if more) wait
 # for the writer: tokens only, 0.2 MB for an ACT-Bench sample.
 WRITER_BACKLOG = 64
-WAIT_SECONDS = 0.2  # how often a blocked put or close looks at whether the writer is still alive
+WAIT_SECONDS = 0.2  # how often a held admission or close looks at whether the writer is still alive
 
 
 @dataclass
@@ -259,11 +259,11 @@ class _Writer:
         self._check_alive()
         return self.backlog >= limit
 
-    def wait_for_room(self, limit: int, stop: threading.Event | None = None) -> None:
-        """Return once fewer than `limit` scenarios wait to be written, or `stop` is set; raise if
-        the writer failed or stopped."""
+    def wait_for_room(self, limit: int) -> None:
+        """Return once fewer than `limit` scenarios wait to be written; raise if the writer failed
+        or stopped."""
         with self._room:
-            while self.behind(limit) and not (stop is not None and stop.is_set()):
+            while self.behind(limit):
                 self._room.wait(WAIT_SECONDS)
 
     def _check_alive(self) -> None:

@@ -166,6 +166,20 @@ def test_preprocess_matches_terra_generator(small_tok):
     assert small_tok.postprocess(pixels)[0, :, :, 0].tolist() == [[0, 0], [127, 255]]
 
 
+def test_postprocess_gives_terra_generators_bytes_for_every_value(small_tok):
+    """The device-side uint8 conversion equals Terra's host formula, (255 * ((x + 1) / 2)).astype(uint8)
+    after clamping, for float32 and bfloat16 decoder outputs, at and around every level's edge."""
+    rng = np.random.default_rng(0)
+    edges = np.arange(256, dtype=np.float64) / 127.5 - 1.0
+    values = np.concatenate([rng.uniform(-1.5, 1.5, 40_000), edges, np.nextafter(edges, 2), np.nextafter(edges, -2)])
+    for dtype in (torch.float32, torch.bfloat16):
+        pixels = torch.from_numpy(values.astype(np.float32)).to(dtype).reshape(1, 1, 1, -1).expand(2, 3, 1, -1)
+        x = np.clip(pixels.float().numpy(), -1.0, 1.0)
+        expected = (255 * ((x + 1.0) / 2.0)).astype(np.uint8).transpose(0, 2, 3, 1)
+        got = small_tok.postprocess(pixels)
+        assert got.dtype == np.uint8 and got.flags.c_contiguous and np.array_equal(got, expected), dtype
+
+
 def test_decode_tokens_rejects_bad_tokens(small_tok):
     from tokenizer_decoder import TokenizerInputError
 

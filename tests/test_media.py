@@ -61,6 +61,11 @@ def test_mp4_written_and_read_back(tmp_path):
     assert abs(int(back[2][..., 0].mean()) - 120) < 8  # lossy, but close
     assert len(read_frames(path, max_frames=3)) == 3
     assert count_frames(path) == 5
+    # What write_video's check reads: a file cut short (its trailer lost) or not a video counts no frame.
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    (tmp_path / "text.mp4").write_text("not a video")
+    assert count_frames(cut) is None and count_frames(tmp_path / "text.mp4") is None
 
 
 def test_write_frames_pngs(tmp_path):

@@ -147,19 +147,16 @@ def _iter_video(path: Path, max_frames: int | None) -> Iterator[np.ndarray]:
 
 
 def _video_frame_count(path: Path) -> int | None:
-    import imageio.v2 as iio
+    """The frames of the video's first stream, read by ffmpeg without decoding them; None if it
+    cannot read them. (imageio's reader counts the same way, after starting a second ffmpeg for
+    the metadata: one more process per mp4 that a writer process makes and checks.)"""
+    try:
+        import imageio_ffmpeg
 
-    try:
-        reader = iio.get_reader(str(path), format="FFMPEG")
+        n, _ = imageio_ffmpeg.count_frames_and_secs(str(path))
     except Exception:
         return None
-    try:
-        n = reader.count_frames()
-        return int(n) if n and n > 0 else None
-    except Exception:
-        return None
-    finally:
-        reader.close()
+    return int(n) if n and n > 0 else None
 
 
 def _as_rgb(frame: np.ndarray) -> np.ndarray:

@@ -131,13 +131,15 @@ def test_killed_engines_lose_nothing_and_rejoin(cluster, work, monkeypatch):
 
 def test_a_restarted_engine_takes_back_the_scenarios_it_lost(cluster, work, monkeypatch):
     """Engine 1 is SIGKILLed as soon as it is ready, with its share of four scenarios open; engine
-    0 is slow (8 s a scenario). The two lost scenarios go back to the queue for any engine, not
-    only to the others: engine 1 rejoins and writes them while engine 0 still works on its own
-    (on two H100s, the survivor redid a whole batch while the restarted engine stood idle)."""
+    0 is slow (16 s a scenario, so that a restart on a loaded 2-core machine comes back while
+    work is left: at 8 s, one CI run's engine 0 had taken all four by then). The two lost
+    scenarios go back to the queue for any engine, not only to the others: engine 1 rejoins and
+    writes them while engine 0 still works on its own (on two H100s, the survivor redid a whole
+    batch while the restarted engine stood idle)."""
     folder, model = work
     lines = (folder / "s.jsonl").read_text().splitlines()[:4]
     (folder / "four.jsonl").write_text("\n".join(lines) + "\n")
-    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "0=4.0")
+    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "0=8.0")
     killed = []
 
     def on_event(kind, engine, payload):

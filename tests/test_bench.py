@@ -239,3 +239,7 @@ def test_the_pipelined_projection_takes_the_slower_of_engine_and_writer_per_samp
     # 400 samples through 100 in flight: the drain held the last 100 videos, not all 400.
     longer = pipelined_projection_s({**once, "generating": 1200.0, "drain_writer": 200.0}, 400, 100, target=1000)
     assert longer == pytest.approx(40 + 10 + 1000 * max(3.0, 2.0) + 200)
+    # The writer's pace as measured, where known, instead of what the drain suggests.
+    measured = pipelined_projection_s({**once, "generating": 300.0, "drain_writer": 50.0}, 100, 128, target=1000,
+                                      writer_s_per_sample=4.0)
+    assert measured == pytest.approx(40 + 10 + 1000 * 4.0 + 50)

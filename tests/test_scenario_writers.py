@@ -76,6 +76,9 @@ def test_writer_processes_write_what_the_writer_thread_writes(tmp_path, backend,
     runs = {writers: run_scenarios(file, tmp_path / f"w{writers}", backend, tokenizer, max_rollouts=1, writers=writers)
             for writers in (0, 2)}
     assert [(r.done, r.failed, r.writers) for r in runs.values()] == [(7, 0, 0), (7, 0, 2)]
+    # Both count the videos they made and the time it took (the benches' writer pace).
+    assert [r.videos_made for r in runs.values()] == [7, 7]
+    assert all(0 < r.video_seconds <= r.seconds * r.writers + r.seconds for r in runs.values())
     thread, pool = tmp_path / "w0", tmp_path / "w2"
     assert files(thread) == files(pool) == sorted([RESULTS_NAME, *(f"v{i}.{x}" for i in range(7) for x in ("mp4", "npy"))])
     for i in range(7):

@@ -50,18 +50,21 @@ class ActBenchPlan:
     ray: str | None = None  # run the engines as Ray actors: local, or a cluster's address (several engines: local)
 
 
-def pipelined_projection_s(phases: dict, samples: int, in_flight: int, target: int = ACT_BENCH_SAMPLES) -> float:
+def pipelined_projection_s(phases: dict, samples: int, in_flight: int, target: int = ACT_BENCH_SAMPLES,
+                           writer_s_per_sample: float | None = None) -> float:
     """Seconds for `target` samples when reading, encoding and writing run beside generation, as
     they do in a run longer than one batch: start-up and the first frame's wait once, then each
     sample at the slower of the engine's rate and the writer's, then the last batch's drain.
 
-    The writer's rate comes from the drain after the last frame, which holds the videos of the
-    last batch to finish: about min(samples, in_flight) of them. The measured projection
+    The writer's pace: `writer_s_per_sample` as measured (seconds per video over the writer
+    processes), else the drain after the last frame, which holds the videos of the last batch to
+    finish: about min(samples, in_flight) of them. The measured projection
     (`projected_act_bench_hours`) instead counts every phase once per `samples`, which a run no
     larger than its batch makes too long: its samples finish together, so none of their videos
     were made while others generated."""
     generate = phases["generating"] / samples
-    write = phases["drain_writer"] / max(1, min(samples, in_flight))
+    write = writer_s_per_sample if writer_s_per_sample is not None else \
+        phases["drain_writer"] / max(1, min(samples, in_flight))
     return phases["startup"] + phases["ready_to_first_frame"] + target * max(generate, write) + phases["drain_writer"]
 
 
@@ -181,6 +184,7 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                 "samples": plan.samples, "rounds_per_sample": rounds, "generated_frames": run.generated_frames,
                 "videos_written": len(videos),
                 "writers": run.writers,
+                "writer_s_per_video": round(run.video_seconds / run.videos_made, 3) if run.videos_made else None,
                 "results_lines_done": len(records),
                 "seconds_wall": round(end - marks["start"], 2),
                 "seconds_per_sample_wall": round((end - marks["start"]) / plan.samples, 3),
@@ -199,8 +203,10 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
             },
         }
         in_flight = sum(e.get("in_flight") or 0 for e in engines) or plan.samples
-        results["run"]["projected_act_bench_hours_pipelined"] = round(
-            pipelined_projection_s(results["run"]["phases_s"], plan.samples, in_flight) / 3600, 3)
+        per_video = results["run"]["writer_s_per_video"]  # None on Ray: the engines make the videos
+        results["run"]["projected_act_bench_hours_pipelined"] = round(pipelined_projection_s(
+            results["run"]["phases_s"], plan.samples, in_flight,
+            writer_s_per_sample=per_video / max(1, run.writers) if per_video is not None else None) / 3600, 3)
         if run.generated_frames != timed.total:
             raise RuntimeError(f"{run.generated_frames} frames written, {timed.total} expected")
     r = results["run"]

@@ -46,6 +46,7 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
         ("engines (share of samples)", engine_shares(results["engines"])),
         ("rollouts in flight per engine", ", ".join(str(e.get("in_flight") or "-") for e in results["engines"])),
         ("video writer processes", str(run["writers"])),
+        ("s/video in a writer", "-" if run["writer_s_per_video"] is None else f"{run['writer_s_per_video']:.2f}"),
         ("s/sample, wall", f"{run['seconds_per_sample_wall']:.3f}"),
         ("s/sample after start-up", f"{run['seconds_per_sample_steady']:.3f}"),
         ("generated frames/s after start-up", f"{run['generated_frames_per_s']:.2f}"),

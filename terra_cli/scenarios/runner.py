@@ -65,6 +65,8 @@ class ScenarioRun:
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
     writers: int = 0  # video writer processes the run used (0: the writer thread decodes and encodes)
+    videos_made: int = 0  # by the writer processes or thread
+    video_seconds: float = 0.0  # what making them took, summed over the processes (a bench's writer pace)
     engine_loop: dict | None = None  # vLLM: where the engine loop's time went (vllm_stream.LoopTimes.as_dict)
 
 
@@ -214,6 +216,8 @@ def run_scenarios(
             run.seconds = time.perf_counter() - clock
         writer.close()
         run.seconds = time.perf_counter() - clock
+        if pool is not None:
+            run.videos_made, run.video_seconds = pool.videos, pool.video_seconds
     return run
 
 
@@ -302,6 +306,8 @@ class _Writer:
                 self._room.notify_all()  # an admission waiting for room learns the writer is gone
 
     def _write(self, scenario: Scenario, tokens: np.ndarray, seconds: float, video=None) -> None:
+        making = self.pool is None and self.tokenizer is not None  # this thread decodes and encodes the video
+        began = time.perf_counter()
         try:
             record = save_finished(self.out_dir, self.log, scenario, tokens, seconds,
                                    decoder=self.tokenizer if video is None else None, video=video,
@@ -309,6 +315,9 @@ class _Writer:
         except NotRecorded as exc:
             raise OutputError(f"{exc}; the run stopped with {self.run.done} scenario(s) written and recorded"
                               f"{exc.dropped}; fix that, then run the same command again to resume") from exc
+        if making:
+            self.run.videos_made += 1
+            self.run.video_seconds += time.perf_counter() - began
         if record["status"] == "done":
             self.run.done += 1
         else:

@@ -28,6 +28,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -138,6 +139,7 @@ class _Worker:
         self.dead = False  # takes no more tasks (its pipe broke, or it could not start)
         self.reaped = False  # the collector saw it exit
         self.task: tuple[Future, str] | None = None  # (future, scenario id) while it works
+        self.sent_at = 0.0  # when its task was sent
 
 
 class WriterPool:
@@ -161,6 +163,8 @@ class WriterPool:
         self.backlog: deque[tuple[Future, str, np.ndarray]] = deque()
         self.workers: list[_Worker] = []
         self.thread: threading.Thread | None = None
+        self.videos = 0  # answered tasks (mp4s made, or failed)
+        self.video_seconds = 0.0  # their time from send to answer, summed over the processes
         atexit.register(self.close)  # before multiprocessing's own exit handler, which would join them
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; the worker imports afresh
         try:
@@ -237,6 +241,7 @@ class WriterPool:
                 w.dead = True
                 continue
             w.task = (future, key)
+            w.sent_at = time.perf_counter()
 
     def _fail_open(self, error: BaseException) -> None:
         for w in self.workers:
@@ -291,6 +296,8 @@ class WriterPool:
             elif w.task is not None:
                 future, _ = w.task
                 w.task = None
+                self.videos += 1
+                self.video_seconds += time.perf_counter() - w.sent_at
                 if kind == "done":
                     future.set_result(message[2])
                 else:

@@ -8,6 +8,7 @@
 #   scenarios  terra bench --scenarios 256 (25 frames, 256 in flight, fp8 KV): vllm, then terra ($ATTENTIONS)
 #   single     terra bench --hf-vs-vllm --skip-hf --batch 1 --frames 25 (bf16): one rollout, both attentions
 #   bf16       terra bench --scenarios 128 --max-rollouts 128 (bf16 KV): both attentions
+#   writer     writer_parts.py: one ACT-Bench video's writer parts (decoder, uint8, H.264, read-back), ~1 min
 #   act        terra bench --act-bench $ACT_SAMPLES (256) --kv-cache-dtype fp8 (auto: terra), end to end, within
 #              $ACT_LIMIT_S (570; longer than a device call: start it with gpu_common.sh's in_background)
 set -uo pipefail
@@ -38,8 +39,9 @@ case "$1" in
             step "scenarios-bf16-$attention" "${BF16_LIMIT_S:-230}" bench --scenarios 128 --max-rollouts 128 --attention "$attention" \
               --out "$OUT/scenarios-bf16-$attention.json"
           done ;;
+  writer) timeout 300 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" 2>&1 | tee "$OUT/writer_parts.log" ;;
   act) watch_gpu_memory act
        step act "${ACT_LIMIT_S:-570}" bench --act-bench "${ACT_SAMPLES:-256}" --kv-cache-dtype fp8 --out "$OUT/act.json"
        stop_gpu_memory ;;
-  *) echo "usage: gpu_decode_attention.sh kernel|parity|profile|scenarios|single|bf16|act" >&2; exit 2 ;;
+  *) echo "usage: gpu_decode_attention.sh kernel|parity|profile|scenarios|single|bf16|act|writer" >&2; exit 2 ;;
 esac

@@ -13,12 +13,10 @@ paths, digest); a re-run skips every id whose line says done, whose files exist 
 is unchanged. The folder is held by one run at a time (`outdir.OutDirLock`), and a file is replaced
 only when an earlier run recorded it for the same scenario, or with `overwrite`.
 
-The engine loop never waits on the writer: a finished scenario's tokens are always taken, and
-while the writer is behind, the engine takes no new scenario (`_Writer.behind`, the job feed's
-hold) but keeps stepping the rollouts in flight. (A bounded queue that blocked the loop left 256
-ACT-Bench samples finishing together to crawl through at one rollout's pace for 230 s on an H100:
-benchmarks/README.md.) A results log that cannot be appended ends the run with one line
-(OutputError); nothing waits forever on a writer that has died.
+The engine loop never waits on the writer (a bounded queue that did stalled 256 ACT-Bench samples
+for 230 s on an H100: benchmarks/README.md): while the writer is behind, no new scenario starts
+(`_Writer.behind`, the job feed's hold). A results log that cannot be appended ends the run with
+one line (OutputError); nothing waits forever on a writer that has died.
 
 `ScenarioJob` is the whole request as plain data: `prepare_job` validates it without a model,
 `run_scenario_job` loads the engine and runs it, and `scenarios.ray_runner` hands the scenarios
@@ -163,7 +161,6 @@ def run_scenarios(
         writer = _Writer(out_dir, (frame_decoder or tokenizer) if decode else None, log, run, on_written,
                          plan.replaceable, pool)
         clock = time.perf_counter()
-
         backlog_limit = max(WRITER_BACKLOG, max_rollouts)
 
         def sampling(s: Scenario) -> Sampling:
@@ -232,10 +229,9 @@ class _Writer:
     """A background thread that writes finished scenarios, decoding and encoding them itself or,
     with a `pool`, placing the mp4 bytes its processes make, in the order the scenarios finished.
     `put` never blocks (the engine loop calls it); admission asks `behind` or waits in
-    `wait_for_room` while the backlog is long. A scenario counts as written once its line is in
-    the results log; if the log cannot be appended or a writer process dies, the thread stops,
-    and `check`, `put`, `behind`, `wait_for_room` and `close` raise that error in the caller's
-    thread."""
+    `wait_for_room`. A scenario counts as written once its line is in the results log; if the log
+    cannot be appended or a writer process dies, the thread stops, and every call here raises that
+    error in the caller's thread."""
 
     def __init__(self, out_dir: Path, tokenizer, log: ResultsLog, run: ScenarioRun, on_written: Callable[[dict], None],
                  replaceable: Container[str] = (), pool: WriterPool | None = None):
@@ -258,14 +254,11 @@ class _Writer:
             self.backlog += 1
         self.queue.put((scenario, tokens, seconds))
 
-    def behind(self, limit: int) -> bool:
-        """Whether `limit` or more scenarios wait to be written; raises if the writer failed or stopped."""
+    def behind(self, limit: int) -> bool:  # `limit` or more wait to be written
         self._check_alive()
         return self.backlog >= limit
 
-    def wait_for_room(self, limit: int) -> None:
-        """Return once fewer than `limit` scenarios wait to be written; raise if the writer failed
-        or stopped."""
+    def wait_for_room(self, limit: int) -> None:  # until fewer than `limit` wait to be written
         with self._room:
             while self.behind(limit):
                 self._room.wait(WAIT_SECONDS)

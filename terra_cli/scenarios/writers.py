@@ -7,15 +7,14 @@ files and of results.jsonl (`runner._Writer` places the bytes with `write_scenar
 so --out-dir's rules hold as they are: atomic files, nothing replaced that the run may not
 replace, a scenario written once its line is in the log.
 
-- Each worker has its own pipe and one task at a time; tokens go as numpy arrays, videos come back
-  as bytes (pickled between these processes only: nothing read from disk is unpickled).
+- Each worker has its own pipe and one task at a time; tokens go as arrays, videos come back as
+  bytes (pickled between these processes only: nothing read from disk is unpickled).
 - A task that fails (a decode or encode error) comes back as that scenario's `VideoFailed`: the
   scenario is recorded failed, as a failed decode in the engine's process is.
 - A worker that dies (killed, out of memory) or cannot load the tokenizer breaks the pool: every
-  open task fails with one `WriterDied` naming it, and the run ends; nothing waits on a worker
-  that is gone.
-- Workers ignore Ctrl-C, SIGTERM and SIGHUP: on an interrupt the engine's process still writes the
-  scenarios that finished, then closes the pool. A worker exits when the engine's process goes.
+  open task fails with one `WriterDied` naming it, and the run ends, waiting on no dead worker.
+- Workers ignore Ctrl-C, SIGTERM and SIGHUP: on an interrupt the engine's process still writes
+  the scenarios that finished, then closes the pool. A worker exits with the engine's process.
 """
 
 from __future__ import annotations
@@ -47,11 +46,9 @@ _SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP
 
 def default_writers(device: str) -> int:
     """--writers auto: one process on a GPU, none on a CPU (a thread of the engine's process: the
-    decode needs the cores that generate, wherever it runs). One, because each process holds its
-    own CUDA context and decoder beside vLLM's 85% of the GPU, where the engine's process with
-    its context encoder already sits near the card's limit (benchmarks/README.md, Ray on two
-    H100s), and because one keeps up: about 0.9 s of decode and encode per ACT-Bench sample
-    against a sample every 1.6 s from an engine at 27 frames/s."""
+    decode needs the cores that generate). One, because each holds a CUDA context and decoder
+    beside vLLM's 85%, where the card is near its limit, and one keeps up: 0.91 s per ACT-Bench
+    video against a sample every 1.6 s from the engine on an H100 (benchmarks/README.md)."""
     return 1 if str(device).startswith("cuda") else 0
 
 
@@ -72,8 +69,7 @@ class VideoFailed(Exception):
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """What a worker loads: the image tokenizer's folder and settings, as the engine's process
-    loaded it."""
+    """What a worker loads: the image tokenizer's folder and settings, as the engine's process has them."""
 
     source: str
     device: str
@@ -163,8 +159,7 @@ class WriterPool:
         self.backlog: deque[tuple[Future, str, np.ndarray]] = deque()
         self.workers: list[_Worker] = []
         self.thread: threading.Thread | None = None
-        self.videos = 0  # answered tasks (mp4s made, or failed)
-        self.video_seconds = 0.0  # their time from send to answer, summed over the processes
+        self.videos, self.video_seconds = 0, 0.0  # answered tasks, and their time from send to answer
         atexit.register(self.close)  # before multiprocessing's own exit handler, which would join them
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; the worker imports afresh
         try:

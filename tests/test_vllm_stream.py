@@ -210,6 +210,21 @@ def test_the_engine_generates_while_later_contexts_are_still_being_encoded(tmp_p
         assert (tokens[:2] == n + 1).all()
 
 
+def test_a_scenarios_seconds_count_from_when_the_engine_takes_it(tmp_path, backend, monkeypatch):
+    """One at a time: the scenarios run one after another, so their recorded seconds add up to
+    no more than the run. Counted from their encoding (all four at once, ahead of the engine),
+    the last would include the three before it and the sum would be about 2.5 times the run."""
+    from terra_cli.scenarios import encoding, runner
+
+    monkeypatch.setattr(encoding, "ENCODE_BATCH", 1)
+    file = image_scenarios(tmp_path, 4)
+    run = runner.run_scenarios(file, tmp_path / "out", backend, SlowTokenizer(seconds=0.0), max_rollouts=1,
+                               decode=False)
+    seconds = [r["seconds"] for r in runner.read_results(tmp_path / "out" / runner.RESULTS_NAME)]
+    assert run.done == 4 and len(seconds) == 4 and all(x > 0 for x in seconds)
+    assert sum(seconds) <= run.seconds + 0.05, (seconds, run.seconds)
+
+
 class HeldDecoder(SlowTokenizer):
     """A video decoder that makes nothing until `release` is set: a writer far behind the engine."""
 

@@ -62,7 +62,9 @@ class _Rollout:
     salt: str = ""
 
 
-# on_frame(job, global frame index, tokens (T,)); on_done(job, all tokens (frames, T)); on_cancelled(job)
+# on_start(job) as it takes a slot; on_frame(job, global frame index, tokens (T,)); on_done(job, all
+# tokens (frames, T)); on_cancelled(job)
+JobStarted = Callable[[RolloutJob], None]
 FrameDone = Callable[[RolloutJob, int, np.ndarray], None]
 JobDone = Callable[[RolloutJob, np.ndarray], None]
 JobCancelled = Callable[[RolloutJob], None]
@@ -221,7 +223,7 @@ class StreamDriver:
 
     def run(self, jobs: Iterable[RolloutJob] | JobFeed, on_frame: FrameDone | None = None,
             on_done: JobDone | None = None, on_cancelled: JobCancelled | None = None,
-            idle_wait: float = 0.05) -> None:
+            idle_wait: float = 0.05, on_start: JobStarted | None = None) -> None:
         """Generate every job; returns when all are done (a `JobFeed`: once it is closed and
         drained). KeyboardInterrupt aborts what is in flight (the engine is left empty) and
         propagates."""
@@ -267,6 +269,8 @@ class StreamDriver:
                         break
                     if cancelled_now(job):
                         continue
+                    if on_start is not None:
+                        on_start(job)
                     rollout = self._start(job, self._take_slot(free, job.affinity))
                     active[self._submit(rollout)] = rollout
                 stepping = clock()

@@ -184,15 +184,16 @@ def run_scenarios(
                 from terra_cli.backends.vllm_stream import RolloutJob, StreamDriver
 
                 def job(s: Scenario, context: np.ndarray) -> RolloutJob:
-                    started[s.id] = time.perf_counter()
                     return RolloutJob(s.id, context, s.actions, s.frames, sampling(s))
 
                 driver = StreamDriver(backend, max_rollouts)
                 ahead = EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts),
                                     hold=lambda: writer.behind(backlog_limit))
                 try:
+                    # A scenario's seconds count from when the engine takes it, not from its encoding.
                     driver.run(ahead.feed, on_frame=lambda job, i, t: progress(),
-                               on_done=lambda job, tokens: finished(job.key, tokens.copy()))
+                               on_done=lambda job, tokens: finished(job.key, tokens.copy()),
+                               on_start=lambda job: started.__setitem__(job.key, time.perf_counter()))
                 finally:
                     ahead.stop()
                     run.engine_loop = driver.loop.as_dict()
@@ -222,7 +223,6 @@ def log_skipped(file: ScenarioFile, log: ResultsLog) -> int:
     for problem in file.problems:
         log.add({"id": None, "line": problem.line, "status": "skipped", "reason": problem.message})
     return len(file.problems)
-
 
 
 class _Writer:

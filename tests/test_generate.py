@@ -203,12 +203,17 @@ def test_sampled_rounds_are_seeded_per_round_and_repeatable(tmp_path):
 
     rounds = plan_rounds(2, 11, 5)
     assert [(r.first_frame, r.context_frames, r.num_frames) for r in rounds] == [(0, 2, 5), (2, 3, 5), (4, 3, 5), (6, 3, 5)]
-    for index, rnd in enumerate(rounds):
-        # Each round is the backend run afresh on the last frames of the one before, with its own seed.
+    for rnd in rounds:
+        # Each round is the backend run afresh on the last frames of the one before; its draws follow
+        # the frames' index in the whole video (terra_cli/seeds.py), so no round repeats another's stream.
         again = backend.generate(tokens[:, rnd.first_frame : rnd.first_frame + rnd.context_frames],
-                                 acts[:, rnd.first_frame : rnd.end - 1], rnd.num_frames,
-                                 replace(sampling, seed=sampling.seed + 100_003 * index))
+                                 acts[:, rnd.first_frame : rnd.end - 1], rnd.num_frames, sampling,
+                                 first_frame=rnd.first_frame)
         np.testing.assert_array_equal(again, tokens[:, rnd.first_frame : rnd.end])
+        if rnd.first_frame:
+            restarted = backend.generate(tokens[:, rnd.first_frame : rnd.first_frame + rnd.context_frames],
+                                         acts[:, rnd.first_frame : rnd.end - 1], rnd.num_frames, sampling)
+            assert (restarted != again).any()
     # A rollout's frames do not depend on its batch neighbour.
     alone = generate_tokens(backend, ctx[1:], acts[1:], 11, replace(sampling, seed=sampling.seed + 1))
     np.testing.assert_array_equal(alone[0], tokens[1])

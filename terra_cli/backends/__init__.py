@@ -71,13 +71,33 @@ def check_backend_options(name: str, options: dict) -> None:
         raise InputError(f"{flags}: vLLM engine option(s), not for the hf backend; use --backend vllm")
 
 
-def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype: str | None = None, **options) -> WorldModelBackend:
+def torch_cuda_device(device: str | None) -> bool:
+    from terra_cli.runtime import resolve_device
+
+    return resolve_device(device).startswith("cuda")
+
+
+def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype: str | None = None,
+                 max_rollouts: int = 1, threads: int = 0, gpu_share: float | None = None,
+                 **options) -> WorldModelBackend:
+    """The backend `name` (auto, hf, vllm) over `checkpoint_dir`. `max_rollouts`: rollouts in flight
+    at once (vLLM sizes its engine for them; the reference batches at most that many in lockstep);
+    `threads`: the reference's CPU threads (0: torch's default); `gpu_share`: the share of the GPU's
+    memory the engine may take, where something else shares the card (vLLM's
+    gpu_memory_utilization; the reference takes what its weights need); `options`: vLLM engine
+    options."""
     name = resolve_backend_name(name)
     if name == "vllm":
         from terra_cli.backends.vllm import VllmBackend
 
-        return VllmBackend(checkpoint_dir, device=device, dtype=dtype, **options)
+        if gpu_share is not None and torch_cuda_device(device):
+            options.setdefault("gpu_memory_utilization", gpu_share)
+        return VllmBackend(checkpoint_dir, device=device, dtype=dtype, max_rollouts=max_rollouts, **options)
     from terra_cli.backends.hf import HfBackend
 
     check_backend_options("hf", options)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     return HfBackend(checkpoint_dir, device=device, dtype=dtype)

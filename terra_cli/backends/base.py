@@ -17,7 +17,7 @@ from terra_cli.errors import InputError  # noqa: F401  (part of the backend inte
 
 MAX_TEMPERATURE = 100.0  # far above any useful value; sampling at higher ones is uniform noise
 MAX_TOP_K = 2**24
-MAX_SEED = 2**63 - 2**16  # torch generators take 64-bit seeds; rollouts add their index
+from terra_cli.seeds import MAX_SEED  # noqa: E402  (the seed rule's range)
 
 # on_frame(frame_index, frame_tokens (rollouts, image_tokens)) after each generated frame.
 FrameCallback = Callable[[int, np.ndarray], None]
@@ -47,13 +47,14 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def rollout_seed(self, rollout: int) -> int:
-        return self.seed + rollout
-
 
 class WorldModelBackend(Protocol):
     name: str
     config: LlamaActionConfig
+
+    def driver(self, max_in_flight: int = 1):
+        """The one driver interface over this backend (backends/driver.py): what every front-end runs."""
+        ...
 
     def generate(
         self,
@@ -64,7 +65,8 @@ class WorldModelBackend(Protocol):
         on_frame: FrameCallback | None = None,
     ) -> np.ndarray:
         """context_tokens (R, K, 576) int, action_waypoints (R, >= num_frames - 1, 6, 3) float
-        -> all frames' tokens, context included, (R, num_frames, 576) int64."""
+        -> all frames' tokens, context included, (R, num_frames, 576) int64: one round in lockstep,
+        the primitive under the drivers and the benches."""
         ...
 
     def close(self) -> None: ...

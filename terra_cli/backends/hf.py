@@ -1,4 +1,6 @@
-"""The transformers reference backend: a plain KV-cached token loop over `modeling_hf`.
+"""The transformers reference backend: a plain KV-cached token loop over `modeling_hf`, and its
+driver (`ReferenceDriver`: the one driver interface of backends/driver.py, a lockstep batch of
+compatible jobs at a time).
 
 Readable rather than fast; it is what the vLLM backend is checked and benchmarked against.
 """
@@ -12,6 +14,7 @@ from transformers.cache_utils import DynamicCache
 from terra_cli.models.config import FrameLayout
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM, load_model
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
+from terra_cli.seeds import draw_seed, rollout_seed
 
 
 def sample_next(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, generators: list[torch.Generator]) -> torch.Tensor:
@@ -33,7 +36,7 @@ def sample_next(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, g
     probs = logits.softmax(dim=-1)
     # Exponential race (argmax of p / Exp(1) draws a code with probability p): one kernel per
     # row, where torch.multinomial over 2^18 codes is slow on GPU. One generator per rollout,
-    # so a rollout's tokens do not depend on what it is batched with.
+    # so a rollout's tokens do not depend on what it is batched with (terra_cli/seeds.py).
     race = torch.stack([torch.empty_like(p).exponential_(generator=g) for p, g in zip(probs, generators)])
     return (probs / race).argmax(dim=-1)
 
@@ -63,12 +66,22 @@ def generate_frames(
     num_frames: int,
     sampling: Sampling,
     on_frame: FrameCallback | None = None,
+    *,
+    seeds: list[int] | None = None,
+    first_frame: int = 0,
 ) -> np.ndarray:
+    """One round in lockstep: (R, num_frames, T) tokens, context included. Row r draws frame f
+    (within the round) with the generator seeded `draw_seed(seeds[r], first_frame + f)`: `seeds`
+    are the rollouts' own seeds (default `sampling.seed + r`), `first_frame` the round's first frame
+    in the whole video."""
     layout = model.layout
     context, actions = check_generation_inputs(layout, context_tokens, action_waypoints, num_frames)
     device = model.lm_head.weight.device
     rollouts, k = context.shape[:2]
-    generators = [torch.Generator(device=device).manual_seed(sampling.rollout_seed(r)) for r in range(rollouts)]
+    seeds = [rollout_seed(sampling.seed, r) for r in range(rollouts)] if seeds is None else list(seeds)
+    if len(seeds) != rollouts:
+        raise ValueError(f"{len(seeds)} seeds for {rollouts} rollouts")
+    generators = [torch.Generator(device=device) for _ in range(rollouts)]
     frames = torch.empty((rollouts, num_frames, layout.image_tokens), dtype=torch.long, device=device)
     frames[:, :k] = torch.tensor(context, device=device)
     actions_t = torch.tensor(actions, device=device)
@@ -83,6 +96,8 @@ def generate_frames(
         next_position = prompt.shape[1]
 
         for f in range(k, num_frames):
+            for generator, seed in zip(generators, seeds):
+                generator.manual_seed(draw_seed(seed, first_frame + f))
             for i in range(layout.image_tokens):
                 token = sample_next(logits[:, -1], layout, sampling, generators)
                 frames[:, f, i] = token
@@ -113,8 +128,162 @@ class HfBackend:
         self.model = model if model is not None else load_model(checkpoint_dir, self.device, resolve_dtype(dtype, self.device))
         self.config = self.model.config
 
-    def generate(self, context_tokens, action_waypoints, num_frames, sampling, on_frame=None) -> np.ndarray:
-        return generate_frames(self.model, context_tokens, action_waypoints, num_frames, sampling, on_frame)
+    def generate(self, context_tokens, action_waypoints, num_frames, sampling, on_frame=None, *,
+                 first_frame: int = 0) -> np.ndarray:
+        return generate_frames(self.model, context_tokens, action_waypoints, num_frames, sampling, on_frame,
+                               first_frame=first_frame)
+
+    def driver(self, max_in_flight: int = 1) -> "ReferenceDriver":
+        return ReferenceDriver(self, max_in_flight)
+
+    def auto_in_flight(self, longest_frames: int, cap: int) -> tuple[int, str]:
+        """Rollouts at once when none is asked for: one (a lockstep batch only pays on a GPU, where
+        --max-rollouts N asks for it)."""
+        return 1, "the reference backend runs one rollout at a time unless --max-rollouts says more"
 
     def close(self) -> None:
         self.model = None
+
+
+class _BatchCancelled(Exception):
+    pass
+
+
+class ReferenceDriver:
+    """The reference backend behind the driver interface (backends/driver.py): takes a job, then
+    up to `max_in_flight - 1` more waiting jobs of the same shape and sampling, and generates them
+    together in lockstep, round by round. A cancelled job is reported at once and its row is
+    dropped from what is reported; the batch stops early when every job of it is cancelled."""
+
+    def __init__(self, backend: HfBackend, max_in_flight: int = 1):
+        from terra_cli.backends.driver import LoopTimes
+
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.backend = backend
+        self.layout = backend.config.layout
+        self.max_in_flight = max_in_flight
+        self.loop = LoopTimes()
+
+    def run(self, jobs, on_frame=None, on_done=None, on_cancelled=None, idle_wait: float = 0.05, on_start=None,
+            on_error=None) -> None:
+        import collections
+        import time
+
+        from terra_cli.backends.driver import JobFeed, check_job, compatible
+
+        feed = jobs if isinstance(jobs, JobFeed) else None
+        pending = collections.deque(()) if feed is not None else collections.deque(jobs)
+
+        def cancelled_now(job) -> bool:
+            if feed is None or job.key not in feed.cancelled():
+                return False
+            feed.forget(job.key)
+            if on_cancelled is not None:
+                on_cancelled(job)
+            return True
+
+        def admitted(job) -> bool:
+            if job is None or cancelled_now(job):
+                return False
+            try:
+                check_job(self.layout, job)
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(job, exc)
+                return False
+            if on_start is not None:
+                on_start(job)
+            return True
+
+        def take_compatible(first):
+            if feed is not None:
+                return feed.take_if(lambda job: compatible(first, job))
+            for index, job in enumerate(pending):
+                if compatible(first, job):
+                    del pending[index]
+                    return job
+            return None
+
+        clock = time.perf_counter
+        began = self.loop.running_since = clock()
+        try:
+            while True:
+                admitting = clock()
+                first = (pending.popleft() if pending else None) if feed is None else feed.get(idle_wait)
+                batch = [first] if admitted(first) else []
+                while batch and len(batch) < self.max_in_flight:
+                    job = take_compatible(first)
+                    if job is None:
+                        break
+                    if admitted(job):
+                        batch.append(job)
+                self.loop.admit_s += clock() - admitting
+                if batch:
+                    self._run_batch(batch, feed, on_frame, on_done, on_cancelled, on_error)
+                elif first is None and (not pending if feed is None else feed.finished):
+                    break
+        finally:
+            self.loop.run_s += clock() - began
+            self.loop.running_since = None
+
+    def _run_batch(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
+        import time
+
+        from terra_cli.pipeline.rounds import plan_rounds
+
+        clock = time.perf_counter
+        lead = batch[0]
+        k, total = lead.context.shape[0], lead.total_frames
+        frames = np.zeros((len(batch), total, self.layout.image_tokens), dtype=np.int64)
+        frames[:, :k] = np.stack([job.context for job in batch])
+        actions = np.stack([np.asarray(job.actions[: total - 1], dtype=np.float32) for job in batch])
+        seeds = [job.sampling.seed for job in batch]
+        live = list(range(len(batch)))
+        handling = [0.0]
+
+        def frame_done(offset: int, local: int, tokens: np.ndarray) -> None:
+            began = clock()
+            index = offset + local
+            frames[:, index] = tokens
+            for row in list(live):
+                if cancelled(row):
+                    live.remove(row)
+                elif on_frame is not None:
+                    on_frame(batch[row], index, frames[row, index])
+            handling[0] += clock() - began
+            if not live:
+                raise _BatchCancelled
+
+        def cancelled(row: int) -> bool:
+            job = batch[row]
+            if feed is None or job.key not in feed.cancelled():
+                return False
+            feed.forget(job.key)
+            if on_cancelled is not None:
+                on_cancelled(job)
+            return True
+
+        started = clock()
+        try:
+            for rnd in plan_rounds(k, total, self.layout.max_frames):
+                context = frames[:, rnd.first_frame : rnd.first_frame + rnd.context_frames]
+                generate_frames(self.backend.model, context, actions[:, rnd.first_frame : rnd.end - 1], rnd.num_frames,
+                                lead.sampling, lambda local, tokens, _o=rnd.first_frame: frame_done(_o, local, tokens),
+                                seeds=seeds, first_frame=lead.frame_offset + rnd.first_frame)
+                self.loop.steps += 1
+        except _BatchCancelled:
+            return
+        except Exception as exc:  # these jobs failed alone (a bad job); the engine goes on
+            if on_error is None:
+                raise
+            for row in live:
+                on_error(batch[row], exc)
+            return
+        finally:
+            self.loop.frames_s += handling[0]
+            self.loop.step_s += clock() - started - handling[0]
+        for row in live:
+            if on_done is not None:
+                on_done(batch[row], frames[row])

@@ -23,6 +23,7 @@ from terra_cli.backends.vllm_startup import read_phases
 from terra_cli.models.checkpoint import check_state_dict, load_config, weight_files
 from terra_cli.errors import TerraError
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
+from terra_cli.seeds import draw_seed, rollout_seed
 
 
 class VllmUnavailable(TerraError):
@@ -300,6 +301,7 @@ class VllmBackend:
         self.last_prompt_tokens: list[list[int]] = []
 
     def sampling_params(self, sampling: Sampling, rollout: int, frame: int):
+        """One frame's request: `frame` counts from the video's first frame (terra_cli/seeds.py)."""
         from vllm import SamplingParams
 
         tokens = self.config.layout.image_tokens
@@ -313,7 +315,7 @@ class VllmBackend:
             top_k=sampling.top_k,
             top_p=sampling.top_p,
             # Per rollout and frame, so a rollout's draws do not depend on its batch.
-            seed=None if sampling.greedy else (sampling.rollout_seed(rollout) * 1_000_003 + frame) % (2**31),
+            seed=None if sampling.greedy else draw_seed(rollout_seed(sampling.seed, rollout), frame),
             detokenize=False,
         )
 
@@ -324,7 +326,12 @@ class VllmBackend:
         num_frames: int,
         sampling: Sampling,
         on_frame: FrameCallback | None = None,
+        *,
+        first_frame: int = 0,
     ) -> np.ndarray:
+        """One round in lockstep (`LLM.generate` per frame for every rollout): the primitive that the
+        benches and the cache tests call. Front-ends use `driver()`. `first_frame`: the round's first
+        frame in the whole video (the seed rule counts from there)."""
         layout = self.config.layout
         context, actions = check_generation_inputs(layout, context_tokens, action_waypoints, num_frames)
         rollouts, k = context.shape[:2]
@@ -336,7 +343,7 @@ class VllmBackend:
         self.last_cached_tokens, self.last_prompt_tokens = [], []
         for f in range(k, num_frames):
             requests = [{"prompt_token_ids": prompts[r]} for r in range(rollouts)]
-            params = [self.sampling_params(sampling, r, f) for r in range(rollouts)]
+            params = [self.sampling_params(sampling, r, first_frame + f) for r in range(rollouts)]
             outputs = self.llm.generate(requests, params, use_tqdm=False)
             self.last_cached_tokens.append([o.num_cached_tokens or 0 for o in outputs])
             self.last_prompt_tokens.append([len(o.prompt_token_ids) for o in outputs])
@@ -350,6 +357,18 @@ class VllmBackend:
             if on_frame is not None:
                 on_frame(f, frames[:, f].copy())
         return frames
+
+    def auto_in_flight(self, longest_frames: int, cap: int) -> tuple[int, str]:
+        """Rollouts in flight when none is asked for: what the KV cache holds (vllm_stream.auto_in_flight)."""
+        from terra_cli.backends.vllm_stream import auto_in_flight
+
+        return auto_in_flight(self, longest_frames, cap)
+
+    def driver(self, max_in_flight: int = 1):
+        """Continuous batching over this engine (vllm_stream.StreamDriver), the driver interface."""
+        from terra_cli.backends.vllm_stream import StreamDriver
+
+        return StreamDriver(self, max_in_flight)
 
     def speculation_counts(self) -> dict | None:
         """vLLM's running totals of draft steps, proposed and accepted tokens (with --draft, when the

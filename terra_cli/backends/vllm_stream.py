@@ -12,41 +12,24 @@ so a prompt can never hit KV blocks computed while the same ids meant other wayp
 prefix cache never needs a reset while requests are in flight (vLLM refuses one then). A job's
 `affinity` brings it back to its last slot, so a server session's next frame reuses its prefix.
 
-Sampling seeds depend only on (job seed, round, frame in round), the same formula as the lockstep
-`VllmBackend.generate` for rollout 0, so a job's tokens do not depend on its slot or neighbours.
+Sampling seeds follow terra_cli/seeds.py (the job's seed and the frame's index in the video), so a
+job's tokens do not depend on its slot or neighbours. This is the vLLM side of the one driver
+interface (backends/driver.py); the jobs, the feed and the loop times live there.
 """
 
 from __future__ import annotations
 
 import functools
-import queue
-import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 import numpy as np
 
-from terra_cli.backends.base import Sampling
+from terra_cli.backends.driver import (FrameDone, JobCancelled, JobDone, JobFailed, JobFeed, JobStarted,  # noqa: F401
+                                       LoopTimes, RolloutJob, check_job)
 from terra_cli.backends.vllm import VllmBackend, write_rows, interleave
 from terra_cli.pipeline.rounds import Round, plan_rounds
-
-ROUND_SEED_STRIDE = 100_003  # = pipeline.rounds: a fresh random stream per round
-HOLD_POLL_SECONDS = 0.05  # how often an idle driver looks again at a feed that holds its jobs back
-
-
-@dataclass(frozen=True)
-class RolloutJob:
-    """One video's tokens to generate: context (K, T) int64, actions (>= frames - 1, 6, 3)."""
-
-    key: str
-    context: np.ndarray
-    actions: np.ndarray
-    total_frames: int
-    sampling: Sampling
-    # Jobs with the same affinity (a server session's steps) get the slot the last one had when it
-    # is free, so their prompts keep their salt and hit the prefix cache.
-    affinity: str | None = None
 
 
 @dataclass
@@ -60,89 +43,6 @@ class _Rollout:
     prompt: list[int] = field(default_factory=list)
     action_ids: np.ndarray | None = None  # (num_frames - 1, 6) for the current round
     salt: str = ""
-
-
-# on_start(job) as it takes a slot; on_frame(job, global frame index, tokens (T,)); on_done(job, all
-# tokens (frames, T)); on_cancelled(job)
-JobStarted = Callable[[RolloutJob], None]
-FrameDone = Callable[[RolloutJob, int, np.ndarray], None]
-JobDone = Callable[[RolloutJob, np.ndarray], None]
-JobCancelled = Callable[[RolloutJob], None]
-
-
-class JobFeed:
-    """Jobs that arrive while the driver runs (a server's requests, a Ray actor's share).
-
-    `put` and `cancel` may be called from any thread; `close` says no more will come, and the
-    driver returns once everything put before it is done or cancelled. A driver with nothing in
-    flight waits on the feed instead of spinning; with rollouts in flight it never waits, so new
-    work joins the running batch at the next engine step.
-    """
-
-    def __init__(self, capacity: int | None = None, hold: Callable[[], bool] | None = None) -> None:
-        # hold: while it returns True, `get` gives no job (the consumer is not to take more now,
-        # such as a run whose video writer is behind); it may raise, to end the run.
-        self._hold = hold
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._room = threading.Condition(self._lock)
-        self._capacity = capacity  # jobs waiting at most; put() blocks beyond it (None: no bound)
-        self._waiting = 0
-        self._cancelled: set[str] = set()
-        self._closed = False
-
-    def put(self, job: RolloutJob) -> None:
-        """Add a job; with a capacity, wait while that many are waiting. Raises RuntimeError once
-        the feed is closed, also while waiting."""
-        with self._room:
-            if self._capacity is not None:
-                self._room.wait_for(lambda: self._closed or self._waiting < self._capacity)
-            if self._closed:
-                raise RuntimeError("this JobFeed is closed")
-            self._waiting += 1
-            self._jobs.put(job)
-
-    def close(self) -> None:
-        with self._room:
-            self._closed = True
-            self._jobs.put(None)  # wakes a waiting driver
-            self._room.notify_all()  # and a producer waiting for room
-
-    def cancel(self, key: str) -> None:
-        """Drop the job `key` whether it is queued or in flight (on_cancelled is called for it)."""
-        with self._lock:
-            self._cancelled.add(key)
-        self._jobs.put(None)
-
-    def cancelled(self) -> set[str]:
-        with self._lock:
-            return set(self._cancelled)
-
-    def forget(self, key: str) -> None:
-        with self._lock:
-            self._cancelled.discard(key)
-
-    def get(self, wait: float) -> RolloutJob | None:
-        """The next job, waiting up to `wait` seconds; None when there is none now or the feed
-        holds its jobs back."""
-        if self._hold is not None and self._hold():
-            time.sleep(min(wait, HOLD_POLL_SECONDS))
-            return None
-        try:
-            job = self._jobs.get(timeout=wait) if wait > 0 else self._jobs.get_nowait()
-        except queue.Empty:
-            return None
-        if job is not None:
-            with self._room:
-                self._waiting -= 1
-                self._room.notify()
-        return job
-
-    @property
-    def finished(self) -> bool:
-        """Closed, and every job put before closing has been taken."""
-        with self._lock:
-            return self._closed and self._jobs.empty()
 
 
 def kv_capacity_rollouts(backend: VllmBackend, tokens_per_rollout: int) -> int | None:
@@ -174,31 +74,6 @@ def auto_in_flight(backend: VllmBackend, longest_frames: int, cap: int) -> tuple
     return chosen, f"the KV cache holds {capacity} rollouts of {tokens} tokens; {chosen} in flight (at most {cap})"
 
 
-@dataclass
-class LoopTimes:
-    """Where the driver's thread spent a run's wall time: inside vLLM's `engine.step()` (scheduling,
-    the model, sampling, output processing), taking in new jobs (whatever the job source does to
-    make one, such as encoding its context images, and their first requests; with a `JobFeed`, also
-    waiting for one while nothing is in flight), and handling
-    finished frames (callbacks, the next frame's request). On a GPU the engine waits on neither of
-    the last two: a share of them is time the GPU may stand idle."""
-
-    steps: int = 0
-    step_s: float = 0.0
-    admit_s: float = 0.0
-    frames_s: float = 0.0
-    run_s: float = 0.0  # of the runs that returned
-    running_since: float | None = None  # the run in progress (a server's or a Ray actor's never returns)
-
-    def as_dict(self) -> dict:
-        run_s = self.run_s + (time.perf_counter() - self.running_since if self.running_since is not None else 0.0)
-        other = max(0.0, run_s - self.step_s - self.admit_s - self.frames_s)
-        return {"steps": self.steps, "seconds": round(run_s, 3), "in_engine_step_s": round(self.step_s, 3),
-                "admitting_jobs_s": round(self.admit_s, 3), "handling_frames_s": round(self.frames_s, 3),
-                "other_s": round(other, 3),
-                "ms_per_step": round(1000 * self.step_s / self.steps, 3) if self.steps else None}
-
-
 class StreamDriver:
     """Runs `RolloutJob`s with up to `max_in_flight` at once on a `VllmBackend`'s engine."""
 
@@ -223,10 +98,12 @@ class StreamDriver:
 
     def run(self, jobs: Iterable[RolloutJob] | JobFeed, on_frame: FrameDone | None = None,
             on_done: JobDone | None = None, on_cancelled: JobCancelled | None = None,
-            idle_wait: float = 0.05, on_start: JobStarted | None = None) -> None:
+            idle_wait: float = 0.05, on_start: JobStarted | None = None,
+            on_error: JobFailed | None = None) -> None:
         """Generate every job; returns when all are done (a `JobFeed`: once it is closed and
-        drained). KeyboardInterrupt aborts what is in flight (the engine is left empty) and
-        propagates."""
+        drained). A job that breaks its invariants goes to `on_error` (raised without it); an
+        engine error is raised. KeyboardInterrupt aborts what is in flight (the engine is left
+        empty) and propagates."""
         feed = jobs if isinstance(jobs, JobFeed) else None
         pending: Iterator[RolloutJob] | None = None if feed is not None else iter(jobs)
         free = list(range(self.max_in_flight - 1, -1, -1))
@@ -268,6 +145,13 @@ class StreamDriver:
                     if job is None:
                         break
                     if cancelled_now(job):
+                        continue
+                    try:
+                        check_job(self.layout, job)
+                    except Exception as exc:
+                        if on_error is None:
+                            raise
+                        on_error(job, exc)
                         continue
                     if on_start is not None:
                         on_start(job)
@@ -378,9 +262,9 @@ class StreamDriver:
         from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        round_sampling = replace(rollout.job.sampling,
-                                 seed=rollout.job.sampling.seed + ROUND_SEED_STRIDE * rollout.round_index)
-        params = self.backend.sampling_params(round_sampling, 0, rollout.local_frame)
+        rnd = rollout.rounds[rollout.round_index]
+        frame = rollout.job.frame_offset + rnd.first_frame + rollout.local_frame  # in the whole video
+        params = self.backend.sampling_params(rollout.job.sampling, 0, frame)
         params.output_kind = RequestOutputKind.FINAL_ONLY
         request_id = f"{rollout.job.key}#{rollout.round_index}.{rollout.local_frame}"
         self.engine.add_request(request_id, tokens_input(rollout.prompt, cache_salt=rollout.salt), params)

@@ -1,12 +1,14 @@
 """Rounds: Terra's schedule for videos longer than one 25-frame round, over any backend.
 
 Each round re-seeds with the last RESEED_FRAMES frames of the one before and restarts temporal
-positions; `generate_tokens` runs the rounds and is the only caller of `backend.generate`.
+positions. Both drivers (backends/driver.py) plan a job's rounds here; `generate_tokens` runs a
+lockstep request of R rollouts through the backend's driver. A round does not restart the random
+stream: draws follow the frame's index in the whole video (terra_cli/seeds.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,37 +54,22 @@ def generate_tokens(
     sampling: Sampling,
     on_frame: FrameCallback | None = None,
 ) -> np.ndarray:
-    """All frames' tokens (R, total_frames, T), context included, over as many rounds as needed.
+    """All frames' tokens (R, total_frames, T), context included, over as many rounds as needed:
+    one `RolloutJob` per rollout (seeded `sampling.seed + r`) through the backend's driver, which
+    plans the rounds (`plan_rounds`) and draws by terra_cli/seeds.py.
 
     `context_tokens` (R, K, T) or (K, T); `action_waypoints` (R, F, A, 3) or (F, A, 3) with
-    F >= total_frames - 1, indexed by global frame number.
+    F >= total_frames - 1, indexed by global frame number. `on_frame(index, tokens (R, T))`.
     """
-    layout = backend.config.layout
-    context = np.asarray(context_tokens)
-    if context.ndim == 2:
-        context = context[None]
+    from terra_cli.backends.driver import rollout_jobs, run_lockstep
+
     actions = np.asarray(action_waypoints, dtype=np.float32)
-    if actions.ndim == 3:
-        actions = actions[None]
-    if actions.ndim == 4 and actions.shape[1] < total_frames - 1:
+    context = np.asarray(context_tokens)
+    if actions.ndim in (3, 4) and actions.shape[-3] < total_frames - 1:
         raise InputError(
             f"{total_frames} frames need actions for at least {total_frames - 1} frames "
-            f"(the last frame's is never used), got {actions.shape[1]}"
+            f"(the last frame's is never used), got {actions.shape[-3]}"
         )
-    rollouts = max(context.shape[0], actions.shape[0] if actions.ndim == 4 else 1)
-    frames = np.zeros((rollouts, total_frames, layout.image_tokens), dtype=np.int64)
-    k = context.shape[1]
-    frames[:, :k] = context
-    for round_index, rnd in enumerate(plan_rounds(k, total_frames, layout.max_frames)):
-        round_context = frames[:, rnd.first_frame : rnd.first_frame + rnd.context_frames] if rnd.first_frame else context
-        round_actions = actions[:, rnd.first_frame : rnd.end - 1] if actions.ndim == 4 else actions
-
-        def forward_frame(local_index: int, tokens: np.ndarray, _offset=rnd.first_frame) -> None:
-            if on_frame is not None:
-                on_frame(_offset + local_index, tokens)
-
-        # A fresh random stream per round, still fully determined by --seed.
-        round_sampling = replace(sampling, seed=sampling.seed + 100_003 * round_index)
-        out = backend.generate(round_context, round_actions, rnd.num_frames, round_sampling, on_frame=forward_frame)
-        frames[:, rnd.first_frame : rnd.end] = out
-    return frames
+    plan_rounds(context.shape[-2], total_frames, backend.config.layout.max_frames)  # the frame limits, in one place
+    jobs = rollout_jobs(context, actions, total_frames, sampling)
+    return run_lockstep(backend.driver(len(jobs)), jobs, on_frame)

@@ -1,9 +1,11 @@
-"""Scenario contexts to tokens for `run_scenarios`: image contexts read and encoded in batches
-(`encoded`), token contexts loaded, and on vLLM all of it in a thread ahead of the engine
-(`EncodeAhead`), so the engine never waits on a JPEG or the encoder while it has work."""
+"""The intake stage: scenario contexts to tokens, image contexts read and encoded in batches
+(`encoded`, `encode_batch`), token contexts loaded, all of it in a thread ahead of the engine
+(`EncodeAhead` for a single engine's run; a Ray engine actor's intake thread uses `encode_batch`),
+so the engine never waits on a JPEG or the encoder while it has work."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from typing import Callable, Iterator
@@ -16,28 +18,35 @@ ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
 STOP_WAIT_SECONDS = 1.0  # how long a finished run waits for the encoding thread to end
 
 
+def encode_batch(contexts: list[tuple[np.ndarray | None, list[np.ndarray] | None]], tokenizer,
+                 lock: threading.Lock | None = None) -> list[np.ndarray]:
+    """Each context as tokens (K, T) int64: given tokens as they are, frames (RGB) encoded in one
+    tokenizer call for the whole batch (under `lock`, where the tokenizer is shared)."""
+    images = [frame for tokens, frames in contexts if tokens is None for frame in frames]
+    if images:
+        with lock if lock is not None else contextlib.nullcontext():
+            rows = iter(tokenizer.tokenize(images))
+    out = []
+    for tokens, frames in contexts:
+        out.append(np.asarray(tokens, dtype=np.int64) if tokens is not None
+                   else np.stack([next(rows) for _ in frames]).astype(np.int64))
+    return out
+
+
 def encoded(scenarios: list[Scenario], tokenizer) -> Iterator[tuple[Scenario, np.ndarray]]:
     """(scenario, context tokens (K, T)) in order; image contexts encoded ENCODE_BATCH scenarios at a time."""
     from terra_cli.pipeline.inputs import load_context_tokens, read_context_frames
 
     for start in range(0, len(scenarios), ENCODE_BATCH):
         chunk = scenarios[start : start + ENCODE_BATCH]
-        images, owners = [], []
-        for s in chunk:
-            if s.context_tokens is None:
-                frames = read_context_frames(list(s.context_images), s.context_frames) if s.context_images \
-                    else _sample_road(s.context_frames)
-                images.extend(frames)
-                owners.append((s, len(frames)))
-        rows = iter(tokenizer.tokenize(images)) if images else iter(())
-        contexts = {}
-        for s, count in owners:
-            contexts[s.id] = np.stack([next(rows) for _ in range(count)])
+        contexts = []
         for s in chunk:
             if s.context_tokens is not None:
-                yield s, load_context_tokens(s.context_tokens, s.context_frames)
+                contexts.append((load_context_tokens(s.context_tokens, s.context_frames), None))
             else:
-                yield s, contexts[s.id]
+                contexts.append((None, read_context_frames(list(s.context_images), s.context_frames)
+                                 if s.context_images else _sample_road(s.context_frames)))
+        yield from zip(chunk, encode_batch(contexts, tokenizer))
 
 
 class EncodeAhead:
@@ -52,12 +61,12 @@ class EncodeAhead:
 
     def __init__(self, scenarios: list[Scenario], tokenizer, make_job: Callable, ahead: int,
                  hold: Callable[[], bool] | None = None):
-        from terra_cli.backends.vllm_stream import JobFeed
+        from terra_cli.backends.driver import JobFeed
 
         self.feed = JobFeed(capacity=ahead, hold=hold)
         self.error: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._work, args=(scenarios, tokenizer, make_job, _cuda_device()),
+        self._thread = threading.Thread(target=self._work, args=(scenarios, tokenizer, make_job, cuda_device()),
                                         name="terra-encode-ahead", daemon=True)
         self._thread.start()
 
@@ -87,7 +96,7 @@ class EncodeAhead:
         self._thread.join(STOP_WAIT_SECONDS)
 
 
-def _cuda_device() -> int | None:
+def cuda_device() -> int | None:
     """The calling thread's current GPU, where CUDA is in use; None elsewhere."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():

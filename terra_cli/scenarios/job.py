@@ -171,8 +171,6 @@ def load_job_engine(job: ScenarioJob, backend: str, device: str, needs_tokenizer
     (`--max-rollouts auto`: as many of `longest_frames` as its KV cache holds). One engine here,
     one per Ray actor (`ray_actor.py`). `adjust_options(tokenizer, engine options)` runs between
     the two loads (the refiner takes its GPU share there)."""
-    import torch
-
     from terra_cli.backends import load_backend
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import load_tokenizer, resolve_model
@@ -185,17 +183,12 @@ def load_job_engine(job: ScenarioJob, backend: str, device: str, needs_tokenizer
         tokenizer = load_tokenizer(choice.tokenizer, device, matching=config)
     options = dict(job.engine_options)
     adjust_options(tokenizer, options)
-    if backend == "vllm":
-        options["max_rollouts"] = job.max_rollouts or AUTO_MAX_ROLLOUTS
-    elif job.threads:
-        torch.set_num_threads(job.threads)
-    engine = load_backend(backend, choice.world_model_dir, device=device, dtype=job.dtype, **options)
+    engine = load_backend(backend, choice.world_model_dir, device=device, dtype=job.dtype,
+                          max_rollouts=job.max_rollouts or AUTO_MAX_ROLLOUTS, threads=job.threads, **options)
     try:
-        in_flight, reason = job.max_rollouts or 1, ""
-        if backend == "vllm" and job.max_rollouts is None:
-            from terra_cli.backends.vllm_stream import auto_in_flight
-
-            in_flight, reason = auto_in_flight(engine, longest_frames or config.layout.max_frames, AUTO_MAX_ROLLOUTS)
+        in_flight, reason = job.max_rollouts, ""
+        if in_flight is None:
+            in_flight, reason = engine.auto_in_flight(longest_frames or config.layout.max_frames, AUTO_MAX_ROLLOUTS)
     except BaseException:
         engine.close()
         raise
@@ -224,8 +217,8 @@ def run_scenario_job(
 
         refiner = load_refiner(job.refiner, [s.frames for s in prepared.file.scenarios])
         decoders.append(RefinerDecoder(refiner, tokenizer))
-        if prepared.backend == "vllm" and refiner.target_device.startswith("cuda"):
-            options.setdefault("gpu_memory_utilization", vllm_memory_share(refiner.target_device))
+        if refiner.target_device.startswith("cuda"):
+            options.setdefault("gpu_share", vllm_memory_share(refiner.target_device))
 
     longest = max((s.frames for s in prepared.file.scenarios), default=None)
     loaded = load_job_engine(job, prepared.backend, prepared.device, prepared.needs_tokenizer, longest,

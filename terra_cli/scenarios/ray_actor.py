@@ -2,10 +2,10 @@
 
 The driver (`scenarios.ray_runner`) calls `generate` once per scenario and keeps several calls
 open per actor; the actor runs them concurrently (a threaded actor), so every open call is a
-rollout in the engine's continuous batch. On vLLM one thread drives `StreamDriver` over a
-`JobFeed` that the calls put their jobs into; on the reference backend one thread runs them
-scenario by scenario. Contexts are encoded in the calling threads, under a lock, so the engine
-keeps stepping meanwhile. Videos are decoded and encoded by the actor's own writer processes
+rollout in the engine's batch. The stages are a single engine's (scenarios.runner): the calls hand
+their contexts to one intake thread, which encodes them in batches ahead of the engine
+(`encoding.encode_batch`) and puts their jobs into a `JobFeed`; one thread runs the backend's
+driver over that feed (backends/driver.py, whatever the backend). Videos are decoded and encoded by the actor's own writer processes
 (`--writers`, one on a GPU by default: `scenarios.writers.WriterPool`), so the actor's interpreter
 only generates, as a single engine's process does; with none (a CPU), in the calling threads.
 
@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from terra_cli.backends.driver import JobFeed, RolloutJob
 
 from terra_cli.scenarios.job import ScenarioJob
 from terra_cli.scenarios.runner import VIDEO_FPS
@@ -75,10 +77,9 @@ class ScenarioEngine:
 
     def __init__(self, spec: EngineSpec):
 
-        if spec.backend == "vllm" or spec.backend == "auto":
-            from terra_cli.runtime import configure_vllm_env
+        from terra_cli.runtime import configure_vllm_env
 
-            configure_vllm_env()
+        configure_vllm_env()  # before anything imports vLLM (a no-op for the reference backend's work)
         from terra_cli.backends import resolve_backend_name
 
         job = spec.job
@@ -99,17 +100,16 @@ class ScenarioEngine:
         self.lock = threading.Lock()
         self.frames = 0
         self.failure: BaseException | None = None
-        self.driver = None  # vLLM: the StreamDriver, whose loop times stats() reports
-        if self.backend_name == "vllm":
-            from terra_cli.backends.vllm_stream import JobFeed
+        self.driver = self.engine.driver(self.in_flight)
+        self.feed = JobFeed()
+        self.intake: queue.SimpleQueue = queue.SimpleQueue()  # ScenarioWork from the calls, to encode
+        from terra_cli.scenarios.encoding import cuda_device
 
-            self.feed = JobFeed()
-            target = self._drive_stream
-        else:
-            self.feed = queue.Queue()
-            target = self._drive_reference
-        self.thread = threading.Thread(target=self._drive, args=(target,), name="terra-engine", daemon=True)
+        self.cuda_device = cuda_device()  # the intake thread encodes on this actor's GPU
+        self.thread = threading.Thread(target=self._drive, name="terra-engine", daemon=True)
         self.thread.start()
+        self.intake_thread = threading.Thread(target=self._take_in, name="terra-intake", daemon=True)
+        self.intake_thread.start()
 
     # -- called by the driver -------------------------------------------------------------
 
@@ -121,23 +121,15 @@ class ScenarioEngine:
                 "in_flight": self.in_flight, "writers": self.pool.size if self.pool is not None else 0}
 
     def stats(self) -> dict:
-        loop = self.driver.loop.as_dict() if self.driver is not None else None
+        loop = self.driver.loop.as_dict()
         with self.lock:
             return {"frames": self.frames, "pending_frames": sum(w.frames for w in self.waiters.values()),
                     "engine_loop": loop}
 
     def generate(self, work: ScenarioWork) -> Finished:
-        from terra_cli.backends.base import Sampling
-
-        s, job = work.scenario, self.job
+        s = work.scenario
         if s.id in self.spec.failing_ids:
             raise RuntimeError(f"scenario {s.id} fails on purpose (TERRA_RAY_TEST_FAIL)")
-        if work.context_tokens is not None:
-            context = np.asarray(work.context_tokens, dtype=np.int64)
-        else:
-            with self.codec:
-                context = np.stack(list(self.tokenizer.tokenize(work.context_images)))
-        sampling = Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=s.seed)
         waiter = _Waiter()
         with self.lock:
             if self.failure is not None:
@@ -145,12 +137,7 @@ class ScenarioEngine:
             self.waiters[s.id] = waiter
         started = time.perf_counter()
         try:
-            if self.backend_name == "vllm":
-                from terra_cli.backends.vllm_stream import RolloutJob
-
-                self.feed.put(RolloutJob(s.id, context, s.actions, s.frames, sampling))
-            else:
-                self.feed.put((s, context, sampling))
+            self.intake.put(work)
             waiter.event.wait()
         finally:
             with self.lock:
@@ -160,11 +147,47 @@ class ScenarioEngine:
         seconds = time.perf_counter() - started
         return Finished(s.id, waiter.tokens, self._encode_video(s.id, waiter.tokens), seconds)
 
-    # -- the engine thread ----------------------------------------------------------------
+    # -- the intake and engine threads ----------------------------------------------------
 
-    def _drive(self, target) -> None:
+    def _take_in(self) -> None:
+        """Encode the calls' contexts in batches (what is waiting, up to ENCODE_BATCH) and feed
+        their jobs to the engine: the engine's thread never tokenizes."""
+        from terra_cli.backends.base import Sampling
+        from terra_cli.scenarios.encoding import ENCODE_BATCH, encode_batch
+
+        job = self.job
         try:
-            target()
+            if self.cuda_device is not None:  # a new thread starts on GPU 0, whatever this actor's engine uses
+                import torch
+
+                torch.cuda.set_device(self.cuda_device)
+            while True:
+                works = [self.intake.get()]
+                while len(works) < ENCODE_BATCH:
+                    try:
+                        works.append(self.intake.get_nowait())
+                    except queue.Empty:
+                        break
+                try:
+                    contexts = encode_batch([(w.context_tokens, w.context_images) for w in works], self.tokenizer,
+                                            self.codec)
+                except Exception as exc:  # these scenarios' own failure (an unreadable image): the engine goes on
+                    for w in works:
+                        self._finish(w.scenario.id, None, RuntimeError(" ".join(f"{type(exc).__name__}: {exc}".split())))
+                    continue
+                for w, context in zip(works, contexts):
+                    s = w.scenario
+                    sampling = Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=s.seed)
+                    self.feed.put(RolloutJob(s.id, context, s.actions, s.frames, sampling))
+        except BaseException as exc:
+            self._die(exc)
+
+    def _drive(self) -> None:
+        try:
+            self.driver.run(self.feed, on_frame=lambda job, i, t: self._frame_done(job.key),
+                            on_done=lambda job, tokens: self._finish(job.key, np.asarray(tokens, dtype=np.int64).copy()),
+                            on_error=lambda job, exc: self._finish(
+                                job.key, None, RuntimeError(" ".join(f"{type(exc).__name__}: {exc}".split()))))
         except BaseException as exc:  # the engine is unusable
             self._die(exc)
 
@@ -193,26 +216,6 @@ class ScenarioEngine:
         if waiter is not None:
             waiter.tokens, waiter.error = tokens, error
             waiter.event.set()
-
-    def _drive_stream(self) -> None:
-        from terra_cli.backends.vllm_stream import StreamDriver
-
-        self.driver = StreamDriver(self.engine, self.in_flight)
-        self.driver.run(self.feed, on_frame=lambda job, i, t: self._frame_done(job.key),
-                        on_done=lambda job, tokens: self._finish(job.key, tokens.copy()))
-
-    def _drive_reference(self) -> None:
-        from terra_cli.pipeline.rounds import generate_tokens
-
-        while True:
-            s, context, sampling = self.feed.get()
-            try:
-                tokens = generate_tokens(self.engine, context, s.actions, s.frames, sampling,
-                                         on_frame=lambda i, t: self._frame_done(s.id))[0]
-            except Exception as exc:  # this scenario's own failure (bad tokens, say): the engine goes on
-                self._finish(s.id, None, RuntimeError(" ".join(f"{type(exc).__name__}: {exc}".split())))
-            else:
-                self._finish(s.id, np.asarray(tokens, dtype=np.int64))
 
     def _encode_video(self, key: str, tokens: np.ndarray) -> bytes | None:
         if not self.job.decode or self.tokenizer is None:

@@ -95,10 +95,9 @@ class RayRun(ScenarioRun):
 Event = Callable[[str, "EngineState | None", object], None]  # (kind, engine, payload)
 
 
-def window_for(in_flight: int, backend: str) -> int:
-    """Open calls per engine: its whole continuous batch and a few more, so it never waits on
-    the driver; the reference engine runs one scenario at a time and gets one queued."""
-    return in_flight + max(2, in_flight // 8) if backend == "vllm" else 2
+def window_for(in_flight: int) -> int:
+    """Open calls per engine: its whole batch and a few more, so it never waits on the driver."""
+    return in_flight + max(2, in_flight // 8)
 
 
 def counted(engine: EngineState, engines: list[EngineState], now: float) -> bool:
@@ -186,7 +185,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // count) if device == "cpu" else 0
     backend = prepared.backend if device == "cpu" or prepared.job.backend != "auto" else "auto"
     engine_class = ray.remote(ScenarioEngine)
-    window = window_for(job.max_rollouts or AUTO_MAX_ROLLOUTS, "vllm")  # the most an engine may be given
+    window = window_for(job.max_rollouts or AUTO_MAX_ROLLOUTS)  # the most an engine may be given
     longest = max(s.frames for s in pending)
     for index in range(count):
         spec = EngineSpec(job, backend, device, prepared.needs_tokenizer, index, threads, delays.get(index, 0.0),
@@ -255,7 +254,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
         return None
 
     def hand_out(engine: EngineState) -> None:
-        limit = window_for(engine.in_flight, engine.backend)
+        limit = window_for(engine.in_flight)
         while len(engine.open) < limit and pending:
             now = time.perf_counter()
             if len(engine.open) >= fair_share(run.engines, len(pending), now):

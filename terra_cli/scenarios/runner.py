@@ -1,9 +1,8 @@
 """`run_scenarios`: every scenario of a file through one engine, resumable, writing as it goes.
 
-Generation goes through `backends.vllm_stream.StreamDriver` (continuous batching) on the vLLM
-backend, or scenario by scenario through `pipeline.rounds.generate_tokens` on the reference.
-On vLLM, contexts are read and encoded in batches by a thread, ahead of the engine (`encoding.EncodeAhead`);
-on the reference, as scenarios are admitted. Finished scenarios go to a background thread that
+Generation goes through the backend's driver (backends/driver.py: continuous batching on vLLM,
+lockstep batches on the reference); contexts are read and encoded in batches by a thread, ahead of
+the engine (`encoding.EncodeAhead`). Finished scenarios go to a background thread that
 writes them, so the engine keeps stepping while a video is made. With `writers` > 0
 the tokens are decoded and the mp4 encoded in that many writer processes (`scenarios.writers`),
 off this process's interpreter lock, and the thread only places their bytes; with 0 it decodes and
@@ -179,34 +178,24 @@ def run_scenarios(
             writer.put(s, tokens, time.perf_counter() - started[key])
             run.generated_frames += s.frames - s.context_frames
 
+        from terra_cli.backends.driver import RolloutJob
+
+        def job(s: Scenario, context: np.ndarray) -> RolloutJob:
+            return RolloutJob(s.id, context, s.actions, s.frames, sampling(s))
+
+        driver = backend.driver(max_rollouts)
         try:
-            if getattr(backend, "name", "") == "vllm":
-                from terra_cli.backends.vllm_stream import RolloutJob, StreamDriver
-
-                def job(s: Scenario, context: np.ndarray) -> RolloutJob:
-                    return RolloutJob(s.id, context, s.actions, s.frames, sampling(s))
-
-                driver = StreamDriver(backend, max_rollouts)
-                ahead = EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts),
-                                    hold=lambda: writer.behind(backlog_limit))
-                try:
-                    # A scenario's seconds count from when the engine takes it, not from its encoding.
-                    driver.run(ahead.feed, on_frame=lambda job, i, t: progress(),
-                               on_done=lambda job, tokens: finished(job.key, tokens.copy()),
-                               on_start=lambda job: started.__setitem__(job.key, time.perf_counter()))
-                finally:
-                    ahead.stop()
-                    run.engine_loop = driver.loop.as_dict()
-                ahead.check()
-            else:
-                from terra_cli.pipeline.rounds import generate_tokens
-
-                for s, context in encoded(pending, tokenizer):
-                    writer.wait_for_room(backlog_limit)
-                    started[s.id] = time.perf_counter()
-                    tokens = generate_tokens(backend, context, s.actions, s.frames, sampling(s),
-                                             on_frame=lambda i, t: progress())[0]
-                    finished(s.id, tokens)
+            ahead = EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts),
+                                hold=lambda: writer.behind(backlog_limit))
+            try:
+                # A scenario's seconds count from when the engine takes it, not from its encoding.
+                driver.run(ahead.feed, on_frame=lambda job, i, t: progress(),
+                           on_done=lambda job, tokens: finished(job.key, tokens.copy()),
+                           on_start=lambda job: started.__setitem__(job.key, time.perf_counter()))
+            finally:
+                ahead.stop()
+                run.engine_loop = driver.loop.as_dict()
+            ahead.check()
         except BaseException:
             writer.close(quiet=True)  # writes what is finished; the first error is the one reported
             raise

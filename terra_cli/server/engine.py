@@ -1,10 +1,10 @@
 """The server's one engine: every video job and session step is a `RolloutJob` on it.
 
-On vLLM one `StreamDriver` runs in a background thread, fed by a `JobFeed`, so jobs and session
-steps join the running batch at the next engine step. Video jobs wait in the service's own queue
-until fewer than `job_slots` are in the engine: the remaining slots stay free for sessions, whose
-next frame must not wait behind a queue of long videos. The reference backend (hf) runs one
-request at a time in a worker thread, session steps first.
+The backend's driver (backends/driver.py, the same one every front-end uses) runs in a background
+thread, fed by a `JobFeed`, so jobs and session steps join the running batch at the next engine
+step. Video jobs wait in the service's own queue until fewer than `job_slots` are in the engine:
+the remaining slots stay free for sessions, whose next frame must not wait behind a queue of long
+videos; a session's step goes into the feed ahead of any video job waiting there.
 
 Callbacks (`Handlers`) run on the engine thread: they must be quick (hand the work elsewhere).
 The tokenizer (encode / decode) is used from one media thread only (`media`).
@@ -16,12 +16,12 @@ import collections
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from terra_cli.backends.vllm_stream import RolloutJob
+from terra_cli.backends.driver import JobFeed, RolloutJob
 
 
 @dataclass
@@ -53,10 +53,6 @@ class EngineStats:
         return busy / max(time.monotonic() - self.started, 1e-9)
 
 
-class _Cancelled(Exception):
-    pass
-
-
 class EngineService:
     """Owns the backend and the tokenizer; `submit` / `cancel` from any thread."""
 
@@ -64,7 +60,7 @@ class EngineService:
                  owns_backend: bool = True):
         self.backend, self.tokenizer, self.model_label = backend, tokenizer, model_label
         self.owns_backend = owns_backend  # False: someone else closes it (a test's shared engine)
-        self.name = getattr(backend, "name", "hf")
+        self.name = backend.name
         self.layout = backend.config.layout
         self.media = ThreadPoolExecutor(1, thread_name_prefix="terra-media")
         self.stats = EngineStats()
@@ -72,22 +68,14 @@ class EngineService:
         self._lock = threading.Condition()
         self._handlers: dict[str, Handlers] = {}
         self._in_engine: set[str] = set()
+        self._interactive: set[str] = set()  # session steps among them
         self._waiting_jobs: collections.deque[RolloutJob] = collections.deque()
-        self._waiting_steps: collections.deque[RolloutJob] = collections.deque()  # hf only
-        self._cancelled: set[str] = set()
         self._closing = False
-        if self.name == "vllm":
-            from terra_cli.backends.vllm_stream import JobFeed, StreamDriver
-
-            self.driver = StreamDriver(backend, max_in_flight)
-            self.max_in_flight = self.driver.max_in_flight
-            self.feed = JobFeed()
-            target = self._run_stream
-        else:
-            self.max_in_flight = 1
-            target = self._run_reference
+        self.driver = backend.driver(max_in_flight)
+        self.max_in_flight = self.driver.max_in_flight
+        self.feed = JobFeed()
         self.job_slots = max(1, self.max_in_flight - session_slots)
-        self.thread = threading.Thread(target=target, name="terra-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="terra-engine", daemon=True)
         self.thread.start()
 
     # -- public -----------------------------------------------------------------------------
@@ -99,11 +87,12 @@ class EngineService:
             if self._closing:
                 raise RuntimeError("the engine is shutting down")
             self._handlers[job.key] = handlers
-            if self.name == "vllm" and interactive:
+            if interactive:
                 self._in_engine.add(job.key)
-                self.feed.put(job)
+                self._interactive.add(job.key)
+                self.feed.put(job, urgent=True)
             else:
-                (self._waiting_steps if interactive else self._waiting_jobs).append(job)
+                self._waiting_jobs.append(job)
                 self._admit()
             self._lock.notify_all()
 
@@ -111,18 +100,13 @@ class EngineService:
         with self._lock:
             if key not in self._handlers:
                 return
-            queued = [j for j in self._waiting_jobs if j.key == key] + [j for j in self._waiting_steps if j.key == key]
-            if queued:
-                for q in (self._waiting_jobs, self._waiting_steps):
-                    for j in [j for j in q if j.key == key]:
-                        q.remove(j)
-                handlers = self._handlers.pop(key)
-            elif self.name == "vllm":
-                self.feed.cancel(key)
+            queued = [j for j in self._waiting_jobs if j.key == key]
+            if not queued:
+                self.feed.cancel(key)  # the driver reports it (on_cancelled) once it drops it
                 return
-            else:
-                self._cancelled.add(key)
-                return
+            for j in queued:
+                self._waiting_jobs.remove(j)
+            handlers = self._handlers.pop(key)
         handlers.on_cancelled()
 
     @property
@@ -145,8 +129,7 @@ class EngineService:
             self._lock.notify_all()
         for key in keys:
             self.cancel(key)
-        if self.name == "vllm":
-            self.feed.close()
+        self.feed.close()
         self.thread.join(timeout=60)
         self.media.shutdown(wait=True, cancel_futures=True)
         if self.owns_backend:
@@ -160,13 +143,11 @@ class EngineService:
     def decode(self, tokens: np.ndarray) -> np.ndarray:
         return self.tokenizer.decode_tokens(tokens)
 
-    # -- engine threads ---------------------------------------------------------------------
+    # -- the engine thread ------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Hand queued video jobs to the stream driver while job slots are free (lock held)."""
-        if self.name != "vllm":
-            return
-        while self._waiting_jobs and sum(1 for k in self._in_engine if not k.startswith("s-")) < self.job_slots:
+        """Hand queued video jobs to the driver while job slots are free (lock held)."""
+        while self._waiting_jobs and len(self._in_engine - self._interactive) < self.job_slots:
             job = self._waiting_jobs.popleft()
             self._in_engine.add(job.key)
             self.feed.put(job)
@@ -174,9 +155,10 @@ class EngineService:
     def _finish(self, key: str) -> Handlers | None:
         with self._lock:
             self._in_engine.discard(key)
-            self._cancelled.discard(key)
+            self._interactive.discard(key)
             handlers = self._handlers.pop(key, None)
-            self._admit()
+            if not self._closing:
+                self._admit()
             self._busy(bool(self._in_engine))
             return handlers
 
@@ -206,6 +188,11 @@ class EngineService:
         if handlers is not None:
             handlers.on_cancelled()
 
+    def _on_error(self, job: RolloutJob, exc: BaseException) -> None:  # this job failed alone
+        handlers = self._finish(job.key)
+        if handlers is not None:
+            handlers.on_error(exc)
+
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
             self.failure = exc
@@ -214,42 +201,11 @@ class EngineService:
         for h in handlers:
             h.on_error(exc)
 
-    def _run_stream(self) -> None:
+    def _run(self) -> None:
         try:
             with self._lock:
                 self._busy(False)
-            self.driver.run(self.feed, on_frame=self._on_frame, on_done=self._on_done, on_cancelled=self._on_cancelled)
+            self.driver.run(self.feed, on_frame=self._on_frame, on_done=self._on_done,
+                            on_cancelled=self._on_cancelled, on_error=self._on_error)
         except BaseException as exc:  # the engine thread must report, never die silently
             self._fail(exc)
-
-    def _run_reference(self) -> None:
-        from terra_cli.pipeline.rounds import generate_tokens
-
-        while True:
-            with self._lock:
-                while not (self._waiting_steps or self._waiting_jobs or self._closing):
-                    self._lock.wait()
-                if self._closing and not (self._waiting_steps or self._waiting_jobs):
-                    return
-                job = (self._waiting_steps or self._waiting_jobs).popleft()
-                self._in_engine.add(job.key)
-                self._busy(True)
-
-            def on_frame(index: int, tokens: np.ndarray, _job=job) -> None:
-                with self._lock:
-                    if _job.key in self._cancelled or self._closing:
-                        raise _Cancelled
-                self._on_frame(_job, index, np.asarray(tokens)[0])
-
-            try:
-                sampling = replace(job.sampling)
-                tokens = generate_tokens(self.backend, job.context, job.actions, job.total_frames, sampling,
-                                         on_frame=on_frame)[0]
-            except _Cancelled:
-                self._on_cancelled(job)
-            except Exception as exc:  # a bad job fails alone
-                handlers = self._finish(job.key)
-                if handlers is not None:
-                    handlers.on_error(exc)
-            else:
-                self._on_done(job, tokens)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from terra_cli.backends.vllm_stream import RolloutJob
+from terra_cli.backends.driver import RolloutJob
 from terra_cli.server.engine import EngineService, Handlers
 from terra_cli.server.requests import VideoSpec
 

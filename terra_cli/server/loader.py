@@ -18,7 +18,7 @@ class EngineConfig:
     dtype: str = "auto"
     options: dict = field(default_factory=dict)  # vLLM engine arguments (cli engine_options)
     threads: int = 0
-    max_in_flight: int = 128  # rollouts at once on vLLM: sessions + video jobs
+    max_in_flight: int = 128  # rollouts at once (sessions + video jobs); the reference batches lockstep ones
     session_slots: int = 32  # of those, kept for sessions
 
 
@@ -44,19 +44,13 @@ def check_engine_config(config: EngineConfig):
 
 
 def load_engine(config: EngineConfig) -> EngineService:
-    import torch
-
     from terra_cli.backends import load_backend
     from terra_cli.models.resolve import load_tokenizer
 
     choice, model_config, backend_name, device = check_engine_config(config)
     tokenizer = load_tokenizer(choice.tokenizer, device, matching=model_config)
-    options = dict(config.options)
-    if backend_name == "vllm":
-        options["max_rollouts"] = config.max_in_flight
-    elif config.threads:
-        torch.set_num_threads(config.threads)
-    backend = load_backend(backend_name, choice.world_model_dir, device=device, dtype=config.dtype, **options)
+    backend = load_backend(backend_name, choice.world_model_dir, device=device, dtype=config.dtype,
+                           max_rollouts=config.max_in_flight, threads=config.threads, **config.options)
     return EngineService(backend, tokenizer, max_in_flight=config.max_in_flight,
                          session_slots=min(config.session_slots, max(config.max_in_flight - 1, 0)),
                          model_label=choice.label)

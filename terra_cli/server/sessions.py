@@ -1,10 +1,11 @@
 """Interactive sessions: a context, then one manoeuvre at a time, each frame sent as it is decoded.
 
 Frame n of a session is one `RolloutJob` whose context is the frames of Terra's round that frame n
-falls in (pipeline/rounds.py: 25-frame rounds, each re-seeded with the last 3 frames), whose seed
-is the session's seed + ROUND_SEED_STRIDE * round, and whose affinity is the session: on vLLM that
-keeps the slot and salt, so the prefix is served from the cache, and the frame's tokens are the
-ones a whole run with the same actions and seed gives. Actions of the context frames are the first
+falls in (pipeline/rounds.py: 25-frame rounds, each re-seeded with the last 3 frames), whose
+`frame_offset` is that round's first frame (so frame n is drawn as frame n of a whole run:
+terra_cli/seeds.py), and whose affinity is the session: on vLLM that keeps the slot and salt, so
+the prefix is served from the cache. On every backend, the frame's tokens are the ones a whole run
+with the same actions and seed gives. Actions of the context frames are the first
 step's (a constant manoeuvre then equals `terra generate --actions <preset>`).
 """
 
@@ -16,13 +17,13 @@ import io
 import math
 import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from terra_cli.actions import ACCELERATE_ACCEL, FRAME_DT, STOP_DECEL, _step_motion, normalize_actions, preset_actions
 from terra_cli.backends.base import Sampling
-from terra_cli.backends.vllm_stream import ROUND_SEED_STRIDE, RolloutJob
+from terra_cli.backends.driver import RolloutJob
 from terra_cli.pipeline.rounds import MAX_TOTAL_FRAMES, plan_rounds
 from terra_cli.server.engine import EngineService, Handlers
 from terra_cli.server.requests import MANOEUVRES, FieldError
@@ -186,11 +187,9 @@ class Sessions:
         k = session.context.shape[0]
         rows = session.waypoints + [waypoints] * (n - len(session.waypoints))  # context rows: the first step's
         rnd = plan_rounds(k, n + 1, layout.max_frames)[-1]
-        round_index = len(plan_rounds(k, n + 1, layout.max_frames)) - 1
         job = RolloutJob(f"{session.id}#{n}.{secrets.token_hex(3)}", np.stack(session.tokens[rnd.first_frame:n]),
-                         np.stack(rows[rnd.first_frame:n]), n - rnd.first_frame + 1,
-                         replace(session.sampling, seed=session.sampling.seed + ROUND_SEED_STRIDE * round_index),
-                         affinity=session.id)
+                         np.stack(rows[rnd.first_frame:n]), n - rnd.first_frame + 1, session.sampling,
+                         affinity=session.id, frame_offset=rnd.first_frame)
         done: asyncio.Future = loop.create_future()
 
         def settle(result=None, error: BaseException | None = None) -> None:

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 37 (one pipeline): videos included against tokens only, measured in one lease of a 4-GPU host
+# (nvidia-h100-x4), after `gpu_bundle.sh a1`, `a2`, `b`, `ff` and `gpu_ray.sh stage` (Ray's first part in /tmp/dl):
+#   start  (carry .gpu/ray2) unpack Ray, install terra, start `runs` in the background
+#   runs   (1) four engines (Ray, --data-parallel 4), fp8 KV: N4 ACT-Bench-shaped samples tokens only
+#          (`bench --scenarios N4 --frames 47`), then the same with videos (`bench --act-bench N4`);
+#          (2) side by side, one GPU each: GPU 0 `bench --act-bench N1`, GPU 1 its tokens-only baseline
+#          (`bench --scenarios N1 --frames 47`), GPU 2 writer_parts.py (where a writer's time per video goes)
+#   await  wait up to AWAIT_S (default 540) for `runs`, then pack its folder into $OUT/pipe.tar.gz
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+STEP_LOG=$OUT/summary.txt
+source benchmarks/scripts/gpu_common.sh
+export TERRA_INSTALLED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 RAY_DISABLE_USAGE_STATS=1 \
+  RAY_USAGE_STATS_ENABLED=0 TERRA_CACHE=/tmp/terra-cache
+N4=${N4:-512}
+N1=${N1:-256}
+terra() { python3 -m terra_cli "$@"; }
+case "${1:-}" in
+  start)
+    if [ ! -d /tmp/site/ray ]; then
+      cat /tmp/dl/ray.tar.xz.aa .gpu/ray2/ray.tar.xz.ab | tar -C /tmp/site -xJf - || { echo "ray bundle missing"; exit 1; }
+    fi
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+    nvidia-smi -L | tee -a "$STEP_LOG"
+    in_background top bash -c 'top -b -c -d 20 -n 60 -w 230 | grep --line-buffered -A 12 "^top -"'
+    in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runs ;;
+  runs)
+    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    timeout 600 terra bench --scenarios "$N4" --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
+      --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1; echo "dp4-tokens exit $?" >> "$STEP_LOG"
+    timeout 900 terra bench --act-bench "$N4" --data-parallel 4 --kv-cache-dtype fp8 \
+      --out "$OUT/dp4-act.json" > "$OUT/dp4-act.log" 2>&1; echo "dp4-act exit $?" >> "$STEP_LOG"
+    CUDA_VISIBLE_DEVICES=0 timeout 900 python3 -m terra_cli bench --act-bench "$N1" --kv-cache-dtype fp8 \
+      --out "$OUT/one-act.json" > "$OUT/one-act.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 600 python3 -m terra_cli bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
+      --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=2 timeout 300 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" \
+      > "$OUT/writer_parts.log" 2>&1 &
+    wait
+    echo "one-GPU runs done" >> "$STEP_LOG" ;;
+  await)
+    await_background pipe "${AWAIT_S:-540}"
+    await_background top 0 ;;
+  *) echo "usage: gpu_pipeline.sh start|runs|await" >&2; exit 2 ;;
+esac

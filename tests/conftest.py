@@ -126,6 +126,7 @@ def pytest_collection_modifyitems(config, items):
     Under `pytest -n N` (xdist, scheduled by pytest_xdist_make_scheduler below) the long engine
     modules must not be what the last idle worker waits on."""
     starts_engine = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
+    starts_engine.add("test_wheel")  # not an engine, but minutes long too (build, install, run)
     items.sort(key=lambda item: (item.module.__name__ not in starts_engine,  # stable sort: files
                                  "vllm_engine" not in item.fixturenames))  # keep their order
 

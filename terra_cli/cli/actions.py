@@ -29,7 +29,8 @@ def _speed_option():
         "Examples:\n\n"
         "  terra actions convert left --frames 25 --speed 20 left.npy\n\n"
         "  terra actions convert act_bench.jsonl acts.npy --frames 47\n\n"
-        "  terra actions convert acts_flat.npy acts.npy --overwrite"
+        "  terra actions convert acts_flat.npy acts.npy --overwrite\n\n"
+        "Docs: docs/actions.md"
     ),
 )
 @friendly_errors
@@ -67,7 +68,8 @@ def actions_convert(
         "Examples:\n\n"
         "  terra actions plot right --frames 25 --speed 40 right.png\n\n"
         "  terra actions plot act_bench.jsonl sample0.png\n\n"
-        "  terra actions plot acts.npy acts.png --overwrite"
+        "  terra actions plot acts.npy acts.png --overwrite\n\n"
+        "Docs: docs/actions.md"
     ),
 )
 @friendly_errors

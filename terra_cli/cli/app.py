@@ -17,9 +17,10 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    epilog="Docs: README.md, and docs/ in the terra repository (one page per topic).",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-actions_app = typer.Typer(help="Convert and draw action trajectories.", no_args_is_help=True)
+actions_app = typer.Typer(help="Convert and draw action trajectories.", no_args_is_help=True, epilog="Docs: docs/actions.md")
 app.add_typer(actions_app, name="actions")
 
 console = Console(stderr=True)

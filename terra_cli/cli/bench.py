@@ -27,7 +27,8 @@ EPILOG = (
     "  terra bench --act-bench 512 --data-parallel 2 --kv-cache-dtype fp8 --out act2.json   # ACT-Bench-shaped on 2 GPUs\n\n"
     "  terra bench --act-bench 256 --kv-cache-dtype fp8 --out act.json   # ACT-Bench-shaped, end to end, videos included\n\n"
     "  terra bench --act-bench 256 --kv-cache-dtype fp8 --writers 0 --out act-w0.json   # videos made in the engine's process\n\n"
-    "  terra bench --refiner --windows 1,2 --refiner-compile default --out refiner.json   # Terra's refiner (GPU)"
+    "  terra bench --refiner --windows 1,2 --refiner-compile default --out refiner.json   # Terra's refiner (GPU)\n\n"
+    "Docs: docs/performance.md"
 )
 
 

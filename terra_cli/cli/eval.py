@@ -16,7 +16,8 @@ EPILOG = (
     "Examples:\n\n"
     "  terra eval --out eval.json --plot eval.png --strip strip.png          # embedded terra-mini, defaults\n\n"
     "  terra eval --seeds 20 --frames 8 --presets left,right,straight --backend hf --device cpu\n\n"
-    "  terra eval --model ckpt/world_model --tokenizer ckpt/tokenizer --temperature 0.9"
+    "  terra eval --model ckpt/world_model --tokenizer ckpt/tokenizer --temperature 0.9\n\n"
+    "Docs: docs/eval.md"
 )
 
 

@@ -30,7 +30,8 @@ from terra_cli.errors import InputError
         "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames\n\n"
         "  terra generate out.mp4 --model turing-motors/Terra --context frames/ --actions left --frames 47 \\\n"
         "      --decoder refiner      # Terra's video refiner (the paper's setting): 640x384, GPU\n\n"
-        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --ray auto   # every GPU of a running Ray cluster"
+        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --ray auto   # every GPU of a running Ray cluster\n\n"
+        "Docs: docs/generate.md (one video), docs/scenarios.md (--scenarios, ACT-Bench), docs/refiner.md, docs/ray.md"
     )
 )
 @friendly_errors

@@ -7,7 +7,11 @@ import typer
 from terra_cli.cli.app import app, friendly_errors, out
 
 
-@app.command()
+@app.command(epilog=(
+    "Examples:\n\n"
+    "  terra info path/to/world_model\n\n"
+    "  terra info Terra/world_model_v2      # a local copy of turing-motors/Terra\n\n"
+    "Docs: docs/models.md"))
 @friendly_errors
 def info(model: str = typer.Argument(..., help="World-model directory or hub id.")):
     """Show a world model's config and size."""

@@ -26,7 +26,7 @@ class _VideoByDefault(TyperGroup):
 
 refine_app = typer.Typer(cls=_VideoByDefault, no_args_is_help=True, help=(
     "Refine saved tokens with Terra's video refiner (terra refine TOKENS.npy OUT.mp4), or convert its "
-    "checkpoint once (terra refine convert)."))
+    "checkpoint once (terra refine convert)."), epilog="Docs: docs/refiner.md")
 app.add_typer(refine_app, name="refine")
 
 
@@ -37,7 +37,8 @@ app.add_typer(refine_app, name="refine")
         "  terra generate --model turing-motors/Terra --context frames/ --actions left --frames 47 \\\n"
         "      --no-decode --save-tokens tokens.npy        # stage 1: tokens\n\n"
         "  terra refine tokens.npy out.mp4 --model turing-motors/Terra      # stage 2: refined video (GPU)\n\n"
-        "  terra refine tokens.npy out.mp4 --refiner refiner_model.safetensors --tokenizer DIR"
+        "  terra refine tokens.npy out.mp4 --refiner refiner_model.safetensors --tokenizer DIR\n\n"
+        "Docs: docs/refiner.md"
     ),
 )
 @friendly_errors
@@ -95,7 +96,8 @@ def refine_video(
 
 @refine_app.command(
     "convert",
-    epilog="Example:\n\n  terra refine convert --trust-checkpoint refiner_model.pt refiner_model.safetensors",
+    epilog=("Example:\n\n  terra refine convert --trust-checkpoint refiner_model.pt refiner_model.safetensors\n\n"
+            "Docs: docs/refiner.md"),
 )
 @friendly_errors
 def refine_convert(

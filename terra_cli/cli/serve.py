@@ -31,7 +31,8 @@ def is_loopback(host: str) -> bool:
         "  terra serve                                   # terra-mini on http://127.0.0.1:8000 (page at /)\n\n"
         "  terra serve --model turing-motors/Terra --max-sessions 64 --port 8080\n\n"
         "  terra serve --host 0.0.0.0 --api-key \"$(cat key.txt)\"   # other hosts need a key\n\n"
-        "  terra generate out.mp4 --actions left --server http://127.0.0.1:8000   # no start-up per call"
+        "  terra generate out.mp4 --actions left --server http://127.0.0.1:8000   # no start-up per call\n\n"
+        "Docs: docs/serving.md (the page, the HTTP/WebSocket API, safety)"
     )
 )
 @friendly_errors

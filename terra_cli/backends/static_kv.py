@@ -9,6 +9,7 @@ query ever reads them, which is what lets a speculative step write drafts it may
 
 Grouped-query attention folds each KV head's query heads into the query length: queries
 (1, kv_heads, group * n, d) against keys (1, kv_heads, L, d), so the cache is never repeated.
+Decode steps attend with plain matmuls (`attend`); no FlashAttention kernel is used yet.
 """
 
 from __future__ import annotations
@@ -18,6 +19,22 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
+
+
+# Up to this many query rows per KV head, attention runs as two batched matmuls around a softmax:
+# the key axis is spread over the whole GPU. SDPA's memory-efficient kernel (the one that takes a
+# mask) splits work by query block and head only, which for a decode step is kv_heads blocks, each
+# walking up to 14,550 keys alone.
+MATMUL_ATTENTION_ROWS = 256
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (1, KV, rows, d) against keys/values (1, KV, L, d) under mask (rows, L) -> (1, KV, rows, d)."""
+    if q.shape[2] > MATMUL_ATTENTION_ROWS:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(weights.to(values.dtype), values)
 
 
 class StaticKVDecoder:
@@ -84,8 +101,7 @@ class StaticKVDecoder:
             keys.index_copy_(2, positions, k)
             values.index_copy_(2, positions, v)
             q = q.reshape(1, self.kv_heads, group * n, self.head_dim)
-            out = F.scaled_dot_product_attention(q, keys[:, :, :key_length], values[:, :, :key_length],
-                                                 attn_mask=mask, scale=attention.scaling)
+            out = attend(q, keys[:, :, :key_length], values[:, :, :key_length], mask, attention.scaling)
             out = out.view(1, self.kv_heads, group, n, self.head_dim).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
             x = x + attention.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -123,6 +123,35 @@ def run_variant(model, context, frames, sampling, draft_tokens, draft, cuda_grap
         backend.close()
 
 
+@torch.inference_mode()
+def parity(model, context, device) -> dict:
+    """A greedy frame of the single-stream decoder (CUDA graphs where the device has them) against
+    the reference, as tests/test_gpu_parity.py measures vLLM: the reference reads the frame
+    teacher-forced and its argmax is compared at every code; plus the reference's own free-running
+    greedy frame (bf16 near-ties may flip one and the rest follows another prefix)."""
+    from terra_cli.backends.hf import HfBackend
+    from terra_cli.backends.static_kv import _FLOAT_SCORES
+
+    layout, k = model.layout, CONTEXT_FRAMES
+    actions = preset_actions("left", k + 1, 30.0)
+    greedy = Sampling(temperature=0)
+    backend = SingleStreamBackend(device=device, model=model, cuda_graphs=device.startswith("cuda"))
+    try:
+        frame = backend.generate(context, actions, k + 1, greedy)[0, k]
+    finally:
+        backend.close()
+    slots = [layout.action_placeholder_id] * layout.action_tokens
+    ids = torch.tensor([[t for j in range(k) for t in (*context[j].tolist(), *slots)] + frame.tolist()], device=device)
+    waypoints = torch.tensor(actions[:k], device=device).reshape(1, -1, 3)
+    logits, _ = model(ids, torch.arange(ids.shape[1], device=device)[None], waypoints, logits_to_keep=layout.image_tokens + 1)
+    teacher_forced = logits[0, :-1, : layout.image_vocab_size].float().argmax(-1).cpu().numpy()
+    reference_frame = HfBackend(device=device, model=model).generate(context, actions, k + 1, greedy)[0, k]
+    return {"variant": "parity (greedy, bf16 on a GPU)",
+            "teacher_forced_reference_argmax_equals_code": round(float((teacher_forced == frame).mean()), 4),
+            "free_running_identical_to_reference_fraction": round(float((frame == reference_frame).mean()), 4),
+            "float32_attention_scores": _FLOAT_SCORES["bmm_out_dtype"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("single_stream.json"))
@@ -133,7 +162,7 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--terra-checkpoint", default=None, help="a Terra-size checkpoint dir (default: random weights)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="skip variants not started within this many seconds")
+    parser.add_argument("--budget-s", type=float, default=390.0, help="skip variants not started within this many seconds")
     args = parser.parse_args()
 
     from terra_cli.bench.hf_vs_vllm import environment
@@ -163,6 +192,10 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - one model failing must not stop the other
             record({**base, "error": traceback.format_exc(limit=4)})
             continue
+        try:
+            record({**base, **parity(model, context, args.device)})
+        except Exception:  # noqa: BLE001 - record and go on
+            record({**base, "variant": "parity", "error": traceback.format_exc(limit=6)})
         frames = CONTEXT_FRAMES + args.frames
         runs = [(k, d, g, frames) for k, d, g in VARIANTS]
         if args.full_round:

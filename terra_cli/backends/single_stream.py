@@ -215,7 +215,15 @@ class SingleStreamDecoder:
 
 
 class SingleStreamBackend:
-    """The single-stream decoder behind the backend interface (`base.WorldModelBackend`)."""
+    """The single-stream decoder behind the backend interface (`base.WorldModelBackend`).
+
+    `draft_tokens=0`: plain decoding, the reference's codes for a seed (greedy and sampled).
+    `draft_tokens=K`: speculative Jacobi decoding (`draft`: jacobi or previous-frame); greedy codes
+    are the reference's, sampled codes follow the model's distribution exactly and repeat for a
+    seed, but are not the codes plain sampling draws for that seed. `cuda_graphs`: replay each
+    decode step as a CUDA graph (a CUDA device only). `stats`: per rollout, steps, codes per step,
+    kept drafts and per-frame seconds of the last `generate`.
+    """
 
     name = "single-stream"
 

@@ -32,9 +32,30 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     """q (1, KV, rows, d) against keys/values (1, KV, L, d) under mask (rows, L) -> (1, KV, rows, d)."""
     if q.shape[2] > MATMUL_ATTENTION_ROWS:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    scores = _scores(q[0], keys[0].transpose(-1, -2))[None] * scale
     weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    # Weights back in the cache's dtype before the second product, as FlashAttention does.
     return torch.matmul(weights.to(values.dtype), values)
+
+
+_FLOAT_SCORES = {"bmm_out_dtype": None}  # None: not tried yet on this process's GPU
+
+
+def _scores(q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
+    """q (KV, rows, d) @ keys_t (KV, d, L) in float32. 16-bit inputs: accumulated and written in
+    float32 where torch's bmm takes out_dtype (CUDA), so the scores are not rounded to 16 bits
+    before the softmax (FlashAttention keeps them in float32 too); else rounded, then widened.
+    The first call runs eagerly (a CUDA graph's warm-up), which is where support is found out."""
+    if q.dtype == torch.float32 or not q.is_cuda:
+        return torch.bmm(q, keys_t).float()
+    if _FLOAT_SCORES["bmm_out_dtype"] is not False:
+        try:
+            scores = torch.bmm(q, keys_t, out_dtype=torch.float32)
+            _FLOAT_SCORES["bmm_out_dtype"] = True
+            return scores
+        except (RuntimeError, TypeError):
+            _FLOAT_SCORES["bmm_out_dtype"] = False
+    return torch.bmm(q, keys_t).float()
 
 
 class StaticKVDecoder:

@@ -1,0 +1,62 @@
+"""Sampling on the device, with no host round trip: the reference's rule, step by step.
+
+`filtered_probabilities` and `race_sample` are `backends.hf.sample_next` split in two, op for op,
+so that a generator seeded the same way draws the same codes (tests/test_single_stream.py checks
+this against `sample_next` itself). The exponential race (argmax of p / Exp(1)) draws a code with
+probability p using one noise tensor and one argmax, both fixed-shape kernels a CUDA graph holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from terra_cli.backends.base import Sampling
+from terra_cli.models.config import FrameLayout
+from terra_cli.seeds import draw_seed
+
+
+def filtered_probabilities(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling) -> torch.Tensor:
+    """Rows of logits (R, >= V) -> the probabilities (R, V) the reference samples from (not greedy)."""
+    logits = logits[:, : layout.image_vocab_size].float() / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def greedy_codes(logits: torch.Tensor, layout: FrameLayout) -> torch.Tensor:
+    return logits[:, : layout.image_vocab_size].float().argmax(dim=-1)
+
+
+def race_sample(probabilities: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One code per row of (R, V) probabilities; draws R * V exponentials from `generator`."""
+    race = torch.empty_like(probabilities).exponential_(generator=generator)
+    return (probabilities / race).argmax(dim=-1)
+
+
+def next_codes(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """The reference's `sample_next` for one rollout's rows of logits."""
+    if sampling.greedy:
+        return greedy_codes(logits, layout)
+    return race_sample(filtered_probabilities(logits, layout, sampling), generator)
+
+
+class FrameGenerators:
+    """The seed rule (terra_cli/seeds.py): frame `f` of the rollout seeded `s` is drawn from a
+    generator seeded `draw_seed(s, first_frame + f)`. The one generator object is reseeded at each
+    frame's start, so a CUDA graph that registered it keeps drawing from the right stream."""
+
+    def __init__(self, generator: torch.Generator, rollout_seed: int, first_frame: int = 0):
+        self.generator = generator
+        self.rollout_seed = rollout_seed
+        self.first_frame = first_frame
+
+    def start_frame(self, frame: int) -> torch.Generator:
+        self.generator.manual_seed(draw_seed(self.rollout_seed, self.first_frame + frame))
+        return self.generator

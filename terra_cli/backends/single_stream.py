@@ -31,6 +31,7 @@ from terra_cli.backends.device_sampling import FrameGenerators, next_codes
 from terra_cli.backends.jacobi import DRAFTS, MAX_DRAFT_TOKENS, jacobi_step
 from terra_cli.backends.static_kv import StaticKVDecoder
 from terra_cli.errors import InputError
+from terra_cli.seeds import rollout_seed
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM, load_model
 
 
@@ -249,7 +250,7 @@ class SingleStreamBackend:
         report = on_frame if rollouts == 1 else None
         for r in range(rollouts):
             per_frame = None if report is None else (lambda f, frame: report(f, frame[None]))
-            out[r] = self.decoder.rollout(context[r], actions[r], num_frames, sampling, sampling.rollout_seed(r),
+            out[r] = self.decoder.rollout(context[r], actions[r], num_frames, sampling, rollout_seed(sampling.seed, r),
                                           first_frame, per_frame)
             self.stats.append(self.decoder.stats)
         if on_frame is not None and rollouts > 1:

@@ -119,6 +119,9 @@ def test_sigterm_drains_and_exits_0(served):
 
 @pytest.mark.parametrize("args,message", [
     (["--host", "0.0.0.0"], "pass --api-key"),
+    (["--host", "0.0.0.0", "--api-key", " "], "--api-key (or TERRA_API_KEY) is blank"),
+    (["--host", "0.0.0.0", "--api-key", " padded-key-0123456789 "], "starts or ends with whitespace"),
+    (["--api-key", "short"], "use at least 16"),
     (["--host", "192.168.1.5", "--port", "9"], "pass --api-key"),
     (["--data-root", "/nonexistent/x"], "is not a folder"),
     (["--backend", "hf", "--kv-cache-dtype", "fp8"], "not for the hf backend"),

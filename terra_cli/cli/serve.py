@@ -70,6 +70,9 @@ def serve(
     from terra_cli.server.loader import EngineConfig, check_engine_config, load_engine
     from terra_cli.server.requests import Limits
 
+    from terra_cli.server.app import check_api_key
+
+    check_api_key(api_key)
     if not is_loopback(host) and not api_key:
         raise InputError(f"--host {host} is reachable from other machines: pass --api-key KEY (or TERRA_API_KEY), "
                          "or bind 127.0.0.1")
@@ -81,7 +84,7 @@ def serve(
     check_engine_config(config)  # a typo fails here, before the engine loads
     limits = Limits(max_frames=max_frames, max_image_pixels=max_image_pixels,
                     data_root=data_root.resolve() if data_root else None)
-    settings = Settings(api_key=api_key or None, max_sessions=max_sessions, session_timeout=session_timeout,
+    settings = Settings(api_key=api_key, max_sessions=max_sessions, session_timeout=session_timeout,
                         max_queued_jobs=max_queued_jobs, max_upload_bytes=int(max_upload_mb * 1024 * 1024),
                         limits=limits, drain_grace=drain_grace)
     say(f"loading the engine ({config.backend} backend) ...")

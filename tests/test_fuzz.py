@@ -136,8 +136,29 @@ def arena(tmp_path_factory) -> Path:
     _damaged(arena, good, "shard_absolute", index={"weight_map": {"lm_head.weight": "/etc/passwd"}})
     _damaged(arena, good, "index_not_object", index=["model.safetensors"])  # type: ignore[arg-type]
     (arena / "no_config").mkdir()
-    (arena / "m[/x]").mkdir(parents=True)  # the folder "x]" inside "m[": rich markup in a path
+    (arena / "m[/x]").mkdir(parents=True)
+    np.save(arena / "tokens25.npy", rng.integers(0, 1024, size=(25, 576)))
+    _refiner_config_only(arena / "refiner_window0.pt", window=0)
+    _refiner_config_only(arena / "refiner_heads0.pt", head_channels=0)
+    _refiner_config_only(arena / "refiner_steps_negative.pt", steps=-1)
+    _refiner_config_only(arena / "refiner_width_string.pt", model_channels="32")
+    (arena / "refiner_empty.pt").write_bytes(b"")  # the folder "x]" inside "m[": rich markup in a path
     return arena
+
+
+def _refiner_config_only(path: Path, **changes) -> None:
+    """A refiner file whose config is damaged: refused before any tensor is looked at."""
+    import torch
+
+    from terra_cli.refiner.checkpoint import CONFIG_KEY
+    from terra_cli.refiner.config import tiny_refiner_config
+
+    torch.save({"module": {}, CONFIG_KEY: json.dumps({**tiny_refiner_config().to_dict(), **changes})}, path)
+
+
+def _refine(arena: Path, refiner: str) -> list[str]:
+    return ["refine", str(arena / "tokens25.npy"), str(arena / "r.mp4"), "--refiner", str(arena / refiner),
+            "--device", "cpu"]
 
 
 def _generate(arena: Path, *extra, model: str = "good") -> list[str]:
@@ -333,6 +354,12 @@ CASES = {
     "info damaged checkpoint": lambda a: ["info", str(a / "absurd_header")],
     "info config not json": lambda a: ["info", str(a / "config_not_json")],
     "info missing": lambda a: ["info", str(a / "nowhere")],
+    # issue 38: a refiner checkpoint's config and file are checked before anything is built
+    "refine config window zero": lambda a: _refine(a, "refiner_window0.pt"),
+    "refine config heads zero": lambda a: _refine(a, "refiner_heads0.pt"),
+    "refine config steps negative": lambda a: _refine(a, "refiner_steps_negative.pt"),
+    "refine config width string": lambda a: _refine(a, "refiner_width_string.pt"),
+    "refine empty checkpoint": lambda a: _refine(a, "refiner_empty.pt"),
 }
 
 
@@ -467,6 +494,9 @@ EXPECTED = {
     "actions convert beyond float32": "beyond float32", "actions beyond float32": "beyond float32",
     "eval frames huge": "--frames 1000 is above the maximum", "eval frames above the model": "frames per round",
     "eval seeds times frames huge": "frames per preset",
+    "refine config window zero": "window is 0", "refine config heads zero": "head_channels is 0",
+    "refine config steps negative": "steps is -1", "refine config width string": "model_channels is '32'",
+    "refine empty checkpoint": "is empty",
 }
 
 

@@ -142,7 +142,9 @@ def arena(tmp_path_factory) -> Path:
     _refiner_config_only(arena / "refiner_heads0.pt", head_channels=0)
     _refiner_config_only(arena / "refiner_steps_negative.pt", steps=-1)
     _refiner_config_only(arena / "refiner_width_string.pt", model_channels="32")
-    (arena / "refiner_empty.pt").write_bytes(b"")  # the folder "x]" inside "m[": rich markup in a path
+    (arena / "refiner_empty.pt").write_bytes(b"")
+    (arena / "loop_a.png").symlink_to(arena / "loop_b.png")
+    (arena / "loop_b.png").symlink_to(arena / "loop_a.png")  # the folder "x]" inside "m[": rich markup in a path
     return arena
 
 
@@ -360,6 +362,13 @@ CASES = {
     "refine config steps negative": lambda a: _refine(a, "refiner_steps_negative.pt"),
     "refine config width string": lambda a: _refine(a, "refiner_width_string.pt"),
     "refine empty checkpoint": lambda a: _refine(a, "refiner_empty.pt"),
+    # issue 38: paths that are not plain names (a NUL byte cannot reach argv: tests/test_server.py)
+    "tokenize symlink loop": lambda a: ["tokenize", str(a / "loop_a.png"), "--out", str(a / "t.npy")],
+    "context symlink loop": lambda a: _generate(a, "--context", str(a / "loop_a.png")),
+    "actions name 5000 characters": lambda a: _generate(a, "--actions", str(a / ("x" * 5000 + ".npy"))),
+    "context name 5000 characters": lambda a: _generate(a, "--context", str(a / ("x" * 5000 + ".png"))),
+    "save tokens name 5000 characters": lambda a: _generate(a, "--save-tokens", str(a / ("x" * 5000 + ".npy"))),
+    "tokenize path 300 folders deep": lambda a: ["tokenize", str(a / ("d/" * 3000 + "f.png")), "--out", str(a / "t.npy")],
 }
 
 
@@ -497,6 +506,9 @@ EXPECTED = {
     "refine config window zero": "window is 0", "refine config heads zero": "head_channels is 0",
     "refine config steps negative": "steps is -1", "refine config width string": "model_channels is '32'",
     "refine empty checkpoint": "is empty",
+    "tokenize symlink loop": "symbolic link loop", "context symlink loop": "symbolic link loop",
+    "actions name 5000 characters": "too long", "context name 5000 characters": "too long",
+    "save tokens name 5000 characters": "longer than 200 bytes", "tokenize path 300 folders deep": "too long",
 }
 
 

@@ -282,6 +282,27 @@ def test_paths_only_inside_data_root(engine, tmp_path):
     time.sleep(0.1)
 
 
+@pytest.mark.parametrize("field", ["context", "actions"])
+def test_paths_that_are_not_plain_names_are_4xx_naming_the_field(engine, tmp_path, field):
+    """Issue 38: a NUL byte, a 5000-character name or a symlink loop under --data-root was a 500."""
+    from terra_cli.server.requests import Limits
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "a.png").symlink_to(root / "b.png")
+    (root / "b.png").symlink_to(root / "a.png")
+    (root / "loop").symlink_to(root / "loop")
+    api = side_app(engine, limits=Limits(data_root=root))
+    for value, says in (("a\0b.png", "NUL"), ("x" * 5000 + ".png", "too long"), ("y/" * 2100 + "z.npy", "too long"),
+                        ("a.png", "symbolic link loop"), ("loop/c.npy", "symbolic link loop")):
+        body = {"actions": "left", "frames": 5, field: value}
+        reply = api.post("/v1/videos", json=body)
+        assert 400 <= reply.status_code < 500, (value[:20], reply.text)
+        error = reply.json()["error"]
+        assert error["field"] == field and says in error["message"], (value[:20], error)
+        assert len(error["message"]) < 400
+
+
 def _png_claiming(width: int, height: int) -> str:
     """A PNG header for a huge image with almost no data (a decompression bomb's shape), base64."""
     import struct

@@ -168,12 +168,25 @@ def confined(value: str, limits: Limits, field: str) -> Path:
     if limits.data_root is None:
         raise FieldError(field, "paths are not accepted by this server (it was started without --data-root); "
                                 "send the data instead")
+    from terra_cli.media.files import path_problem, resolve_path, shown
+
+    problem = path_problem(value)
+    if problem:
+        raise FieldError(field, f"{shown(value)!r} {problem}")
     root = limits.data_root.resolve()
-    path = (root / value).resolve()
+    try:
+        path = resolve_path(root / value, repr(value))
+    except TerraError as exc:  # a symbolic link loop
+        raise FieldError(field, str(exc)) from None
     if not path.is_relative_to(root):
         raise FieldError(field, f"{value!r} is outside the server's --data-root", 403)
-    if not path.exists():
-        raise FieldError(field, f"{value!r} does not exist under the server's --data-root", 404)
+    try:
+        path.stat()
+    except FileNotFoundError:
+        raise FieldError(field, f"{value!r} does not exist under the server's --data-root", 404) from None
+    except OSError as exc:  # a loop or an over-long name met only now, or no permission
+        raise FieldError(field, f"{shown(value)!r} cannot be read under the server's --data-root: "
+                                f"{exc.strerror or exc}") from None
     return path
 
 

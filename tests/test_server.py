@@ -238,6 +238,10 @@ BAD_VIDEOS = [
     ("context.video", {"actions": "left", "context": {"video": base64.b64encode(b"not a video").decode()}}),
     ("context.tokens", {"actions": "left", "context": {"tokens": [[1, 2], [3]]}}),
     ("context.tokens", {"actions": "left", "context": {"tokens": "abc"}}),
+    ("context.tokens", {"actions": "left", "context": {"tokens": [[1, 2]]}}),  # issue 38: these were 202, then failed
+    ("context.tokens", {"actions": "left", "context": {"tokens": [[5000] * 576]}}),
+    ("context.tokens", {"actions": "left", "context": {"tokens": [[-1] * 576]}}),
+    ("context.tokens", {"actions": "left", "context": {"tokens": [[2**70] * 576]}}),
     ("context_frames", {"actions": "left", "context_frames": 0}),
     ("context_frames", {"actions": "left", "context": {"tokens": context_tokens(1)}, "context_frames": 2}),
 ]
@@ -254,6 +258,9 @@ def test_malformed_video_requests_are_4xx_naming_the_field(engine, field, body):
 
 def test_malformed_session_requests(engine):
     api = side_app(engine)
+    for tokens in ([[1, 2]], [[5000] * 576], [[-1] * 576]):  # the same check as a video job's
+        reply = api.post("/v1/sessions", json={"context": {"tokens": tokens}})
+        assert reply.status_code == 422 and reply.json()["error"]["field"] == "context.tokens"
     out_of_range = api.post("/v1/sessions", json={"context": {"tokens": [[5000] * 576]}})
     assert out_of_range.status_code == 422 and out_of_range.json()["error"]["field"] == "context.tokens"
     too_long = api.post("/v1/sessions", json={"context": {"tokens": context_tokens(SERVE_MAX_FRAMES)}})
@@ -276,6 +283,9 @@ def test_paths_only_inside_data_root(engine, tmp_path):
     assert outside.status_code == 403 and outside.json()["error"]["field"] == "context"
     missing = api.post("/v1/videos", json={"actions": "left", "context": "nope.png", "frames": 3})
     assert missing.status_code == 404
+    np.save(root / "narrow.npy", np.zeros((1, 7), dtype=np.int64))
+    narrow = api.post("/v1/videos", json={"actions": "left", "context": "narrow.npy", "frames": 3})
+    assert narrow.status_code == 422 and narrow.json()["error"]["field"] == "context", narrow.text
     inside = api.post("/v1/videos", json={"actions": "left", "context": "ctx.png", "frames": 3})
     assert inside.status_code == 202, inside.text
     api.delete(f"/v1/videos/{inside.json()['id']}")

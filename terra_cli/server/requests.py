@@ -98,6 +98,19 @@ class Context:
     count: int
     images: list[np.ndarray] | None = None
     tokens: np.ndarray | None = None
+    field: str = "context"  # where the tokens came from, for errors: context.tokens, or a .npy path's context
+
+
+def check_context_tokens(context: Context, layout) -> None:
+    """The one check of a context's tokens against the model, for video jobs and sessions alike:
+    before a 202, not as a job that fails afterwards."""
+    tokens = context.tokens
+    if tokens is None:
+        return
+    if tokens.shape[1] != layout.image_tokens or tokens.min() < 0 or tokens.max() >= layout.image_vocab_size:
+        raise FieldError(context.field, f"{context.field} must be codes in [0, {layout.image_vocab_size - 1}] of shape "
+                                        f"(frames, {layout.image_tokens}); got shape {tuple(tokens.shape)} with codes "
+                                        f"from {tokens.min()} to {tokens.max()}")
 
 
 @dataclass(frozen=True)
@@ -207,7 +220,7 @@ def parse_context(value, count: int | None, limits: Limits) -> Context:
         if kind == "video":
             return _last(decode_video(data, limits), count, "context.video")
         if kind == "tokens":
-            return _tokens_context(data, count)
+            return _tokens_context(data, count, "context.tokens")
     if isinstance(value, (str, list)):
         items = [value] if isinstance(value, str) else value
         if not items or not all(isinstance(v, str) for v in items):
@@ -215,7 +228,7 @@ def parse_context(value, count: int | None, limits: Limits) -> Context:
         paths = [confined(v, limits, "context") for v in items]
         try:
             if len(paths) == 1 and paths[0].suffix.lower() == ".npy":
-                return _tokens_context(inputs.load_context_tokens(paths[0], count), None)
+                return _tokens_context(inputs.load_context_tokens(paths[0], count), None, "context")
             return _last(inputs.read_context_frames(paths, count), count, "context")
         except TerraError as exc:
             raise FieldError("context", str(exc)) from None
@@ -229,7 +242,7 @@ def _last(images: list[np.ndarray], count: int | None, field: str) -> Context:
     return Context(keep, images=images[len(images) - keep:])
 
 
-def _tokens_context(data, count: int | None) -> Context:
+def _tokens_context(data, count: int | None, field: str) -> Context:
     try:
         tokens = np.asarray(data)
     except (TypeError, ValueError):
@@ -240,7 +253,7 @@ def _tokens_context(data, count: int | None) -> Context:
         if tokens.shape[0] < count:
             raise FieldError("context_frames", f"context_frames {count} but context.tokens holds {tokens.shape[0]}")
         tokens = tokens[tokens.shape[0] - count:]
-    return Context(int(tokens.shape[0]), tokens=tokens.astype(np.int64))
+    return Context(int(tokens.shape[0]), tokens=tokens.astype(np.int64), field=field)
 
 
 def _b64(data, field: str) -> bytes:

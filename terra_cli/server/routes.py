@@ -13,7 +13,8 @@ from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.websockets import WebSocketDisconnected
 
-from terra_cli.server.requests import FieldError, SessionBody, StepBody, VideoBody, parse_context, parse_video, sampling_of
+from terra_cli.server.requests import (FieldError, SessionBody, StepBody, VideoBody, check_context_tokens, parse_context,
+                                      parse_video, sampling_of)
 from terra_cli.server.sessions import SessionGone
 
 videos = APIRouter(prefix="/v1/videos", tags=["videos"])
@@ -38,6 +39,7 @@ def _job(request: Request, video_id: str):
 @videos.post("", status_code=202, summary="Submit a video job (the fields of a scenario line)")
 async def create_video(body: VideoBody, request: Request):
     spec = parse_video(body, _state(request).settings.limits)
+    check_context_tokens(spec.context, _state(request).engine.layout)
     job = _state(request).jobs.create(spec)
     return JSONResponse(job.public(), status_code=202, headers={"Location": f"/v1/videos/{job.id}"})
 
@@ -109,11 +111,7 @@ async def create_session(body: SessionBody, request: Request):
     layout = state.engine.layout
     if context.count >= layout.max_frames:
         raise FieldError("context_frames", f"at most {layout.max_frames - 1} context frames, got {context.count}")
-    if context.tokens is not None:
-        t = context.tokens
-        if t.shape[1] != layout.image_tokens or t.min() < 0 or t.max() >= layout.image_vocab_size:
-            raise FieldError("context.tokens", f"context.tokens must be codes in [0, {layout.image_vocab_size - 1}] "
-                                               f"of shape (frames, {layout.image_tokens})")
+    check_context_tokens(context, layout)
     images = context.images
     if context.tokens is None and images is None:
         from terra_cli.models.default import sample_context_frames

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import math
 import signal
+import socket
 from pathlib import Path
 from typing import Optional
 
@@ -78,6 +81,11 @@ def serve(
                          "or bind 127.0.0.1")
     if data_root is not None and not data_root.is_dir():
         raise InputError(f"--data-root {data_root} is not a folder")
+    for name, value in (("--drain-grace", drain_grace), ("--session-timeout", session_timeout),
+                        ("--max-upload-mb", max_upload_mb)):
+        if not math.isfinite(value):
+            raise InputError(f"{name} must be a finite number, got {value}")
+    check_port_free(host, port)  # a busy port fails here, not after the engine has loaded
     config = EngineConfig(model, variant, tokenizer, backend, device, dtype,
                           engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention),
                           threads, max_in_flight, max_sessions)
@@ -99,6 +107,24 @@ def serve(
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     say("terra serve: drained and stopped")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind and release `host:port` as uvicorn will (SO_REUSEADDR), or one line saying why not."""
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise InputError(f"--host {host} is not an address of this machine ({exc})") from None
+    family, kind, proto, _, address = addresses[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise InputError(f"--port {port} on {host} is in use (another server?): pick another --port, "
+                                 "or stop what listens there") from None
+            raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def draining_server(config, web):

@@ -209,3 +209,4 @@ def test_a_bad_address_is_one_line_within_a_bounded_time(work):
         f"error: cannot reach a Ray cluster at --ray {address}: Connection refused (start one with `ray start "
         "--head`, or pass --ray local for a cluster of this machine)")
     assert time.monotonic() - started < 60
+    assert not (folder / "bad").exists()  # issue 38: the cluster is reached before --out-dir is made and locked

@@ -192,5 +192,7 @@ def convert_checkpoint(src: Path, dst: Path, *, trust: bool, overwrite: bool = F
     state, config = _unwrap(raw, Path(src))
     tensors = {k: v.contiguous() for k, v in state.items()}
     with atomic_path(Path(dst), overwrite) as tmp:
+        mode = tmp.stat().st_mode & 0o777  # what the umask gives: safetensors writes a new 0600 file
         save_file(tensors, str(tmp), metadata={"format": "pt", CONFIG_KEY: json.dumps(config.to_dict())})
+        tmp.chmod(mode)
     return len(tensors)

@@ -244,6 +244,13 @@ BAD_VIDEOS = [
     ("context.tokens", {"actions": "left", "context": {"tokens": [[2**70] * 576]}}),
     ("context_frames", {"actions": "left", "context_frames": 0}),
     ("context_frames", {"actions": "left", "context": {"tokens": context_tokens(1)}, "context_frames": 2}),
+    # issue 38: the field as the client named it, not pydantic's union branch; true is not a number
+    ("id", {"actions": "left", "id": True}),
+    ("id", {"actions": "left", "id": [1]}),
+    ("seed", {"actions": "left", "seed": True}),
+    ("temperature", {"actions": "left", "temperature": False}),
+    ("frames", {"actions": "left", "frames": True}),
+    ("actions", {"actions": 5}),
 ]
 
 
@@ -266,6 +273,10 @@ def test_malformed_session_requests(engine):
     too_long = api.post("/v1/sessions", json={"context": {"tokens": context_tokens(SERVE_MAX_FRAMES)}})
     assert too_long.status_code == 422 and too_long.json()["error"]["field"] == "context_frames"
     assert api.post("/v1/sessions/s-missing/step", json={}).json()["error"]["field"] == "session_id"
+    bad_step = api.post("/v1/sessions/s-missing/step", json={"action": 5})
+    assert bad_step.status_code == 422 and bad_step.json()["error"]["field"] == "action", bad_step.json()
+    bad_index = api.get("/v1/videos/v-missing/frames/abc")
+    assert bad_index.status_code == 422 and bad_index.json()["error"]["field"] == "index", bad_index.json()
     assert api.get("/v1/videos/v-missing").status_code == 404
 
 

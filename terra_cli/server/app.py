@@ -190,6 +190,16 @@ def websocket_allowed(websocket: WebSocket) -> bool:
                                                    settings.api_key)
 
 
+def field_of(loc) -> str:
+    """The request field a pydantic error location names: `id`, `actions[2]`, `index`. Where the
+    field came from (body, path, query) and the union member that was tried (`str`, `int`,
+    `function-before[...]`) are pydantic's, not the client's."""
+    parts = [p for p in loc if p not in ("body", "path", "query")]
+    if not parts:
+        return "body"
+    return str(parts[0]) + "".join(f"[{p}]" for p in parts[1:] if isinstance(p, int))
+
+
 def install_errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request, exc: ApiError):
@@ -202,12 +212,11 @@ def install_errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        field = "body" if first.get("type") == "json_invalid" else ".".join(where) or "body"
+        field = "body" if first.get("type") == "json_invalid" else field_of(first.get("loc", ()))
         message = first.get("msg", "invalid request")
         return _json(422, {"error": {"field": field, "message": f"{field}: {message}"},
-                           "errors": [{"field": ".".join(str(p) for p in e.get("loc", ()) if p != "body"),
-                                       "message": e.get("msg")} for e in exc.errors()[:20]]})
+                           "errors": [{"field": field_of(e.get("loc", ())), "message": e.get("msg")}
+                                      for e in exc.errors()[:20]]})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):

@@ -15,10 +15,10 @@ import io
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from terra_cli.actions import PRESETS, ActionsError, instruction_trajs_to_actions, normalize_actions, resolve_actions
 from terra_cli.backends.base import Sampling
@@ -47,22 +47,34 @@ class Limits:
     data_root: Path | None = None
 
 
+def _not_a_bool(value):
+    if isinstance(value, bool):  # pydantic would take true as 1: a label "1", a seed 1
+        raise ValueError("must be a number, not true or false")
+    return value
+
+
+# Numbers (and a job's label) that refuse JSON's true and false.
+Whole = Annotated[int, BeforeValidator(_not_a_bool)]
+Real = Annotated[float, BeforeValidator(_not_a_bool)]
+Label = Annotated[str | int, BeforeValidator(_not_a_bool)]
+
+
 class VideoBody(BaseModel):
     """A scenario line (terra's format) plus sampling: `POST /v1/videos`."""
 
     model_config = ConfigDict(extra="forbid")
-    id: str | int | None = Field(None, description="Your label for the job (letters, digits, . _ -).")
+    id: Label | None = Field(None, description="Your label for the job (letters, digits, . _ -).")
     context: Any = Field(None, description='"sample" (default), {"images": [base64]}, {"video": base64 mp4}, '
                                            '{"tokens": [[576 ints]...]}, or paths under the server\'s --data-root.')
-    context_frames: int | None = Field(None, description="Use the last K context frames (default 3).")
+    context_frames: Whole | None = Field(None, description="Use the last K context frames (default 3).")
     actions: Any = Field(..., description=f"A preset ({', '.join(PRESETS)}), a (frames, 6, 3) array, "
                                           '{"instruction_trajs": [...]} (ACT-Bench), or a path under --data-root.')
-    frames: int = Field(TERRA_FRAMES, description="Total frames, context included.")
-    seed: int = 0
-    speed: float = Field(30.0, description="km/h for preset actions.")
-    temperature: float = 0.9
-    top_k: int = 0
-    top_p: float = 1.0
+    frames: Whole = Field(TERRA_FRAMES, description="Total frames, context included.")
+    seed: Whole = 0
+    speed: Real = Field(30.0, description="km/h for preset actions.")
+    temperature: Real = 0.9
+    top_k: Whole = 0
+    top_p: Real = 1.0
     tokens: bool = Field(False, description="Keep the tokens too (GET .../content?format=npy).")
 
 
@@ -71,12 +83,12 @@ class SessionBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     context: Any = None
-    context_frames: int | None = None
-    seed: int = 0
-    speed: float = Field(30.0, description="Starting speed in km/h.")
-    temperature: float = 0.9
-    top_k: int = 0
-    top_p: float = 1.0
+    context_frames: Whole | None = None
+    seed: Whole = 0
+    speed: Real = Field(30.0, description="Starting speed in km/h.")
+    temperature: Real = 0.9
+    top_k: Whole = 0
+    top_p: Real = 1.0
 
 
 MANOEUVRES = ("straight", "left", "right", "faster", "brake")
@@ -87,7 +99,7 @@ class StepBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     action: str | list = Field("straight", description=f"{', '.join(MANOEUVRES)}, or one frame's (6, 3) waypoints.")
-    frames: int = Field(1, description="How many frames to generate with it.")
+    frames: Whole = Field(1, description="How many frames to generate with it.")
     format: str = Field("jpeg", description="jpeg or png.")
 
 

@@ -139,3 +139,48 @@ def test_malformed_messages_get_an_error_message_and_the_socket_stays_open(serve
         assert json.loads(client.recv(timeout=30))["type"] == "reset"
     wait_for(lambda: _status(f"{server['http']}/v1/sessions/{session_id}") == 404, 60)
     assert _quiet_since(server, mark) == []
+
+
+@pytest.mark.parametrize("route", ["/v1/videos", "/v1/sessions"])
+def test_uploaded_images_are_decoded_off_the_event_loop(server, monkeypatch, route):
+    """Issue 38: 24 large PNGs in one body were decoded on the event loop and /health stalled for
+    seconds. Here the decode waits until /health has answered: on the loop, it never could."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from terra_cli.server import requests as bodies
+
+    decoding, health_answered = threading.Event(), threading.Event()
+    real_decode = bodies.decode_image
+
+    def decode_after_health(*args, **kwargs):
+        decoding.set()
+        health_answered.wait(30)
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(bodies, "decode_image", decode_after_health)
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 36), (90, 120, 160)).save(buffer, format="PNG")
+    image = base64.b64encode(buffer.getvalue()).decode()
+    body = {"context": {"images": [image]}}
+    if route == "/v1/videos":
+        body.update(actions="left", frames=3)
+    replies = []
+    upload = threading.Thread(target=lambda: replies.append(_post(server["http"] + route, body)))
+    upload.start()
+    try:
+        assert decoding.wait(30)
+        with urllib.request.urlopen(server["http"] + "/health", timeout=10) as response:
+            assert response.status == 200
+    finally:
+        health_answered.set()
+        upload.join(60)
+    assert replies and replies[0]["id"], replies
+    if route == "/v1/videos":
+        urllib.request.urlopen(urllib.request.Request(f"{server['http']}/v1/videos/{replies[0]['id']}",
+                                                      method="DELETE"), timeout=10).close()
+    else:
+        urllib.request.urlopen(urllib.request.Request(f"{server['http']}/v1/sessions/{replies[0]['id']}",
+                                                      method="DELETE"), timeout=10).close()

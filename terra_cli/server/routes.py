@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocketDisconnected
 
 from terra_cli.server.requests import (FieldError, SessionBody, StepBody, VideoBody, check_context_tokens, parse_context,
@@ -38,7 +39,9 @@ def _job(request: Request, video_id: str):
 
 @videos.post("", status_code=202, summary="Submit a video job (the fields of a scenario line)")
 async def create_video(body: VideoBody, request: Request):
-    spec = parse_video(body, _state(request).settings.limits)
+    # Images and videos in the body are decoded off the event loop: 24 large PNGs took seconds,
+    # and /health, the streams and every other request waited for them.
+    spec = await run_in_threadpool(parse_video, body, _state(request).settings.limits)
     check_context_tokens(spec.context, _state(request).engine.layout)
     job = _state(request).jobs.create(spec)
     return JSONResponse(job.public(), status_code=202, headers={"Location": f"/v1/videos/{job.id}"})
@@ -107,7 +110,7 @@ async def create_session(body: SessionBody, request: Request):
     sampling = sampling_of(body)
     if not (np.isfinite(body.speed) and 0 <= body.speed <= 200):
         raise FieldError("speed", f"speed must be from 0 to 200 km/h, got {body.speed}")
-    context = parse_context(body.context, body.context_frames, limits)
+    context = await run_in_threadpool(parse_context, body.context, body.context_frames, limits)
     layout = state.engine.layout
     if context.count >= layout.max_frames:
         raise FieldError("context_frames", f"at most {layout.max_frames - 1} context frames, got {context.count}")

@@ -79,6 +79,11 @@ def resolve_actions(spec: str, *, frames: int | None, speed_kmh: float = DEFAULT
     path = Path(spec)
     if not spec.strip():
         raise ActionsError(f"empty actions argument; give a .npy/.json/.jsonl file or a preset ({', '.join(PRESETS)})")
+    from terra_cli.media.files import path_problem, shown
+
+    problem = path_problem(path)
+    if problem:
+        raise ActionsError(f"actions file {shown(path)} {problem}")
     if not os.path.lexists(path):
         raise ActionsError(f"actions file {path} does not exist (or name a preset: {', '.join(PRESETS)})")
     check_input_file(path, "actions file", error=ActionsError)

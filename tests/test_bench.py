@@ -243,3 +243,63 @@ def test_the_pipelined_projection_takes_the_slower_of_engine_and_writer_per_samp
     measured = pipelined_projection_s({**once, "generating": 300.0, "drain_writer": 50.0}, 100, 128, target=1000,
                                       writer_s_per_sample=4.0)
     assert measured == pytest.approx(40 + 10 + 1000 * 4.0 + 50)
+
+
+def test_two_runs_building_one_cache_entry_at_once_both_use_it(tmp_path):
+    """Issue 38: two benches building the random model together: the second rename met the first's
+    folder and the run died with 'Directory not empty'. Both now build, one places, both use it."""
+    import threading
+
+    from terra_cli.bench.cache import cached_folder
+
+    target = tmp_path / "cache" / "random-terra-seed0"
+    both_built = threading.Barrier(2, timeout=30)
+    results, errors = [], []
+
+    def build(run: int):
+        def write(folder):
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps({"built_by": run}))
+            both_built.wait()  # neither renames before both have built: the race, every time
+        return write
+
+    def bench(run: int):
+        try:
+            results.append(cached_folder(target, build(run), lambda message: None, "random model"))
+        except Exception as exc:  # noqa: BLE001 - the failure this test is about
+            errors.append(exc)
+
+    runs = [threading.Thread(target=bench, args=(run,)) for run in (0, 1)]
+    for thread in runs:
+        thread.start()
+    for thread in runs:
+        thread.join(60)
+    assert errors == [] and results == [target, target]
+    assert json.loads((target / "config.json").read_text())["built_by"] in (0, 1)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["random-terra-seed0"]  # no temporary folder left
+    reused = []
+    assert cached_folder(target, lambda folder: pytest.fail("rebuilt"), reused.append, "random model") == target
+    assert "(reused)" in reused[0]
+
+
+def test_the_random_model_cache_accepts_an_entry_placed_while_it_built(tmp_path, monkeypatch):
+    import os
+
+    from terra_cli.bench import hf_vs_vllm
+
+    monkeypatch.setenv("TERRA_CACHE", str(tmp_path))
+    target = tmp_path / "random-terra-seed0"
+
+    def build_while_another_run_finishes(folder, device, seed):
+        other = tmp_path / ".another-run"
+        other.mkdir()
+        (other / "config.json").write_text('{"run": "other"}')
+        os.replace(other, target)
+        folder.mkdir()
+        (folder / "config.json").write_text('{"run": "this"}')
+
+    monkeypatch.setattr(hf_vs_vllm, "write_random_terra_checkpoint", build_while_another_run_finishes)
+    lines = []
+    assert hf_vs_vllm.random_terra_checkpoint("cpu", 0, lines.append) == target
+    assert json.loads((target / "config.json").read_text()) == {"run": "other"}
+    assert "another run placed" in lines[-1] and sorted(p.name for p in tmp_path.iterdir()) == ["random-terra-seed0"]

@@ -136,8 +136,31 @@ def arena(tmp_path_factory) -> Path:
     _damaged(arena, good, "shard_absolute", index={"weight_map": {"lm_head.weight": "/etc/passwd"}})
     _damaged(arena, good, "index_not_object", index=["model.safetensors"])  # type: ignore[arg-type]
     (arena / "no_config").mkdir()
-    (arena / "m[/x]").mkdir(parents=True)  # the folder "x]" inside "m[": rich markup in a path
+    (arena / "m[/x]").mkdir(parents=True)
+    np.save(arena / "tokens25.npy", rng.integers(0, 1024, size=(25, 576)))
+    _refiner_config_only(arena / "refiner_window0.pt", window=0)
+    _refiner_config_only(arena / "refiner_heads0.pt", head_channels=0)
+    _refiner_config_only(arena / "refiner_steps_negative.pt", steps=-1)
+    _refiner_config_only(arena / "refiner_width_string.pt", model_channels="32")
+    (arena / "refiner_empty.pt").write_bytes(b"")
+    (arena / "loop_a.png").symlink_to(arena / "loop_b.png")
+    (arena / "loop_b.png").symlink_to(arena / "loop_a.png")  # the folder "x]" inside "m[": rich markup in a path
     return arena
+
+
+def _refiner_config_only(path: Path, **changes) -> None:
+    """A refiner file whose config is damaged: refused before any tensor is looked at."""
+    import torch
+
+    from terra_cli.refiner.checkpoint import CONFIG_KEY
+    from terra_cli.refiner.config import tiny_refiner_config
+
+    torch.save({"module": {}, CONFIG_KEY: json.dumps({**tiny_refiner_config().to_dict(), **changes})}, path)
+
+
+def _refine(arena: Path, refiner: str) -> list[str]:
+    return ["refine", str(arena / "tokens25.npy"), str(arena / "r.mp4"), "--refiner", str(arena / refiner),
+            "--device", "cpu"]
 
 
 def _generate(arena: Path, *extra, model: str = "good") -> list[str]:
@@ -333,6 +356,19 @@ CASES = {
     "info damaged checkpoint": lambda a: ["info", str(a / "absurd_header")],
     "info config not json": lambda a: ["info", str(a / "config_not_json")],
     "info missing": lambda a: ["info", str(a / "nowhere")],
+    # issue 38: a refiner checkpoint's config and file are checked before anything is built
+    "refine config window zero": lambda a: _refine(a, "refiner_window0.pt"),
+    "refine config heads zero": lambda a: _refine(a, "refiner_heads0.pt"),
+    "refine config steps negative": lambda a: _refine(a, "refiner_steps_negative.pt"),
+    "refine config width string": lambda a: _refine(a, "refiner_width_string.pt"),
+    "refine empty checkpoint": lambda a: _refine(a, "refiner_empty.pt"),
+    # issue 38: paths that are not plain names (a NUL byte cannot reach argv: tests/test_server.py)
+    "tokenize symlink loop": lambda a: ["tokenize", str(a / "loop_a.png"), "--out", str(a / "t.npy")],
+    "context symlink loop": lambda a: _generate(a, "--context", str(a / "loop_a.png")),
+    "actions name 5000 characters": lambda a: _generate(a, "--actions", str(a / ("x" * 5000 + ".npy"))),
+    "context name 5000 characters": lambda a: _generate(a, "--context", str(a / ("x" * 5000 + ".png"))),
+    "save tokens name 5000 characters": lambda a: _generate(a, "--save-tokens", str(a / ("x" * 5000 + ".npy"))),
+    "tokenize path 300 folders deep": lambda a: ["tokenize", str(a / ("d/" * 3000 + "f.png")), "--out", str(a / "t.npy")],
 }
 
 
@@ -467,6 +503,12 @@ EXPECTED = {
     "actions convert beyond float32": "beyond float32", "actions beyond float32": "beyond float32",
     "eval frames huge": "--frames 1000 is above the maximum", "eval frames above the model": "frames per round",
     "eval seeds times frames huge": "frames per preset",
+    "refine config window zero": "window is 0", "refine config heads zero": "head_channels is 0",
+    "refine config steps negative": "steps is -1", "refine config width string": "model_channels is '32'",
+    "refine empty checkpoint": "is empty",
+    "tokenize symlink loop": "symbolic link loop", "context symlink loop": "symbolic link loop",
+    "actions name 5000 characters": "too long", "context name 5000 characters": "too long",
+    "save tokens name 5000 characters": "longer than 200 bytes", "tokenize path 300 folders deep": "too long",
 }
 
 

@@ -68,6 +68,19 @@ def test_mp4_written_and_read_back(tmp_path):
     assert count_frames(cut) is None and count_frames(tmp_path / "text.mp4") is None
 
 
+def test_write_video_replaces_nothing_unless_told(tmp_path):
+    """Issue 38: write_video replaced by default, unlike every other writer."""
+    from terra_cli.errors import OutputError
+
+    path = write_video(tmp_path / "clip.mp4", [solid(v, 32, 48) for v in (0, 120)], fps=10)
+    before = path.read_bytes()
+    with pytest.raises(OutputError, match="already exists"):
+        write_video(path, [solid(v, 32, 48) for v in (60, 180, 240)], fps=10)
+    assert path.read_bytes() == before
+    write_video(path, [solid(v, 32, 48) for v in (60, 180, 240)], fps=10, overwrite=True)
+    assert len(read_frames(path)) == 3
+
+
 def test_write_frames_pngs(tmp_path):
     frames = [solid(v) for v in (1, 2, 3)]
     paths = write_frames(tmp_path / "pngs", frames)

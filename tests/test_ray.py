@@ -209,3 +209,26 @@ def test_a_bad_address_is_one_line_within_a_bounded_time(work):
         f"error: cannot reach a Ray cluster at --ray {address}: Connection refused (start one with `ray start "
         "--head`, or pass --ray local for a cluster of this machine)")
     assert time.monotonic() - started < 60
+    assert not (folder / "bad").exists()  # issue 38: the cluster is reached before --out-dir is made and locked
+
+
+def test_sigint_to_a_data_parallel_driver_alone_stops_it(work):
+    """Issue 38 (WARN): `kill -INT <driver pid>` on a --data-parallel 2 run (the driver starts its own
+    local cluster) must stop it like Ctrl-C. (A driver started with `&` from a non-interactive shell
+    inherits SIGINT ignored, as POSIX wants for background jobs; SIGTERM stops it there.)"""
+    folder, model = work
+    out = folder / "dp_sigint"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_RAY_TEST_FRAME_DELAY": "0=0.5,1=0.5"}
+    env.pop("RAY_ADDRESS", None)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir", str(out),
+         "--model", str(model), "--backend", "hf", "--device", "cpu", "--no-decode", "--data-parallel", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 180
+    while not read_results(out / RESULTS_NAME) and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGINT)
+    output, _ = driver.communicate(timeout=120)
+    assert driver.returncode == 130, output
+    assert "interrupted: " in output
+    assert 1 <= len(read_results(out / RESULTS_NAME)) < SCENARIOS

@@ -84,3 +84,25 @@ def test_work_is_kept_for_a_starting_engine_only_as_long_as_the_others_took_to_s
     assert may_queue(up, [up, late], pending=1, now=now)
     # before any engine is up there is nothing to compare with: every starting engine counts
     assert counted(late, [engine(0, status="starting"), late], late.since + 1000.0)
+
+
+def test_the_progress_count_stays_within_the_open_scenarios_and_the_total():
+    """Issue 38: an engine's frame count of its open scenarios comes with its stats, a tick after a
+    scenario was handed back and counted as written: the bar showed 8852/5632 frames. Each engine's
+    count is capped by what its open scenarios hold, the whole by the run's total."""
+    from types import SimpleNamespace
+
+    from terra_cli.scenarios.ray_runner import RayRun
+
+    scenario = SimpleNamespace(frames=25, context_frames=3)  # 22 generated frames
+    one = engine(0)
+    one.open = {object(): scenario, object(): scenario}  # 44 frames to come
+    one.written_frames, one.pending_frames = 22 * 10, 22 * 12  # stale: still counts 10 written ones
+    run = RayRun(total=256, total_frames=22 * 256, engines=[one])
+    assert run.progress_frames == 22 * 10 + 44
+    one.pending_frames = 30
+    assert run.progress_frames == 22 * 10 + 30
+    one.written_frames = 22 * 256
+    assert run.progress_frames == 22 * 256  # never past the total
+    one.status = "restarting"
+    assert run.progress_frames == 22 * 256

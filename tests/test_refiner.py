@@ -157,6 +157,61 @@ def test_strict_loading_names_the_key(tmp_path, damage, message):
         VideoRefiner.from_checkpoint(str(path), device="cpu")
 
 
+def _refiner_with_config(path: Path, **changes) -> Path:
+    """The tiny refiner's weights under a config with `changes` (JSON values as a file could hold them)."""
+    import json
+
+    from terra_cli.refiner.checkpoint import CONFIG_KEY, PREFIX
+
+    config = {**tiny_refiner_config().to_dict(), **changes}
+    state = terra_state_dict(tiny_refiner_config())
+    torch.save({"module": {PREFIX + k: v for k, v in state.items()}, CONFIG_KEY: json.dumps(config)}, path)
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"window": 0}, "window is 0: it must be a whole number from 1 to 100"),
+    ({"window": 10**9}, "window is 1000000000"),
+    ({"head_channels": 0}, "head_channels is 0"),
+    ({"steps": -1}, "steps is -1"),
+    ({"steps": True}, "steps is True"),
+    ({"model_channels": "32"}, "model_channels is '32'"),
+    ({"model_channels": 48}, "multiple of 32"),
+    ({"height": 33}, "must be multiples of"),
+    ({"height": 10**6}, "height is 1000000"),
+    ({"sigma_max": float("inf")}, "sigma_max is inf"),
+    ({"rho": 0}, "rho is 0"),
+    ({"min_scale": float("nan")}, "min_scale is nan"),
+    ({"channel_mult": []}, "channel_mult is ()"),
+    ({"channel_mult": [1, "2"]}, "channel_mult is (1, '2')"),
+    ({"vae_mult": 2}, "vae_mult is 2"),
+    ({"min_overlap": 25}, "min_overlap 25 must be less than window 25"),
+    ({"sigma_min": 800.0}, "sigma_min 800.0 must be below sigma_max"),
+    ({"in_channels": 9}, "in_channels 9"),
+    ({"attention_levels": 5}, "more than the 4 levels"),
+    ({"surprise": 1}, "unknown field 'surprise'"),
+])
+def test_refiner_config_is_checked_field_by_field_before_anything_is_built(tmp_path, changes, message):
+    path = _refiner_with_config(tmp_path / "cfg.pt", **changes)
+    with pytest.raises(CheckpointError, match="bad terra_refiner_config") as failure:
+        read_checkpoint(path)
+    assert message in str(failure.value)
+
+
+def test_float_weights_stored_as_ints_and_empty_files_are_refused(tmp_path):
+    state = terra_state_dict(tiny_refiner_config())
+    state = {k: v.to(torch.int32) if k.startswith("model.diffusion_model.out.") else v for k, v in state.items()}
+    path = write_tiny_refiner(tmp_path / "ints.pt", state=state)
+    with pytest.raises(CheckpointError, match=r"dtype mismatch: model\.diffusion_model\.out\.\S+ is int32"):
+        VideoRefiner.from_checkpoint(str(path), device="cpu")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is empty"):
+        read_checkpoint(tmp_path / "empty.pt")
+    (tmp_path / "short.pt").write_bytes(b"PK\x03\x04")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        read_checkpoint(tmp_path / "short.pt")
+
+
 class _Payload:
     def __init__(self, marker):
         self.marker = marker

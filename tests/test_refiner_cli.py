@@ -110,3 +110,24 @@ def test_bench_refiner_reports_counted_flops_and_the_act_bench_projection(tmp_pa
     assert data["act_bench"]["windows_per_sample"] == 2 and data["act_bench"]["samples"] == 2286
     row = data["rows"][0]
     assert row["windows_per_call"] == 1 and row["seconds_per_window"] > 0 and row["peak_memory_gib"] is None
+
+
+def test_options_before_the_arguments_and_a_converted_file_follows_the_umask(tmp_path, parts):
+    """Issue 38: `terra refine --refiner R TOKENS OUT` failed with "No such option"; a converted
+    .safetensors got mode 0600 where every other output follows the umask."""
+    import os
+
+    tokens = tmp_path / "t20.npy"
+    np.save(tokens, np.zeros((20, 576), dtype=np.int64))
+    options_first = run("refine", "--refiner", parts["refiner"], "--device", "cpu", tokens, tmp_path / "o.mp4")
+    assert options_first.exit_code == 2, options_first.output
+    assert "the refiner needs at least 25 frames" in options_first.output  # parsed as TOKENS OUT, then checked
+    assert run("refine", "--help").exit_code == 0
+    converted = tmp_path / "r.safetensors"
+    saved = os.umask(0o022)
+    try:
+        result = run("refine", "convert", "--trust-checkpoint", parts["refiner"], converted)
+    finally:
+        os.umask(saved)
+    assert result.exit_code == 0, result.output
+    assert converted.stat().st_mode & 0o777 == 0o644

@@ -187,3 +187,30 @@ def test_engine_options_are_checked_before_a_model_loads():
         engine_options("auto", "int4")
     with pytest.raises(InputError, match="--kv-cache-dtype must be auto or fp8"):
         engine_options("bf16", "none")
+
+
+def test_a_scenario_that_cannot_be_written_ends_the_run_with_exit_1_not_2(tmp_path, monkeypatch):
+    """Issue 38: every input was checked up front, so a write that fails mid-run (a full disk
+    here) is the run's failure, not a mistake of the user's: exit 1, one line, the rest written."""
+    import errno
+
+    from terra_cli.scenarios import runner
+
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=TOKENS, layers=1))
+    path = scenario_file(tmp_path, GOOD)
+    real_write = runner.write_scenario
+
+    def disk_full_for_b(out_dir, scenario, *args, **kwargs):
+        if scenario.id == "b":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(out_dir, scenario, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "write_scenario", disk_full_for_b)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["generate", "--scenarios", str(path), "--out-dir", str(out), "--model", str(model),
+                                      "--backend", "hf", "--device", "cpu", "--no-decode"])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "1 scenario(s) could not be written" in errors[0] and "b: " in errors[0]
+    assert "unexpected" not in result.output and "Traceback" not in result.output
+    assert sorted(p.name for p in out.glob("*.npy")) == ["a.npy", "c.npy"]

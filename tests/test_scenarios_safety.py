@@ -118,6 +118,34 @@ def test_every_bad_line_is_listed_with_its_number_before_any_model_loads(tmp_pat
     assert not out.exists()  # nothing written; the (missing) model was never looked at
 
 
+def test_truncated_or_damaged_context_images_are_caught_at_line_validation(tmp_path):
+    """Issue 38: a truncated PNG passed the header-only check and failed after the model loaded,
+    with no line number and an empty out/ left behind."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    picture = Image.fromarray(rng.integers(0, 256, (144, 256, 3), dtype=np.uint8))
+    picture.save(tmp_path / "good.png")
+    picture.save(tmp_path / "good.jpg", quality=90)
+    png, jpg = (tmp_path / "good.png").read_bytes(), (tmp_path / "good.jpg").read_bytes()
+    (tmp_path / "cut.png").write_bytes(png[: len(png) // 2])
+    (tmp_path / "cut.jpg").write_bytes(jpg[: len(jpg) // 2])
+    flipped = bytearray(png)
+    flipped[len(png) // 2] ^= 0xFF  # one byte of the image data: its chunk's checksum no longer matches
+    (tmp_path / "flipped.png").write_bytes(bytes(flipped))
+    lines = [line("a", context="good.png"), line("b", context="cut.png"), line("c", context="good.jpg"),
+             line("d", context="cut.jpg"), line("e", context="flipped.png")]
+    out = tmp_path / "out"
+    result = cli("generate", "--scenarios", write_lines(tmp_path, lines), "--out-dir", out,
+                 "--model", tmp_path / "no-such-model")
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "unexpected" not in result.output
+    for number in (2, 4, 5):
+        assert f"line {number}:" in result.output, (number, result.output)
+    assert "line 1:" not in result.output and "line 3:" not in result.output
+    assert not out.exists()
+
+
 def test_seed_plus_rollouts_past_the_maximum_is_refused(tmp_path):
     path = write_lines(tmp_path, [line("a", seed=MAX_SEED), line("b", seed=MAX_SEED - 1)])
     assert not read_scenarios(path, Defaults()).problems

@@ -164,18 +164,34 @@ def test_disconnect_mid_stream_frees_the_session(client):
 def test_api_key_is_required_when_set(engine):
     from starlette.websockets import WebSocketDisconnect
 
-    guarded = side_app(engine, api_key="s3cret")
+    key = "s3cret-0123456789abcdef"
+    guarded = side_app(engine, api_key=key)
     assert guarded.get("/health").status_code == 200
     assert guarded.get("/").status_code == 200  # the page asks for the key itself
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "s3cre"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": key[:-1]}):
         reply = guarded.get("/v1/videos", headers=headers)
         assert reply.status_code == 401 and reply.json()["error"]["field"] == "authorization"
     assert guarded.get("/metrics").status_code == 401
-    assert guarded.get("/v1/videos", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-    assert guarded.get("/v1/videos", headers={"X-API-Key": "s3cret"}).status_code == 200
-    with pytest.raises(WebSocketDisconnect):
-        with guarded.websocket_connect("/v1/sessions/s-x/stream") as socket:
-            socket.receive_json()
+    assert guarded.get("/v1/videos", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert guarded.get("/v1/videos", headers={"X-API-Key": key}).status_code == 200
+    # ?key= is for the browser's WebSocket only: on HTTP it would land in access logs and history
+    assert guarded.get(f"/v1/videos?key={key}").status_code == 401
+    assert guarded.get(f"/metrics?key={key}").status_code == 401
+    for url, code in (("/v1/sessions/s-x/stream", 4401), (f"/v1/sessions/s-x/stream?key={key[:-1]}", 4401),
+                      (f"/v1/sessions/s-x/stream?key={key}", 4404)):  # past the key: no such session
+        with pytest.raises(WebSocketDisconnect) as closed:
+            with guarded.websocket_connect(url) as socket:
+                socket.receive_json()
+        assert closed.value.code == code
+
+
+@pytest.mark.parametrize("key", ["", " ", "   \t", " s3cret-0123456789abcdef", "s3cret-0123456789abcdef\n", "s3cret"])
+def test_blank_padded_or_short_api_keys_are_refused(key):
+    from terra_cli.errors import InputError
+    from terra_cli.server.app import Settings
+
+    with pytest.raises(InputError, match="--api-key"):
+        Settings(api_key=key)
 
 
 def test_caps_answer_429_413_with_the_field(engine):
@@ -222,8 +238,19 @@ BAD_VIDEOS = [
     ("context.video", {"actions": "left", "context": {"video": base64.b64encode(b"not a video").decode()}}),
     ("context.tokens", {"actions": "left", "context": {"tokens": [[1, 2], [3]]}}),
     ("context.tokens", {"actions": "left", "context": {"tokens": "abc"}}),
+    ("context.tokens", {"actions": "left", "context": {"tokens": [[1, 2]]}}),  # issue 38: these were 202, then failed
+    ("context.tokens", {"actions": "left", "context": {"tokens": [[5000] * 576]}}),
+    ("context.tokens", {"actions": "left", "context": {"tokens": [[-1] * 576]}}),
+    ("context.tokens", {"actions": "left", "context": {"tokens": [[2**70] * 576]}}),
     ("context_frames", {"actions": "left", "context_frames": 0}),
     ("context_frames", {"actions": "left", "context": {"tokens": context_tokens(1)}, "context_frames": 2}),
+    # issue 38: the field as the client named it, not pydantic's union branch; true is not a number
+    ("id", {"actions": "left", "id": True}),
+    ("id", {"actions": "left", "id": [1]}),
+    ("seed", {"actions": "left", "seed": True}),
+    ("temperature", {"actions": "left", "temperature": False}),
+    ("frames", {"actions": "left", "frames": True}),
+    ("actions", {"actions": 5}),
 ]
 
 
@@ -238,11 +265,18 @@ def test_malformed_video_requests_are_4xx_naming_the_field(engine, field, body):
 
 def test_malformed_session_requests(engine):
     api = side_app(engine)
+    for tokens in ([[1, 2]], [[5000] * 576], [[-1] * 576]):  # the same check as a video job's
+        reply = api.post("/v1/sessions", json={"context": {"tokens": tokens}})
+        assert reply.status_code == 422 and reply.json()["error"]["field"] == "context.tokens"
     out_of_range = api.post("/v1/sessions", json={"context": {"tokens": [[5000] * 576]}})
     assert out_of_range.status_code == 422 and out_of_range.json()["error"]["field"] == "context.tokens"
     too_long = api.post("/v1/sessions", json={"context": {"tokens": context_tokens(SERVE_MAX_FRAMES)}})
     assert too_long.status_code == 422 and too_long.json()["error"]["field"] == "context_frames"
     assert api.post("/v1/sessions/s-missing/step", json={}).json()["error"]["field"] == "session_id"
+    bad_step = api.post("/v1/sessions/s-missing/step", json={"action": 5})
+    assert bad_step.status_code == 422 and bad_step.json()["error"]["field"] == "action", bad_step.json()
+    bad_index = api.get("/v1/videos/v-missing/frames/abc")
+    assert bad_index.status_code == 422 and bad_index.json()["error"]["field"] == "index", bad_index.json()
     assert api.get("/v1/videos/v-missing").status_code == 404
 
 
@@ -260,10 +294,34 @@ def test_paths_only_inside_data_root(engine, tmp_path):
     assert outside.status_code == 403 and outside.json()["error"]["field"] == "context"
     missing = api.post("/v1/videos", json={"actions": "left", "context": "nope.png", "frames": 3})
     assert missing.status_code == 404
+    np.save(root / "narrow.npy", np.zeros((1, 7), dtype=np.int64))
+    narrow = api.post("/v1/videos", json={"actions": "left", "context": "narrow.npy", "frames": 3})
+    assert narrow.status_code == 422 and narrow.json()["error"]["field"] == "context", narrow.text
     inside = api.post("/v1/videos", json={"actions": "left", "context": "ctx.png", "frames": 3})
     assert inside.status_code == 202, inside.text
     api.delete(f"/v1/videos/{inside.json()['id']}")
     time.sleep(0.1)
+
+
+@pytest.mark.parametrize("field", ["context", "actions"])
+def test_paths_that_are_not_plain_names_are_4xx_naming_the_field(engine, tmp_path, field):
+    """Issue 38: a NUL byte, a 5000-character name or a symlink loop under --data-root was a 500."""
+    from terra_cli.server.requests import Limits
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "a.png").symlink_to(root / "b.png")
+    (root / "b.png").symlink_to(root / "a.png")
+    (root / "loop").symlink_to(root / "loop")
+    api = side_app(engine, limits=Limits(data_root=root))
+    for value, says in (("a\0b.png", "NUL"), ("x" * 5000 + ".png", "too long"), ("y/" * 2100 + "z.npy", "too long"),
+                        ("a.png", "symbolic link loop"), ("loop/c.npy", "symbolic link loop")):
+        body = {"actions": "left", "frames": 5, field: value}
+        reply = api.post("/v1/videos", json=body)
+        assert 400 <= reply.status_code < 500, (value[:20], reply.text)
+        error = reply.json()["error"]
+        assert error["field"] == field and says in error["message"], (value[:20], error)
+        assert len(error["message"]) < 400
 
 
 def _png_claiming(width: int, height: int) -> str:

@@ -119,10 +119,27 @@ def test_sigterm_drains_and_exits_0(served):
 
 @pytest.mark.parametrize("args,message", [
     (["--host", "0.0.0.0"], "pass --api-key"),
+    (["--host", "0.0.0.0", "--api-key", " "], "--api-key (or TERRA_API_KEY) is blank"),
+    (["--host", "0.0.0.0", "--api-key", " padded-key-0123456789 "], "starts or ends with whitespace"),
+    (["--api-key", "short"], "use at least 16"),
     (["--host", "192.168.1.5", "--port", "9"], "pass --api-key"),
     (["--data-root", "/nonexistent/x"], "is not a folder"),
     (["--backend", "hf", "--kv-cache-dtype", "fp8"], "not for the hf backend"),
+    (["--drain-grace", "inf"], "--drain-grace must be a finite number"),
+    (["--max-upload-mb", "inf"], "--max-upload-mb must be a finite number"),
+    (["--session-timeout", "nan"], "--session-timeout"),
+    (["--host", "no-such-host.invalid", "--api-key", "0123456789abcdef"], "is not an address of this machine"),
 ])
 def test_serve_refuses_before_loading(args, message):
     result = invoke_terra("serve", *args)
     assert result.returncode == 2 and message in result.stdout and "Traceback" not in result.stdout
+
+
+def test_a_busy_port_is_refused_before_the_engine_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = invoke_terra("serve", "--port", str(port))
+    assert result.returncode == 2 and f"--port {port} on 127.0.0.1 is in use" in result.stdout, result.stdout
+    assert "loading the engine" not in result.stdout and "Traceback" not in result.stdout

@@ -48,3 +48,36 @@ def test_sigterm_saves_finished_frames_and_leaves_no_partial_file(tmp_path):
     assert saved.shape[1] == 576 and 2 <= saved.shape[0] < 25
     np.testing.assert_array_equal(saved[:2], np.load(tmp_path / "ctx.npy"))
     assert sorted(p.name for p in out.iterdir()) == ["tokens.npy"]  # no .partial file left
+
+
+def test_sigterm_ends_a_large_scenario_bench_within_seconds_and_removes_its_folder(tmp_path):
+    """Issue 38: `terra bench --scenarios 1000000` kept writing context files after SIGTERM and left
+    gigabytes in /tmp. Its most (100,000) ends within 20 s of the signal, its folder removed."""
+    model = write_tiny_checkpoint(tmp_path / "wm", tiny_config(layers=1))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(temp)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "terra_cli", "bench", "--scenarios", "100000", "--model", str(model), "--backend", "hf",
+         "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(temp.glob("terra-bench-scenarios-*/ctx*.npy")):
+        time.sleep(0.05)
+    time.sleep(2.0)  # thousands of context files written: the signal lands mid-write
+    assert proc.poll() is None, proc.stderr.read()[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    try:
+        proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    assert time.monotonic() - signalled < 20
+    assert proc.returncode == 130
+    assert list(temp.iterdir()) == []  # the temporary folder is gone with everything in it
+
+
+def test_a_scenario_bench_above_its_maximum_is_one_line():
+    from conftest import invoke_terra
+
+    result = invoke_terra("bench", "--scenarios", "1000000", "--device", "cpu")
+    assert result.returncode == 2 and "--scenarios 1000000 is above the bench's 100000" in result.stdout

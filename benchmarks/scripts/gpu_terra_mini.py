@@ -30,7 +30,7 @@ def main():
     backend.close()
     frames = tokenizer.decode_tokens(tokens)
     try:
-        media = write_video(out / "terra_mini_gpu.mp4", frames, fps=10).name
+        media = write_video(out / "terra_mini_gpu.mp4", frames, fps=10, overwrite=True).name
     except MediaError:  # no ffmpeg on the GPU machine: every 4th frame side by side instead
         from PIL import Image
 

@@ -70,7 +70,7 @@ def main() -> None:
     parts["decode_tokens_whole"], _ = timed(lambda: tokenizer.decode_tokens(tokens), device, args.repeats)
     with tempfile.TemporaryDirectory(prefix="terra-writer-parts-") as tmp:
         path = Path(tmp) / "video.mp4"
-        parts["write_video_with_check"], _ = timed(lambda: write_video(path, list(frames), fps=10), device,
+        parts["write_video_with_check"], _ = timed(lambda: write_video(path, list(frames), fps=10, overwrite=True), device,
                                                    args.repeats)
         parts["read_back_check"], counted = timed(lambda: _video_frame_count(path), device, args.repeats)
         size = path.stat().st_size

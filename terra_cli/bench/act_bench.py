@@ -117,17 +117,13 @@ def bench_tokenizer(checkpoint: Path, model: str | None, seed: int, log: Callabl
         raise InputError(f"--act-bench: no image tokenizer with {layout.image_vocab_size} codes for --model {model}")
     from terra_cli.bench.hf_vs_vllm import random_model_cache
 
-    target = random_model_cache() / f"random-terra-tokenizer-seed{seed}"
-    if not (target / "config.json").is_file():
-        import os
+    from terra_cli.bench.cache import cached_folder
+    from tokenizer_decoder import ImageTokenizer
 
-        from tokenizer_decoder import ImageTokenizer
-
-        log(f"building Terra's tokenizer config with random weights -> {target} ...")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".random-tokenizer-", dir=target.parent) as tmp:
-            ImageTokenizer.from_config(TERRA_TOKENIZER_CONFIG, seed=seed, device="cpu").save_pretrained(Path(tmp) / "t")
-            os.replace(Path(tmp) / "t", target)
+    target = cached_folder(
+        random_model_cache() / f"random-terra-tokenizer-seed{seed}",
+        lambda folder: ImageTokenizer.from_config(TERRA_TOKENIZER_CONFIG, seed=seed, device="cpu").save_pretrained(folder),
+        log, "Terra's tokenizer config with random weights")
     return str(target)
 
 

@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -150,16 +149,11 @@ def random_terra_checkpoint(device: str, seed: int, log: Callable[[str], None] =
     """Terra's config with random bf16 weights, written once per seed and reused: vLLM's compile
     cache is keyed by the model path, so a fresh temporary directory each run would recompile
     every time (benchmarks/README.md, start-up)."""
-    target = random_model_cache() / f"random-terra-seed{seed}"
-    if (target / "config.json").is_file():
-        log(f"random Terra-size model: {target} (reused)")
-        return target
-    log(f"building Terra's released config (2.04B parameters) with random bf16 weights -> {target} ...")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".random-terra-", dir=target.parent) as tmp:
-        write_random_terra_checkpoint(Path(tmp) / "ckpt", device, seed)
-        os.replace(Path(tmp) / "ckpt", target)
-    return target
+    from terra_cli.bench.cache import cached_folder
+
+    return cached_folder(random_model_cache() / f"random-terra-seed{seed}",
+                         lambda folder: write_random_terra_checkpoint(folder, device, seed), log,
+                         "random Terra-size model (Terra's released config, 2.04B parameters, bf16)")
 
 
 def _gpu_used_gb() -> float | None:

@@ -158,8 +158,12 @@ def bench(
     if draft_acceptance:
         return _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heatmap, overwrite)
     if scenarios:
-        from terra_cli.bench.scenarios import ScenarioBenchPlan
+        from terra_cli.bench.scenarios import MAX_BENCH_SCENARIOS, ScenarioBenchPlan
         from terra_cli.scenarios.job import parse_max_rollouts
+
+        if scenarios > MAX_BENCH_SCENARIOS:
+            raise InputError(f"--scenarios {scenarios} is above the bench's {MAX_BENCH_SCENARIOS} (ACT-Bench is "
+                             "2,286 samples); measure fewer")
 
         plan = ScenarioBenchPlan(scenarios, frames, context_frames, parse_max_rollouts(max_rollouts), data_parallel,
                                  ray_address, lockstep, backend, device, dtype, temperature, seed, vllm_options)

@@ -11,7 +11,8 @@ from typing import Optional
 import typer
 
 from terra_cli.cli import options as opts
-from terra_cli.cli.app import EXIT_INTERRUPTED, _state, app, console, friendly_errors, say, warn_implausible
+from terra_cli.cli.app import (EXIT_INTERNAL_ERROR, EXIT_INTERRUPTED, _state, app, console, error_line, friendly_errors, say,
+                               warn_implausible)
 from terra_cli.errors import InputError
 
 
@@ -254,11 +255,18 @@ def _generate_scenarios(job, data_parallel: int, ray_address: Optional[str] = No
     if ray is not None and job.refiner is not None:
         raise InputError("--decoder refiner runs on one engine for now: drop --ray/--data-parallel, or write tokens "
                          "(--no-decode) and refine them with terra refine")
-    with OutDirLock(job.out_dir):  # one run per --out-dir, held from before the model loads
-        _run_scenarios(prepared, data_parallel, ray)
+    if ray is None:
+        with OutDirLock(job.out_dir):  # one run per --out-dir, held from before the model loads
+            _run_scenarios(prepared, data_parallel)
+        return
+    from terra_cli.scenarios.ray_cluster import ray_cluster
+
+    # The cluster is reached before --out-dir is made and locked: a bad --ray address leaves nothing behind.
+    with ray_cluster(prepared, *ray, verbose=_state["verbose"]) as plan, OutDirLock(job.out_dir):
+        _run_scenarios(prepared, data_parallel, ray, plan)
 
 
-def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None) -> None:
+def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None, plan=None) -> None:
     from terra_cli.cli.progress import TaskProgress
     from terra_cli.scenarios.job import run_scenario_job
 
@@ -288,11 +296,10 @@ def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None) ->
     try:
         if ray is not None:
             from terra_cli.cli.ray_progress import RayDisplay
-            from terra_cli.scenarios.ray_cluster import ray_cluster
             from terra_cli.scenarios.ray_runner import drive
 
             display = RayDisplay(progress, say, written)
-            with ray_cluster(prepared, *ray, verbose=_state["verbose"]) as plan, progress:
+            with progress:
                 run = drive(prepared, plan, on_event=display.event)
         else:
             with progress:
@@ -308,6 +315,7 @@ def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None) ->
         f"({run.generated_frames / max(run.seconds, 1e-9):.2f} generated frames/s) -> {out_dir}/results.jsonl")
     if ray is not None:
         display.summary(run)
-    if run.failed or run.errors:
-        raise InputError(f"{run.failed} scenario(s) could not be written, {len(run.errors)} error(s): "
-                         + "; ".join(run.errors[:3]))
+    if run.failed or run.errors:  # the run's failure, not the user's input (that was all checked up front): exit 1
+        error_line(f"{run.failed} scenario(s) could not be written, {len(run.errors)} error(s): "
+                   + "; ".join(run.errors[:3]) + f" (see {out_dir}/results.jsonl; the same command retries them)")
+        raise typer.Exit(EXIT_INTERNAL_ERROR)

@@ -19,7 +19,9 @@ class _VideoByDefault(TyperGroup):
     """`terra refine TOKENS OUT` means `terra refine video TOKENS OUT`; `convert` is the other command."""
 
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and not args[0].startswith("-"):
+        # Options may come first (`terra refine --refiner R TOKENS OUT`): only a command name or the
+        # group's own --help keep their place.
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
             args = ["video", *args]
         return super().parse_args(ctx, args)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import math
 import signal
+import socket
 from pathlib import Path
 from typing import Optional
 
@@ -71,18 +74,26 @@ def serve(
     from terra_cli.server.loader import EngineConfig, check_engine_config, load_engine
     from terra_cli.server.requests import Limits
 
+    from terra_cli.server.app import check_api_key
+
+    check_api_key(api_key)
     if not is_loopback(host) and not api_key:
         raise InputError(f"--host {host} is reachable from other machines: pass --api-key KEY (or TERRA_API_KEY), "
                          "or bind 127.0.0.1")
     if data_root is not None and not data_root.is_dir():
         raise InputError(f"--data-root {data_root} is not a folder")
+    for name, value in (("--drain-grace", drain_grace), ("--session-timeout", session_timeout),
+                        ("--max-upload-mb", max_upload_mb)):
+        if not math.isfinite(value):
+            raise InputError(f"{name} must be a finite number, got {value}")
+    check_port_free(host, port)  # a busy port fails here, not after the engine has loaded
     config = EngineConfig(model, variant, tokenizer, backend, device, dtype,
                           engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention),
                           threads, max_in_flight, max_sessions)
     check_engine_config(config)  # a typo fails here, before the engine loads
     limits = Limits(max_frames=max_frames, max_image_pixels=max_image_pixels,
                     data_root=data_root.resolve() if data_root else None)
-    settings = Settings(api_key=api_key or None, max_sessions=max_sessions, session_timeout=session_timeout,
+    settings = Settings(api_key=api_key, max_sessions=max_sessions, session_timeout=session_timeout,
                         max_queued_jobs=max_queued_jobs, max_upload_bytes=int(max_upload_mb * 1024 * 1024),
                         limits=limits, drain_grace=drain_grace)
     say(f"loading the engine ({config.backend} backend) ...")
@@ -97,6 +108,24 @@ def serve(
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     say("terra serve: drained and stopped")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind and release `host:port` as uvicorn will (SO_REUSEADDR), or one line saying why not."""
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise InputError(f"--host {host} is not an address of this machine ({exc})") from None
+    family, kind, proto, _, address = addresses[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise InputError(f"--port {port} on {host} is in use (another server?): pick another --port, "
+                                 "or stop what listens there") from None
+            raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def draining_server(config, web):

@@ -8,13 +8,30 @@ the server and the Ray runners all call it before any `open()`.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import numpy as np
 
 from terra_cli.errors import InputError, UserError
-from tokenizer_decoder.files import InputFileError, check_input_file  # noqa: F401  (re-exported)
+from tokenizer_decoder.files import InputFileError, check_input_file, path_problem, shown  # noqa: F401  (re-exported)
+
+
+def resolve_path(path: str | os.PathLike, what: str, *, error: type[UserError] = InputError) -> Path:
+    """`path` made absolute with its symbolic links followed, or one `error` line naming `what`: a
+    NUL byte, an over-long name and a symbolic link loop stop the OS, not only this program."""
+    problem = path_problem(path)
+    if problem:
+        raise error(f"{what} {shown(path)} {problem}")
+    try:
+        return Path(os.path.abspath(path)).resolve()
+    except RuntimeError:  # Python < 3.13 reports a loop so
+        raise error(f"{what} {shown(path)} is a symbolic link loop (it never reaches a file)") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise error(f"{what} {shown(path)} is a symbolic link loop (it never reaches a file)") from None
+        raise error(f"cannot use {what} {shown(path)}: {exc.strerror or exc}") from None
 
 
 def read_npy(path: str | os.PathLike, what: str, *, max_items: int | None = None,

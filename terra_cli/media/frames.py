@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from terra_cli.errors import TerraError
+from terra_cli.errors import OutputError, TerraError
 from terra_cli.media.atomic import atomic_directory, atomic_path
 from terra_cli.media.files import check_input_file
 
@@ -198,13 +198,16 @@ def check_video_writer() -> None:
                          "only with --no-decode --save-tokens FILE.npy") from exc
 
 
-def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: float = 10, overwrite: bool = True) -> Path:
+def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: float = 10, overwrite: bool = False) -> Path:
     """Write frames as an H.264 mp4, atomically, and only once the written file reads back as a
     video of every frame: ffmpeg can fail late (a full disk while writing the trailer) and still
-    leave a file, which must not replace anything."""
+    leave a file, which must not replace anything. Like every writer, it replaces a file only
+    with `overwrite`."""
     import imageio.v2 as iio
 
     path = Path(path)
+    if not overwrite and os.path.lexists(path):  # before the encoding, not after it
+        raise OutputError(f"{path} already exists; pass --overwrite to replace it")
     frames = _check_frames(frames, str(path))
     with atomic_path(path, overwrite) as tmp:
         try:

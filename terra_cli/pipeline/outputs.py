@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from terra_cli.errors import OutputError
+from terra_cli.errors import InputError, OutputError
 from terra_cli.media.atomic import check_name_length, check_writable, unwritable_ancestor
 
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".m4v")
 
 
-def _resolved(path: Path) -> Path:
-    return Path(os.path.abspath(path)).resolve()
+def _resolved(path: Path, label: str = "output", error: type = OutputError) -> Path:
+    from terra_cli.media.files import resolve_path
+
+    return resolve_path(path, label, error=error)
 
 
 def _inside(inner: Path, outer: Path) -> bool:
@@ -48,7 +50,7 @@ class OutputPlan:
         if path is None:
             return
         given = Path(path)
-        resolved = _resolved(given)
+        resolved = _resolved(given, label, InputError)
         for out_label, out_given, out_resolved, is_folder in self._outputs:
             self._check_against_input(out_label, out_given, out_resolved, is_folder, label, given, resolved)
         self._inputs.append((label, given, resolved))
@@ -57,6 +59,7 @@ class OutputPlan:
         """An output file: right suffix, not a folder, absent unless --overwrite, creatable."""
         path = Path(path)
         check_name_length(path)
+        _resolved(path, label)  # a NUL byte or a link loop: one line before anything probes the disk
         if suffixes and path.suffix.lower() not in suffixes:
             raise OutputError(f"{label} {path} must end in {' or '.join(suffixes)}")
         if path.is_dir():
@@ -72,6 +75,7 @@ class OutputPlan:
         an input nor another output."""
         path = Path(path)
         check_name_length(path)
+        _resolved(path, label)
         if path.exists() and not path.is_dir():
             raise OutputError(f"{label} {path} is a file; pass a folder")
         if path.is_symlink() and not path.exists():

@@ -66,6 +66,8 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], RefinerConfig]
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         return state, _config_from(meta.get(CONFIG_KEY), path)
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes), not a refiner checkpoint")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -74,8 +76,9 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], RefinerConfig]
             f"{str(exc).splitlines()[0][:160]}); if you trust the file, convert it once: "
             f"terra refine convert --trust-checkpoint {path} {path.with_suffix('.safetensors')}"
         ) from exc
-    except (RuntimeError, OSError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path} as a torch checkpoint: {str(exc).splitlines()[0][:200]}") from exc
+    except Exception as exc:  # a damaged file fails anywhere inside torch.load (IndexError, KeyError, ...)
+        detail = str(exc).splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"cannot read {path} as a torch checkpoint: {detail}") from exc
     return _unwrap(raw, path)
 
 
@@ -101,7 +104,7 @@ def _config_from(text, path: Path) -> RefinerConfig:
         return TERRA_REFINER
     try:
         return RefinerConfig.from_dict(json.loads(text))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: bad {CONFIG_KEY} ({exc})") from exc
 
 
@@ -124,16 +127,20 @@ def load_weights(unet, vae, state: dict[str, torch.Tensor], config: RefinerConfi
     unexpected = sorted(k for k in state if k not in wanted and keymap.ignored_reason(k) is None)
     targets = {id(unet): unet.state_dict(), id(vae): vae.state_dict()}
     filled: dict[int, dict[str, torch.Tensor]] = {id(unet): {}, id(vae): {}}
-    mismatched = []
+    mismatched, wrong_dtype = [], []
     for name, (module, key) in wanted.items():
         if name not in state:
             continue
         tensor = state[name]
         if keymap.is_conv_attention(name) and tensor.ndim == 4 and tensor.shape[2:] == (1, 1):
             tensor = tensor[:, :, 0, 0]
-        want = targets[id(module)][key].shape
-        if tuple(tensor.shape) != tuple(want):
-            mismatched.append(f"{name} {tuple(tensor.shape)} (refiner config wants {tuple(want)})")
+        want = targets[id(module)][key]
+        if tuple(tensor.shape) != tuple(want.shape):
+            mismatched.append(f"{name} {tuple(tensor.shape)} (refiner config wants {tuple(want.shape)})")
+            continue
+        if tensor.is_floating_point() != want.is_floating_point() or tensor.is_complex():
+            wrong_dtype.append(f"{name} is {str(tensor.dtype).removeprefix('torch.')} (wants a "
+                              f"{'floating-point' if want.is_floating_point() else str(want.dtype)} tensor)")
             continue
         filled[id(module)][key] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     problems = []
@@ -143,6 +150,8 @@ def load_weights(unet, vae, state: dict[str, torch.Tensor], config: RefinerConfi
         problems.append(f"unexpected (neither used nor known to be unused): {_some(unexpected)}")
     if mismatched:
         problems.append("shape mismatch: " + "; ".join(mismatched[:3]) + (" ..." if len(mismatched) > 3 else ""))
+    if wrong_dtype:
+        problems.append("dtype mismatch: " + "; ".join(wrong_dtype[:3]) + (" ..." if len(wrong_dtype) > 3 else ""))
     if problems:
         raise CheckpointError(f"refiner checkpoint {where} does not fit Terra's refiner: " + " | ".join(problems))
     unet.load_state_dict(filled[id(unet)], strict=True, assign=True)
@@ -183,5 +192,7 @@ def convert_checkpoint(src: Path, dst: Path, *, trust: bool, overwrite: bool = F
     state, config = _unwrap(raw, Path(src))
     tensors = {k: v.contiguous() for k, v in state.items()}
     with atomic_path(Path(dst), overwrite) as tmp:
+        mode = tmp.stat().st_mode & 0o777  # what the umask gives: safetensors writes a new 0600 file
         save_file(tensors, str(tmp), metadata={"format": "pt", CONFIG_KEY: json.dumps(config.to_dict())})
+        tmp.chmod(mode)
     return len(tensors)

@@ -6,7 +6,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+
+# Inclusive ranges a checkpoint's config may ask for. The upper bounds are far above Terra's and
+# only keep a hostile or broken file from asking for memory no machine has (a `window` of 0 made
+# the window plan grow without end).
+INT_RANGES = {
+    "in_channels": (1, 64), "out_channels": (1, 64), "model_channels": (1, 4096), "attention_levels": (0, 8),
+    "num_res_blocks": (1, 8), "head_channels": (1, 4096), "context_dim": (1, 16384), "adm_part": (1, 4096),
+    "vae_channels": (1, 4096), "vae_res_blocks": (1, 8), "latent_channels": (1, 64), "window": (1, 100),
+    "height": (1, 4096), "width": (1, 4096), "min_overlap": (0, 99), "fps_id": (0, 1_000_000),
+    "motion_bucket_id": (0, 1_000_000), "steps": (1, 1000),
+}
+POSITIVE_FLOATS = ("scale_factor", "sigma_min", "sigma_max", "rho")
+FINITE_FLOATS = ("cond_aug", "min_scale", "max_scale")
+MULTIPLIERS = ("channel_mult", "vae_mult")
+GROUP_NORM_GROUPS = 32  # diffusers' default in both the UNet and the VAE
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,9 @@ class RefinerConfig:
     rho: float = 7.0
     min_scale: float = 1.5
     max_scale: float = 3.0
+
+    def __post_init__(self):
+        check_config(self)
 
     @property
     def adm_in_channels(self) -> int:
@@ -90,8 +109,58 @@ class RefinerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "RefinerConfig":
-        known = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        """ValueError naming the field for anything but known fields of the right type and range."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a {type(raw).__name__}, not a JSON object")
+        unknown = sorted(str(k) for k in raw if k not in cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_config(config: RefinerConfig) -> None:
+    """Every field's type and range, then what the fields must agree on, before anything is built."""
+    for name, (low, high) in INT_RANGES.items():
+        value = getattr(config, name)
+        if not _is_int(value) or not low <= value <= high:
+            raise ValueError(f"{name} is {value!r}: it must be a whole number from {low} to {high}")
+    for name in POSITIVE_FLOATS + FINITE_FLOATS:
+        value = getattr(config, name)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)) \
+                or (name in POSITIVE_FLOATS and value <= 0):
+            raise ValueError(f"{name} is {value!r}: it must be a finite number" +
+                             (" above 0" if name in POSITIVE_FLOATS else ""))
+    for name in MULTIPLIERS:
+        value = getattr(config, name)
+        if not isinstance(value, tuple) or not 1 <= len(value) <= 8 or not all(_is_int(m) and 1 <= m <= 16 for m in value):
+            raise ValueError(f"{name} is {value!r}: it must be 1 to 8 whole numbers from 1 to 16")
+    widths = {"model_channels": config.block_out_channels,
+              "vae_channels": tuple(config.vae_channels * m for m in config.vae_mult)}
+    for name, channels in widths.items():
+        if any(c % GROUP_NORM_GROUPS for c in channels):
+            raise ValueError(f"{name} {getattr(config, name)} gives widths {channels}: each must be a multiple "
+                             f"of {GROUP_NORM_GROUPS} (GroupNorm)")
+    if config.attention_levels > len(config.channel_mult):
+        raise ValueError(f"attention_levels {config.attention_levels} is more than the "
+                         f"{len(config.channel_mult)} levels of channel_mult")
+    if any(c % config.head_channels for c in config.block_out_channels[:config.attention_levels]):
+        raise ValueError(f"head_channels {config.head_channels} does not divide the attention widths "
+                         f"{config.block_out_channels[:config.attention_levels]}")
+    if config.in_channels != 2 * config.latent_channels or config.out_channels != config.latent_channels:
+        raise ValueError(f"in_channels {config.in_channels} / out_channels {config.out_channels} must be twice / "
+                         f"once latent_channels {config.latent_channels} (noisy latents + the condition's)")
+    stride = 2 ** (len(config.vae_mult) - 1)
+    if config.height % stride or config.width % stride:
+        raise ValueError(f"height {config.height} and width {config.width} must be multiples of {stride} "
+                         "(the VAE's downsampling)")
+    if config.min_overlap >= config.window:
+        raise ValueError(f"min_overlap {config.min_overlap} must be less than window {config.window}")
+    if config.sigma_min >= config.sigma_max:
+        raise ValueError(f"sigma_min {config.sigma_min} must be below sigma_max {config.sigma_max}")
 
 
 TERRA_REFINER = RefinerConfig()

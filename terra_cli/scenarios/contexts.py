@@ -88,16 +88,28 @@ def _check_image(path: Path) -> None:
     from terra_cli.media.frames import MAX_IMAGE_PIXELS
 
     try:
-        with Image.open(path) as image:  # the header only
+        with Image.open(path) as image:  # the header first: the size is known before any decoding
             width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise InputError(f"context image {path.name} is {width}x{height} pixels, above the limit of "
+                                 "8192x8192; resize it first (Terra uses 512x288)")
+            _check_complete(image)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise InputError(f"context image {path.name} is too large to decode safely; resize it to at most "
                          "8192x8192 (Terra uses 512x288)") from None
-    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as exc:
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError, EOFError) as exc:
         raise InputError(f"context image {path.name} cannot be read: {' '.join(str(exc).split())[:200]}") from None
-    if width * height > MAX_IMAGE_PIXELS:
-        raise InputError(f"context image {path.name} is {width}x{height} pixels, above the limit of 8192x8192; "
-                         "resize it first (Terra uses 512x288)")
+
+
+def _check_complete(image) -> None:
+    """A truncated or damaged image fails here, at line validation, not after the model has loaded;
+    without a full decode: a PNG's chunks are walked and their checksums checked, a JPEG is decoded
+    at 1/8 scale (its DCT scaling still reads every byte of the entropy-coded data)."""
+    if image.format == "JPEG":
+        image.draft("RGB", (max(image.size[0] // 8, 1), max(image.size[1] // 8, 1)))
+        image.load()
+    else:
+        image.verify()
 
 
 def _check_video(path: Path) -> None:

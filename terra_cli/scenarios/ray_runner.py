@@ -18,7 +18,6 @@ or engines dying under it) is recorded as failed with the reasons, and the run g
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Callable
 from terra_cli.scenarios.job import AUTO_MAX_ROLLOUTS, PreparedJob
 from terra_cli.scenarios.ray_cluster import EnginePlan, ray_cluster
 from terra_cli.errors import OutputError
+from terra_cli.scenarios.fault_injection import injected_failures, injected_frame_delays
 from terra_cli.scenarios.outdir import make_out_dir, plan_outputs
 from terra_cli.scenarios.runner import RESULTS_NAME, NotRecorded, ResultsLog, ScenarioRun, log_skipped, save_finished
 from terra_cli.scenarios.spec import Scenario
@@ -67,6 +67,10 @@ class EngineState:
     since: float = field(default_factory=time.perf_counter)  # when it began starting, or restarting
     engine_loop: dict | None = None  # vLLM: its engine loop's times as of its last stats (this incarnation)
 
+    def open_frames(self) -> int:
+        """Generated frames its open scenarios hold when finished."""
+        return sum(s.frames - s.context_frames for s in self.open.values())
+
     def frames_per_second(self, now: float) -> float:
         frames = max(self.counted + self.live, self.written_frames)  # live counts arrive every tick
         return frames / max(now - self.first_ready, 1e-9) if self.first_ready else 0.0
@@ -81,7 +85,12 @@ class RayRun(ScenarioRun):
 
     @property
     def progress_frames(self) -> int:
-        return sum(e.written_frames + (e.pending_frames if e.status == "alive" else 0) for e in self.engines)
+        """Frames of written scenarios and, per live engine, its last count of frames of the ones it
+        holds. That count comes with its stats, a tick or more after a scenario is handed back, so it
+        may still hold frames already written: each engine's is capped by what its open scenarios
+        can hold, the sum by the run's total (a bar past its total showed that)."""
+        return min(self.total_frames, sum(e.written_frames + (min(e.pending_frames, e.open_frames())
+                                                               if e.status == "alive" else 0) for e in self.engines))
 
     def summary(self) -> list[dict]:
         now, done = time.perf_counter(), max(self.done, 1)
@@ -135,27 +144,12 @@ def may_queue(engine: EngineState, engines: list[EngineState], pending: int, now
     return pending > free
 
 
-def test_frame_delays() -> dict[int, float]:
-    """TERRA_RAY_TEST_FRAME_DELAY="1=0.3,2=0.1": engine index -> seconds slept after each frame
-    (tests make one engine deliberately slow)."""
-    delays = {}
-    for part in filter(None, os.environ.get("TERRA_RAY_TEST_FRAME_DELAY", "").split(",")):
-        index, _, seconds = part.partition("=")
-        delays[int(index)] = float(seconds)
-    return delays
-
-
-def test_failing_ids() -> frozenset[str]:
-    """TERRA_RAY_TEST_FAIL="a,b": scenarios every engine fails (tests: a scenario that passes
-    validation and still fails on every engine)."""
-    return frozenset(filter(None, os.environ.get("TERRA_RAY_TEST_FAIL", "").split(",")))
-
-
 def run_on_ray(prepared: PreparedJob, address: str | None = None, engines: int | None = None, *,
                on_event: Event = lambda kind, engine, payload: None, verbose: bool = False) -> RayRun:
     from terra_cli.scenarios.outdir import OutDirLock
 
-    with OutDirLock(prepared.job.out_dir), ray_cluster(prepared, address, engines, verbose) as plan:
+    # The cluster first: a bad --ray address leaves no empty --out-dir behind.
+    with ray_cluster(prepared, address, engines, verbose) as plan, OutDirLock(prepared.job.out_dir):
         return drive(prepared, plan, on_event)
 
 
@@ -180,7 +174,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     works: dict[str, object] = {}  # scenario -> its context in the object store (kept for retries)
     if not pending:  # a finished run, resumed: no engine needs to start
         return run
-    delays = test_frame_delays()
+    delays = injected_frame_delays()
     count, device, resources = plan.engines, plan.device, plan.resources
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // count) if device == "cpu" else 0
     backend = prepared.backend if device == "cpu" or prepared.job.backend != "auto" else "auto"
@@ -189,7 +183,7 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     longest = max(s.frames for s in pending)
     for index in range(count):
         spec = EngineSpec(job, backend, device, prepared.needs_tokenizer, index, threads, delays.get(index, 0.0),
-                          longest, test_failing_ids())
+                          longest, injected_failures())
         actor = engine_class.options(max_restarts=ENGINE_RESTARTS, max_task_retries=0, max_concurrency=window + 4,
                                      scheduling_strategy="SPREAD", **resources).remote(spec)
         run.engines.append(EngineState(index, actor, probe=actor.ready.remote()))

@@ -20,12 +20,31 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from terra_cli.errors import InputError
 from terra_cli.server.engine import EngineService
 from terra_cli.server.jobs import QueueFull, VideoJobs
 from terra_cli.server.requests import FieldError, Limits
 from terra_cli.server.sessions import Sessions, SessionsFull, SessionGone
 
 RETRY_AFTER_S = 5
+# A key anyone could guess (one space, "test") would open a public server; 16 characters is what
+# `openssl rand -hex 8` gives, the least a careless user is asked for.
+MIN_API_KEY_CHARS = 16
+
+
+def check_api_key(key: str | None) -> str | None:
+    """The key as given, or InputError if it is blank, padded with whitespace or too short."""
+    if key is None:
+        return None
+    if not key.strip():
+        raise InputError("--api-key (or TERRA_API_KEY) is blank: give a real key, e.g. \"$(openssl rand -hex 16)\"")
+    if key != key.strip():
+        raise InputError("--api-key (or TERRA_API_KEY) starts or ends with whitespace: clients could not send it "
+                         "back exactly; remove it")
+    if len(key) < MIN_API_KEY_CHARS:
+        raise InputError(f"--api-key (or TERRA_API_KEY) has {len(key)} characters: use at least "
+                         f"{MIN_API_KEY_CHARS}, e.g. \"$(openssl rand -hex 16)\"")
+    return key
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,9 @@ class Settings:
     limits: Limits = Limits()
     drain_grace: float = 30.0
     workdir: Path | None = None
+
+    def __post_init__(self):
+        check_api_key(self.api_key)
 
 
 class ApiError(Exception):
@@ -54,11 +76,13 @@ def key_matches(given: str | None, expected: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
 
 
-def presented_key(headers, query) -> str | None:
+def presented_key(headers, query=None) -> str | None:
+    """The key a client sent. `?key=` only where a header cannot be sent (the browser's WebSocket):
+    elsewhere it would put keys into access logs and browser history."""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
-    return headers.get("x-api-key") or query.get("key")
+    return headers.get("x-api-key") or (query.get("key") if query is not None else None)
 
 
 def create_app(engine: EngineService, settings: Settings = Settings()) -> FastAPI:
@@ -153,7 +177,7 @@ def require_key(settings: Settings):
     async def check(request: Request) -> None:
         if settings.api_key is None:
             return
-        if not key_matches(presented_key(request.headers, request.query_params), settings.api_key):
+        if not key_matches(presented_key(request.headers), settings.api_key):
             raise ApiError(401, "authorization", "missing or wrong API key (send Authorization: Bearer KEY)",
                            {"WWW-Authenticate": "Bearer"})
 
@@ -164,6 +188,16 @@ def websocket_allowed(websocket: WebSocket) -> bool:
     settings: Settings = websocket.app.state.settings
     return settings.api_key is None or key_matches(presented_key(websocket.headers, websocket.query_params),
                                                    settings.api_key)
+
+
+def field_of(loc) -> str:
+    """The request field a pydantic error location names: `id`, `actions[2]`, `index`. Where the
+    field came from (body, path, query) and the union member that was tried (`str`, `int`,
+    `function-before[...]`) are pydantic's, not the client's."""
+    parts = [p for p in loc if p not in ("body", "path", "query")]
+    if not parts:
+        return "body"
+    return str(parts[0]) + "".join(f"[{p}]" for p in parts[1:] if isinstance(p, int))
 
 
 def install_errors(app: FastAPI) -> None:
@@ -178,12 +212,11 @@ def install_errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        field = "body" if first.get("type") == "json_invalid" else ".".join(where) or "body"
+        field = "body" if first.get("type") == "json_invalid" else field_of(first.get("loc", ()))
         message = first.get("msg", "invalid request")
         return _json(422, {"error": {"field": field, "message": f"{field}: {message}"},
-                           "errors": [{"field": ".".join(str(p) for p in e.get("loc", ()) if p != "body"),
-                                       "message": e.get("msg")} for e in exc.errors()[:20]]})
+                           "errors": [{"field": field_of(e.get("loc", ())), "message": e.get("msg")}
+                                      for e in exc.errors()[:20]]})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):

@@ -15,10 +15,10 @@ import io
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from terra_cli.actions import PRESETS, ActionsError, instruction_trajs_to_actions, normalize_actions, resolve_actions
 from terra_cli.backends.base import Sampling
@@ -47,22 +47,34 @@ class Limits:
     data_root: Path | None = None
 
 
+def _not_a_bool(value):
+    if isinstance(value, bool):  # pydantic would take true as 1: a label "1", a seed 1
+        raise ValueError("must be a number, not true or false")
+    return value
+
+
+# Numbers (and a job's label) that refuse JSON's true and false.
+Whole = Annotated[int, BeforeValidator(_not_a_bool)]
+Real = Annotated[float, BeforeValidator(_not_a_bool)]
+Label = Annotated[str | int, BeforeValidator(_not_a_bool)]
+
+
 class VideoBody(BaseModel):
     """A scenario line (terra's format) plus sampling: `POST /v1/videos`."""
 
     model_config = ConfigDict(extra="forbid")
-    id: str | int | None = Field(None, description="Your label for the job (letters, digits, . _ -).")
+    id: Label | None = Field(None, description="Your label for the job (letters, digits, . _ -).")
     context: Any = Field(None, description='"sample" (default), {"images": [base64]}, {"video": base64 mp4}, '
                                            '{"tokens": [[576 ints]...]}, or paths under the server\'s --data-root.')
-    context_frames: int | None = Field(None, description="Use the last K context frames (default 3).")
+    context_frames: Whole | None = Field(None, description="Use the last K context frames (default 3).")
     actions: Any = Field(..., description=f"A preset ({', '.join(PRESETS)}), a (frames, 6, 3) array, "
                                           '{"instruction_trajs": [...]} (ACT-Bench), or a path under --data-root.')
-    frames: int = Field(TERRA_FRAMES, description="Total frames, context included.")
-    seed: int = 0
-    speed: float = Field(30.0, description="km/h for preset actions.")
-    temperature: float = 0.9
-    top_k: int = 0
-    top_p: float = 1.0
+    frames: Whole = Field(TERRA_FRAMES, description="Total frames, context included.")
+    seed: Whole = 0
+    speed: Real = Field(30.0, description="km/h for preset actions.")
+    temperature: Real = 0.9
+    top_k: Whole = 0
+    top_p: Real = 1.0
     tokens: bool = Field(False, description="Keep the tokens too (GET .../content?format=npy).")
 
 
@@ -71,12 +83,12 @@ class SessionBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     context: Any = None
-    context_frames: int | None = None
-    seed: int = 0
-    speed: float = Field(30.0, description="Starting speed in km/h.")
-    temperature: float = 0.9
-    top_k: int = 0
-    top_p: float = 1.0
+    context_frames: Whole | None = None
+    seed: Whole = 0
+    speed: Real = Field(30.0, description="Starting speed in km/h.")
+    temperature: Real = 0.9
+    top_k: Whole = 0
+    top_p: Real = 1.0
 
 
 MANOEUVRES = ("straight", "left", "right", "faster", "brake")
@@ -87,7 +99,7 @@ class StepBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     action: str | list = Field("straight", description=f"{', '.join(MANOEUVRES)}, or one frame's (6, 3) waypoints.")
-    frames: int = Field(1, description="How many frames to generate with it.")
+    frames: Whole = Field(1, description="How many frames to generate with it.")
     format: str = Field("jpeg", description="jpeg or png.")
 
 
@@ -98,6 +110,19 @@ class Context:
     count: int
     images: list[np.ndarray] | None = None
     tokens: np.ndarray | None = None
+    field: str = "context"  # where the tokens came from, for errors: context.tokens, or a .npy path's context
+
+
+def check_context_tokens(context: Context, layout) -> None:
+    """The one check of a context's tokens against the model, for video jobs and sessions alike:
+    before a 202, not as a job that fails afterwards."""
+    tokens = context.tokens
+    if tokens is None:
+        return
+    if tokens.shape[1] != layout.image_tokens or tokens.min() < 0 or tokens.max() >= layout.image_vocab_size:
+        raise FieldError(context.field, f"{context.field} must be codes in [0, {layout.image_vocab_size - 1}] of shape "
+                                        f"(frames, {layout.image_tokens}); got shape {tuple(tokens.shape)} with codes "
+                                        f"from {tokens.min()} to {tokens.max()}")
 
 
 @dataclass(frozen=True)
@@ -168,12 +193,25 @@ def confined(value: str, limits: Limits, field: str) -> Path:
     if limits.data_root is None:
         raise FieldError(field, "paths are not accepted by this server (it was started without --data-root); "
                                 "send the data instead")
+    from terra_cli.media.files import path_problem, resolve_path, shown
+
+    problem = path_problem(value)
+    if problem:
+        raise FieldError(field, f"{shown(value)!r} {problem}")
     root = limits.data_root.resolve()
-    path = (root / value).resolve()
+    try:
+        path = resolve_path(root / value, repr(value))
+    except TerraError as exc:  # a symbolic link loop
+        raise FieldError(field, str(exc)) from None
     if not path.is_relative_to(root):
         raise FieldError(field, f"{value!r} is outside the server's --data-root", 403)
-    if not path.exists():
-        raise FieldError(field, f"{value!r} does not exist under the server's --data-root", 404)
+    try:
+        path.stat()
+    except FileNotFoundError:
+        raise FieldError(field, f"{value!r} does not exist under the server's --data-root", 404) from None
+    except OSError as exc:  # a loop or an over-long name met only now, or no permission
+        raise FieldError(field, f"{shown(value)!r} cannot be read under the server's --data-root: "
+                                f"{exc.strerror or exc}") from None
     return path
 
 
@@ -194,7 +232,7 @@ def parse_context(value, count: int | None, limits: Limits) -> Context:
         if kind == "video":
             return _last(decode_video(data, limits), count, "context.video")
         if kind == "tokens":
-            return _tokens_context(data, count)
+            return _tokens_context(data, count, "context.tokens")
     if isinstance(value, (str, list)):
         items = [value] if isinstance(value, str) else value
         if not items or not all(isinstance(v, str) for v in items):
@@ -202,7 +240,7 @@ def parse_context(value, count: int | None, limits: Limits) -> Context:
         paths = [confined(v, limits, "context") for v in items]
         try:
             if len(paths) == 1 and paths[0].suffix.lower() == ".npy":
-                return _tokens_context(inputs.load_context_tokens(paths[0], count), None)
+                return _tokens_context(inputs.load_context_tokens(paths[0], count), None, "context")
             return _last(inputs.read_context_frames(paths, count), count, "context")
         except TerraError as exc:
             raise FieldError("context", str(exc)) from None
@@ -216,7 +254,7 @@ def _last(images: list[np.ndarray], count: int | None, field: str) -> Context:
     return Context(keep, images=images[len(images) - keep:])
 
 
-def _tokens_context(data, count: int | None) -> Context:
+def _tokens_context(data, count: int | None, field: str) -> Context:
     try:
         tokens = np.asarray(data)
     except (TypeError, ValueError):
@@ -227,7 +265,7 @@ def _tokens_context(data, count: int | None) -> Context:
         if tokens.shape[0] < count:
             raise FieldError("context_frames", f"context_frames {count} but context.tokens holds {tokens.shape[0]}")
         tokens = tokens[tokens.shape[0] - count:]
-    return Context(int(tokens.shape[0]), tokens=tokens.astype(np.int64))
+    return Context(int(tokens.shape[0]), tokens=tokens.astype(np.int64), field=field)
 
 
 def _b64(data, field: str) -> bytes:

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import tempfile
 from pathlib import Path
 
 import numpy as np
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.websockets import WebSocketDisconnected
 
-from terra_cli.server.requests import FieldError, SessionBody, StepBody, VideoBody, parse_context, parse_video, sampling_of
+from terra_cli.server.requests import (FieldError, SessionBody, StepBody, VideoBody, check_context_tokens, parse_context,
+                                      parse_video, sampling_of)
 from terra_cli.server.sessions import SessionGone
 
 videos = APIRouter(prefix="/v1/videos", tags=["videos"])
 sessions = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+LOG = logging.getLogger("terra.serve")
+MESSAGE_TOO_BIG = 1009  # the WebSocket close code for a message above the server's --ws-max-size
 
 
 def _state(request):
@@ -32,7 +39,10 @@ def _job(request: Request, video_id: str):
 
 @videos.post("", status_code=202, summary="Submit a video job (the fields of a scenario line)")
 async def create_video(body: VideoBody, request: Request):
-    spec = parse_video(body, _state(request).settings.limits)
+    # Images and videos in the body are decoded off the event loop: 24 large PNGs took seconds,
+    # and /health, the streams and every other request waited for them.
+    spec = await run_in_threadpool(parse_video, body, _state(request).settings.limits)
+    check_context_tokens(spec.context, _state(request).engine.layout)
     job = _state(request).jobs.create(spec)
     return JSONResponse(job.public(), status_code=202, headers={"Location": f"/v1/videos/{job.id}"})
 
@@ -100,15 +110,11 @@ async def create_session(body: SessionBody, request: Request):
     sampling = sampling_of(body)
     if not (np.isfinite(body.speed) and 0 <= body.speed <= 200):
         raise FieldError("speed", f"speed must be from 0 to 200 km/h, got {body.speed}")
-    context = parse_context(body.context, body.context_frames, limits)
+    context = await run_in_threadpool(parse_context, body.context, body.context_frames, limits)
     layout = state.engine.layout
     if context.count >= layout.max_frames:
         raise FieldError("context_frames", f"at most {layout.max_frames - 1} context frames, got {context.count}")
-    if context.tokens is not None:
-        t = context.tokens
-        if t.shape[1] != layout.image_tokens or t.min() < 0 or t.max() >= layout.image_vocab_size:
-            raise FieldError("context.tokens", f"context.tokens must be codes in [0, {layout.image_vocab_size - 1}] "
-                                               f"of shape (frames, {layout.image_tokens})")
+    check_context_tokens(context, layout)
     images = context.images
     if context.tokens is None and images is None:
         from terra_cli.models.default import sample_context_frames
@@ -188,7 +194,9 @@ async def delete_session(session_id: str, request: Request):
 
 async def stream(websocket: WebSocket, session_id: str):
     """Each frame is pushed the moment it is decoded; actions come in as {"action": ..., "frames": n}
-    or {"type": "reset"}. The socket closing closes the session."""
+    (optionally "type": "step") or {"type": "reset"}; anything else gets {"type": "error"} and the
+    socket stays open. The socket closing, at any moment (a page reload during the replay of the
+    held frames included), closes the session."""
     from terra_cli.server.app import websocket_allowed
 
     state = websocket.app.state
@@ -203,9 +211,6 @@ async def stream(websocket: WebSocket, session_id: str):
     await websocket.accept()
     queue: asyncio.Queue = asyncio.Queue()
     session.listeners.add(queue)
-    for index in range(len(session.tokens)):  # what the session holds already, once
-        picture = await state.sessions.picture(session, index)
-        await websocket.send_json(state.sessions.frame_message(session, index, picture, "jpeg") | {"replay": True})
 
     async def pump() -> None:
         while (message := await queue.get()) is not None:
@@ -214,33 +219,77 @@ async def stream(websocket: WebSocket, session_id: str):
 
     async def actions() -> None:
         while True:
-            message = await websocket.receive_json()
+            received = await websocket.receive()
+            if received["type"] == "websocket.disconnect":
+                if received.get("code") == MESSAGE_TOO_BIG:
+                    LOG.warning("session %s: a message above the server's WebSocket size cap; connection closed "
+                                "(%d)", session_id, MESSAGE_TOO_BIG)
+                return
             try:
-                if not isinstance(message, dict):
-                    raise FieldError("message", "messages are JSON objects")
-                if message.get("type") == "reset":
+                message = socket_message(received)
+                if message["type"] == "reset":
                     await state.sessions.reset(session)
                     await websocket.send_json({"type": "reset", "session": session.public()})
                     continue
-                await state.sessions.step(session, message.get("action", "straight"), int(message.get("frames", 1)),
-                                          str(message.get("format", "jpeg")))
+                await state.sessions.step(session, message["action"], message["frames"], message["format"])
             except FieldError as exc:
                 await websocket.send_json({"type": "error", "field": exc.field, "message": exc.message})
             except SessionGone:
                 if session.closed:
                     return
                 await websocket.send_json({"type": "error", "field": "action", "message": "reset while generating"})
-            except (TypeError, ValueError) as exc:
-                await websocket.send_json({"type": "error", "field": "message", "message": str(exc)})
 
-    tasks = [asyncio.create_task(pump()), asyncio.create_task(actions())]
+    tasks: list[asyncio.Task] = []
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    except WebSocketDisconnect:
-        pass
+        for index in range(len(session.tokens)):  # what the session holds already, once
+            picture = await state.sessions.picture(session, index)
+            await websocket.send_json(state.sessions.frame_message(session, index, picture, "jpeg") | {"replay": True})
+        tasks = [asyncio.create_task(pump()), asyncio.create_task(actions())]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # a client that left ends here quietly; anything else is logged by the server
+    except (WebSocketDisconnect, WebSocketDisconnected):
+        pass  # the client left (during the replay, or while a frame was sent)
     finally:
         for task in tasks:
             task.cancel()
         session.listeners.discard(queue)
         state.sessions.close(session_id)  # a client that goes away frees its session
 
+
+STEP_FIELDS = {"type", "action", "frames", "format"}
+
+
+def socket_message(received: dict) -> dict:
+    """One WebSocket message as {"type": "step", "action", "frames", "format"} or {"type": "reset"},
+    or FieldError naming what is wrong: binary frames, text that is not JSON (NaN and Infinity
+    included, which JSON has not), nesting deeper than Python parses, unknown types and fields."""
+    if received.get("text") is None:
+        raise FieldError("message", "binary messages are not accepted: send JSON text")
+    try:
+        message = json.loads(received["text"], parse_constant=_no_constant)
+    except RecursionError:
+        raise FieldError("message", "the message is nested too deeply") from None
+    except ValueError as exc:
+        raise FieldError("message", f"the message is not JSON: {' '.join(str(exc).split())[:160]}") from None
+    if not isinstance(message, dict):
+        raise FieldError("message", "messages are JSON objects")
+    kind = message.get("type", "step")
+    if kind not in ("step", "reset"):
+        raise FieldError("type", f"type must be step or reset, got {str(kind)[:40]!r}")
+    if kind == "reset":
+        return {"type": "reset"}
+    unknown = sorted(str(k) for k in message if k not in STEP_FIELDS)
+    if unknown:
+        raise FieldError(unknown[0][:40], f"unknown field {unknown[0][:40]!r} (a step takes action, frames, format)")
+    frames = message.get("frames", 1)
+    if not isinstance(frames, int) or isinstance(frames, bool):
+        raise FieldError("frames", f"frames must be a whole number, got {str(frames)[:40]}")
+    fmt = message.get("format", "jpeg")
+    if not isinstance(fmt, str):
+        raise FieldError("format", "format must be jpeg or png")
+    return {"type": "step", "action": message.get("action", "straight"), "frames": frames, "format": fmt}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")

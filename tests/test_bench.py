@@ -221,8 +221,10 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
 
     loop = {"steps": 400, "seconds": 20.0, "in_engine_step_s": 9.0, "admitting_jobs_s": 1.0, "handling_frames_s": 6.0,
             "other_s": 4.0, "ms_per_step": 22.5}
-    assert describe_engine_loop(loop) == ("engine loop: 45% in vLLM's step (22.50 ms x 400 steps), "
+    assert describe_engine_loop(loop) == ("engine loop: 45% in the engine's step (22.50 ms x 400 steps), "
                                           "5% taking in jobs, 30% handling finished frames")
+    assert describe_engine_loop({**loop, "idle_s": 2.0, "other_s": 2.0}).endswith(
+        "30% handling finished frames, 10% idle (nothing in flight, waiting for work)")
     assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None
 
 

@@ -153,7 +153,8 @@ def test_the_loop_times_say_where_the_drivers_thread_spent_the_run(backend):
     assert len(frames) == 4
     assert loop["admitting_jobs_s"] >= 0.6 and loop["handling_frames_s"] >= 0.2
     assert loop["steps"] >= 2 * ENGINE_IMAGE_TOKENS and loop["in_engine_step_s"] > 0
-    parts = loop["in_engine_step_s"] + loop["admitting_jobs_s"] + loop["handling_frames_s"] + loop["other_s"]
+    parts = (loop["in_engine_step_s"] + loop["admitting_jobs_s"] + loop["handling_frames_s"] + loop["idle_s"]
+             + loop["other_s"])
     assert abs(parts - loop["seconds"]) < 0.01 and loop["seconds"] <= wall
     assert loop["ms_per_step"] == pytest.approx(1000 * loop["in_engine_step_s"] / loop["steps"], abs=0.01)
 

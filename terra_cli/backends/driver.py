@@ -148,24 +148,39 @@ class JobFeed:
 class LoopTimes:
     """Where a driver's thread spent a run's wall time: inside the engine's step (vLLM's
     `engine.step()`, or the reference's token loop), taking in new jobs (whatever the job source
-    does to make one; with a `JobFeed`, also waiting for one while nothing is in flight), and
-    handling finished frames (callbacks, the next frame's request). On a GPU the engine waits on
-    neither of the last two: a share of them is time the GPU may stand idle."""
+    does to make one), handling finished frames (callbacks, the next frame's request), and idle:
+    waiting on a `JobFeed` with nothing in flight (a Ray actor before its first scenarios arrive
+    or after its last, a server between requests). On a GPU the engine waits on neither taking in
+    jobs nor handling frames: a share of them is time the GPU may stand idle; idle time is the
+    front-end's, not the engine's (on four H100s it was most of what read as "taking in jobs"
+    before it was counted apart: benchmarks/README.md)."""
 
     steps: int = 0
     step_s: float = 0.0
     admit_s: float = 0.0
     frames_s: float = 0.0
+    idle_s: float = 0.0
     run_s: float = 0.0  # of the runs that returned
     running_since: float | None = None  # the run in progress (a server's or a Ray actor's never returns)
 
     def as_dict(self) -> dict:
         run_s = self.run_s + (time.perf_counter() - self.running_since if self.running_since is not None else 0.0)
-        other = max(0.0, run_s - self.step_s - self.admit_s - self.frames_s)
+        other = max(0.0, run_s - self.step_s - self.admit_s - self.frames_s - self.idle_s)
         return {"steps": self.steps, "seconds": round(run_s, 3), "in_engine_step_s": round(self.step_s, 3),
                 "admitting_jobs_s": round(self.admit_s, 3), "handling_frames_s": round(self.frames_s, 3),
-                "other_s": round(other, 3),
+                "idle_s": round(self.idle_s, 3), "other_s": round(other, 3),
                 "ms_per_step": round(1000 * self.step_s / self.steps, 3) if self.steps else None}
+
+
+def timed_get(feed: "JobFeed", wait: float, loop: LoopTimes) -> RolloutJob | None:
+    """`feed.get(wait)`, its waiting counted as idle (the caller has nothing in flight when wait > 0)."""
+    if wait <= 0:
+        return feed.get(0)
+    began = time.perf_counter()
+    try:
+        return feed.get(wait)
+    finally:
+        loop.idle_s += time.perf_counter() - began
 
 
 class Driver(Protocol):

@@ -170,7 +170,7 @@ class ReferenceDriver:
         import collections
         import time
 
-        from terra_cli.backends.driver import JobFeed, check_job, compatible
+        from terra_cli.backends.driver import JobFeed, check_job, compatible, timed_get
 
         feed = jobs if isinstance(jobs, JobFeed) else None
         pending = collections.deque(()) if feed is not None else collections.deque(jobs)
@@ -210,8 +210,8 @@ class ReferenceDriver:
         began = self.loop.running_since = clock()
         try:
             while True:
-                admitting = clock()
-                first = (pending.popleft() if pending else None) if feed is None else feed.get(idle_wait)
+                admitting, idle_before = clock(), self.loop.idle_s
+                first = (pending.popleft() if pending else None) if feed is None else timed_get(feed, idle_wait, self.loop)
                 batch = [first] if admitted(first) else []
                 while batch and len(batch) < self.max_in_flight:
                     job = take_compatible(first)
@@ -219,7 +219,7 @@ class ReferenceDriver:
                         break
                     if admitted(job):
                         batch.append(job)
-                self.loop.admit_s += clock() - admitting
+                self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
                 if batch:
                     self._run_batch(batch, feed, on_frame, on_done, on_cancelled, on_error)
                 elif first is None and (not pending if feed is None else feed.finished):

@@ -27,7 +27,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from terra_cli.backends.driver import (FrameDone, JobCancelled, JobDone, JobFailed, JobFeed, JobStarted,  # noqa: F401
-                                       LoopTimes, RolloutJob, check_job)
+                                       LoopTimes, RolloutJob, check_job, timed_get)
 from terra_cli.backends.vllm import VllmBackend, write_rows, interleave
 from terra_cli.pipeline.rounds import Round, plan_rounds
 
@@ -134,13 +134,13 @@ class StreamDriver:
                         self.engine.abort_request([request_id])
                         free.append(rollout.slot)
                         cancelled_now(rollout.job)
-                admitting = clock()
+                admitting, idle_before = clock(), self.loop.idle_s
                 while free and not exhausted:
                     if feed is None:
                         job = next(pending, None)
                         exhausted = job is None
                     else:
-                        job = feed.get(0 if active else idle_wait)
+                        job = timed_get(feed, 0 if active else idle_wait, self.loop)
                         exhausted = job is None and feed.finished
                     if job is None:
                         break
@@ -158,7 +158,7 @@ class StreamDriver:
                     rollout = self._start(job, self._take_slot(free, job.affinity))
                     active[self._submit(rollout)] = rollout
                 stepping = clock()
-                self.loop.admit_s += stepping - admitting
+                self.loop.admit_s += stepping - admitting - (self.loop.idle_s - idle_before)
                 if not active:
                     if exhausted:
                         break

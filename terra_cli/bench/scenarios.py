@@ -102,10 +102,12 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     """One line on where the engine loop's time went (`vllm_stream.LoopTimes`), for the log."""
     if not loop or not loop.get("seconds"):
         return None
-    share = {k: 100 * loop[k] / loop["seconds"] for k in ("in_engine_step_s", "admitting_jobs_s", "handling_frames_s")}
-    return (f"engine loop: {share['in_engine_step_s']:.0f}% in vLLM's step ({loop['ms_per_step']:.2f} ms x "
+    share = {k: 100 * loop.get(k, 0.0) / loop["seconds"]
+             for k in ("in_engine_step_s", "admitting_jobs_s", "handling_frames_s", "idle_s")}
+    idle = f", {share['idle_s']:.0f}% idle (nothing in flight, waiting for work)" if loop.get("idle_s") else ""
+    return (f"engine loop: {share['in_engine_step_s']:.0f}% in the engine's step ({loop['ms_per_step']:.2f} ms x "
             f"{loop['steps']} steps), {share['admitting_jobs_s']:.0f}% taking in jobs, "
-            f"{share['handling_frames_s']:.0f}% handling finished frames")
+            f"{share['handling_frames_s']:.0f}% handling finished frames{idle}")
 
 
 def write_bench_scenarios(folder: Path, layout, plan: ScenarioBenchPlan) -> Path:

@@ -41,7 +41,7 @@ from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError, OutputError
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
-from terra_cli.scenarios.encoding import ENCODE_BATCH, EncodeAhead, encoded
+from terra_cli.scenarios.encoding import ENCODE_BATCH, EncodeAhead
 from terra_cli.scenarios.spec import Scenario, ScenarioFile
 from terra_cli.scenarios.writers import WriterDied, WriterPool, decode_frames, start_pool, write_in_order
 

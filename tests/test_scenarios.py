@@ -194,18 +194,18 @@ def test_a_scenario_that_cannot_be_written_ends_the_run_with_exit_1_not_2(tmp_pa
     here) is the run's failure, not a mistake of the user's: exit 1, one line, the rest written."""
     import errno
 
-    from terra_cli.scenarios import runner
+    from terra_cli.scenarios import results
 
     model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=TOKENS, layers=1))
     path = scenario_file(tmp_path, GOOD)
-    real_write = runner.write_scenario
+    real_write = results.write_scenario
 
     def disk_full_for_b(out_dir, scenario, *args, **kwargs):
         if scenario.id == "b":
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(out_dir, scenario, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "write_scenario", disk_full_for_b)
+    monkeypatch.setattr(results, "write_scenario", disk_full_for_b)
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["generate", "--scenarios", str(path), "--out-dir", str(out), "--model", str(model),
                                       "--backend", "hf", "--device", "cpu", "--no-decode"])

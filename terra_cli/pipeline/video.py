@@ -1,8 +1,8 @@
 """`generate_video`: the one library entry point from context and actions to written files.
 
-encode context -> generate tokens round by round -> decode frames -> write outputs. `terra
-generate` and the scenario batches both call it; the CLI only parses options and reports through
-an `Observer`. Everything that can be checked without a model is checked in `VideoRequest.check`
+encode context -> generate tokens round by round -> decode frames -> write outputs, on a loaded
+`WorldModel` (pipeline/world_model.py) that the caller may keep for many videos. `terra generate`
+calls it; the CLI only parses options and reports through an `Observer`. Everything that can be checked without a model is checked in `VideoRequest.check`
 before anything loads.
 """
 
@@ -21,6 +21,7 @@ from terra_cli.models.resolve import ModelChoice
 from terra_cli.pipeline import inputs
 from terra_cli.pipeline.outputs import Outputs
 from terra_cli.pipeline.rounds import RESEED_FRAMES, generate_tokens, plan_rounds
+from terra_cli.pipeline.world_model import Engine, WorldModel, load_world_model
 
 VIDEO_FPS = 10  # Terra's frame rate
 
@@ -105,17 +106,6 @@ class VideoRequest:
         return self.context_frames
 
 
-@dataclass(frozen=True)
-class Engine:
-    """How to run the world model: backend (auto, hf, vllm), device, dtype, CPU threads."""
-
-    backend: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int = 0
-    options: dict = field(default_factory=dict)  # extra backend options (vLLM engine arguments)
-
-
 @dataclass
 class VideoResult:
     tokens: np.ndarray  # (frames, T) int64, context included
@@ -139,6 +129,7 @@ def generate_video(
     model: ModelChoice,
     engine: Engine = Engine(),
     *,
+    world: WorldModel | None = None,
     buffer: TokenBuffer | None = None,
     observer: Observer | None = None,
     refiner=None,
@@ -146,11 +137,14 @@ def generate_video(
     """Run one video end to end and write its outputs atomically. Raises TerraError subclasses
     for anything the user can fix; KeyboardInterrupt leaves `buffer` holding the finished frames.
 
-    `refiner` (a `refiner.decoder.RefinerChoice`): decode with Terra's video refiner instead of
-    frame by frame; it is checked and loaded before the world model runs."""
-    from terra_cli.backends import check_backend_options, load_backend, resolve_backend_name
+    `world`: a loaded world model (pipeline/world_model.py) to run on and leave open; without it,
+    one is loaded for this video and closed after it. `refiner` (a `refiner.decoder.RefinerChoice`):
+    decode with Terra's video refiner instead of frame by frame; it is checked and loaded before
+    the world model runs."""
+    from dataclasses import replace
+
+    from terra_cli.backends import check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import load_tokenizer
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 
     observer = observer or Observer()
@@ -171,52 +165,59 @@ def generate_video(
             f"--model {model.label} comes without an image tokenizer: pass --tokenizer DIR_OR_HUB_ID "
             "(or --no-decode with --context-tokens to stay in tokens)"
         )
+    if request.context_tokens is not None:
+        _check_context_tokens(request.context_tokens, layout)
     observer.message(f"model: {model.label}")
-    tokenizer = None
-    if needs_tokenizer:
-        started = time.perf_counter()
-        tokenizer = load_tokenizer(model.tokenizer, device, matching=config)
-        observer.message(f"tokenizer: {tokenizer.source}  ({time.perf_counter() - started:.1f} s to load)")
-
-    context = _context_tokens(request, tokenizer, layout, observer)
-    k = context.shape[0]
-    rounds = plan_rounds(k, request.frames, layout.max_frames)
-
+    owns_world = world is None
+    if owns_world:
+        # The reference's loop threads are this call's business (generation_threads below).
+        world = load_world_model(model, replace(engine, threads=0), needs_tokenizer=needs_tokenizer)
+    elif needs_tokenizer and world.tokenizer is None:
+        raise InputError("this loaded world model has no image tokenizer, which this video needs")
+    tokenizer = world.tokenizer
+    if tokenizer is not None and owns_world:
+        observer.message(f"tokenizer: {tokenizer.source}  ({world.tokenizer_seconds:.1f} s to load)")
     import torch
 
     default_threads = torch.get_num_threads()
-    loop_threads = generation_threads(engine.threads, config.hidden_size, backend_name, device)
-    started = time.perf_counter()
-    world_model = load_backend(backend_name, model.world_model_dir, device=device, dtype=engine.dtype, **engine.options)
+    loop_threads = generation_threads(engine.threads, config.hidden_size, world.backend.name, world.device)
     auto = " (auto)" if engine.backend == "auto" else ""
     observer.message(
-        f"backend: {world_model.name}{auto}  model: {model.world_model_dir}  ({time.perf_counter() - started:.1f} s to load)"
+        f"backend: {world.backend.name}{auto}  model: {model.world_model_dir}  ({world.load_seconds:.1f} s to load)"
         + (f", {loop_threads} CPU thread(s)" if loop_threads else "")
     )
-    if getattr(world_model, "startup", None):
-        observer.startup(world_model.startup)
-    if len(rounds) > 1:
-        observer.message(f"{request.frames} frames in {len(rounds)} rounds of at most {layout.max_frames} "
-                         f"(each re-seeded with the last {RESEED_FRAMES} frames)")
-    buffer.start(context, request.frames)
-    generated = request.frames - k
+    if world.startup and owns_world:
+        observer.startup(world.startup)
     try:
-        if loop_threads:
-            torch.set_num_threads(loop_threads)
-        with observer.frames(generated, layout.image_tokens) as frame_done:
-            started = time.perf_counter()
+        context = _context_tokens(request, tokenizer, layout, observer)
+        k = context.shape[0]
+        rounds = plan_rounds(k, request.frames, layout.max_frames)
+        if len(rounds) > 1:
+            observer.message(f"{request.frames} frames in {len(rounds)} rounds of at most {layout.max_frames} "
+                             f"(each re-seeded with the last {RESEED_FRAMES} frames)")
+        buffer.start(context, request.frames)
+        generated = request.frames - k
+        try:
+            if loop_threads:
+                torch.set_num_threads(loop_threads)
+            with observer.frames(generated, layout.image_tokens) as frame_done:
+                started = time.perf_counter()
 
-            def on_frame(index: int, tokens: np.ndarray) -> None:
-                buffer.frame_done(index, tokens)
-                frame_done(index, tokens)
+                def on_frame(index: int, tokens: np.ndarray) -> None:
+                    buffer.frame_done(index, tokens)
+                    frame_done(index, tokens)
 
-            generate_tokens(world_model, context, request.actions, request.frames, request.sampling, on_frame=on_frame)
-            seconds = time.perf_counter() - started
+                generate_tokens(world.backend, context, request.actions, request.frames, request.sampling,
+                                on_frame=on_frame)
+                seconds = time.perf_counter() - started
+        finally:
+            torch.set_num_threads(default_threads)  # decoding images is convolutions: all threads again
     finally:
-        torch.set_num_threads(default_threads)  # decoding images is convolutions: all threads again
-        closing = time.perf_counter()
-        world_model.close()
-        observer.timing("engine shutdown", time.perf_counter() - closing)
+        backend_name = world.backend.name
+        if owns_world:
+            closing = time.perf_counter()
+            world.close()
+            observer.timing("engine shutdown", time.perf_counter() - closing)
     tokens = buffer.finished()
     writing = time.perf_counter()
     decoder = tokenizer
@@ -226,7 +227,14 @@ def generate_video(
         decoder = RefinerDecoder(video_refiner.to(video_refiner.target_device), tokenizer, request.sampling.seed)
     written = write_outputs(outputs, tokens, decoder, observer)
     observer.timing("writing outputs", time.perf_counter() - writing)
-    return VideoResult(tokens, k, len(rounds), seconds, world_model.name, written)
+    return VideoResult(tokens, k, len(rounds), seconds, backend_name, written)
+
+
+def _check_context_tokens(tokens: np.ndarray, layout) -> None:
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] != layout.image_tokens:
+        raise InputError(f"context tokens must have shape (frames, {layout.image_tokens}) for this model, "
+                         f"got {tokens.shape}")
 
 
 def _load_refiner(choice, request: VideoRequest, observer: Observer):
@@ -247,9 +255,6 @@ def _load_refiner(choice, request: VideoRequest, observer: Observer):
 def _context_tokens(request: VideoRequest, tokenizer, layout, observer: Observer) -> np.ndarray:
     if request.context_tokens is not None:
         tokens = np.asarray(request.context_tokens)
-        if tokens.ndim != 2 or tokens.shape[1] != layout.image_tokens:
-            raise InputError(f"context tokens must have shape (frames, {layout.image_tokens}) for this model, "
-                             f"got {tokens.shape}")
         observer.message(f"context: {tokens.shape[0]} frame(s) of tokens{request.context_label}")
         return tokens.astype(np.int64)
     images = request.context_images

@@ -162,6 +162,7 @@ class LoadedEngine:
     engine: object
     tokenizer: object  # the image tokenizer, or None when the job needs none
     ready: EngineReady
+    world: object = None  # the pipeline.world_model.WorldModel that holds both
 
 
 def load_job_engine(job: ScenarioJob, backend: str, device: str, needs_tokenizer: bool,
@@ -171,30 +172,24 @@ def load_job_engine(job: ScenarioJob, backend: str, device: str, needs_tokenizer
     (`--max-rollouts auto`: as many of `longest_frames` as its KV cache holds). One engine here,
     one per Ray actor (`ray_actor.py`). `adjust_options(tokenizer, engine options)` runs between
     the two loads (the refiner takes its GPU share there)."""
-    from terra_cli.backends import load_backend
-    from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import load_tokenizer, resolve_model
+    from terra_cli.models.resolve import resolve_model
+    from terra_cli.pipeline.world_model import Engine, load_world_model
 
     started = time.perf_counter()
     choice = resolve_model(job.model, job.variant, job.tokenizer)
-    config = load_config(choice.world_model_dir)
-    tokenizer = None
-    if needs_tokenizer:
-        tokenizer = load_tokenizer(choice.tokenizer, device, matching=config)
-    options = dict(job.engine_options)
-    adjust_options(tokenizer, options)
-    engine = load_backend(backend, choice.world_model_dir, device=device, dtype=job.dtype,
-                          max_rollouts=job.max_rollouts or AUTO_MAX_ROLLOUTS, threads=job.threads, **options)
+    world = load_world_model(choice, Engine(backend, device, job.dtype, job.threads, dict(job.engine_options)),
+                             needs_tokenizer=needs_tokenizer, max_rollouts=job.max_rollouts or AUTO_MAX_ROLLOUTS,
+                             between=adjust_options)
     try:
         in_flight, reason = job.max_rollouts, ""
         if in_flight is None:
-            in_flight, reason = engine.auto_in_flight(longest_frames or config.layout.max_frames, AUTO_MAX_ROLLOUTS)
+            in_flight, reason = world.backend.auto_in_flight(longest_frames or world.layout.max_frames, AUTO_MAX_ROLLOUTS)
     except BaseException:
-        engine.close()
+        world.close()
         raise
-    startup = {k: v for k, v in getattr(engine, "startup", {}).items() if k != "timeline"}
-    return LoadedEngine(engine, tokenizer, EngineReady(round(time.perf_counter() - started, 2), startup,
-                                                       in_flight, reason))
+    startup = {k: v for k, v in world.startup.items() if k != "timeline"}
+    return LoadedEngine(world.backend, world.tokenizer, EngineReady(round(time.perf_counter() - started, 2), startup,
+                                                                    in_flight, reason), world)
 
 
 def run_scenario_job(

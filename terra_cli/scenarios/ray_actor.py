@@ -28,7 +28,7 @@ import numpy as np
 from terra_cli.backends.driver import JobFeed, RolloutJob
 
 from terra_cli.scenarios.job import ScenarioJob
-from terra_cli.scenarios.runner import VIDEO_FPS
+from terra_cli.pipeline.video import VIDEO_FPS
 from terra_cli.scenarios.spec import Scenario
 
 

@@ -4,7 +4,7 @@
 driver has validated every line (`prepare_job`) and reads `results.jsonl` for resume. It reads
 each scenario's context itself and ships the decoded frames or tokens through the object store;
 an actor (`ray_actor.ScenarioEngine`, one per GPU) returns tokens and the encoded video, and the
-driver writes them with `runner.save_finished`, as a single-engine run does. No shared
+driver writes them with `results.save_finished`, as a single-engine run does. No shared
 filesystem is needed, and the driver is the only writer: a scenario is written once.
 
 Hand-out is dynamic: each engine holds at most `window` open calls (its continuous batch plus a
@@ -28,7 +28,9 @@ from terra_cli.scenarios.ray_cluster import EnginePlan, ray_cluster
 from terra_cli.errors import OutputError
 from terra_cli.scenarios.fault_injection import injected_failures, injected_frame_delays
 from terra_cli.scenarios.outdir import make_out_dir, plan_outputs
-from terra_cli.scenarios.runner import RESULTS_NAME, NotRecorded, ResultsLog, ScenarioRun, log_skipped, save_finished
+from terra_cli.scenarios.outdir import RESULTS_NAME
+from terra_cli.scenarios.results import NotRecorded, ResultsLog, log_skipped, save_finished
+from terra_cli.scenarios.runner import ScenarioRun
 from terra_cli.scenarios.spec import Scenario
 
 MAX_ATTEMPTS = 3

@@ -7,7 +7,7 @@ writes them, so the engine keeps stepping while a video is made. With `writers` 
 the tokens are decoded and the mp4 encoded in that many writer processes (`scenarios.writers`),
 off this process's interpreter lock, and the thread only places their bytes; with 0 it decodes and
 encodes itself. Either way this process is the only one that writes into the folder. Each
-written scenario appends one line to `DIR/results.jsonl` (id, status, seed, frames, seconds,
+written scenario appends one line to `DIR/results.jsonl` (`scenarios.results`: id, status, seed, frames, seconds,
 paths, digest); a re-run skips every id whose line says done, whose files exist and whose content
 is unchanged. The folder is held by one run at a time (`outdir.OutDirLock`), and a file is replaced
 only when an earlier run recorded it for the same scenario, or with `overwrite`.
@@ -26,8 +26,6 @@ to engine actors on a Ray cluster (`scenarios.ray_actor`), writing what they ret
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import queue
 import threading
 import time
@@ -39,13 +37,15 @@ import numpy as np
 
 from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError, OutputError
+from terra_cli.pipeline.video import VIDEO_FPS
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
 from terra_cli.scenarios.encoding import ENCODE_BATCH, EncodeAhead
+from terra_cli.scenarios.results import (NotRecorded, ResultsLog, completed_ids, log_skipped,  # noqa: F401
+                                         save_finished, write_scenario)
 from terra_cli.scenarios.spec import Scenario, ScenarioFile
-from terra_cli.scenarios.writers import WriterDied, WriterPool, decode_frames, start_pool, write_in_order
+from terra_cli.scenarios.writers import WriterDied, WriterPool, start_pool, write_in_order
 
-VIDEO_FPS = 10
 # No new scenario starts while this many finished ones (or the rollouts in flight, if more) wait
 # for the writer: tokens only, 0.2 MB for an ACT-Bench sample.
 WRITER_BACKLOG = 64
@@ -65,41 +65,6 @@ class ScenarioRun:
     videos_made: int = 0  # by the writer processes or thread
     video_seconds: float = 0.0  # what making them took, summed over the processes (a bench's writer pace)
     engine_loop: dict | None = None  # vLLM: where the engine loop's time went (vllm_stream.LoopTimes.as_dict)
-
-
-def completed_ids(out_dir: Path) -> set[str]:
-    """Ids whose results line says done and whose files are all there (results.jsonl, and the logs
-    of data-parallel workers that a crash kept from being folded in)."""
-    out_dir = Path(out_dir)
-    done: set[str] = set()
-    for results in results_logs(out_dir):
-        for record in read_results(results):
-            if record.get("status") == "done" and all((out_dir / p).is_file() for p in record.get("paths", [])):
-                done.add(str(record.get("id")))
-    return done
-
-
-class ResultsLog:
-    """Appends one JSON line per scenario, flushed and synced, under a lock (writer thread + main).
-    A failed append raises an OutputError naming the log."""
-
-    def __init__(self, out_dir: Path, name: str = RESULTS_NAME):
-        self.path = Path(out_dir) / name
-        self.lock = threading.Lock()
-
-    def add(self, record: dict) -> None:
-        from terra_cli.media.atomic import describe_os_error
-
-        line = json.dumps(record, sort_keys=True) + "\n"
-        with self.lock:
-            try:
-                with open(self.path, "a", encoding="utf-8") as f:
-                    f.write(line)
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as exc:
-                raise OutputError(describe_os_error(exc, self.path).replace("cannot write", "cannot append to", 1)) \
-                    from exc
 
 
 def check_scenarios(file: ScenarioFile, skip_invalid: bool) -> None:
@@ -208,12 +173,6 @@ def run_scenarios(
     return run
 
 
-def log_skipped(file: ScenarioFile, log: ResultsLog) -> int:
-    for problem in file.problems:
-        log.add({"id": None, "line": problem.line, "status": "skipped", "reason": problem.message})
-    return len(file.problems)
-
-
 class _Writer:
     """A background thread that writes finished scenarios, decoding and encoding them itself or,
     with a `pool`, placing the mp4 bytes its processes make, in the order the scenarios finished.
@@ -311,79 +270,3 @@ class _Writer:
         self.on_written(record)
 
 
-class NotRecorded(OutputError):
-    """The results log could not be appended; the scenario's files were removed (a re-run makes them)."""
-
-    def __init__(self, message: str, dropped: str):
-        super().__init__(message)
-        self.dropped = dropped
-
-
-def save_finished(out_dir: Path, log: ResultsLog, scenario: Scenario, tokens: np.ndarray, seconds: float, *,
-                  decoder=None, video: bytes | Exception | None = None, replaceable: bool | Container[str] = (),
-                  extra: dict | None = None) -> dict:
-    """Write one finished scenario (its files atomically, then its results line) and return the
-    line: what a single-engine run's writer and the Ray driver both do with a finished scenario.
-    `video`: the mp4 already encoded (by a Ray engine or a writer process), or why that failed.
-    Raises NotRecorded if the log fails."""
-    written: list[str] = []
-    common = {"id": scenario.id, "seed": scenario.seed, "line": scenario.line, "digest": scenario.digest}
-    try:
-        paths = write_scenario(out_dir, scenario, tokens, decoder, overwrite=replaceable, written=written, video=video)
-    except Exception as exc:  # one scenario's failed write must not stop the others
-        record = {**common, "status": "failed", "reason": " ".join(str(exc).split()), "paths": written}
-    else:
-        record = {**common, "status": "done", "frames": int(tokens.shape[0]), "seconds": round(seconds, 2),
-                  "paths": paths}
-    record.update(extra or {})
-    try:
-        log.add(record)
-    except OutputError as exc:
-        _remove(out_dir, written)  # not recorded: a re-run makes them again
-        dropped = f" ({scenario.id}'s files, written but not recorded, were removed)" if written else ""
-        raise NotRecorded(str(exc), dropped) from exc
-    return record
-
-
-def _remove(out_dir: Path, names: list[str]) -> None:
-    for name in names:
-        with contextlib.suppress(OSError):
-            (out_dir / name).unlink()
-
-
-def write_scenario(out_dir: Path, scenario: Scenario, tokens: np.ndarray, tokenizer, *,
-                   overwrite: bool | Container[str] = False, written: list[str] | None = None,
-                   video: bytes | Exception | None = None) -> list[str]:
-    """`{stem}.npy` (all frames' tokens) and, with a tokenizer or `video` bytes, `{stem}.mp4`; each
-    atomic. An existing file is replaced only if `overwrite` is True or names it (`plan_outputs`
-    says which); otherwise the write fails and nothing is replaced. `written` collects the names
-    as they land. `video` an Exception: the video failed where it was made; it is raised after the
-    tokens are written, as a decode failing here would be."""
-    from terra_cli.media.atomic import atomic_path, atomic_save_npy
-    from terra_cli.media.frames import write_video
-
-    def may_replace(name: str) -> bool:
-        return overwrite if isinstance(overwrite, bool) else name in overwrite
-
-    written = [] if written is None else written
-    stem = scenario.output_stem
-    (out_dir / stem).parent.mkdir(parents=True, exist_ok=True)
-    tokens_name = f"{stem}.npy"
-    atomic_save_npy(out_dir / tokens_name, tokens.astype(np.int64), overwrite=may_replace(tokens_name))
-    written.append(tokens_name)
-    video_name = f"{stem}.mp4"
-    if isinstance(video, Exception):
-        raise video
-    if video is not None:  # encoded elsewhere (a Ray engine, a writer process): placed as it is
-        with atomic_path(out_dir / video_name, overwrite=may_replace(video_name)) as tmp, open(tmp, "wb") as f:
-            f.write(video)
-            f.flush()
-            os.fsync(f.fileno())
-        written.append(video_name)
-        return [video_name, tokens_name]
-    if tokenizer is None:
-        return [tokens_name]
-    write_video(out_dir / video_name, decode_frames(tokenizer, tokens, scenario.seed), fps=VIDEO_FPS,
-                overwrite=may_replace(video_name))
-    written.append(video_name)
-    return [video_name, tokens_name]

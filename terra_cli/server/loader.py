@@ -44,13 +44,11 @@ def check_engine_config(config: EngineConfig):
 
 
 def load_engine(config: EngineConfig) -> EngineService:
-    from terra_cli.backends import load_backend
-    from terra_cli.models.resolve import load_tokenizer
+    from terra_cli.pipeline.world_model import Engine, load_world_model
 
     choice, model_config, backend_name, device = check_engine_config(config)
-    tokenizer = load_tokenizer(choice.tokenizer, device, matching=model_config)
-    backend = load_backend(backend_name, choice.world_model_dir, device=device, dtype=config.dtype,
-                           max_rollouts=config.max_in_flight, threads=config.threads, **config.options)
-    return EngineService(backend, tokenizer, max_in_flight=config.max_in_flight,
+    world = load_world_model(choice, Engine(backend_name, device, config.dtype, config.threads, dict(config.options)),
+                             max_rollouts=config.max_in_flight)
+    return EngineService(world.backend, world.tokenizer, max_in_flight=config.max_in_flight,
                          session_slots=min(config.session_slots, max(config.max_in_flight - 1, 0)),
                          model_label=choice.label)

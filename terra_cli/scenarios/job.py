@@ -7,6 +7,8 @@ re-reads the same file, so a worker cannot see a different scenario than its par
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +33,7 @@ class ScenarioJob:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    engine_options: dict = field(default_factory=dict)  # vLLM engine arguments, e.g. kv_cache_dtype
+    engine_options: Mapping = field(default_factory=dict)  # backends.VllmOptions (a bench adds raw vLLM arguments)
     max_rollouts: int | None = None  # in flight on one engine; None: as many as the KV cache holds (auto_in_flight)
     decode: bool = True  # False: tokens only (.npy), no image decoder
     temperature: float = 0.9

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dataclasses import dataclass, field
 
 from terra_cli.errors import InputError
@@ -16,7 +18,7 @@ class EngineConfig:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    options: dict = field(default_factory=dict)  # vLLM engine arguments (cli engine_options)
+    options: Mapping = field(default_factory=dict)  # backends.VllmOptions from the CLI
     threads: int = 0
     max_in_flight: int = 128  # rollouts at once (sessions + video jobs); the reference batches lockstep ones
     session_slots: int = 32  # of those, kept for sessions

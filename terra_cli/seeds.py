@@ -16,6 +16,8 @@ Ray engine and a server session stepping frame by frame all draw the same codes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from terra_cli.errors import InputError
 
 SEED_BITS = 64
@@ -78,3 +80,17 @@ def branch_seed(root: int, branch: int, what: str = "a branch's seed") -> int:
     seed = root + BRANCH_STRIDE * branch
     check_seed_range(seed, what=what)
     return seed
+
+
+@dataclass
+class Lineage:
+    """An environment or session as started, and every branch forked from it since (branches of
+    branches included): its c-th branch is seeded `branch_seed(root_seed, c)`."""
+
+    root_seed: int
+    branches: int = 0
+
+    def next_seed(self) -> int:
+        seed = branch_seed(self.root_seed, self.branches + 1)  # checked before the count moves
+        self.branches += 1
+        return seed

@@ -10,20 +10,7 @@ import numpy as np
 from terra_cli.backends.base import Sampling
 from terra_cli.backends.driver import RolloutJob
 from terra_cli.pipeline.rounds import plan_rounds
-from terra_cli.seeds import branch_seed
-
-
-@dataclass
-class Lineage:
-    """An environment as reset and every branch forked from it since: branch c of it is seeded
-    `branch_seed(root_seed, c)` (terra_cli/seeds.py), c counting over the whole lineage."""
-
-    root_seed: int
-    branches: int = 0
-
-    def next_seed(self) -> int:
-        self.branches += 1
-        return branch_seed(self.root_seed, self.branches)
+from terra_cli.seeds import Lineage  # noqa: F401  (part of an EnvState)
 
 
 @dataclass

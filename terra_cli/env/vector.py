@@ -35,10 +35,10 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from terra_cli.backends.base import Sampling
 from terra_cli.env.contexts import context_actions, context_tokens
 from terra_cli.env.engine import EnvEngine
-from terra_cli.env.state import EnvState, Lineage
+from terra_cli.env.state import EnvState
 from terra_cli.errors import InputError
 from terra_cli.pipeline.rounds import MAX_TOTAL_FRAMES
-from terra_cli.seeds import MAX_ENVIRONMENTS, MAX_SEED, check_seed_range
+from terra_cli.seeds import MAX_ENVIRONMENTS, MAX_SEED, Lineage, branch_seed, check_seed_range
 
 OBSERVATIONS = ("pixels", "tokens", "both")
 FRAME_SECONDS = 0.1  # Terra's 10 Hz
@@ -225,6 +225,7 @@ class TerraVectorEnv(VectorEnv):
         if not 1 <= branches <= MAX_ENVIRONMENTS - self.num_envs:
             raise InputError(f"fork: branches must be from 1 to {MAX_ENVIRONMENTS - self.num_envs}, got {branches}")
         parent = self.states[index]
+        branch_seed(parent.lineage.root_seed, parent.lineage.branches + branches, "fork: the last branch's seed")
         new = [parent.branch(f"env{next(_ids)}") for _ in range(branches)]
         first = self.num_envs
         self.states.extend(new)

@@ -27,8 +27,8 @@ if [ "${1:-}" = "--vllm" ]; then
 fi
 # refiner: diffusers (pure Python) for Terra's video refiner; serve: terra serve's web stack;
 # ray: ray 2.60.0 for multi-engine scenario runs (--ray, --data-parallel N) and tests/test_ray.py;
-# test: pytest, httpx, selenium (the page test).
-install -e '.[test,refiner,serve,ray]'
+# env: gymnasium for terra_cli.env; test: pytest, httpx, selenium (the page test).
+install -e '.[test,refiner,serve,ray,env]'
 for bad in torchvision torchaudio torchcodec; do
   if .venv/bin/python -m pip show -q "$bad" >/dev/null 2>&1; then pip uninstall -q -y "$bad"; fi
 done

@@ -16,6 +16,8 @@ Ray engine and a server session stepping frame by frame all draw the same codes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from terra_cli.errors import InputError
 
 SEED_BITS = 64
@@ -59,3 +61,36 @@ def check_seed_range(seed: int, rollouts: int = 1, what: str = "--seed") -> None
     if rollouts > 1 and seed + rollouts - 1 > MAX_SEED:
         raise InputError(f"{what} {seed} with {rollouts} rollouts needs seeds up to {seed + rollouts - 1}, "
                          f"above the maximum {MAX_SEED}")
+
+
+# Branches (terra_cli.env's fork, POST /v1/sessions/{id}/fork). A lineage starts at an environment or
+# session seeded `root` (environment i of a vector env seeded s: root s + i). The c-th branch ever
+# forked inside that lineage (c = 1, 2, ...; a branch of a branch counts in the same lineage) is
+# seeded `root + BRANCH_STRIDE * c`. Environments take at most MAX_ENVIRONMENTS consecutive seeds,
+# fewer than BRANCH_STRIDE, so no branch seed equals an environment's seed or another branch's of
+# any lineage of the same run: root_i + S c = root_j + S c' forces i - j = S (c' - c), so i = j, c = c'.
+BRANCH_STRIDE = 2**20
+MAX_ENVIRONMENTS = 2**16
+
+
+def branch_seed(root: int, branch: int, what: str = "a branch's seed") -> int:
+    """The seed of the `branch`-th (from 1) branch forked in the lineage rooted at seed `root`."""
+    if branch < 1:
+        raise ValueError(f"branches count from 1, got {branch}")
+    seed = root + BRANCH_STRIDE * branch
+    check_seed_range(seed, what=what)
+    return seed
+
+
+@dataclass
+class Lineage:
+    """An environment or session as started, and every branch forked from it since (branches of
+    branches included): its c-th branch is seeded `branch_seed(root_seed, c)`."""
+
+    root_seed: int
+    branches: int = 0
+
+    def next_seed(self) -> int:
+        seed = branch_seed(self.root_seed, self.branches + 1)  # checked before the count moves
+        self.branches += 1
+        return seed

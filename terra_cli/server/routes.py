@@ -156,6 +156,14 @@ async def step_session(session_id: str, body: StepBody, request: Request):
     return {"session": session.public(), "frames": frames}
 
 
+@sessions.post("/{session_id}/fork", status_code=201,
+               summary="A new session copying this one's frames, drawing with a branch seed")
+async def fork_session(session_id: str, request: Request):
+    state = _state(request)
+    child = await state.sessions.fork(state.sessions.get(session_id))
+    return JSONResponse(child.public(), status_code=201, headers={"Location": f"/v1/sessions/{child.id}"})
+
+
 @sessions.post("/{session_id}/reset", summary="Back to the context frames")
 async def reset_session(session_id: str, request: Request):
     state = _state(request)

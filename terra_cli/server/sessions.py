@@ -7,6 +7,11 @@ terra_cli/seeds.py), and whose affinity is the session: on vLLM that keeps the s
 the prefix is served from the cache. On every backend, the frame's tokens are the ones a whole run
 with the same actions and seed gives. Actions of the context frames are the first
 step's (a constant manoeuvre then equals `terra generate --actions <preset>`).
+
+A fork (`POST /v1/sessions/{id}/fork`) is a new session holding a copy of the parent's frames,
+actions, speed and path; it draws with its lineage's next branch seed (terra_cli/seeds.py's
+`branch_seed`: the c-th fork in the lineage of a session opened with seed s draws with
+s + 2**20 * c), the rule terra_cli.env's `fork` follows.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import io
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -27,6 +32,7 @@ from terra_cli.backends.driver import RolloutJob
 from terra_cli.pipeline.rounds import MAX_TOTAL_FRAMES, plan_rounds
 from terra_cli.server.engine import EngineService, Handlers
 from terra_cli.server.requests import MANOEUVRES, FieldError
+from terra_cli.seeds import Lineage
 
 PRESET_OF = {"straight": "straight", "left": "left", "right": "right", "faster": "accelerate", "brake": "stop"}
 SPEED_CHANGE_KMH = {"faster": ACCELERATE_ACCEL * FRAME_DT * 3.6, "brake": -STOP_DECEL * FRAME_DT * 3.6}
@@ -56,13 +62,17 @@ class Session:
     closed: bool = False
     in_flight: str | None = None
     generation: int = 0  # bumped by reset: a step that began before it does not store its frame
+    lineage: Lineage | None = None  # whose branch seeds this session's forks take (None: its own)
+    parent: str | None = None
 
     def __post_init__(self):
         self.tokens = list(self.context)
+        if self.lineage is None:
+            self.lineage = Lineage(self.sampling.seed)
 
     def public(self) -> dict:
         return {"id": self.id, "frames": len(self.tokens), "context_frames": int(self.context.shape[0]),
-                "speed_kmh": round(self.speed, 3), "seed": self.sampling.seed,
+                "speed_kmh": round(self.speed, 3), "seed": self.sampling.seed, "parent": self.parent,
                 "path": [[round(x, 3), round(y, 3)] for x, y, _ in self.path]}
 
 
@@ -120,6 +130,26 @@ class Sessions:
             raise
         self.sessions[key] = session
         return session
+
+    async def fork(self, parent: Session) -> Session:
+        """A new session with a copy of `parent`'s state (taken between its steps), seeded by the
+        lineage's next branch seed."""
+        from terra_cli.errors import InputError
+
+        if len(self.sessions) >= self.max_sessions:
+            raise SessionsFull(f"{self.max_sessions} sessions are open, this server's cap")
+        async with parent.lock:
+            if parent.closed:
+                raise SessionGone(parent.id)
+            try:
+                seed = parent.lineage.next_seed()
+            except InputError as exc:
+                raise FieldError("seed", str(exc)) from None
+            child = Session(f"s-{secrets.token_hex(8)}", parent.context, replace(parent.sampling, seed=seed),
+                            parent.speed, parent.start_speed, lineage=parent.lineage, parent=parent.id)
+            child.tokens, child.waypoints, child.path = list(parent.tokens), list(parent.waypoints), list(parent.path)
+        self.sessions[child.id] = child
+        return child
 
     def get(self, key: str, touch: bool = True) -> Session:
         """The open session `key`; `touch` counts the call as activity (reading its status does not)."""

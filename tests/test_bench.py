@@ -226,6 +226,9 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     assert describe_engine_loop({**loop, "idle_s": 2.0, "other_s": 2.0}).endswith(
         "30% handling finished frames, 10% idle (nothing in flight, waiting for work)")
     assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None
+    idle_only = {"steps": 0, "seconds": 5.0, "in_engine_step_s": 0.0, "admitting_jobs_s": 0.0, "handling_frames_s": 0.0,
+                 "idle_s": 5.0, "other_s": 0.0, "ms_per_step": None}  # an engine that got no job
+    assert describe_engine_loop(idle_only).startswith("engine loop: 0% in the engine's step (no step), ")
 
 
 def test_the_pipelined_projection_takes_the_slower_of_engine_and_writer_per_sample():

@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 from terra_cli.cli import app
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 from terra_cli.scenarios.job import ScenarioJob, prepare_job, run_scenario_job
+from terra_cli.models.resolve import ModelSpec
+from terra_cli.pipeline.world_model import Engine
 from terra_cli.scenarios.runner import RESULTS_NAME, read_results
 from terra_cli.scenarios.spec import Defaults
 
@@ -53,8 +55,8 @@ def work(tmp_path_factory):
 
 
 def job(folder, scenarios, out, model):
-    return ScenarioJob(folder / scenarios, folder / out, Defaults(), model=str(model), backend="hf", device="cpu",
-                       decode=False)
+    return ScenarioJob(folder / scenarios, folder / out, Defaults(), model=ModelSpec(str(model)),
+                       engine=Engine("hf", "cpu"), decode=False)
 
 
 def run(folder, model, out, scenarios="s.jsonl", engines=2, **kwargs):

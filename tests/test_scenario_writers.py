@@ -368,6 +368,8 @@ def test_a_ray_engine_actor_decodes_in_its_writer_process_and_dies_with_it(tmp_p
     fails with WriterDied and the actor ends itself (here: `_die` recorded), for Ray to restart it
     with fresh writers instead of failing every later scenario."""
     from terra_cli.scenarios.job import ScenarioJob
+    from terra_cli.models.resolve import ModelSpec
+    from terra_cli.pipeline.world_model import Engine
     from terra_cli.scenarios.ray_actor import EngineSpec, ScenarioEngine, ScenarioWork
 
     from terra_cli.models.default import default_tokenizer_dir
@@ -378,8 +380,8 @@ def test_a_ray_engine_actor_decodes_in_its_writer_process_and_dies_with_it(tmp_p
     context = np.random.default_rng(0).integers(0, 1024, size=(file.scenarios[0].context_frames, 576))
 
     def engine(writers):
-        job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "out", model=str(model), tokenizer=str(default_tokenizer_dir()),
-                          backend="hf", device="cpu", dtype="float32", writers=writers)
+        job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "out", model=ModelSpec(str(model), tokenizer=str(default_tokenizer_dir())),
+                          engine=Engine("hf", "cpu", "float32"), writers=writers)
         return ScenarioEngine(EngineSpec(job, "hf", "cpu", needs_tokenizer=True))
 
     pooled, threaded = engine(1), engine(0)

@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_a_vllm_engine_actor_writes_what_the_engine_in_this_process_writes(tmp_path, engine_checkpoint, vllm_engine):
     from terra_cli.scenarios.job import ScenarioJob, prepare_job
+    from terra_cli.models.resolve import ModelSpec
+    from terra_cli.pipeline.world_model import Engine
     from terra_cli.scenarios.ray_runner import run_on_ray
     from terra_cli.scenarios.runner import RESULTS_NAME, read_results, run_scenarios
     from terra_cli.scenarios.spec import Defaults, read_scenarios
@@ -27,8 +29,8 @@ def test_a_vllm_engine_actor_writes_what_the_engine_in_this_process_writes(tmp_p
     (tmp_path / "s.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
     run_scenarios(read_scenarios(tmp_path / "s.jsonl"), tmp_path / "here", vllm_engine, None, max_rollouts=4,
                   decode=False)
-    job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "actor", Defaults(), model=str(engine_checkpoint),
-                      backend="vllm", device="cpu", dtype="float32", max_rollouts=8, decode=False)
+    job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "actor", Defaults(), model=ModelSpec(str(engine_checkpoint)),
+                      engine=Engine("vllm", "cpu", "float32"), max_rollouts=8, decode=False)
     result = run_on_ray(prepare_job(job), None, 1)  # a local cluster of this machine, one engine
     assert result.done == 6 and not result.errors
     # The actor's engine loop times come back with the run's summary, taken as it ended.

@@ -30,6 +30,8 @@ def main() -> None:
     os.environ["TERRA_RAY_TEST_FRAME_DELAY"] = f"0={FRAME_SECONDS},1={FRAME_SECONDS}"
     from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
     from terra_cli.scenarios.job import ScenarioJob, prepare_job
+    from terra_cli.models.resolve import ModelSpec
+    from terra_cli.pipeline.world_model import Engine
     from terra_cli.scenarios.ray_cluster import ray_cluster
     from terra_cli.scenarios.ray_runner import drive
     from terra_cli.scenarios.spec import Defaults
@@ -42,8 +44,8 @@ def main() -> None:
     model = write_tiny_checkpoint(folder / "model", tiny_config(image_tokens=16, layers=1))
 
     def prepared(out):
-        return prepare_job(ScenarioJob(folder / "s.jsonl", folder / out, Defaults(), model=str(model), backend="hf",
-                                       device="cpu", decode=False))
+        return prepare_job(ScenarioJob(folder / "s.jsonl", folder / out, Defaults(), model=ModelSpec(str(model)),
+                                       engine=Engine("hf", "cpu"), decode=False))
 
     report: dict = {"frame_seconds": FRAME_SECONDS, "scenarios": SCENARIOS,
                     "generated_frames_per_scenario": FRAMES - CONTEXT, "engines": 2}

@@ -52,6 +52,8 @@ def main() -> None:
     from terra_cli.models.checkpoint import load_config
     from terra_cli.runtime import configure_vllm_env, resolve_device
     from terra_cli.scenarios.job import ScenarioJob, prepare_job
+    from terra_cli.models.resolve import ModelSpec
+    from terra_cli.pipeline.world_model import Engine
     from terra_cli.scenarios.ray_cluster import ray_cluster
     from terra_cli.scenarios.ray_runner import drive
     from terra_cli.scenarios.runner import RESULTS_NAME, read_results
@@ -64,8 +66,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="terra-ray-kill-"))
     path = write_bench_scenarios(work, load_config(model).layout, plan)
     options = engine_options(kv_cache_dtype=args.kv_cache_dtype) if args.backend == "vllm" else {}
-    job = ScenarioJob(path, work / "outputs", Defaults(seed=plan.seed), model=str(model), backend=args.backend,
-                      device=args.device, engine_options=options, max_rollouts=args.max_rollouts, decode=False)
+    job = ScenarioJob(path, work / "outputs", Defaults(seed=plan.seed), model=ModelSpec(str(model)),
+                      engine=Engine(args.backend, args.device, options=options), max_rollouts=args.max_rollouts,
+                      decode=False)
     prepared = prepare_job(job)
     total_frames = args.scenarios * (args.frames - plan.context_frames)
     pids: dict[int, int] = {}

@@ -247,6 +247,7 @@ class ReferenceDriver:
             began = clock()
             index = offset + local
             frames[:, index] = tokens
+            self.loop.steps += self.layout.image_tokens  # the token steps of this frame, all rows at once
             for row in list(live):
                 if cancelled(row):
                     live.remove(row)
@@ -272,7 +273,6 @@ class ReferenceDriver:
                 generate_frames(self.backend.model, context, actions[:, rnd.first_frame : rnd.end - 1], rnd.num_frames,
                                 lead.sampling, lambda local, tokens, _o=rnd.first_frame: frame_done(_o, local, tokens),
                                 seeds=seeds, first_frame=lead.frame_offset + rnd.first_frame)
-                self.loop.steps += 1
         except _BatchCancelled:
             return
         except Exception as exc:  # these jobs failed alone (a bad job); the engine goes on

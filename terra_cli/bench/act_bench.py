@@ -137,6 +137,9 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
     from terra_cli.models.checkpoint import load_config
     from terra_cli.pipeline.rounds import plan_rounds
     from terra_cli.scenarios.job import ScenarioJob, prepare_job
+    from terra_cli.backends.base import Sampling
+    from terra_cli.models.resolve import ModelSpec
+    from terra_cli.pipeline.world_model import Engine
     from terra_cli.scenarios.runner import RESULTS_NAME, read_results
     from terra_cli.scenarios.spec import Defaults
 
@@ -151,9 +154,10 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
         path, image_root = write_act_bench_samples(work, plan)
         written_s = time.perf_counter() - started
         job = ScenarioJob(path, outputs, Defaults(frames=plan.frames, seed=plan.seed, image_root=image_root),
-                          model=str(checkpoint), tokenizer=tokenizer, backend=plan.backend, device=plan.device,
-                          dtype=plan.dtype, engine_options=dict(plan.vllm_options), max_rollouts=plan.max_rollouts,
-                          decode=True, temperature=plan.temperature, writers=plan.writers)
+                          model=ModelSpec(str(checkpoint), tokenizer=tokenizer),
+                          engine=Engine(plan.backend, plan.device, plan.dtype, options=dict(plan.vllm_options)),
+                          sampling=Sampling(temperature=plan.temperature), max_rollouts=plan.max_rollouts,
+                          decode=True, writers=plan.writers)
         prepared = prepare_job(job)
         first = prepared.file.scenarios[0]
         rounds = len(plan_rounds(first.context_frames, first.frames, load_config(checkpoint).layout.max_frames))

@@ -105,8 +105,9 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     share = {k: 100 * loop.get(k, 0.0) / loop["seconds"]
              for k in ("in_engine_step_s", "admitting_jobs_s", "handling_frames_s", "idle_s")}
     idle = f", {share['idle_s']:.0f}% idle (nothing in flight, waiting for work)" if loop.get("idle_s") else ""
-    return (f"engine loop: {share['in_engine_step_s']:.0f}% in the engine's step ({loop['ms_per_step']:.2f} ms x "
-            f"{loop['steps']} steps), {share['admitting_jobs_s']:.0f}% taking in jobs, "
+    steps = f"{loop['ms_per_step']:.2f} ms x {loop['steps']} steps" if loop.get("ms_per_step") is not None else "no step"
+    return (f"engine loop: {share['in_engine_step_s']:.0f}% in the engine's step ({steps}), "
+            f"{share['admitting_jobs_s']:.0f}% taking in jobs, "
             f"{share['handling_frames_s']:.0f}% handling finished frames{idle}")
 
 
@@ -133,6 +134,9 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
     temporary folder that is removed. `progress(generated frames, all to generate)` as they come."""
     from terra_cli.models.checkpoint import load_config
     from terra_cli.scenarios.job import ScenarioJob, prepare_job
+    from terra_cli.backends.base import Sampling
+    from terra_cli.models.resolve import ModelSpec
+    from terra_cli.pipeline.world_model import Engine
     from terra_cli.scenarios.spec import Defaults
 
     layout = load_config(checkpoint).layout
@@ -140,10 +144,10 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
         work = Path(out_dir) if out_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         path = write_bench_scenarios(work, layout, plan)
-        job = ScenarioJob(path, work / "outputs", Defaults(seed=plan.seed), model=str(checkpoint),
-                          backend=plan.backend, device=plan.device, dtype=plan.dtype,
-                          engine_options=dict(plan.vllm_options),
-                          max_rollouts=plan.max_rollouts, decode=False, temperature=plan.temperature)
+        job = ScenarioJob(path, work / "outputs", Defaults(seed=plan.seed), model=ModelSpec(str(checkpoint)),
+                          engine=Engine(plan.backend, plan.device, plan.dtype, options=dict(plan.vllm_options)),
+                          sampling=Sampling(temperature=plan.temperature), max_rollouts=plan.max_rollouts,
+                          decode=False)
         prepared = prepare_job(job)
         gpus = _gpu_indices(prepared.device, plan.data_parallel)
         where = f"on Ray ({plan.ray or 'local'}), " if uses_ray(plan.data_parallel, plan.ray) else ""

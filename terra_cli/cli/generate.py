@@ -99,6 +99,7 @@ def generate(
         refine = refiner_choice(decoder, refiner, model, device, dtype, allow_slow)
 
     if scenarios is not None:
+        from terra_cli.models.resolve import ModelSpec
         from terra_cli.scenarios.job import ScenarioJob, parse_max_rollouts
         from terra_cli.scenarios.spec import Defaults
 
@@ -114,10 +115,12 @@ def generate(
                             image_root=image_root)
         job = ScenarioJob(
             scenarios=scenarios, out_dir=out_dir, defaults=defaults, rollouts=rollouts, skip_invalid=skip_invalid,
-            model=model, variant=variant, tokenizer=tokenizer, backend=backend, device=device, dtype=dtype,
-            engine_options=engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention),
-            max_rollouts=parse_max_rollouts(max_rollouts), decode=not no_decode, temperature=temperature,
-            top_k=top_k, top_p=top_p, threads=threads, overwrite=overwrite, refiner=refine, writers=writers)
+            model=ModelSpec(model, variant, tokenizer),
+            engine=Engine(backend, device, dtype, threads,
+                          engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention)),
+            sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p),
+            max_rollouts=parse_max_rollouts(max_rollouts), decode=not no_decode, overwrite=overwrite,
+            refiner=refine, writers=writers)
         from terra_cli.cli.scenarios import generate_scenarios
 
         return generate_scenarios(job, data_parallel, ray_address, engines)

@@ -34,6 +34,20 @@ class ModelChoice:
     is_default: bool
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as the user named it (--model, --variant, --tokenizer): plain data that travels to
+    wherever the engine runs (a Ray node resolves its own copy or hub download) and becomes a
+    `ModelChoice` there."""
+
+    model: str | None = None  # None: the embedded terra-mini
+    variant: str = "world_model"
+    tokenizer: str | None = None
+
+    def resolve(self) -> ModelChoice:
+        return resolve_model(self.model, self.variant, self.tokenizer)
+
+
 def resolve_model(model: str | None, variant: str = "world_model", tokenizer: str | None = None) -> ModelChoice:
     """The world-model directory and its tokenizer: the embedded default, a local dir or a hub id."""
     from terra_cli.models.default import DEFAULT_MODEL_LABEL, default_tokenizer_dir, default_world_model_dir

@@ -231,10 +231,16 @@ def generate_video(
 
 
 def _check_context_tokens(tokens: np.ndarray, layout) -> None:
+    """The request's context tokens against the model's layout and codes, before anything loads."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] != layout.image_tokens:
         raise InputError(f"context tokens must have shape (frames, {layout.image_tokens}) for this model, "
                          f"got {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise InputError(f"context tokens must be integers, got {tokens.dtype}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= layout.image_vocab_size):
+        raise InputError(f"context tokens must be image codes in [0, {layout.image_vocab_size - 1}], "
+                         f"found {int(tokens.min())}..{int(tokens.max())}")
 
 
 def _load_refiner(choice, request: VideoRequest, observer: Observer):

@@ -7,14 +7,16 @@ re-reads the same file, so a worker cannot see a different scenario than its par
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError
+from terra_cli.models.resolve import ModelSpec
+from terra_cli.pipeline.world_model import Engine
+from terra_cli.seeds import check_seed_range
 from terra_cli.scenarios.outdir import check_out_dir, plan_outputs
 from terra_cli.scenarios.runner import RESULTS_NAME, ScenarioRun, check_scenarios, run_scenarios
 from terra_cli.scenarios.spec import Defaults, ScenarioFile, check_context_tokens, read_scenarios
@@ -27,19 +29,14 @@ class ScenarioJob:
     defaults: Defaults = Defaults()
     rollouts: int = 1
     skip_invalid: bool = False
-    model: str | None = None
-    variant: str = "world_model"
-    tokenizer: str | None = None
-    backend: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    engine_options: Mapping = field(default_factory=dict)  # backends.VllmOptions (a bench adds raw vLLM arguments)
+    model: ModelSpec = ModelSpec()
+    # backend, device, dtype, the reference's CPU threads, vLLM's options (backends.VllmOptions; a bench adds
+    # raw vLLM arguments)
+    engine: Engine = Engine()
+    # temperature, top_k, top_p; each scenario's own seed replaces `sampling.seed`
+    sampling: Sampling = Sampling()
     max_rollouts: int | None = None  # in flight on one engine; None: as many as the KV cache holds (auto_in_flight)
     decode: bool = True  # False: tokens only (.npy), no image decoder
-    temperature: float = 0.9
-    top_k: int = 0
-    top_p: float = 1.0
-    threads: int = 0  # CPU threads for the reference backend (0: torch's default)
     overwrite: bool = False  # replace files no terra run recorded for their scenario; re-run changed scenarios
     refiner: object = None  # refiner.decoder.RefinerChoice: decode with Terra's video refiner
     writers: int | None = None  # video writer processes (scenarios.writers); None: default_writers for the device
@@ -62,17 +59,16 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     contexts against the model's config), model and tokenizer found, and what the run would
     replace in --out-dir. Raises a one-line InputError or OutputError naming what is wrong; writes
     nothing (the run re-checks --out-dir once it holds it)."""
-    from terra_cli.backends import Sampling, check_backend_options, resolve_backend_name
+    from terra_cli.backends import check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
-    from terra_cli.models.resolve import resolve_model
     from terra_cli.runtime import resolve_device, resolve_dtype_name
     from terra_cli.media.frames import check_video_writer
 
     out_dir = Path(job.out_dir)
     check_out_dir(out_dir)
-    Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.defaults.seed)
-    device = resolve_device(job.device)
-    resolve_dtype_name(job.dtype, device)
+    check_seed_range(job.defaults.seed, job.rollouts, "--seed")
+    device = resolve_device(job.engine.device)
+    resolve_dtype_name(job.engine.dtype, device)
     if job.max_rollouts is not None and job.max_rollouts < 1:
         raise InputError(f"--max-rollouts must be at least 1 or auto, got {job.max_rollouts}")
     _check_writers(job)
@@ -80,13 +76,13 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
         raise InputError(f"--image-root {job.defaults.image_root} is not a folder (give the nuScenes dataroot)")
     file = read_scenarios(job.scenarios, job.defaults, job.rollouts)  # every line, before any model
     check_scenarios(file, job.skip_invalid)
-    backend = resolve_backend_name(job.backend)
-    check_backend_options(backend, job.engine_options)
+    backend = resolve_backend_name(job.engine.backend)
+    check_backend_options(backend, job.engine.options)
     if job.decode:
         check_video_writer()
     if job.refiner is not None:
         _check_refiner(job, file)
-    choice = resolve_model(job.model, job.variant, job.tokenizer)
+    choice = job.model.resolve()
     layout = load_config(choice.world_model_dir).layout
     file = check_context_tokens(file, layout.image_tokens, layout.image_vocab_size)
     check_scenarios(file, job.skip_invalid)
@@ -94,7 +90,7 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     needs_tokenizer = job.decode or images
     if needs_tokenizer and choice.tokenizer is None:
         why = "to decode videos" if job.decode else "to encode image contexts"
-        raise InputError(f"--model {job.model} comes without an image tokenizer, needed {why}: pass --tokenizer "
+        raise InputError(f"--model {job.model.model} comes without an image tokenizer, needed {why}: pass --tokenizer "
                          "DIR_OR_HUB_ID" + ("" if images else " (or --no-decode for tokens only)"))
     if out_dir.is_dir():
         plan_outputs(file.scenarios, out_dir, decode=job.decode, overwrite=job.overwrite)
@@ -174,12 +170,10 @@ def load_job_engine(job: ScenarioJob, backend: str, device: str, needs_tokenizer
     (`--max-rollouts auto`: as many of `longest_frames` as its KV cache holds). One engine here,
     one per Ray actor (`ray_actor.py`). `adjust_options(tokenizer, engine options)` runs between
     the two loads (the refiner takes its GPU share there)."""
-    from terra_cli.models.resolve import resolve_model
-    from terra_cli.pipeline.world_model import Engine, load_world_model
+    from terra_cli.pipeline.world_model import load_world_model
 
     started = time.perf_counter()
-    choice = resolve_model(job.model, job.variant, job.tokenizer)
-    world = load_world_model(choice, Engine(backend, device, job.dtype, job.threads, dict(job.engine_options)),
+    world = load_world_model(job.model.resolve(), replace(job.engine, backend=backend, device=device),
                              needs_tokenizer=needs_tokenizer, max_rollouts=job.max_rollouts or AUTO_MAX_ROLLOUTS,
                              between=adjust_options)
     try:
@@ -230,7 +224,7 @@ def run_scenario_job(
         on_ready(loaded.ready)
         return run_scenarios(prepared.file, job.out_dir, engine, tokenizer, decode=job.decode,
                              max_rollouts=loaded.ready.in_flight, skip_invalid=job.skip_invalid,
-                             temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
+                             sampling=job.sampling,
                              on_progress=lambda run, total: on_frame(), on_written=on_written,
                              only_ids=only_ids, results_name=results_name, overwrite=job.overwrite, lock=lock,
                              frame_decoder=frame_decoder, writers=job_writers(job, prepared.device))

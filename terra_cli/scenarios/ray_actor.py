@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -152,7 +152,6 @@ class ScenarioEngine:
     def _take_in(self) -> None:
         """Encode the calls' contexts in batches (what is waiting, up to ENCODE_BATCH) and feed
         their jobs to the engine: the engine's thread never tokenizes."""
-        from terra_cli.backends.base import Sampling
         from terra_cli.scenarios.encoding import ENCODE_BATCH, encode_batch
 
         job = self.job
@@ -177,8 +176,7 @@ class ScenarioEngine:
                     continue
                 for w, context in zip(works, contexts):
                     s = w.scenario
-                    sampling = Sampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=s.seed)
-                    self.feed.put(RolloutJob(s.id, context, s.actions, s.frames, sampling))
+                    self.feed.put(RolloutJob(s.id, context, s.actions, s.frames, replace(job.sampling, seed=s.seed)))
         except BaseException as exc:
             self._die(exc)
 
@@ -237,6 +235,4 @@ class ScenarioEngine:
 
 
 def _with_threads(job: ScenarioJob, threads: int) -> ScenarioJob:
-    from dataclasses import replace
-
-    return replace(job, threads=job.threads or threads)
+    return replace(job, engine=replace(job.engine, threads=job.engine.threads or threads))

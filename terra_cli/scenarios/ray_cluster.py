@@ -78,12 +78,12 @@ def plan_engines(ray, prepared: PreparedJob, cap: int | None) -> tuple[int, str,
         raise InputError(f"--engines must be at least 1, got {cap}")
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0))
-    if gpus and prepared.job.device != "cpu":
+    if gpus and prepared.job.engine.device != "cpu":
         if cap is not None and cap > gpus:
             raise InputError(f"{cap} engines need {cap} GPUs; the Ray cluster has {gpus}")
         return cap or gpus, "cuda", {"num_gpus": 1}
     if prepared.device.startswith("cuda"):
-        raise InputError(f"--device {prepared.job.device}: the Ray cluster has no GPU (pass --device cpu to run "
+        raise InputError(f"--device {prepared.job.engine.device}: the Ray cluster has no GPU (pass --device cpu to run "
                          "on its CPUs)")
     cpus = int(resources.get("CPU", 0))
     count = cap or max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
@@ -109,7 +109,7 @@ def ray_cluster(prepared: PreparedJob, address: str | None = None, engines: int 
     from terra_cli.runtime import cuda_device_count
 
     if address is None and prepared.device.startswith("cuda:"):
-        raise InputError(f"several engines spread over all visible GPUs; drop --device {prepared.job.device} "
+        raise InputError(f"several engines spread over all visible GPUs; drop --device {prepared.job.engine.device} "
                          "(choose GPUs with CUDA_VISIBLE_DEVICES)")
     local_gpus = cuda_device_count() if address is None and prepared.device != "cpu" else 0
     started_here = connect(ray, address, cpus=max(engines or 1, os.cpu_count() or 1), gpus=local_gpus,

@@ -29,7 +29,7 @@ import contextlib
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Container
 
@@ -82,9 +82,7 @@ def run_scenarios(
     *,
     max_rollouts: int,
     skip_invalid: bool = False,
-    temperature: float = 0.9,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: Sampling = Sampling(),
     on_progress: Callable[[ScenarioRun, int], None] = lambda run, total: None,
     on_written: Callable[[dict], None] = lambda record: None,
     only_ids: set[str] | None = None,
@@ -127,8 +125,6 @@ def run_scenarios(
         clock = time.perf_counter()
         backlog_limit = max(WRITER_BACKLOG, max_rollouts)
 
-        def sampling(s: Scenario) -> Sampling:
-            return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=s.seed)
 
         ahead: EncodeAhead | None = None
 
@@ -146,7 +142,7 @@ def run_scenarios(
         from terra_cli.backends.driver import RolloutJob
 
         def job(s: Scenario, context: np.ndarray) -> RolloutJob:
-            return RolloutJob(s.id, context, s.actions, s.frames, sampling(s))
+            return RolloutJob(s.id, context, s.actions, s.frames, replace(sampling, seed=s.seed))
 
         driver = backend.driver(max_rollouts)
         try:

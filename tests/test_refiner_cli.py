@@ -189,7 +189,7 @@ def test_data_parallel_engines_refine_their_own_videos(tmp_path, parts):
     import sys
 
     pytest.importorskip("ray")
-    spec, ids = scenario_file(tmp_path, parts, 4)
+    spec, ids = scenario_file(tmp_path, parts, 2)
     one = run(*refine_args(spec, tmp_path / "one", parts))
     assert one.exit_code == 0, one.output
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -27,3 +27,12 @@ def test_inductor_cache_goes_under_terras_cache_unless_set(tmp_path):
     assert use_inductor_cache(mine) == tmp_path / "mine" and mine["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     xdg = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
     assert inductor_cache_dir(xdg) == tmp_path / "xdg" / "terra" / "inductor" and "TORCHINDUCTOR_CACHE_DIR" not in xdg
+
+
+def test_inductors_own_default_in_the_variable_counts_as_unset(tmp_path):
+    """Importing diffusers' UNet makes Inductor write its default folder into TORCHINDUCTOR_CACHE_DIR."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    environ = {"TERRA_CACHE": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+    assert use_inductor_cache(environ) == tmp_path / "inductor"
+    assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")

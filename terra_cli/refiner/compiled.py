@@ -44,23 +44,33 @@ def uses_cuda_graphs(mode: str) -> bool:
     return mode in CUDA_GRAPH_MODES
 
 
+def _set_by_user(value: str | None) -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR holds a folder someone chose: Inductor writes its default
+    (/tmp/torchinductor_USER) into the variable itself the first time it looks, which importing
+    diffusers' UNet already does, so that value counts as unset."""
+    if not value:
+        return False
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(value) != os.path.abspath(default_cache_dir())
+
+
 def inductor_cache_dir(environ=None) -> Path:
-    """Where Inductor caches compiled code: TORCHINDUCTOR_CACHE_DIR if set, else terra's cache folder."""
+    """Where Inductor caches compiled code: TORCHINDUCTOR_CACHE_DIR if someone set it, else terra's
+    cache folder."""
     from terra_cli.runtime import terra_cache_dir
 
     environ = os.environ if environ is None else environ
     given = environ.get(INDUCTOR_CACHE_ENV)
-    return Path(given) if given else terra_cache_dir(environ) / "inductor"
+    return Path(given) if _set_by_user(given) else terra_cache_dir(environ) / "inductor"
 
 
 def use_inductor_cache(environ=None) -> Path:
-    """Point Inductor's cache at terra's cache folder, unless TORCHINDUCTOR_CACHE_DIR is already set
-    (by the user, or by whatever compiled with Inductor earlier in this process). Inductor reads
-    the variable each time it looks for its cache, so this works until the first compile."""
+    """Point Inductor's cache at terra's cache folder unless TORCHINDUCTOR_CACHE_DIR names another.
+    Inductor reads the variable each time it looks for its cache, so this holds from the next compile."""
     environ = os.environ if environ is None else environ
     folder = inductor_cache_dir(environ)
-    if not environ.get(INDUCTOR_CACHE_ENV):
-        environ[INDUCTOR_CACHE_ENV] = str(folder)
+    environ[INDUCTOR_CACHE_ENV] = str(folder)
     return folder
 
 

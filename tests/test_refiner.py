@@ -319,3 +319,52 @@ def test_single_token_cross_attention_is_the_attention_it_replaces():
         closed_form = unet(*args, return_dict=False)[0]
     assert torch.allclose(computed, closed_form, atol=1e-5, rtol=1e-4)
     assert computed.abs().mean() > 1e-3
+
+
+class PixelTokens:
+    """A stand-in token decoder for the stage: the 'tokens' are the frames themselves (N, 3, h, w)."""
+
+    def __init__(self, refiner):
+        self.refiner = refiner
+
+    def token_frames(self, tokens):
+        if tokens.ndim != 4:
+            raise ValueError(f"frames of shape {tokens.shape}")
+        return torch.from_numpy(tokens)
+
+
+def test_refine_stage_batches_videos_and_fails_one_video_or_the_whole_stage(tiny_pt):
+    from terra_cli.refiner.stage import RefinerStopped, RefineStage
+    from terra_cli.scenarios.writers import VideoFailed
+
+    refiner = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu", options=RefinerOptions(batch_windows=2))
+    gen = torch.Generator().manual_seed(1)
+    a, b = ((torch.rand(n, 3, 36, 64, generator=gen) * 2 - 1).numpy() for n in (26, 25))
+    stage = RefineStage(PixelTokens(refiner))
+    try:
+        futures = [stage.submit("a", a, 3), stage.submit("bad", np.zeros((2, 2)), 4), stage.submit("b", b, 5)]
+        with pytest.raises(VideoFailed, match="frames of shape"):
+            futures[1].result(timeout=600)
+        got_a, got_b = futures[0].result(timeout=600), futures[2].result(timeout=600)
+        assert stage.videos == 2 and 2 <= stage.unet_batches <= 3
+    finally:
+        stage.close()
+    alone = VideoRefiner(refiner.unet, refiner.vae, refiner.config, device="cpu", dtype=torch.float32, source="x")
+    expected_a, expected_b = alone.refine_pixels([torch.from_numpy(a), torch.from_numpy(b)], [3, 5])
+    assert_same_video_up_to_rounding(got_a, expected_a, expected_b[:25].repeat(2, axis=0)[:26])
+    assert_same_video_up_to_rounding(got_b, expected_b, expected_a[:25])
+
+    def broken(group):
+        raise RuntimeError("CUDA out of memory")
+
+    refiner.sample_windows = broken
+    stage = RefineStage(PixelTokens(refiner))
+    try:
+        with pytest.raises(RefinerStopped, match="the refiner stopped: RuntimeError: CUDA out of memory"):
+            stage.submit("a", a, 3).result(timeout=600)
+        with pytest.raises(RefinerStopped):
+            stage.check()
+        with pytest.raises(RefinerStopped):
+            stage.submit("b", b, 5).result(timeout=5)  # refused at once, never waits on a stopped stage
+    finally:
+        stage.close()

@@ -137,3 +137,12 @@ def configure_vllm_env(verbose: bool = False, environ=None) -> None:
         environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+def terra_cache_dir(environ=None):
+    """terra's cache folder: TERRA_CACHE, else $XDG_CACHE_HOME/terra, else ~/.cache/terra (not created here)."""
+    from pathlib import Path
+
+    environ = os.environ if environ is None else environ
+    root = environ.get("TERRA_CACHE") or Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "terra"
+    return Path(root).expanduser()

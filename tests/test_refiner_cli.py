@@ -88,6 +88,10 @@ def test_refiner_errors_are_one_line_before_any_model_runs(tmp_path, parts):
         (["--refiner", parts["refiner"]], "--refiner works with --decoder refiner"),
         (["--decoder", "refiner", "--refiner", parts["refiner"], "--frames", 24, "--context-frames", 3],
          "the refiner needs at least 25 frames"),
+        (["--decoder", "refiner", "--refiner", parts["refiner"], "--refiner-compile", "fast"],
+         "--refiner-compile must be one of auto, none, default"),
+        (["--refiner-windows", 2], "--refiner-compile and --refiner-windows work with --decoder refiner"),
+        (["--decoder", "refiner", "--refiner", parts["refiner"], "--refiner-windows", 0], "--refiner-windows"),
     ]
     for extra, message in cases:
         result = run(*base, *extra)
@@ -131,3 +135,70 @@ def test_options_before_the_arguments_and_a_converted_file_follows_the_umask(tmp
         os.umask(saved)
     assert result.exit_code == 0, result.output
     assert converted.stat().st_mode & 0o777 == 0o644
+
+
+def scenario_file(folder, parts, count):
+    (folder / "ctx.npy").write_bytes(parts["context"].read_bytes())
+    lines = [{"id": f"v{i}", "context": "ctx.npy", "actions": ["left", "right"][i % 2], "frames": 26, "seed": 5 + i}
+             for i in range(count)]
+    spec = folder / "s.jsonl"
+    spec.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return spec, [line["id"] for line in lines]
+
+
+def refine_args(spec, out, parts, *extra):
+    return ["generate", "--scenarios", spec, "--out-dir", out, "--model", parts["model"], "--tokenizer",
+            parts["tokenizer"], "--backend", "hf", "--device", "cpu", "--decoder", "refiner", "--refiner",
+            parts["refiner"], *extra]
+
+
+def assert_same_videos(folder_a, folder_b, ids):
+    """The same tokens, and videos equal up to float rounding: kernels at another batch size round
+    differently on the CPU, which the tiny random UNet grows over 15 steps (about 1 level on average
+    here, 2026-11-27), then the mp4 codes the frames; another seed's video is about 12 levels away."""
+    worst = 0.0
+    for i in ids:
+        assert np.array_equal(np.load(folder_a / f"{i}.npy"), np.load(folder_b / f"{i}.npy"))
+        a, b = video_frames(folder_a / f"{i}.mp4").astype(int), video_frames(folder_b / f"{i}.mp4").astype(int)
+        assert a.shape == b.shape == (26, 32, 64, 3)
+        worst = max(worst, np.abs(a - b).mean())
+    first, second = (video_frames(folder_a / f"{i}.mp4").astype(int) for i in ids[:2])
+    other = np.abs(first - second).mean()  # other tokens and seed: another video
+    assert worst < 3.0 and other > 3 * worst, (worst, other)
+
+
+@pytest.mark.slow
+def test_scenarios_give_the_same_videos_whatever_the_windows_per_call(tmp_path, parts):
+    """Issue 40: the refiner stage takes windows of several finished videos per UNet call; each
+    window's noise is its own, so the same seeds give the same videos at 1 or 3 windows per call."""
+    spec, ids = scenario_file(tmp_path, parts, 3)
+    for windows in (1, 3):
+        result = run(*refine_args(spec, tmp_path / f"w{windows}", parts, "--refiner-windows", windows))
+        assert result.exit_code == 0, result.output
+        records = [json.loads(line) for line in (tmp_path / f"w{windows}" / "results.jsonl").read_text().splitlines()]
+        assert sorted((r["id"], r["status"]) for r in records) == [(i, "done") for i in ids]
+    assert_same_videos(tmp_path / "w1", tmp_path / "w3", ids)
+
+
+@pytest.mark.slow
+def test_data_parallel_engines_refine_their_own_videos(tmp_path, parts):
+    """Issue 40: --decoder refiner on Ray (a local cluster of two engines): each engine refines its
+    own videos, the driver writes them, and they are the videos one engine makes."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    spec, ids = scenario_file(tmp_path, parts, 2)
+    one = run(*refine_args(spec, tmp_path / "one", parts))
+    assert one.exit_code == 0, one.output
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    args = [str(a) for a in refine_args(spec, tmp_path / "two", parts, "--refiner-windows", 2, "--data-parallel", 2)]
+    done = subprocess.run([sys.executable, "-m", "terra_cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in (tmp_path / "two" / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["id"], r["status"]) for r in records) == [(i, "done") for i in ids]
+    assert {r["engine"] for r in records} <= {0, 1}
+    assert_same_videos(tmp_path / "one", tmp_path / "two", ids)

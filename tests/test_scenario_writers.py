@@ -170,7 +170,7 @@ class StalledPool:
     def __init__(self):
         self.submitted, self.failure, self.delivering = [], None, False
 
-    def submit(self, key, tokens):
+    def submit(self, key, tokens, seed=None):
         future = Future()
         self.submitted.append(future)
         if self.failure is not None:

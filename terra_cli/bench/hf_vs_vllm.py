@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import platform
 import statistics
 import time
@@ -141,8 +140,9 @@ def write_random_terra_checkpoint(out_dir: Path, device: str, seed: int = 0) -> 
 
 def random_model_cache() -> Path:
     """Where the bench keeps its random Terra-size checkpoint (TERRA_CACHE, else ~/.cache/terra)."""
-    root = os.environ.get("TERRA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "terra"
-    return Path(root)
+    from terra_cli.runtime import terra_cache_dir
+
+    return terra_cache_dir()
 
 
 def random_terra_checkpoint(device: str, seed: int, log: Callable[[str], None] = print) -> Path:

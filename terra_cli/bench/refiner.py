@@ -71,8 +71,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn: Callable[[], object], device: str, repeats: int) -> list[float]:
+def _timed(fn: Callable[[], object], device: str, repeats: int, warmup: list | None = None) -> list[float]:
+    _sync(device)
+    started = time.perf_counter()
     fn()  # warm-up: kernels chosen, compilation, CUDA graphs captured
+    _sync(device)
+    if warmup is not None:
+        warmup.append(time.perf_counter() - started)
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -112,15 +117,17 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
                 sampler.sample(refiner.network, noise, concat, uncond=concat, sigmas=refiner.sigmas,
                                scales=refiner.scales, same_uncond=options.same_uncond)
 
-        times = _timed(one, device, plan.repeats)
+        warmup: list[float] = []
+        times = _timed(one, device, plan.repeats, warmup)
         best = min(times)
         row = {"windows_per_call": batch, "seconds_per_call": [round(t, 4) for t in times],
+               "first_call_s": round(warmup[0], 2),  # with --refiner-compile: compiling (and capturing graphs) included
                "seconds_per_window": round(best / batch, 4), "unet_evals_per_s": round(evals_per_window * batch / best, 2),
                "mfu": round(window_flops * batch / best / plan.peak_flops, 4),
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device.startswith("cuda") else None}
         rows.append(row)
         say(f"{batch} window(s) per call: {row['seconds_per_window']:.3f} s per window, {row['unet_evals_per_s']:.1f} UNet "
-            f"evaluations/s, MFU {row['mfu']:.1%}, peak {row['peak_memory_gib']} GiB")
+            f"evaluations/s, MFU {row['mfu']:.1%}, peak {row['peak_memory_gib']} GiB (first call {row['first_call_s']} s)")
     frames = ACT_BENCH_FRAMES
     pixels = torch.rand(frames, 3, config.height, config.width, generator=gen).mul(2).sub(1)
     latents = torch.randn(frames, config.latent_channels, h, w, generator=gen)
@@ -144,5 +151,6 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
             "flops": {"unet_eval": unet_flops, "window": window_flops, "evals_per_window": evals_per_window,
                       "vae_encode_per_frame": enc_flops, "vae_decode_per_frame": dec_flops,
                       "window_floor_s": window_flops / plan.peak_flops, "peak_flops": plan.peak_flops},
-            "rows": rows, "vae_seconds_per_frame": {"encode": round(encode, 5), "decode": round(decode, 5)},
+            "rows": rows, "compile_mode": refiner.compile_mode, "compile_seconds": round(refiner.compile_seconds, 2),
+            "vae_seconds_per_frame": {"encode": round(encode, 5), "decode": round(decode, 5)},
             "act_bench": projection}

@@ -101,5 +101,25 @@ def _root(
     _state["started"] = time.perf_counter()
     # Before any command imports vLLM or touches CUDA: a library caller does this itself.
     configure_vllm_env(verbose)
+    _print_terra_logs()
     if not verbose:
         quiet_dependency_deprecations()
+
+
+
+def _print_terra_logs() -> None:
+    """terra's library code logs what a user should see (`terra.refiner`: how long its UNet took to
+    compile) at INFO; the CLI prints those lines as `say` does (one handler, however many commands run)."""
+    import logging
+
+    class _Say(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            say(record.getMessage())
+
+    logger = logging.getLogger("terra.refiner")
+    if not any(getattr(h, "terra_say", False) for h in logger.handlers):
+        handler = _Say(logging.INFO)
+        handler.terra_say = True
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

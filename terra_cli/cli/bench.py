@@ -99,7 +99,7 @@ def bench(
     overwrite: bool = opts.overwrite_option(),
     refiner: bool = typer.Option(False, "--refiner", help="Terra's video refiner, random weights in its exact shapes: s/window, UNet evaluations/s, MFU, peak memory, ACT-Bench projection."),
     windows: str = typer.Option("1,2", "--windows", help="--refiner: windows per UNet call to measure, comma-separated."),
-    refiner_compile: str = typer.Option("none", "--refiner-compile", help="--refiner: torch.compile mode for the UNet: none, default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs."),
+    refiner_compile: str = typer.Option("none", "--refiner-compile", help="--refiner: torch.compile mode for the UNet: none, auto (default on a GPU), default, reduce-overhead or max-autotune (CUDA graphs), max-autotune-no-cudagraphs; compiled once at the largest --windows, then again per other size."),
     full_cfg: bool = typer.Option(False, "--full-cfg", help="--refiner: run the guidance pair (two UNet evaluations per step, as Terra computes them) instead of one (same result: Terra's uc equals c)."),
     plain_cross_attention: bool = typer.Option(False, "--plain-cross-attention", help="--refiner: compute cross-attention over the zero context token instead of its closed form."),
     tiny: bool = typer.Option(False, "--tiny", help="--refiner: a tiny refiner config (a CPU smoke test; its times mean nothing)."),

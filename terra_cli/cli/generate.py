@@ -67,7 +67,7 @@ def generate(
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
-    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto: 1 on a GPU, 0 on a CPU", help="With --scenarios: processes that decode finished scenarios and encode their mp4s beside the engine, which then only generates tokens (e.g. --writers 2); 0: a thread of the engine's process does it. With --ray/--data-parallel: per engine, on its node. --decoder refiner always decodes in the engine's process."),
+    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto: 1 on a GPU, 0 on a CPU", help="With --scenarios: processes that decode finished scenarios and encode their mp4s beside the engine, which then only generates tokens (e.g. --writers 2); 0: a thread of the engine's process does it. With --ray/--data-parallel: per engine, on its node. --decoder refiner always decodes in the engine's process (each Ray engine refines its own videos)."),
     kv_cache_dtype: str = opts.kv_cache_dtype_option(),
     quantization: str = opts.quantization_option(),
     attention: str = opts.attention_option(),
@@ -81,6 +81,8 @@ def generate(
     decoder: str = typer.Option("frames", "--decoder", help="frames: Terra's frame-wise token decoder (512x288); refiner: Terra's video refiner, the paper's ACT-Bench setting (640x384, at least 25 frames, a GPU)."),
     refiner: Optional[str] = typer.Option(None, "--refiner", help="With --decoder refiner: its weights, a .pt/.safetensors file, a folder or a hub id (default: from --model turing-motors/Terra, file video_refiner/refiner_model.pt)."),
     allow_slow: bool = typer.Option(False, "--allow-slow", help="With --decoder refiner on a CPU: run even when it is estimated to take over an hour."),
+    refiner_compile: str = opts.refiner_compile_option(),
+    refiner_windows: int = opts.refiner_windows_option(),
     server: Optional[str] = typer.Option(None, "--server", help="Run on a `terra serve` at this URL (its model; no start-up here). API key: TERRA_API_KEY."),
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
@@ -93,10 +95,12 @@ def generate(
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 
     refine = None
-    if decoder != "frames" or refiner is not None or allow_slow:
+    if decoder != "frames" or refiner is not None or allow_slow or refiner_compile != "auto" or refiner_windows != 1:
         from terra_cli.refiner.decoder import refiner_choice
+        from terra_cli.refiner.refiner import RefinerOptions
 
-        refine = refiner_choice(decoder, refiner, model, device, dtype, allow_slow)
+        refine = refiner_choice(decoder, refiner, model, device, dtype, allow_slow,
+                                RefinerOptions(batch_windows=refiner_windows, compile=refiner_compile.strip().lower()))
 
     if scenarios is not None:
         from terra_cli.models.resolve import ModelSpec

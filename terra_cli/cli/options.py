@@ -96,3 +96,16 @@ def attention_option():
     return typer.Option("auto", "--attention", help=(
         "vLLM decode attention: terra (terra's paged decode kernel; Hopper GPUs), vllm (vLLM's own: "
         "FlashAttention-3 there), or auto (terra with an fp8 KV cache on Hopper, else vllm)."))
+
+
+def refiner_compile_option():
+    return typer.Option("auto", "--refiner-compile", help=(
+        "With the refiner: torch.compile mode of its UNet. auto: default on a GPU (compiled once, cached under "
+        "terra's cache folder), none on a CPU; none: eager (debugging); reduce-overhead or max-autotune: with "
+        "CUDA graphs; max-autotune-no-cudagraphs."))
+
+
+def refiner_windows_option():
+    return typer.Option(1, "--refiner-windows", min=1, help=(
+        "With the refiner: 25-frame windows per UNet call, fixed for the run (with --scenarios, of several "
+        "videos at once). The same seed gives the same video at any value, up to float rounding."))

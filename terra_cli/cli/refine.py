@@ -55,6 +55,8 @@ def refine_video(
     device: str = opts.device_option(),
     dtype: str = opts.dtype_option(),
     allow_slow: bool = typer.Option(False, "--allow-slow", help="On a CPU: run even when it is estimated to take over an hour."),
+    refiner_compile: str = opts.refiner_compile_option(),
+    refiner_windows: int = opts.refiner_windows_option(),
     overwrite: bool = opts.overwrite_option(),
 ):
     """Refine saved tokens into a video with Terra's video refiner."""
@@ -69,7 +71,10 @@ def refine_video(
 
     outputs = check_outputs(output, None, None, no_decode=False, overwrite=overwrite)
     ids = load_context_tokens(tokens, None)
-    choice = refiner_choice("refiner", refiner, model, device, dtype, allow_slow)
+    from terra_cli.refiner.refiner import RefinerOptions
+
+    choice = refiner_choice("refiner", refiner, model, device, dtype, allow_slow,
+                            RefinerOptions(batch_windows=refiner_windows, compile=refiner_compile.strip().lower()))
     if variant not in PAIRED_TOKENIZER:
         raise InputError(f"--variant must be one of {', '.join(PAIRED_TOKENIZER)}, got {variant!r}")
     # Only the tokenizer is needed here, not the world model --model names.
@@ -87,6 +92,7 @@ def refine_video(
     from terra_cli.refiner.windows import count_windows
 
     windows = count_windows(ids.shape[0], video_refiner.config.window, video_refiner.config.min_overlap)
+    video_refiner.prepare()  # a compiled UNet compiles here (its time is logged), not inside the refining time
     refining = time.perf_counter()
     with StepProgress(console, "refining", ids.shape[0]) as progress:
         frames = decoder.decode_many([np.asarray(ids)], [seed], on_frames=progress.advance)[0]

@@ -31,9 +31,6 @@ def generate_scenarios(job, data_parallel: int, ray_address: Optional[str] = Non
         ray = (None if ray_address in (None, "local") else ray_address,
                engines if ray_address is not None else data_parallel)
     prepared = prepare_job(job)  # every line and option checked before any model loads
-    if ray is not None and job.refiner is not None:
-        raise InputError("--decoder refiner runs on one engine for now: drop --ray/--data-parallel, or write tokens "
-                         "(--no-decode) and refine them with terra refine")
     if ray is None:
         with OutDirLock(job.out_dir):  # one run per --out-dir, held from before the model loads
             _run_scenarios(prepared, data_parallel)

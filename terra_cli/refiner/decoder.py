@@ -59,6 +59,13 @@ class RefinerDecoder:
         """Several videos' tokens at once: their windows share UNet calls."""
         return self.refiner.refine_pixels([self.token_frames(t) for t in videos], seeds, on_frames)
 
+    def stage(self, fps: float):
+        """A `refiner.stage.RefineStage` that gives each submitted video's mp4 bytes (scenario runs)."""
+        from terra_cli.media.frames import video_bytes
+        from terra_cli.refiner.stage import RefineStage
+
+        return RefineStage(self, finish=lambda frames: video_bytes(list(frames), fps=fps))
+
 
 DECODERS = ("frames", "refiner")
 
@@ -66,19 +73,27 @@ DECODERS = ("frames", "refiner")
 def refiner_choice(decoder: str, refiner: str | None, model: str | None, device: str = "auto", dtype: str = "auto",
                    allow_slow: bool = False, options: RefinerOptions = RefinerOptions()) -> RefinerChoice | None:
     """--decoder / --refiner as the CLI gives them -> a RefinerChoice (None for the frame-wise decoder).
-    Without --refiner, a --model that is turing-motors/Terra (or a local snapshot of it) brings its own."""
+    Without --refiner, a --model that is turing-motors/Terra (or a local snapshot of it) brings its own.
+    `options` (--refiner-compile, --refiner-windows) are checked here, before anything loads."""
     from pathlib import Path
 
     from terra_cli.errors import InputError
     from terra_cli.models.checkpoint import TERRA_HUB_ID
     from terra_cli.refiner.checkpoint import REFINER_FILE, REFINER_SUBFOLDER
 
+    from terra_cli.refiner.compiled import check_compile_mode
+
+    check_compile_mode(options.compile)
+    if options.batch_windows < 1:
+        raise InputError(f"--refiner-windows must be at least 1, got {options.batch_windows}")
     decoder = decoder.strip().lower()
     if decoder not in DECODERS:
         raise InputError(f"--decoder must be frames or refiner, got {decoder!r}")
     if decoder == "frames":
         if refiner is not None:
             raise InputError("--refiner works with --decoder refiner")
+        if options != RefinerOptions():
+            raise InputError("--refiner-compile and --refiner-windows work with --decoder refiner")
         return None
     if refiner is None and model is not None:
         if model.strip("/") == TERRA_HUB_ID or (Path(model).expanduser() / REFINER_SUBFOLDER).is_dir():
@@ -107,6 +122,15 @@ def load_refiner(choice: RefinerChoice, frame_counts: list[int]) -> VideoRefiner
     check_cpu_time(refiner.config, frame_counts, device, choice.allow_slow)
     refiner.target_device = device
     return refiner
+
+
+def engine_refiner(choice: RefinerChoice, frame_counts: list[int], tokenizer, engine_options: dict) -> RefinerDecoder:
+    """The refiner of a scenario engine (one engine, or one Ray actor), loaded before the engine,
+    which then leaves it room on the GPU (`gpu_share` in `engine_options`)."""
+    refiner = load_refiner(choice, frame_counts)
+    if refiner.target_device.startswith("cuda"):
+        engine_options.setdefault("gpu_share", vllm_memory_share(refiner.target_device))
+    return RefinerDecoder(refiner, tokenizer)
 
 
 # GPU memory the refiner keeps beside vLLM in `--scenarios`: bf16 UNet (3.0 GB), VAE, and one

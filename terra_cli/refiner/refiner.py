@@ -6,13 +6,17 @@ sampled from seeded noise (`sampler.py`); each window's frames that overlap the 
 are dropped; the remaining latents are decoded frame by frame (`autoencoder.py`).
 
 Speed: windows of several videos (and, with `same_uncond=False`, both halves of the guidance
-pair) go through the UNet in one call (`batch_windows`); `compile` hands the UNet to
-torch.compile ("reduce-overhead" adds CUDA graphs). Noise comes from a CPU generator seeded per
-video, so a video's result does not depend on which videos share its batch.
+pair) go through the UNet in one call (`batch_windows`, fixed per run); `compile` hands the UNet
+to torch.compile (`compiled.py`: `auto` compiles on a GPU; "reduce-overhead" and "max-autotune"
+add CUDA graphs); a compiled run pads a short group to `batch_windows` so every call has the
+same shapes. Each window's noise comes from its own CPU generator, seeded
+`seeds.draw_seed(video seed, window index)`, so a video's result does not depend on which videos
+share its UNet calls, nor on how many windows a call takes.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -24,11 +28,12 @@ import torch
 from terra_cli.errors import InputError
 from terra_cli.refiner import sampler
 from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_latents, encode_condition
+from terra_cli.refiner.compiled import COMPILE_MODES, compile_unet, resolve_compile_mode, uses_cuda_graphs
 from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
 from terra_cli.refiner.unet import added_time_ids, build_unet, zero_context
 from terra_cli.refiner.windows import check_frames, kept_frames, start_end_indices
 
-COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+LOG = logging.getLogger("terra.refiner")  # the CLI prints it (cli/app.py)
 # Counted with torch.utils.flop_counter for TERRA_REFINER (one 25-frame UNet call, single-token
 # cross-attention), and for the VAE per 384x640 frame; see benchmarks/README.md.
 TERRA_UNET_FLOPS = 28.34e12
@@ -41,7 +46,7 @@ SLOW_CPU_SECONDS = 3600.0
 class RefinerOptions:
     same_uncond: bool = True  # Terra's unconditional input equals the conditional one: one UNet call per step
     batch_windows: int = 1  # windows (of any videos) per UNet call
-    compile: str = "none"
+    compile: str = "auto"  # compiled.COMPILE_MODES; auto: Inductor's default mode on a GPU, eager on a CPU
     exact_cross_attention: bool = True  # closed form of attention over the one zero context token
     vae_chunk: int = 4  # frames per VAE decoder call
 
@@ -50,14 +55,16 @@ class VideoRefiner:
     def __init__(self, unet, vae, config: RefinerConfig, *, device: str, dtype: torch.dtype, source: str,
                  options: RefinerOptions = RefinerOptions(), ignored: list[str] | None = None):
         if options.compile not in COMPILE_MODES:
-            raise InputError(f"refiner compile mode must be one of {', '.join(COMPILE_MODES)}, got {options.compile!r}")
+            raise InputError(f"--refiner-compile must be one of {', '.join(COMPILE_MODES)}, got {options.compile!r}")
         if options.batch_windows < 1:
-            raise InputError(f"windows per UNet call must be at least 1, got {options.batch_windows}")
+            raise InputError(f"--refiner-windows (windows per UNet call) must be at least 1, got {options.batch_windows}")
         self.config, self.device, self.dtype, self.source, self.options = config, device, dtype, source, options
         self.unet, self.vae = unet, vae
         self.ignored = ignored or []
         self.target_device = device  # where refining runs (load_refiner loads on the CPU first)
-        self.forward = unet if options.compile == "none" else torch.compile(unet, mode=options.compile)
+        self.forward = None  # the UNet, eager or compiled: chosen at the first call, on the device it runs on
+        self.compile_mode = "none"  # what the first call resolved `options.compile` to
+        self.compile_seconds = 0.0  # the first (compiling) call's time, 0 when eager
         self.unet_calls = 0
         self.sigmas = sampler.edm_sigmas(config.steps, config.sigma_min, config.sigma_max, config.rho)
         self.scales = sampler.guidance_scales(config.window, config.min_scale, config.max_scale)
@@ -67,6 +74,8 @@ class VideoRefiner:
         """Move the weights (e.g. onto the GPU once the world model has let it go)."""
         self.unet.to(device)
         self.vae.to(device)
+        if device != self.device:
+            self.forward = None  # eager or compiled is chosen again for the new device
         self.device = device
         return self
 
@@ -106,12 +115,46 @@ class VideoRefiner:
     # -- the denoiser network ---------------------------------------------------------------------
     def network(self, x_in: torch.Tensor, c_noise: torch.Tensor, concat: torch.Tensor) -> torch.Tensor:
         """F(c_in x, c_noise) for windows (B, F, 4, h, w) with their concat condition (B, F, 4, h, w)."""
-        batch = x_in.shape[0]
-        sample = torch.cat([x_in, concat], dim=2).to(self.device, self.dtype)
+        self.prepare()
         self.unet_calls += 1
-        out = self.forward(sample, c_noise.to(self.device), zero_context(batch, self.config, self.device, self.dtype),
+        return self._call_unet(torch.cat([x_in, concat], dim=2), c_noise)
+
+    def _call_unet(self, sample: torch.Tensor, c_noise: torch.Tensor) -> torch.Tensor:
+        batch = sample.shape[0]
+        if uses_cuda_graphs(self.compile_mode):
+            # each call starts a new step for CUDA graph trees: the previous call's output (read
+            # by the sampler before this call) may then be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self.forward(sample.to(self.device, self.dtype), c_noise.to(self.device),
+                           zero_context(batch, self.config, self.device, self.dtype),
                            added_time_ids(batch, self.config, self.device, torch.float32), return_dict=False)[0]
-        return out
+        return out.clone() if uses_cuda_graphs(self.compile_mode) else out
+
+    @torch.inference_mode()
+    def prepare(self) -> float:
+        """Choose eager or compiled for the device the weights are on; a compiled UNet is compiled
+        here, by one call on zeros in the run's shape (`batch_windows` windows), timed and logged.
+        Returns the compile's seconds (0 when eager or already prepared)."""
+        if self.forward is not None:
+            return 0.0
+        self.compile_mode = resolve_compile_mode(self.options.compile, self.device)
+        if self.compile_mode == "none":
+            self.forward = self.unet
+            return 0.0
+        self.forward = compile_unet(self.unet, self.compile_mode)
+        from terra_cli.refiner.compiled import inductor_cache_dir
+
+        config, batch = self.config, self.options.batch_windows
+        h, w = config.latent_hw
+        started = time.perf_counter()
+        self._call_unet(torch.zeros(batch, config.window, config.in_channels, h, w),
+                        torch.zeros(batch, dtype=torch.float32))
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        self.compile_seconds = time.perf_counter() - started
+        LOG.info(f"refiner: UNet compiled ({self.compile_mode}, {batch} window(s) per call) in "
+                 f"{self.compile_seconds:.1f} s; Inductor cache {inductor_cache_dir()}")
+        return self.compile_seconds
 
     # -- videos -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -120,31 +163,46 @@ class VideoRefiner:
         pixels = condition_pixels(pixels.to(self.device), self.config)
         return encode_condition(self.vae, pixels.to(self.dtype)).float()
 
+    def windows(self, condition: torch.Tensor, seed: int, video: int = 0) -> list["Window"]:
+        """One video's windows (concat condition (N, 4, h, w)), each with its own seeded noise."""
+        config = self.config
+        check_frames(condition.shape[0], config.window)
+        spans = start_end_indices(condition.shape[0], config.window, config.min_overlap)
+        return [Window(video, k, condition[start:end], window_noise(seed, k, (config.window, *condition.shape[1:])),
+                       keep) for k, ((start, end), keep) in enumerate(zip(spans, kept_frames(spans)))]
+
+    @torch.inference_mode()
+    def sample_windows(self, group: list["Window"]) -> list[torch.Tensor]:
+        """One batched sampling run (one UNet call per step) over up to `batch_windows` windows of
+        any videos -> each window's kept latents, float32 on the CPU. A compiled UNet gets exactly
+        `batch_windows` windows per call: a short group is padded with zero windows."""
+        if not 0 < len(group) <= self.options.batch_windows:
+            raise ValueError(f"a UNet call takes 1 to {self.options.batch_windows} windows, got {len(group)}")
+        self.prepare()
+        concat = torch.stack([item.concat.to(self.device, torch.float32) for item in group])
+        noise = torch.stack([item.noise for item in group]).to(self.device)
+        padding = self.options.batch_windows - len(group) if self.compile_mode != "none" else 0
+        if padding:
+            concat = torch.cat([concat, concat.new_zeros((padding, *concat.shape[1:]))])
+            noise = torch.cat([noise, noise.new_zeros((padding, *noise.shape[1:]))])
+        out = sampler.sample(self.network, noise, concat, uncond=concat, sigmas=self.sigmas, scales=self.scales,
+                             same_uncond=self.options.same_uncond)
+        return [latents[a:b].float().cpu() for item, latents in zip(group, out) for a, b in [item.keep]]
+
     @torch.inference_mode()
     def refine_latents(self, conditions: list[torch.Tensor], seeds: list[int],
                        on_frames: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         """Sampled latents (N_i, 4, h, w) per video, overlaps removed, windows batched across videos;
         `on_frames(n)` after each UNet batch with the frames it finished."""
-        config, work = self.config, []
-        for video, (cond, seed) in enumerate(zip(conditions, seeds)):
-            check_frames(cond.shape[0], config.window)
-            generator = torch.Generator().manual_seed(int(seed))
-            spans = start_end_indices(cond.shape[0], config.window, config.min_overlap)
-            for k, ((start, end), keep) in enumerate(zip(spans, kept_frames(spans))):
-                noise = torch.randn((config.window, *cond.shape[1:]), generator=generator)
-                work.append((video, k, cond[start:end], noise, keep))
-        results: dict[tuple[int, int], torch.Tensor] = {}
+        work = [w for video, (cond, seed) in enumerate(zip(conditions, seeds)) for w in self.windows(cond, seed, video)]
+        kept: dict[int, list[torch.Tensor]] = {video: [] for video in range(len(conditions))}
         for at in range(0, len(work), self.options.batch_windows):
             group = work[at:at + self.options.batch_windows]
-            concat = torch.stack([item[2] for item in group]).to(self.device)
-            noise = torch.stack([item[3] for item in group]).to(self.device)
-            out = sampler.sample(self.network, noise, concat, uncond=concat, sigmas=self.sigmas, scales=self.scales,
-                                 same_uncond=self.options.same_uncond)
-            for (video, k, _, _, (a, b)), latents in zip(group, out):
-                results[(video, k)] = latents[a:b].float()
+            for item, latents in zip(group, self.sample_windows(group)):
+                kept[item.video].append(latents)  # a video's windows come in order
             if on_frames is not None:
-                on_frames(sum(b - a for *_, (a, b) in group))
-        return [torch.cat([results[(v, k)] for k in range(_count(results, v))]) for v in range(len(conditions))]
+                on_frames(sum(b - a for a, b in (item.keep for item in group)))
+        return [torch.cat(kept[video]) for video in range(len(conditions))]
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, on_frames: Callable[[int], None] | None = None) -> np.ndarray:
@@ -158,8 +216,22 @@ class VideoRefiner:
         return [self.decode(z) for z in self.refine_latents(conditions, seeds, on_frames)]
 
 
-def _count(results: dict, video: int) -> int:
-    return sum(1 for (v, _) in results if v == video)
+@dataclass(frozen=True)
+class Window:
+    video: int  # which of the videos being refined
+    index: int  # its place in that video (0, 1, ...)
+    concat: torch.Tensor  # (window, 4, h, w) condition latents
+    noise: torch.Tensor  # (window, 4, h, w) float32, CPU
+    keep: tuple[int, int]  # the frames of the window that stay (after the previous window's overlap)
+
+
+def window_noise(seed: int, window: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Window `window` of the video seeded `seed`: standard normal noise from a CPU generator of its
+    own (seeds.draw_seed keeps all 64 bits of the seed; torch's generator alone would keep 32)."""
+    from terra_cli.seeds import draw_seed
+
+    generator = torch.Generator().manual_seed(draw_seed(int(seed) % 2 ** 64, window))
+    return torch.randn(shape, generator=generator)
 
 
 def estimated_unet_flops(config: RefinerConfig) -> float:

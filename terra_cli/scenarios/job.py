@@ -204,12 +204,9 @@ def run_scenario_job(
 
     def take_refiner_share(tokenizer, options: dict) -> None:
         # The refiner loads (strictly, CPU time checked) before the engine, which leaves it room.
-        from terra_cli.refiner.decoder import RefinerDecoder, load_refiner, vllm_memory_share
+        from terra_cli.refiner.decoder import engine_refiner
 
-        refiner = load_refiner(job.refiner, [s.frames for s in prepared.file.scenarios])
-        decoders.append(RefinerDecoder(refiner, tokenizer))
-        if refiner.target_device.startswith("cuda"):
-            options.setdefault("gpu_share", vllm_memory_share(refiner.target_device))
+        decoders.append(engine_refiner(job.refiner, [s.frames for s in prepared.file.scenarios], tokenizer, options))
 
     longest = max((s.frames for s in prepared.file.scenarios), default=None)
     loaded = load_job_engine(job, prepared.backend, prepared.device, prepared.needs_tokenizer, longest,

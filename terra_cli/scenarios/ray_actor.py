@@ -8,6 +8,9 @@ their contexts to one intake thread, which encodes them in batches ahead of the 
 driver over that feed (backends/driver.py, whatever the backend). Videos are decoded and encoded by the actor's own writer processes
 (`--writers`, one on a GPU by default: `scenarios.writers.WriterPool`), so the actor's interpreter
 only generates, as a single engine's process does; with none (a CPU), in the calling threads.
+With `--decoder refiner`, the actor loads the refiner before its engine (as a single engine does)
+and refines its own videos in a thread (`refiner.stage`): the windows of the videos its open calls
+wait for share UNet calls. Either way the driver alone writes files.
 
 Nothing here reads the scenario file or writes into the output folder: the actor needs no
 filesystem shared with the driver, only the model (a hub id or the same path on every node).
@@ -88,14 +91,26 @@ class ScenarioEngine:
         self.job = job if not spec.threads else _with_threads(job, spec.threads)
         from terra_cli.scenarios.job import load_job_engine
 
-        loaded = load_job_engine(self.job, self.backend_name, spec.device, spec.needs_tokenizer, spec.longest_frames)
+        refiners = []  # with --decoder refiner: this engine refines its own videos (refiner.stage)
+
+        def take_refiner_share(tokenizer, options: dict) -> None:
+            from terra_cli.refiner.decoder import engine_refiner
+
+            refiners.append(engine_refiner(job.refiner, [spec.longest_frames or 25], tokenizer, options))
+
+        loaded = load_job_engine(self.job, self.backend_name, spec.device, spec.needs_tokenizer, spec.longest_frames,
+                                 take_refiner_share if job.refiner is not None else (lambda tokenizer, options: None))
         self.engine, self.tokenizer = loaded.engine, loaded.tokenizer
         self.startup, self.in_flight = (loaded.ready.seconds, loaded.ready.startup), loaded.ready.in_flight
         self.codec = threading.Lock()  # the image tokenizer, shared by the calling threads
         from terra_cli.scenarios.job import job_writers
         from terra_cli.scenarios.writers import start_pool
 
-        self.pool = start_pool(self.tokenizer, job_writers(self.job, spec.device), VIDEO_FPS)
+        if refiners:
+            refiners[0].refiner.to(refiners[0].refiner.target_device)
+            self.pool = refiners[0].stage(VIDEO_FPS)
+        else:
+            self.pool = start_pool(self.tokenizer, job_writers(self.job, spec.device), VIDEO_FPS)
         self.waiters: dict[str, _Waiter] = {}
         self.lock = threading.Lock()
         self.frames = 0
@@ -116,9 +131,11 @@ class ScenarioEngine:
     def ready(self) -> dict:
         import ray
 
+        from terra_cli.scenarios.writers import WriterPool
+
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "backend": self.backend_name,
                 "device": self.spec.device, "startup_s": self.startup[0], "startup": self.startup[1],
-                "in_flight": self.in_flight, "writers": self.pool.size if self.pool is not None else 0}
+                "in_flight": self.in_flight, "writers": self.pool.size if isinstance(self.pool, WriterPool) else 0}
 
     def stats(self) -> dict:
         loop = self.driver.loop.as_dict()
@@ -145,7 +162,7 @@ class ScenarioEngine:
         if waiter.error is not None:
             raise waiter.error
         seconds = time.perf_counter() - started
-        return Finished(s.id, waiter.tokens, self._encode_video(s.id, waiter.tokens), seconds)
+        return Finished(s.id, waiter.tokens, self._encode_video(s.id, waiter.tokens, s.seed), seconds)
 
     # -- the intake and engine threads ----------------------------------------------------
 
@@ -215,14 +232,14 @@ class ScenarioEngine:
             waiter.tokens, waiter.error = tokens, error
             waiter.event.set()
 
-    def _encode_video(self, key: str, tokens: np.ndarray) -> bytes | None:
+    def _encode_video(self, key: str, tokens: np.ndarray, seed: int) -> bytes | None:
         if not self.job.decode or self.tokenizer is None:
             return None
-        if self.pool is not None:
+        if self.pool is not None:  # writer processes, or the refiner's stage (the calls' videos share its UNet calls)
             from terra_cli.scenarios.writers import WriterDied
 
             try:
-                return self.pool.submit(key, tokens).result()  # VideoFailed: this scenario's, retried elsewhere
+                return self.pool.submit(key, tokens, seed).result()  # VideoFailed: this scenario's, retried elsewhere
             except WriterDied as exc:  # every later video would fail too
                 threading.Thread(target=self._die, args=(exc,), daemon=True).start()
                 raise

@@ -115,11 +115,13 @@ def run_scenarios(
         by_key = {s.id: s for s in pending}
         started = {s.id: 0.0 for s in pending}
         # frame_decoder: Terra's video refiner (refiner.decoder.RefinerDecoder); default: the tokenizer, frame by frame.
-        # The refiner decodes in the writer thread here, never in writer processes: it was loaded in this process
-        # before the engine (taking its share of the GPU then), a copy of its 1.5B-parameter UNet per process would
-        # not fit beside vLLM, and its seconds of GPU work per window dwarf what the thread costs the engine loop.
-        pool = start_pool(tokenizer, writers, VIDEO_FPS) if decode and pending and frame_decoder is None else None
-        run.writers = pool.size if pool is not None else 0
+        # The refiner decodes in a thread of this process (refiner.stage), never in writer processes: it was loaded
+        # here before the engine (taking its share of the GPU then), a copy of its 1.5B-parameter UNet per process
+        # would not fit beside vLLM, and its seconds of GPU work per window dwarf what the thread costs the engine loop.
+        pool = None  # makes the videos: writer processes, or the refiner's stage (windows of several videos per call)
+        if decode and pending:
+            pool = start_pool(tokenizer, writers, VIDEO_FPS) if frame_decoder is None else frame_decoder.stage(VIDEO_FPS)
+        run.writers = pool.size if isinstance(pool, WriterPool) else 0
         writer = _Writer(out_dir, (frame_decoder or tokenizer) if decode else None, log, run, on_written,
                          plan.replaceable, pool)
         clock = time.perf_counter()

@@ -100,7 +100,7 @@ def start_pool(decoder, workers: int, fps: float) -> "WriterPool | None":
 
 
 def write_in_order(pool, items: queue.Queue, write: Callable) -> None:
-    """Take (scenario, tokens, seconds) from `items` until None, hand each to `pool`, and call
+    """Take (scenario, tokens, seconds) from `items` until None, hand each to `pool` (or a RefineStage), and call
     `write(scenario, tokens, seconds, video)` in the order they came, `video` the mp4 bytes or that
     scenario's VideoFailed. At most OPEN_PER_PROCESS per process are open at once: when the
     processes fall behind, the rest wait in `items` (the run holds back new scenarios meanwhile).
@@ -125,7 +125,7 @@ def write_in_order(pool, items: queue.Queue, write: Callable) -> None:
             closing = True
             continue
         scenario, tokens, seconds = item
-        pending.append((scenario, tokens, seconds, pool.submit(scenario.id, tokens)))
+        pending.append((scenario, tokens, seconds, pool.submit(scenario.id, tokens, scenario.seed)))
 
 
 class _Worker:
@@ -186,7 +186,7 @@ class WriterPool:
         if self.failure is not None:
             raise self.failure
 
-    def submit(self, key: str, tokens: np.ndarray) -> Future:
+    def submit(self, key: str, tokens: np.ndarray, seed: int | None = None) -> Future:  # (no noise: seed unused)
         future: Future = Future()
         with self.lock:
             if self.failure is not None:

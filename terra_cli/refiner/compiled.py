@@ -1,0 +1,82 @@
+"""The refiner's UNet under torch.compile: which mode a run gets, where Inductor keeps its cache.
+
+`--refiner-compile auto` (the default) compiles on a GPU with Inductor's default mode and runs
+eager on a CPU, where compiling a UNet costs minutes that a tiny smoke test never earns back;
+`none` keeps eager anywhere (debugging). `reduce-overhead` adds CUDA graphs; `max-autotune`
+autotunes the kernels and also captures CUDA graphs; `max-autotune-no-cudagraphs` autotunes
+without them.
+
+Shapes stay static: the UNet is compiled with `dynamic=False` and every call gets the run's
+windows per call (a short last group is padded, `VideoRefiner.sample_windows`), so a run compiles
+once. The compiled code is cached on disk by Inductor (its FX graph and autotuning caches):
+under terra's cache folder (`runtime.terra_cache_dir()`/inductor) unless TORCHINDUCTOR_CACHE_DIR
+is set, so only the first run on a machine pays the full compile.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from terra_cli.errors import InputError
+
+COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def check_compile_mode(mode: str) -> str:
+    mode = str(mode).strip().lower()
+    if mode not in COMPILE_MODES:
+        raise InputError(f"--refiner-compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    return mode
+
+
+def resolve_compile_mode(mode: str, device: str) -> str:
+    """`auto` -> `default` on CUDA, `none` elsewhere; other modes as given."""
+    mode = check_compile_mode(mode)
+    if mode != "auto":
+        return mode
+    return "default" if str(device).startswith("cuda") else "none"
+
+
+def uses_cuda_graphs(mode: str) -> bool:
+    return mode in CUDA_GRAPH_MODES
+
+
+def _set_by_user(value: str | None) -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR holds a folder someone chose: Inductor writes its default
+    (/tmp/torchinductor_USER) into the variable itself the first time it looks, which importing
+    diffusers' UNet already does, so that value counts as unset."""
+    if not value:
+        return False
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(value) != os.path.abspath(default_cache_dir())
+
+
+def inductor_cache_dir(environ=None) -> Path:
+    """Where Inductor caches compiled code: TORCHINDUCTOR_CACHE_DIR if someone set it, else terra's
+    cache folder."""
+    from terra_cli.runtime import terra_cache_dir
+
+    environ = os.environ if environ is None else environ
+    given = environ.get(INDUCTOR_CACHE_ENV)
+    return Path(given) if _set_by_user(given) else terra_cache_dir(environ) / "inductor"
+
+
+def use_inductor_cache(environ=None) -> Path:
+    """Point Inductor's cache at terra's cache folder unless TORCHINDUCTOR_CACHE_DIR names another.
+    Inductor reads the variable each time it looks for its cache, so this holds from the next compile."""
+    environ = os.environ if environ is None else environ
+    folder = inductor_cache_dir(environ)
+    environ[INDUCTOR_CACHE_ENV] = str(folder)
+    return folder
+
+
+def compile_unet(unet, mode: str):
+    """torch.compile of the UNet with static shapes, Inductor's cache under terra's cache folder."""
+    import torch
+
+    use_inductor_cache()
+    return torch.compile(unet, mode=mode, dynamic=False)

@@ -1,0 +1,190 @@
+"""`RefineStage`: the refiner as a stage of a scenario run, windows of several videos per UNet call.
+
+Finished token videos come in (`submit(key, tokens, seed)`), encoded mp4s go out (a Future per
+video), like `scenarios.writers.WriterPool`, so `scenarios.writers.write_in_order` drives either
+one and the run's writer thread (or a Ray engine's calls) stays the only writer of files. One
+thread does the GPU work in this process (one copy of the refiner beside the engine):
+
+- a video that comes in is decoded by the token decoder and VAE-encoded into its concat condition,
+  and its windows, each with its own seeded noise (`VideoRefiner.windows`), join a queue;
+- each UNet batch takes up to `batch_windows` windows from that queue, of whichever videos they
+  come from (`VideoRefiner.sample_windows`; a compiled UNet gets exactly that many, padded);
+- once a video's windows are all sampled, its latents are decoded frame by frame and the mp4 encoded.
+
+New videos are taken in between UNet batches, so windows of videos that finish while one batch
+runs share the next. A video's result does not depend on which others share its calls (its noise
+is its own; kernels at another batch size round differently, within float rounding).
+
+A video whose tokens cannot be decoded or whose mp4 cannot be made fails alone (`VideoFailed`);
+a UNet batch that fails (out of memory, a compile error) stops the stage: every open video fails
+with `RefinerStopped` (a `WriterDied`: the run ends, resumable), and so does every later one.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from terra_cli.scenarios.writers import VideoFailed, WriterDied
+
+CLOSE_SECONDS = 10.0  # close() waits this long for a UNet batch in progress; the thread is a daemon
+
+
+class RefinerStopped(WriterDied):
+    """The refiner stage failed or was closed while videos waited for it."""
+
+
+@dataclass
+class _Video:
+    key: str
+    future: Future
+    submitted: float
+    windows_left: int = 0
+    latents: list = field(default_factory=list)  # (index, latents) as windows finish
+
+
+class RefineStage:
+    """`decoder` a `refiner.decoder.RefinerDecoder`; `finish(frames)` turns a video's refined uint8
+    frames into what its Future gives (default: the frames). Call `close()` when done."""
+
+    def __init__(self, decoder, finish: Callable[[np.ndarray], object] = lambda frames: frames):
+        self.decoder, self.refiner, self.finish = decoder, decoder.refiner, finish
+        self.windows_per_call = self.refiner.options.batch_windows
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: deque = deque()  # (video, Window) in the order they came
+        self.open: dict[int, _Video] = {}  # by submission number
+        self.lock = threading.Lock()
+        self.failure: RefinerStopped | None = None
+        self.closed = False
+        self.stopping = threading.Event()
+        self.videos, self.video_seconds = 0, 0.0  # made, and their time from submission to the mp4
+        self.unet_batches = 0
+        self._count = 0
+        self.thread = threading.Thread(target=self._run, name="terra-refiner", daemon=True)
+        self.thread.start()
+
+    @property
+    def size(self) -> int:
+        """How many videos `write_in_order` keeps open per OPEN_PER_PROCESS: enough for full batches."""
+        return self.windows_per_call
+
+    def submit(self, key: str, tokens: np.ndarray, seed: int = 0) -> Future:
+        future: Future = Future()
+        with self.lock:
+            if self.failure is not None or self.closed:
+                future.set_exception(self.failure or RefinerStopped("the refiner was closed"))
+                return future
+            self._count += 1
+            self.inbox.put((self._count, _Video(key, future, time.perf_counter()), np.ascontiguousarray(tokens),
+                            int(seed)))
+        return future
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        """Stop after the UNet batch in progress; videos still open fail. Safe to call twice."""
+        with self.lock:
+            self.closed = True
+        self.stopping.set()
+        self.inbox.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(CLOSE_SECONDS)
+        with self.lock:
+            self._fail_open(self.failure or RefinerStopped("the refiner was closed before this video was refined"))
+
+    # -- the stage's thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._on_device()
+            while not self.stopping.is_set():
+                if not self._take_in(block=not self.waiting):
+                    continue
+                group = [self.waiting.popleft() for _ in range(min(self.windows_per_call, len(self.waiting)))]
+                if group:
+                    self._sample(group)
+        except BaseException as exc:  # the stage cannot go on: every open and later video fails
+            with self.lock:
+                self.failure = RefinerStopped(f"the refiner stopped: {type(exc).__name__}: {' '.join(str(exc).split())}")
+                self._fail_open(self.failure)
+
+    def _on_device(self) -> None:
+        """This thread uses the refiner's GPU (a new thread starts on GPU 0), and compiles the UNet
+        first, while the engine generates the first videos' tokens."""
+        device = str(self.refiner.device)
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(torch.device(device))
+        self.refiner.prepare()
+
+    def _take_in(self, block: bool) -> bool:
+        """Turn what came in into windows; False once told to stop."""
+        while True:
+            try:
+                item = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            block = False
+            number, video, tokens, seed = item
+            try:
+                pixels = self.decoder.token_frames(tokens)
+                windows = self.refiner.windows(self.refiner.condition_latents(pixels), seed, number)
+            except Exception as exc:  # this video's own failure (tokens its decoder cannot take)
+                video.future.set_exception(VideoFailed(" ".join(f"{type(exc).__name__}: {exc}".split())))
+                continue
+            video.windows_left = len(windows)
+            with self.lock:
+                self.open[number] = video
+            self.waiting.extend(windows)
+
+    def _sample(self, group: list) -> None:
+        latents = self.refiner.sample_windows(group)
+        self.unet_batches += 1
+        for window, kept in zip(group, latents):
+            video = self.open.get(window.video)
+            if video is None:  # failed by close() while this batch ran
+                continue
+            video.latents.append((window.index, kept))
+            video.windows_left -= 1
+            if video.windows_left == 0:
+                with self.lock:
+                    self.open.pop(window.video, None)
+                self._make(video)
+
+    def _make(self, video: _Video) -> None:
+        import torch
+
+        try:
+            latents = torch.cat([z for _, z in sorted(video.latents, key=lambda item: item[0])])
+            result = self.finish(self.refiner.decode(latents))
+        except Exception as exc:
+            video.future.set_exception(VideoFailed(" ".join(f"{type(exc).__name__}: {exc}".split())))
+            return
+        self.videos += 1
+        self.video_seconds += time.perf_counter() - video.submitted
+        video.future.set_result(result)
+
+    def _fail_open(self, error: BaseException) -> None:  # under self.lock
+        for video in self.open.values():
+            if not video.future.done():
+                video.future.set_exception(error)
+        self.open.clear()
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and not item[1].future.done():
+                item[1].future.set_exception(error)

@@ -1,0 +1,38 @@
+"""Issue 40: which torch.compile mode the refiner's UNet gets, and where Inductor keeps its cache."""
+
+import pytest
+
+from terra_cli.errors import InputError
+from terra_cli.refiner.compiled import (check_compile_mode, inductor_cache_dir, resolve_compile_mode,
+                                        use_inductor_cache, uses_cuda_graphs)
+
+
+def test_auto_compiles_on_a_gpu_only_and_other_modes_stay_as_given():
+    assert resolve_compile_mode("auto", "cuda") == "default"
+    assert resolve_compile_mode("auto", "cuda:1") == "default"
+    assert resolve_compile_mode("auto", "cpu") == "none"
+    assert resolve_compile_mode("None", "cuda") == "none"  # eager for debugging, on a GPU too
+    assert resolve_compile_mode("reduce-overhead", "cpu") == "reduce-overhead"
+    assert uses_cuda_graphs("reduce-overhead") and uses_cuda_graphs("max-autotune")
+    assert not uses_cuda_graphs("default") and not uses_cuda_graphs("max-autotune-no-cudagraphs")
+    with pytest.raises(InputError, match="--refiner-compile must be one of auto, none"):
+        check_compile_mode("fast")
+
+
+def test_inductor_cache_goes_under_terras_cache_unless_set(tmp_path):
+    environ = {"TERRA_CACHE": str(tmp_path / "terra")}
+    assert use_inductor_cache(environ) == tmp_path / "terra" / "inductor"
+    assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "terra" / "inductor")
+    mine = {"TERRA_CACHE": str(tmp_path / "terra"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}
+    assert use_inductor_cache(mine) == tmp_path / "mine" and mine["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    xdg = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    assert inductor_cache_dir(xdg) == tmp_path / "xdg" / "terra" / "inductor" and "TORCHINDUCTOR_CACHE_DIR" not in xdg
+
+
+def test_inductors_own_default_in_the_variable_counts_as_unset(tmp_path):
+    """Importing diffusers' UNet makes Inductor write its default folder into TORCHINDUCTOR_CACHE_DIR."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    environ = {"TERRA_CACHE": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+    assert use_inductor_cache(environ) == tmp_path / "inductor"
+    assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")

@@ -80,8 +80,10 @@ class RayRun(ScenarioRun):
 
 
 def window_for(in_flight: int) -> int:
-    """Open calls per engine: its whole batch and a few more, so it never waits on the driver."""
-    return in_flight + max(2, in_flight // 8)
+    """Open calls per engine: its whole batch and an eighth more (at least one queued), so it never
+    waits on the driver; an engine running one rollout at a time holds one more, no further work that
+    a restarted engine could have taken back."""
+    return in_flight + max(1, in_flight // 8)
 
 
 def counted(engine: EngineState, engines: list[EngineState], now: float) -> bool:

@@ -172,6 +172,17 @@ class LoopTimes:
                 "ms_per_step": round(1000 * self.step_s / self.steps, 3) if self.steps else None}
 
 
+def take_cancelled(feed: "JobFeed | None", job: RolloutJob, on_cancelled: JobCancelled | None) -> bool:
+    """Whether `job` was cancelled through `feed`; if so it is reported (once) and forgotten. Both
+    drivers ask this of a job they are about to take and of each job in flight."""
+    if feed is None or job.key not in feed.cancelled():
+        return False
+    feed.forget(job.key)
+    if on_cancelled is not None:
+        on_cancelled(job)
+    return True
+
+
 def timed_get(feed: "JobFeed", wait: float, loop: LoopTimes) -> RolloutJob | None:
     """`feed.get(wait)`, its waiting counted as idle (the caller has nothing in flight when wait > 0)."""
     if wait <= 0:

@@ -14,26 +14,15 @@ from transformers.cache_utils import DynamicCache
 from terra_cli.models.config import FrameLayout
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM, load_model
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
+from terra_cli.backends.device_sampling import filtered_probabilities, greedy_codes
 from terra_cli.seeds import draw_seed, rollout_seed
 
 
 def sample_next(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, generators: list[torch.Generator]) -> torch.Tensor:
     """Next image code per row of logits (R, V). The special id and anything above is never drawn."""
-    logits = logits[:, : layout.image_vocab_size].float()
     if sampling.greedy:
-        return logits.argmax(dim=-1)
-    logits = logits / sampling.temperature
-    if sampling.top_k:
-        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= sampling.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
+        return greedy_codes(logits, layout)
+    probs = filtered_probabilities(logits, layout, sampling)
     # Exponential race (argmax of p / Exp(1) draws a code with probability p): one kernel per
     # row, where torch.multinomial over 2^18 codes is slow on GPU. One generator per rollout,
     # so a rollout's tokens do not depend on what it is batched with (terra_cli/seeds.py).
@@ -170,21 +159,13 @@ class ReferenceDriver:
         import collections
         import time
 
-        from terra_cli.backends.driver import JobFeed, check_job, compatible, timed_get
+        from terra_cli.backends.driver import JobFeed, check_job, compatible, take_cancelled, timed_get
 
         feed = jobs if isinstance(jobs, JobFeed) else None
         pending = collections.deque(()) if feed is not None else collections.deque(jobs)
 
-        def cancelled_now(job) -> bool:
-            if feed is None or job.key not in feed.cancelled():
-                return False
-            feed.forget(job.key)
-            if on_cancelled is not None:
-                on_cancelled(job)
-            return True
-
         def admitted(job) -> bool:
-            if job is None or cancelled_now(job):
+            if job is None or take_cancelled(feed, job, on_cancelled):
                 return False
             try:
                 check_job(self.layout, job)
@@ -231,6 +212,7 @@ class ReferenceDriver:
     def _run_batch(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
         import time
 
+        from terra_cli.backends.driver import take_cancelled
         from terra_cli.pipeline.rounds import plan_rounds
 
         clock = time.perf_counter
@@ -249,22 +231,13 @@ class ReferenceDriver:
             frames[:, index] = tokens
             self.loop.steps += self.layout.image_tokens  # the token steps of this frame, all rows at once
             for row in list(live):
-                if cancelled(row):
+                if take_cancelled(feed, batch[row], on_cancelled):
                     live.remove(row)
                 elif on_frame is not None:
                     on_frame(batch[row], index, frames[row, index])
             handling[0] += clock() - began
             if not live:
                 raise _BatchCancelled
-
-        def cancelled(row: int) -> bool:
-            job = batch[row]
-            if feed is None or job.key not in feed.cancelled():
-                return False
-            feed.forget(job.key)
-            if on_cancelled is not None:
-                on_cancelled(job)
-            return True
 
         started = clock()
         try:

@@ -27,7 +27,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from terra_cli.backends.driver import (FrameDone, JobCancelled, JobDone, JobFailed, JobFeed, JobStarted,  # noqa: F401
-                                       LoopTimes, RolloutJob, check_job, timed_get)
+                                       LoopTimes, RolloutJob, check_job, take_cancelled, timed_get)
 from terra_cli.backends.vllm import VllmBackend, write_rows, interleave
 from terra_cli.pipeline.rounds import Round, plan_rounds
 
@@ -115,14 +115,6 @@ class StreamDriver:
             self.slot_rows[slot] = {}
             self.epochs[slot] += 1
 
-        def cancelled_now(job: RolloutJob) -> bool:
-            if feed is None or job.key not in feed.cancelled():
-                return False
-            feed.forget(job.key)
-            if on_cancelled is not None:
-                on_cancelled(job)
-            return True
-
         clock = time.perf_counter
         began = self.loop.running_since = clock()
         try:
@@ -133,7 +125,7 @@ class StreamDriver:
                         rollout = active.pop(request_id)
                         self.engine.abort_request([request_id])
                         free.append(rollout.slot)
-                        cancelled_now(rollout.job)
+                        take_cancelled(feed, rollout.job, on_cancelled)
                 admitting, idle_before = clock(), self.loop.idle_s
                 while free and not exhausted:
                     if feed is None:
@@ -144,7 +136,7 @@ class StreamDriver:
                         exhausted = job is None and feed.finished
                     if job is None:
                         break
-                    if cancelled_now(job):
+                    if take_cancelled(feed, job, on_cancelled):
                         continue
                     try:
                         check_job(self.layout, job)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -78,8 +79,11 @@ def main() -> None:
     parser.add_argument("--horizon", type=int, default=2, help="frames each candidate is rolled out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speed", type=float, default=30.0, help="km/h")
-    parser.add_argument("--strip", help="write both runs side by side to this image (every 5th frame)")
+    parser.add_argument("--strip", help="write both runs side by side to this PNG (every 5th frame)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --strip file")
     args = parser.parse_args()
+    if args.strip and Path(args.strip).exists() and not args.overwrite:
+        parser.error(f"--strip {args.strip} exists; pass --overwrite to replace it")  # before minutes of generation
 
     from terra_cli.env import TerraVectorEnv
 
@@ -111,7 +115,11 @@ def main() -> None:
         from PIL import Image
 
         rows = [np.concatenate([f[::2, ::2] for f in frames[::5]], axis=1) for frames in (open_frames, closed_frames)]
-        Image.fromarray(np.concatenate(rows, axis=0)).save(args.strip)
+        from terra_cli.media.atomic import atomic_path
+
+        # Written beside its target and moved into place whole; an existing file only with --overwrite.
+        with atomic_path(Path(args.strip), overwrite=args.overwrite) as tmp:
+            Image.fromarray(np.concatenate(rows, axis=0)).save(tmp, format="PNG")
         print(f"strip: {args.strip} (top: open loop, bottom: closed loop)")
     env.close()
 

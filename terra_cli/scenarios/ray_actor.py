@@ -6,7 +6,7 @@ rollout in the engine's batch. The stages are a single engine's (scenarios.runne
 their contexts to one intake thread, which encodes them in batches ahead of the engine
 (`encoding.encode_batch`) and puts their jobs into a `JobFeed`; one thread runs the backend's
 driver over that feed (backends/driver.py, whatever the backend). Videos are decoded and encoded by the actor's own writer processes
-(`--writers`, one on a GPU by default: `scenarios.writers.WriterPool`), so the actor's interpreter
+(`--writers`, two on a GPU by default: `scenarios.writers.WriterPool`, decoding frames as they are made), so the actor's interpreter
 only generates, as a single engine's process does; with none (a CPU), in the calling threads.
 With `--decoder refiner`, the actor loads the refiner before its engine (as a single engine does)
 and refines its own videos in a thread (`refiner.stage`): the windows of the videos its open calls
@@ -111,6 +111,10 @@ class ScenarioEngine:
             self.pool = refiners[0].stage(VIDEO_FPS)
         else:
             self.pool = start_pool(self.tokenizer, job_writers(self.job, spec.device), VIDEO_FPS)
+        from terra_cli.scenarios.writers import WriterPool
+
+        # Writer processes decode a scenario's frames while it is generated (scenarios.writers).
+        self.ahead_of_time = self.pool if isinstance(self.pool, WriterPool) else None
         self.waiters: dict[str, _Waiter] = {}
         self.lock = threading.Lock()
         self.frames = 0
@@ -199,7 +203,7 @@ class ScenarioEngine:
 
     def _drive(self) -> None:
         try:
-            self.driver.run(self.feed, on_frame=lambda job, i, t: self._frame_done(job.key),
+            self.driver.run(self.feed, on_frame=self._frame_done, on_start=self._started,
                             on_done=lambda job, tokens: self._finish(job.key, np.asarray(tokens, dtype=np.int64).copy()),
                             on_error=lambda job, exc: self._finish(
                                 job.key, None, RuntimeError(" ".join(f"{type(exc).__name__}: {exc}".split()))))
@@ -216,7 +220,14 @@ class ScenarioEngine:
         time.sleep(0.5)  # let the failed calls' replies leave before the process goes
         os._exit(1)
 
-    def _frame_done(self, key: str) -> None:
+    def _started(self, job: RolloutJob) -> None:
+        if self.ahead_of_time is not None:
+            self.ahead_of_time.open(job.key, job.context)
+
+    def _frame_done(self, job: RolloutJob, index: int, tokens: np.ndarray) -> None:
+        key = job.key
+        if self.ahead_of_time is not None:
+            self.ahead_of_time.frame(key, index, tokens)
         with self.lock:
             self.frames += 1
             waiter = self.waiters.get(key)
@@ -226,6 +237,8 @@ class ScenarioEngine:
             time.sleep(self.spec.frame_delay)
 
     def _finish(self, key: str, tokens: np.ndarray | None, error: BaseException | None = None) -> None:
+        if tokens is None and self.ahead_of_time is not None:
+            self.ahead_of_time.drop(key)
         with self.lock:
             waiter = self.waiters.get(key)
         if waiter is not None:

@@ -64,6 +64,7 @@ class ScenarioRun:
     writers: int = 0  # video writer processes the run used (0: the writer thread decodes and encodes)
     videos_made: int = 0  # by the writer processes or thread
     video_seconds: float = 0.0  # what making them took, summed over the processes (a bench's writer pace)
+    frames_decoded_late: int | None = None  # writer processes: frames not decoded ahead, while their scenario ran
     engine_loop: dict | None = None  # vLLM: where the engine loop's time went (vllm_stream.LoopTimes.as_dict)
 
 
@@ -141,6 +142,19 @@ def run_scenarios(
             writer.put(s, tokens, time.perf_counter() - started[key])
             run.generated_frames += s.frames - s.context_frames
 
+        # Writer processes decode a scenario's frames while it is generated: at the end only its mp4 is left.
+        ahead_of_time = pool if isinstance(pool, WriterPool) else None
+
+        def start(job) -> None:
+            started[job.key] = time.perf_counter()
+            if ahead_of_time is not None:
+                ahead_of_time.open(job.key, job.context)
+
+        def frame_done(job, index: int, tokens: np.ndarray) -> None:
+            if ahead_of_time is not None:
+                ahead_of_time.frame(job.key, index, tokens)
+            progress()
+
         from terra_cli.backends.driver import RolloutJob
 
         def job(s: Scenario, context: np.ndarray) -> RolloutJob:
@@ -152,9 +166,8 @@ def run_scenarios(
                                 hold=lambda: writer.behind(backlog_limit))
             try:
                 # A scenario's seconds count from when the engine takes it, not from its encoding.
-                driver.run(ahead.feed, on_frame=lambda job, i, t: progress(),
-                           on_done=lambda job, tokens: finished(job.key, tokens.copy()),
-                           on_start=lambda job: started.__setitem__(job.key, time.perf_counter()))
+                driver.run(ahead.feed, on_frame=frame_done, on_done=lambda job, tokens: finished(job.key, tokens.copy()),
+                           on_start=start)
             finally:
                 ahead.stop()
                 run.engine_loop = driver.loop.as_dict()
@@ -168,14 +181,14 @@ def run_scenarios(
         run.seconds = time.perf_counter() - clock
         if pool is not None:
             run.videos_made, run.video_seconds = pool.videos, pool.video_seconds
+            run.frames_decoded_late = getattr(pool, "frames_decoded_late", None)
     return run
 
 
 class _Writer:
     """A background thread that writes finished scenarios, decoding and encoding them itself or,
     with a `pool`, placing the mp4 bytes its processes make, in the order the scenarios finished.
-    `put` never blocks (the engine loop calls it); admission asks `behind` or waits in
-    `wait_for_room`. A scenario counts as written once its line is in the results log; if the log
+    `put` never blocks (the engine loop calls it); admission asks `behind` (the job feed's hold). A scenario counts as written once its line is in the results log; if the log
     cannot be appended or a writer process dies, the thread stops, and every call here raises that
     error in the caller's thread."""
 
@@ -186,7 +199,7 @@ class _Writer:
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue()
         self.backlog = 0  # put and not yet written (or failed)
-        self._room = threading.Condition()
+        self._backlog_lock = threading.Lock()
         self.thread = threading.Thread(target=self._work, name="terra-scenario-writer", daemon=True)
         self.thread.start()
 
@@ -196,18 +209,13 @@ class _Writer:
 
     def put(self, scenario: Scenario, tokens: np.ndarray, seconds: float) -> None:
         self._check_alive()
-        with self._room:
+        with self._backlog_lock:
             self.backlog += 1
         self.queue.put((scenario, tokens, seconds))
 
     def behind(self, limit: int) -> bool:  # `limit` or more wait to be written
         self._check_alive()
         return self.backlog >= limit
-
-    def wait_for_room(self, limit: int) -> None:  # until fewer than `limit` wait to be written
-        with self._room:
-            while self.behind(limit):
-                self._room.wait(WAIT_SECONDS)
 
     def _check_alive(self) -> None:
         self.check()
@@ -240,9 +248,6 @@ class _Writer:
                                     "run the same command again to resume")
         except BaseException as exc:  # handed to the main thread, which ends the run with it
             self.error = exc
-        finally:
-            with self._room:
-                self._room.notify_all()  # an admission waiting for room learns the writer is gone
 
     def _write(self, scenario: Scenario, tokens: np.ndarray, seconds: float, video=None) -> None:
         making = self.pool is None and self.tokenizer is not None  # this thread decodes and encodes the video
@@ -262,9 +267,8 @@ class _Writer:
         else:
             self.run.failed += 1
             self.run.errors.append(f"{scenario.id}: {record['reason']}")
-        with self._room:
+        with self._backlog_lock:
             self.backlog -= 1
-            self._room.notify_all()
         self.on_written(record)
 
 

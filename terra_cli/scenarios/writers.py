@@ -1,18 +1,21 @@
-"""Video writer processes for `--scenarios`: finished tokens in, mp4 bytes out.
+"""Video writer processes for `--scenarios`: frames in as the engine makes them, mp4 bytes out.
 
 `WriterPool` starts N processes (spawn context) that each load the image tokenizer once on the
-run's device, decode a finished scenario's tokens and encode the mp4 `media.frames.write_video`
-makes, and send the bytes back; the engine's process only generates. It stays the only writer of
-files and of results.jsonl (`runner._Writer` places the bytes with `write_scenario(video=...)`),
-so --out-dir's rules hold as they are: atomic files, nothing replaced that the run may not
-replace, a scenario written once its line is in the log.
+run's device (`scenarios.writer_process`). A scenario's frames go to its process while it is
+generated (`open`, `frame`): the process decodes them ahead, so when the scenario is done
+(`submit`) only its last frame is left to decode and its mp4 to encode. The engine's process only
+generates. It stays the only writer of files and of results.jsonl (`runner._Writer` places the
+bytes with `write_scenario(video=...)`), so --out-dir's rules hold as they are: atomic files,
+nothing replaced that the run may not replace, a scenario written once its line is in the log.
 
-- Each worker has its own pipe and one task at a time; tokens go as arrays, videos come back as
-  bytes (pickled between these processes only: nothing read from disk is unpickled).
-- A task that fails (a decode or encode error) comes back as that scenario's `VideoFailed`: the
+- A scenario belongs to one process (the one holding the fewest when it opens). Messages go
+  through one sender thread, so `open`, `frame` and `drop` never block the engine's loop; tokens go
+  as arrays, videos come back as bytes (pickled between these processes only: nothing read from
+  disk is unpickled).
+- A video that fails (a decode or encode error) comes back as that scenario's `VideoFailed`: the
   scenario is recorded failed, as a failed decode in the engine's process is.
 - A worker that dies (killed, out of memory) or cannot load the tokenizer breaks the pool: every
-  open task fails with one `WriterDied` naming it, and the run ends, waiting on no dead worker.
+  open video fails with one `WriterDied` naming it, and the run ends, waiting on no dead worker.
 - Workers ignore Ctrl-C, SIGTERM and SIGHUP: on an interrupt the engine's process still writes
   the scenarios that finished, then closes the pool. A worker exits with the engine's process.
 """
@@ -21,42 +24,48 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import queue
-import shutil
 import signal
+import shutil
 import tempfile
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from terra_cli.errors import OutputError
+from terra_cli.scenarios.writer_process import SIGNALS, DecoderSpec, serve
 
-OPEN_PER_PROCESS = 2  # scenarios handed to the pool and not yet written, per process (their mp4s wait in memory)
+ENCODERS_PER_PROCESS = 2  # mp4s a process encodes at once (ffmpeg processes of its own, on the host's cores)
+OPEN_PER_PROCESS = 2 * ENCODERS_PER_PROCESS  # finished scenarios handed to the pool and not yet written, per process
 POLL_SECONDS = 0.05  # how often write_in_order looks for a finished video while it also waits for new work
 WAIT_SECONDS = 0.2  # how often it looks whether the pool broke while there is nothing to do
 CLOSE_SECONDS = 10.0  # an idle worker told to stop exits well within this; one still busy is killed
-_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def default_writers(device: str) -> int:
-    """--writers auto: one process on a GPU, none on a CPU (a thread of the engine's process: the
-    decode needs the cores that generate). One, because each holds a CUDA context and decoder
-    beside vLLM's 85%, where the card is near its limit, and one keeps up: 0.91 s per ACT-Bench
-    video against a sample every 1.6 s from the engine on an H100 (benchmarks/README.md)."""
-    return 1 if str(device).startswith("cuda") else 0
+    """--writers auto: two processes on a GPU, none on a CPU (a thread of the engine's process: the
+    decode needs the cores that generate). Frames are decoded as they are made, so at a batch's end
+    only encoding is left: two processes of two encoders each write 256 ACT-Bench videos that
+    finish together in seconds, where one process decoding whole videos took 174 s on an H100
+    (benchmarks/README.md); each holds a CUDA context and a decoder beside vLLM's KV cache."""
+    return 2 if str(device).startswith("cuda") else 0
 
 
 def decode_frames(decoder, tokens: np.ndarray, seed: int | None = None) -> list[np.ndarray]:
-    """A scenario's frames from its tokens: the frame-wise tokenizer, or a decoder that samples
-    noise (`seeded`, the refiner) with the scenario's seed."""
-    seeded = {"seed": seed} if getattr(decoder, "seeded", False) else {}
-    return list(decoder.decode_tokens(tokens, **seeded))
+    """A scenario's frames from its tokens: the frame-wise tokenizer in full batches (the frames a
+    writer process decodes ahead are the same), or a decoder that samples noise (`seeded`, the
+    refiner) with the scenario's seed."""
+    if getattr(decoder, "seeded", False):
+        return list(decoder.decode_tokens(tokens, seed=seed))
+    from tokenizer_decoder import ImageTokenizer
+
+    if isinstance(decoder, ImageTokenizer):
+        return list(decoder.decode_tokens(tokens, full_batches=True))
+    return list(decoder.decode_tokens(tokens))
 
 
 class WriterDied(OutputError):
@@ -65,30 +74,6 @@ class WriterDied(OutputError):
 
 class VideoFailed(Exception):
     """One scenario's video could not be made in a writer process (the worker's message)."""
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """What a worker loads: the image tokenizer's folder and settings, as the engine's process has them."""
-
-    source: str
-    device: str
-    batch_size: int
-    image_size: tuple[int, int]
-    threads: int  # torch CPU threads: the engine process's, so a decode on the CPU gives the same frames
-    fps: float
-    folder: str  # temporary mp4s (removed with the pool, also those of a killed worker)
-
-    @staticmethod
-    def of(tokenizer) -> dict | None:
-        """The fields a worker needs from a loaded `ImageTokenizer`; None for a decoder that cannot
-        be loaded again from a folder (random weights, the refiner)."""
-        from tokenizer_decoder import ImageTokenizer
-
-        if not isinstance(tokenizer, ImageTokenizer) or not tokenizer.source:
-            return None
-        return {"source": str(tokenizer.source), "device": str(tokenizer.device), "batch_size": tokenizer.batch_size,
-                "image_size": tuple(tokenizer.image_size)}
 
 
 def start_pool(decoder, workers: int, fps: float) -> "WriterPool | None":
@@ -134,15 +119,17 @@ class _Worker:
         self.ready = False  # loaded its decoder and waits for tasks
         self.dead = False  # takes no more tasks (its pipe broke, or it could not start)
         self.reaped = False  # the collector saw it exit
-        self.task: tuple[Future, str] | None = None  # (future, scenario id) while it works
-        self.sent_at = 0.0  # when its task was sent
+        self.keys: set[str] = set()  # scenarios it holds frames of or makes the video of
+        self.open: dict[str, tuple[Future, float]] = {}  # finished scenarios it encodes: (future, when sent)
 
 
 class WriterPool:
-    """N writer processes. `submit(key, tokens)` returns a Future of the mp4 bytes (or raising
-    VideoFailed for that scenario, WriterDied when the pool broke). Call `close()` when done."""
+    """N writer processes. `open(key, context)` and `frame(key, index, tokens)` while a scenario is
+    generated (optional: frames not sent are decoded at the end), `submit(key, tokens)` once it is
+    done: a Future of the mp4 bytes (or raising VideoFailed for that scenario, WriterDied when the
+    pool broke); `drop(key)` for one that will not finish. Call `close()` when done."""
 
-    def __init__(self, tokenizer, workers: int, fps: float):
+    def __init__(self, tokenizer, workers: int, fps: float, encoders: int = ENCODERS_PER_PROCESS):
         import multiprocessing
         import torch
 
@@ -152,27 +139,31 @@ class WriterPool:
         if fields is None:
             raise ValueError("this decoder cannot be loaded in a writer process (it has no checkpoint folder)")
         self.folder = tempfile.mkdtemp(prefix="terra-writers-")
-        spec = DecoderSpec(**fields, threads=torch.get_num_threads(), fps=fps, folder=self.folder)
+        spec = DecoderSpec(**fields, threads=torch.get_num_threads(), fps=fps, folder=self.folder, encoders=encoders)
         self.lock = threading.Lock()
         self.failure: WriterDied | None = None
         self.closing = False
-        self.backlog: deque[tuple[Future, str, np.ndarray]] = deque()
+        self.outbox: deque[tuple[_Worker, object]] = deque()  # sent in order by the sender thread
+        self.outbox_ready = threading.Condition(self.lock)
+        self.owner: dict[str, _Worker] = {}
         self.workers: list[_Worker] = []
-        self.thread: threading.Thread | None = None
-        self.videos, self.video_seconds = 0, 0.0  # answered tasks, and their time from send to answer
+        self.threads: list[threading.Thread] = []
+        self.videos, self.video_seconds = 0, 0.0  # answered videos, and their time from `submit` to the answer
+        self.frames_decoded_late = 0  # frames of made videos that were not decoded ahead (decoded after `submit`)
         atexit.register(self.close)  # before multiprocessing's own exit handler, which would join them
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; the worker imports afresh
         try:
             with _signals_blocked():  # the worker starts with them blocked, then ignores them
                 for index in range(workers):
                     parent, child = context.Pipe()
-                    process = context.Process(target=_serve, args=(child, spec), name=f"terra-video-writer-{index}",
+                    process = context.Process(target=serve, args=(child, spec), name=f"terra-video-writer-{index}",
                                               daemon=True)
                     process.start()
                     child.close()
                     self.workers.append(_Worker(process, parent))
-            self.thread = threading.Thread(target=self._collect, name="terra-video-writers", daemon=True)
-            self.thread.start()
+            for target, name in ((self._collect, "terra-video-writers"), (self._send, "terra-video-writers-out")):
+                self.threads.append(threading.Thread(target=target, name=name, daemon=True))
+                self.threads[-1].start()
         except BaseException:
             self.close()
             raise
@@ -186,14 +177,36 @@ class WriterPool:
         if self.failure is not None:
             raise self.failure
 
+    def open(self, key: str, context: np.ndarray) -> None:
+        """A scenario the engine took: its context frames (K, T) are decoded ahead."""
+        self.frame(key, 0, context)
+
+    def frame(self, key: str, index: int, tokens: np.ndarray) -> None:
+        """Frame(s) `index`.. of scenario `key` (tokens (T,) or (n, T)), to decode ahead. Never blocks."""
+        rows = np.array(tokens, dtype=np.int64, ndmin=2)
+        with self.lock:
+            if self.failure is None and not self.closing:
+                self._post(self._owner(key), ("frames", key, index, rows))
+
+    def drop(self, key: str) -> None:
+        """Forget a scenario that will not be submitted (cancelled, failed): its frames are freed."""
+        with self.lock:
+            worker = self.owner.pop(key, None)
+            if worker is not None:
+                worker.keys.discard(key)
+                if self.failure is None and not self.closing:
+                    self._post(worker, ("drop", key))
+
     def submit(self, key: str, tokens: np.ndarray, seed: int | None = None) -> Future:  # (no noise: seed unused)
         future: Future = Future()
         with self.lock:
-            if self.failure is not None:
-                future.set_exception(self.failure)
+            if self.failure is not None or self.closing:
+                future.set_exception(self.failure or WriterDied("the video writer processes were closed"))
                 return future
-            self.backlog.append((future, key, np.ascontiguousarray(tokens)))
-            self._dispatch()
+            worker = self.owner.pop(key, None) or self._least_busy()
+            worker.keys.discard(key)
+            worker.open[key] = (future, time.perf_counter())
+            self._post(worker, ("finish", key, np.ascontiguousarray(tokens, dtype=np.int64)))
         return future
 
     def close(self) -> None:
@@ -202,19 +215,22 @@ class WriterPool:
         atexit.unregister(self.close)
         with self.lock:
             self.closing = True
-            idle = [w for w in self.workers if w.ready and not w.dead and w.task is None]
+            idle = [w for w in self.workers if w.ready and not w.dead and not w.open]
             self._fail_open(WriterDied("the video writer processes were closed before this scenario was encoded"))
-            for w in idle:
-                with contextlib.suppress(OSError, ValueError):
-                    w.conn.send(None)
+            self.outbox.clear()
+            self.outbox_ready.notify_all()
+        for w in idle:
+            with contextlib.suppress(OSError, ValueError):
+                w.conn.send(None)
         for w in self.workers:
             if w in idle:
                 w.process.join(CLOSE_SECONDS)
             if w.process.is_alive():
                 w.process.kill()  # SIGKILL: workers ignore SIGTERM
                 w.process.join(CLOSE_SECONDS)
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join(CLOSE_SECONDS)
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join(CLOSE_SECONDS)
         for w in self.workers:
             with contextlib.suppress(OSError):
                 w.conn.close()
@@ -222,40 +238,48 @@ class WriterPool:
 
     # -- under self.lock ----------------------------------------------------------------------
 
-    def _dispatch(self) -> None:
-        for w in self.workers:
-            if not self.backlog:
-                return
-            if w.dead or not w.ready or w.task is not None:
-                continue
-            future, key, tokens = self.backlog.popleft()
-            try:
-                w.conn.send((key, tokens))
-            except (OSError, ValueError):  # it died a moment ago: the collector reports how
-                self.backlog.appendleft((future, key, tokens))
-                w.dead = True
-                continue
-            w.task = (future, key)
-            w.sent_at = time.perf_counter()
+    def _owner(self, key: str) -> _Worker:
+        worker = self.owner.get(key)
+        if worker is None:
+            worker = self.owner[key] = self._least_busy()
+            worker.keys.add(key)
+        return worker
+
+    def _least_busy(self) -> _Worker:
+        live = [w for w in self.workers if not w.dead] or self.workers
+        return min(live, key=lambda w: (len(w.keys) + len(w.open), self.workers.index(w)))
+
+    def _post(self, worker: _Worker, message) -> None:
+        self.outbox.append((worker, message))
+        self.outbox_ready.notify_all()
 
     def _fail_open(self, error: BaseException) -> None:
         for w in self.workers:
-            if w.task is not None:
-                future, _ = w.task
-                w.task = None
+            for future, _ in w.open.values():
                 if not future.done():
                     future.set_exception(error)
-        while self.backlog:
-            future, _, _ = self.backlog.popleft()
-            if not future.done():
-                future.set_exception(error)
+            w.open.clear()
 
     def _break(self, error: WriterDied) -> None:
         if self.failure is None and not self.closing:
             self.failure = error
         self._fail_open(self.failure or error)
 
-    # -- the collector thread ---------------------------------------------------------------
+    # -- the sender and collector threads ------------------------------------------------------
+
+    def _send(self) -> None:
+        while True:
+            with self.lock:
+                self.outbox_ready.wait_for(lambda: self.outbox or self.closing or self.failure is not None)
+                if self.closing or self.failure is not None:
+                    return
+                worker, message = self.outbox.popleft()
+            if worker.dead:
+                continue
+            try:
+                worker.conn.send(message)  # may wait while the worker loads its decoder; the engine does not
+            except (OSError, ValueError):  # it died a moment ago: the collector reports how
+                worker.dead = True
 
     def _collect(self) -> None:
         from multiprocessing.connection import wait
@@ -288,16 +312,15 @@ class WriterPool:
             elif kind == "failed":
                 w.dead = True
                 self._break(WriterDied(f"a video writer process could not start: {message[1]}"))
-            elif w.task is not None:
-                future, _ = w.task
-                w.task = None
+            elif message[1] in w.open:
+                future, sent_at = w.open.pop(message[1])
                 self.videos += 1
-                self.video_seconds += time.perf_counter() - w.sent_at
+                self.video_seconds += time.perf_counter() - sent_at
                 if kind == "done":
+                    self.frames_decoded_late += message[3]
                     future.set_result(message[2])
                 else:
                     future.set_exception(VideoFailed(message[2]))
-            self._dispatch()
 
     def _exited(self, w: _Worker) -> None:
         if not self.closing:  # (while closing, close() stops and reaps them)
@@ -308,8 +331,9 @@ class WriterPool:
         with self.lock:
             w.dead = w.reaped = True
             if not self.closing:
-                doing = f" while encoding {w.task[1]}" if w.task is not None else ""
+                doing = f" while encoding {sorted(w.open)[0]}" if w.open else ""
                 self._break(WriterDied(f"video writer process {w.process.pid} {_how(w.process.exitcode)}{doing}"))
+            self.outbox_ready.notify_all()
 
 
 def _how(code: int | None) -> str:
@@ -326,75 +350,8 @@ def _signals_blocked():
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-# -- in the worker process ------------------------------------------------------------------------
-
-def _serve(conn, spec: DecoderSpec) -> None:
-    for sig in _SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
-    _exit_with_parent()
-    try:
-        import torch
-
-        from terra_cli.runtime import quiet_dependency_deprecations
-        from tokenizer_decoder import ImageTokenizer
-
-        quiet_dependency_deprecations()
-        torch.set_num_threads(spec.threads)
-        decoder = ImageTokenizer.from_pretrained(spec.source, device=spec.device, batch_size=spec.batch_size,
-                                                 image_size=spec.image_size)
-    except BaseException as exc:  # told to the engine's process, which ends the run with it
-        _send(conn, ("failed", " ".join(f"{type(exc).__name__}: {exc}".split())))
-        return
-    from terra_cli.media.frames import video_bytes
-
-    if not _send(conn, ("ready",)):
-        return
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):
-            return
-        if task is None:
-            return
-        key, tokens = task
-        try:
-            data = video_bytes(decode_frames(decoder, tokens), spec.fps, spec.folder)
-        except Exception as exc:  # this scenario's failure: recorded as failed, the run goes on
-            reply = ("error", key, str(exc))
-        else:
-            reply = ("done", key, data)
-        if not _send(conn, reply):
-            return
-
-
-def _send(conn, message) -> bool:
-    try:
-        conn.send(message)
-        return True
-    except (OSError, ValueError):  # the engine's process is gone
-        return False
-
-
-def _exit_with_parent() -> None:
-    import multiprocessing
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        from multiprocessing.connection import wait
-
-        wait([parent.sentinel])
-        os._exit(0)
-
-    threading.Thread(target=watch, name="terra-parent-watch", daemon=True).start()

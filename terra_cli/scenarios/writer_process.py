@@ -1,0 +1,224 @@
+"""Inside a video writer process (`scenarios.writers.WriterPool` starts them): frames decoded as the
+engine makes them, an mp4 encoded once a video is done.
+
+A scenario's frames arrive while it is generated (`frames` messages, its context first); the process
+decodes what has arrived in batches of the tokenizer's batch size on the run's device and keeps the
+pixels. When the scenario is done (`finish`, with all its tokens), only the frames not decoded yet
+(the last one, or all of them past the memory cap) are decoded, and the mp4 is encoded by one of a
+few encoder threads (each runs its own ffmpeg), while this thread goes on decoding. So the videos of
+a batch of rollouts that finish together are not decoded one after the other after the last token:
+on an H100 that drain was 120-174 s of a 256-sample run with the whole video decoded at the end
+(benchmarks/README.md, issue 37).
+
+Every frame is decoded in a full batch (`ImageTokenizer.decode_tokens(full_batches=True)`), so its
+pixels do not depend on which frames shared its batch: the mp4 is the one the run's writer thread
+makes of the same tokens. A finished frame's tokens are compared with the ones decoded ahead; a
+frame whose tokens differ is decoded again.
+
+Messages in (tuples): ("frames", key, first index, tokens (n, T)); ("finish", key, tokens (F, T));
+("drop", key); None to stop. Out: ("ready",), ("failed", message), ("done", key, mp4 bytes, frames
+decoded after the finish), ("error", key, message). A reader thread moves the pipe's messages into a queue, so the engine's
+side never waits on a pipe this process is too busy to read.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# Decoded frames a process keeps for videos still being generated; frames past it are decoded when
+# their video is done. 12,288 frames of 288x512 are 5.4 GB of host memory: 256 ACT-Bench rollouts.
+HELD_FRAMES = 12_288
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What a worker loads: the image tokenizer's folder and settings, as the engine's process has them."""
+
+    source: str
+    device: str
+    batch_size: int
+    image_size: tuple[int, int]
+    threads: int  # torch CPU threads: the engine process's, so a decode on the CPU gives the same frames
+    fps: float
+    folder: str  # temporary mp4s (removed with the pool, also those of a killed worker)
+    encoders: int = 2  # mp4s encoded at once (each an ffmpeg process of its own)
+    held_frames: int = HELD_FRAMES
+
+    @staticmethod
+    def of(tokenizer) -> dict | None:
+        """The fields a worker needs from a loaded `ImageTokenizer`; None for a decoder that cannot
+        be loaded again from a folder (random weights, the refiner)."""
+        from tokenizer_decoder import ImageTokenizer
+
+        if not isinstance(tokenizer, ImageTokenizer) or not tokenizer.source:
+            return None
+        return {"source": str(tokenizer.source), "device": str(tokenizer.device), "batch_size": tokenizer.batch_size,
+                "image_size": tuple(tokenizer.image_size)}
+
+
+class FrameStore:
+    """Frames decoded ahead, per video: (tokens, pixels) by frame index, and the rows that wait to be decoded."""
+
+    def __init__(self, decoder, held_frames: int):
+        self.decoder, self.limit = decoder, held_frames
+        self.videos: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None]]] = {}
+        self.waiting: deque[tuple[str, int]] = deque()  # (key, index) not decoded yet
+        self.count = 0  # frames held, decoded or waiting
+
+    def add(self, key: str, first: int, tokens: np.ndarray) -> None:
+        video = self.videos.setdefault(key, {})
+        for offset, row in enumerate(tokens):
+            if self.count >= self.limit:
+                return  # decoded when the video is done
+            index = first + offset
+            if index not in video:
+                self.count += 1
+                self.waiting.append((key, index))
+            video[index] = (np.array(row), None)
+
+    def drop(self, key: str) -> None:
+        self.count -= len(self.videos.pop(key, {}))
+
+    def decode_waiting(self) -> None:
+        """Decode one batch of the frames that wait (of videos still held)."""
+        batch: list[tuple[str, int]] = []
+        while self.waiting and len(batch) < self.decoder.batch_size:
+            key, index = self.waiting.popleft()
+            entry = self.videos.get(key, {}).get(index)
+            if entry is not None and entry[1] is None:
+                batch.append((key, index))
+        if batch:
+            rows = np.stack([self.videos[key][index][0] for key, index in batch])
+            for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
+                self.videos[key][index] = (self.videos[key][index][0], pixels)
+
+    def take(self, key: str, tokens: np.ndarray) -> tuple[list[np.ndarray], int]:
+        """Every frame of a finished video (F, T): the ones decoded ahead whose tokens match, the rest
+        decoded now; and how many were decoded now."""
+        held = self.videos.get(key, {})
+        self.drop(key)
+        frames: list[np.ndarray | None] = []
+        for index, row in enumerate(tokens):
+            entry = held.get(index)
+            frames.append(entry[1] if entry is not None and entry[1] is not None and np.array_equal(entry[0], row)
+                          else None)
+        missing = [i for i, f in enumerate(frames) if f is None]
+        if missing:
+            for i, pixels in zip(missing, self.decoder.decode_tokens(tokens[missing], full_batches=True)):
+                frames[i] = pixels
+        return frames, len(missing)  # type: ignore[return-value]
+
+
+def serve(conn, spec: DecoderSpec) -> None:
+    """A writer process's main function."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+    _exit_with_parent()
+    try:
+        import torch
+
+        from terra_cli.runtime import quiet_dependency_deprecations
+        from tokenizer_decoder import ImageTokenizer
+
+        quiet_dependency_deprecations()
+        torch.set_num_threads(spec.threads)
+        decoder = ImageTokenizer.from_pretrained(spec.source, device=spec.device, batch_size=spec.batch_size,
+                                                 image_size=spec.image_size)
+    except BaseException as exc:  # told to the engine's process, which ends the run with it
+        _send(conn, threading.Lock(), ("failed", " ".join(f"{type(exc).__name__}: {exc}".split())))
+        return
+    send_lock = threading.Lock()
+    if not _send(conn, send_lock, ("ready",)):
+        return
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(conn, inbox), name="terra-writer-inbox", daemon=True).start()
+    store = FrameStore(decoder, spec.held_frames)
+    finished: deque[tuple[str, np.ndarray]] = deque()
+    with ThreadPoolExecutor(max(1, spec.encoders), thread_name_prefix="terra-mp4") as encoders:
+        stopping = False
+        while not stopping:
+            messages = [] if finished or store.waiting else [inbox.get()]
+            while True:
+                try:
+                    messages.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for message in messages:
+                if message is None:
+                    stopping = True
+                elif message[0] == "frames":
+                    store.add(message[1], message[2], message[3])
+                elif message[0] == "finish":
+                    finished.append((message[1], message[2]))
+                elif message[0] == "drop":
+                    store.drop(message[1])
+            if finished:  # a done video first: the run waits on it, not on frames of videos still running
+                key, tokens = finished.popleft()
+                try:
+                    frames, late = store.take(key, tokens)
+                except Exception as exc:  # this scenario's failure: recorded as failed, the run goes on
+                    _send(conn, send_lock, ("error", key, str(exc)))
+                else:
+                    encoders.submit(_encode, conn, send_lock, spec, key, frames, late)
+            elif store.waiting:
+                try:
+                    store.decode_waiting()
+                except Exception:  # such a frame is decoded again when its video is done, and fails there alone
+                    store.waiting.clear()
+
+
+def _encode(conn, send_lock: threading.Lock, spec: DecoderSpec, key: str, frames: list[np.ndarray], late: int) -> None:
+    from terra_cli.media.frames import video_bytes
+
+    try:
+        reply = ("done", key, video_bytes(frames, spec.fps, spec.folder), late)
+    except Exception as exc:
+        reply = ("error", key, str(exc))
+    _send(conn, send_lock, reply)
+
+
+def _read(conn, inbox: queue.SimpleQueue) -> None:
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            message = None
+        inbox.put(message)
+        if message is None:
+            return
+
+
+def _send(conn, lock: threading.Lock, message) -> bool:
+    try:
+        with lock:
+            conn.send(message)
+        return True
+    except (OSError, ValueError):  # the engine's process is gone
+        return False
+
+
+def _exit_with_parent() -> None:
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="terra-parent-watch", daemon=True).start()

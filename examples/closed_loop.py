@@ -88,7 +88,9 @@ def main() -> None:
     from terra_cli.env import TerraVectorEnv
 
     env = TerraVectorEnv.load(1, backend=args.backend, device=args.device, observation="tokens",
-                              max_frames=args.frames, max_in_flight=args.candidates, speed_kmh=args.speed)
+                              max_frames=args.frames, speed_kmh=args.speed,
+                              # room for the candidates beside the slots of the state they fork from (vLLM)
+                              max_in_flight=2 * args.candidates + 1)
     commands = steering(args.speed)
     began = time.perf_counter()
     open_tokens = open_loop(env, args.seed, commands["left"])

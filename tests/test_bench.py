@@ -308,3 +308,32 @@ def test_the_random_model_cache_accepts_an_entry_placed_while_it_built(tmp_path,
     assert hf_vs_vllm.random_terra_checkpoint("cpu", 0, lines.append) == target
     assert json.loads((target / "config.json").read_text()) == {"run": "other"}
     assert "another run placed" in lines[-1] and sorted(p.name for p in tmp_path.iterdir()) == ["random-terra-seed0"]
+
+
+def test_env_bench_steps_and_forks_on_the_reference_and_writes_json_once(tmp_path):
+    """CPU smoke test of `terra bench --env N` (reference backend, tiny model): the stepping and the
+    fork measures run and report; an existing --out needs --overwrite; a bad --fork-from is one line.
+    (Prefix-cache hits are vLLM's: tests/test_vllm_env.py.)"""
+    import json
+
+    from typer.testing import CliRunner
+
+    from terra_cli.cli import app
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=16, layers=1, max_frames=8))
+    out = tmp_path / "env.json"
+    args = ["bench", "--env", "3", "--steps", "2", "--branches", "2", "--fork-from", "4", "--context-frames", "2",
+            "--model", str(model), "--backend", "hf", "--device", "cpu", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    stepping, fork = report["stepping"], report["fork"]
+    assert stepping["environments"] == 3 and len(stepping["step_seconds"]) == 2
+    assert stepping["engine_frames_per_s"] > 0 and stepping["env_frames_per_s"] > 0
+    assert fork["branches"] == 2 and min(fork["fork_step_s"], fork["continued_step_s"], fork["fresh_step_s"]) > 0
+    assert fork["prefix_cache"]["fork_step"]["cached_tokens"] is None  # the reference caches nothing
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    bad = CliRunner().invoke(app, args[:8] + ["7"] + args[9:] + ["--overwrite"])
+    assert bad.exit_code == 2 and "--fork-from must be from 3 to 6" in bad.output

@@ -46,6 +46,10 @@ class RolloutJob:
     # job by job draws what one job for the whole video draws. Rounds are planned from the job's
     # own first frame, so such a job starts on a round boundary (pipeline/rounds.py).
     frame_offset: int = 0
+    # A fork's branch: the affinity of the rollout whose history this job's begins with (its
+    # parent). On vLLM the job's prompt borrows that rollout's cache salt and action ids for the
+    # rows both hold alike, so the shared prefix is served from the parent's cached blocks.
+    prefix_of: str | None = None
 
 
 # on_start(job) as the engine takes it; on_frame(job, frame index within the job, tokens (T,));

@@ -11,6 +11,9 @@ changes what it held, the slot's epoch goes up; every request carries `cache_sal
 so a prompt can never hit KV blocks computed while the same ids meant other waypoints, and the
 prefix cache never needs a reset while requests are in flight (vLLM refuses one then). A job's
 `affinity` brings it back to its last slot, so a server session's next frame reuses its prefix.
+A fork's branch (`RolloutJob.prefix_of`: its parent's affinity) borrows the salt and ids of its
+parent's last round for the rows they share, so its first frame is served the parent's cached
+prefix; backends/vllm_slots.py holds the slots, salts and the rules that keep borrowing exact.
 
 Sampling seeds follow terra_cli/seeds.py (the job's seed and the frame's index in the video), so a
 job's tokens do not depend on its slot or neighbours. This is the vLLM side of the one driver
@@ -29,6 +32,7 @@ import numpy as np
 from terra_cli.backends.driver import (FrameDone, JobCancelled, JobDone, JobFailed, JobFeed, JobStarted,  # noqa: F401
                                        LoopTimes, RolloutJob, check_job, take_cancelled, timed_get)
 from terra_cli.backends.vllm import VllmBackend, write_rows, interleave
+from terra_cli.backends.vllm_slots import RoundPlan, SlotTable
 from terra_cli.pipeline.rounds import Round, plan_rounds
 
 
@@ -43,6 +47,7 @@ class _Rollout:
     prompt: list[int] = field(default_factory=list)
     action_ids: np.ndarray | None = None  # (num_frames - 1, 6) for the current round
     salt: str = ""
+    plan: RoundPlan | None = None  # the current round's ids and salt (its pins end with the round)
 
 
 def kv_capacity_rollouts(backend: VllmBackend, tokens_per_rollout: int) -> int | None:
@@ -87,10 +92,7 @@ class StreamDriver:
             raise ValueError("max_in_flight must be at least 1")
         # The table is sized for max_num_seqs sequences of max_frames frames.
         self.max_in_flight = min(max_in_flight, slots)
-        self.epochs = [0] * self.max_in_flight
-        # What each slot's rows hold in its current epoch (row -> waypoints), and who used it last.
-        self.slot_rows: list[dict[int, bytes]] = [{} for _ in range(self.max_in_flight)]
-        self.slot_owner: list[str | None] = [None] * self.max_in_flight
+        self.slots = SlotTable(self.max_in_flight, self.layout, self._write_rows)
         self.requests_done = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
@@ -108,12 +110,11 @@ class StreamDriver:
         pending: Iterator[RolloutJob] | None = None if feed is not None else iter(jobs)
         free = list(range(self.max_in_flight - 1, -1, -1))
         active: dict[str, _Rollout] = {}  # request id -> rollout
+        waiting: list[_Rollout] = []  # rounds that would rewrite rows an in-flight request borrows
         exhausted = False
         # Rows of the lockstep backend's ActionRows are overwritten here: it must forget them.
         self.backend.action_rows.first_row.clear()
-        for slot in range(self.max_in_flight):  # the table may have changed since the last run
-            self.slot_rows[slot] = {}
-            self.epochs[slot] += 1
+        self.slots.restart()  # the table may have changed since the last run
 
         clock = time.perf_counter
         began = self.loop.running_since = clock()
@@ -124,8 +125,16 @@ class StreamDriver:
                     for request_id in [r for r, rollout in active.items() if rollout.job.key in gone]:
                         rollout = active.pop(request_id)
                         self.engine.abort_request([request_id])
-                        free.append(rollout.slot)
+                        self._end(rollout, free)
                         take_cancelled(feed, rollout.job, on_cancelled)
+                    for rollout in [r for r in waiting if r.job.key in gone]:
+                        waiting.remove(rollout)
+                        self._end(rollout, free)
+                        take_cancelled(feed, rollout.job, on_cancelled)
+                for rollout in list(waiting):
+                    if self._start_round(rollout):
+                        waiting.remove(rollout)
+                        active[self._submit(rollout)] = rollout
                 admitting, idle_before = clock(), self.loop.idle_s
                 while free and not exhausted:
                     if feed is None:
@@ -147,12 +156,15 @@ class StreamDriver:
                         continue
                     if on_start is not None:
                         on_start(job)
-                    rollout = self._start(job, self._take_slot(free, job.affinity))
-                    active[self._submit(rollout)] = rollout
+                    rollout = self._start(job, self.slots.take(free, job.affinity, job.prefix_of))
+                    if self._start_round(rollout):
+                        active[self._submit(rollout)] = rollout
+                    else:
+                        waiting.append(rollout)
                 stepping = clock()
                 self.loop.admit_s += stepping - admitting - (self.loop.idle_s - idle_before)
                 if not active:
-                    if exhausted:
+                    if exhausted and not waiting:
                         break
                     continue
                 outputs = self.engine.step()
@@ -166,10 +178,13 @@ class StreamDriver:
                     self.requests_done += 1
                     self.cached_tokens += out.num_cached_tokens or 0
                     self.prompt_tokens += len(out.prompt_token_ids or ())
-                    if self._frame_finished(rollout, list(out.outputs[0].token_ids), on_frame):
+                    state = self._frame_finished(rollout, list(out.outputs[0].token_ids), on_frame)
+                    if state == "submit":
                         active[self._submit(rollout)] = rollout
+                    elif state == "wait":
+                        waiting.append(rollout)
                     else:
-                        free.append(rollout.slot)
+                        self._end(rollout, free)
                         if on_done is not None:
                             on_done(rollout.job, rollout.frames)
                 self.loop.frames_s += clock() - handling
@@ -184,14 +199,14 @@ class StreamDriver:
             if not self.engine.has_unfinished_requests():
                 self.backend.llm.reset_prefix_cache()
 
-    def _take_slot(self, free: list[int], affinity: str | None) -> int:
-        """The slot `affinity` used last when it is free, else one nobody claims, else any."""
-        owned = [s for s in free if affinity is not None and self.slot_owner[s] == affinity]
-        unclaimed = [s for s in free if self.slot_owner[s] is None]
-        slot = (owned or unclaimed or free)[-1]
-        free.remove(slot)
-        self.slot_owner[slot] = affinity
-        return slot
+    def _end(self, rollout: _Rollout, free: list[int]) -> None:
+        """A rollout leaves the engine: its round's pins end and its slot is free."""
+        self.slots.release(rollout.plan)
+        rollout.plan = None
+        free.append(rollout.slot)
+
+    def _write_rows(self, first_rows: np.ndarray, waypoints: np.ndarray) -> None:
+        self.backend.llm.apply_model(functools.partial(write_rows, first_rows, waypoints))
 
     # -- one rollout ------------------------------------------------------------------------
 
@@ -200,39 +215,25 @@ class StreamDriver:
         frames = np.zeros((job.total_frames, self.layout.image_tokens), dtype=np.int64)
         frames[: context.shape[0]] = context
         rounds = plan_rounds(context.shape[0], job.total_frames, self.layout.max_frames)
-        rollout = _Rollout(job, slot, rounds, frames)
-        self._start_round(rollout)
-        return rollout
+        return _Rollout(job, slot, rounds, frames)
 
-    def _start_round(self, rollout: _Rollout) -> None:
-        layout = self.layout
+    def _start_round(self, rollout: _Rollout) -> bool:
+        """Write the round's rows and build its first prompt; False when it must wait (it would
+        rewrite rows an in-flight request borrows: backends/vllm_slots.py)."""
         rnd = rollout.rounds[rollout.round_index]
         waypoints = np.ascontiguousarray(rollout.job.actions[rnd.first_frame : rnd.end - 1], dtype=np.float32)
-        first_rows = (rollout.slot * layout.max_frames + np.arange(rnd.num_frames - 1)) * layout.action_tokens
-        self._write_slot_rows(rollout.slot, first_rows, waypoints)
-        rollout.salt = f"{rollout.slot}.{self.epochs[rollout.slot]}"
-        rollout.action_ids = layout.action_placeholder_id + first_rows[:, None] + np.arange(layout.action_tokens)
+        plan = self.slots.plan(rollout.slot, waypoints, rollout.job.prefix_of)
+        if plan is None:
+            return False
+        rollout.plan, rollout.salt, rollout.action_ids = plan, plan.salt, plan.ids
         context = rollout.frames[rnd.first_frame : rnd.first_frame + rnd.context_frames]
         rollout.prompt = interleave(context, rollout.action_ids[: rnd.context_frames])
         rollout.local_frame = rnd.context_frames
+        return True
 
-    def _write_slot_rows(self, slot: int, first_rows: np.ndarray, waypoints: np.ndarray) -> None:
-        """Write a round's rows. The epoch (and so the salt) changes only when a row this epoch
-        already holds gets other waypoints: every cached block of the slot's salt saw exactly the
-        rows it holds now, so a session that appends a frame's action keeps its prefix cache."""
-        held = self.slot_rows[slot]
-        new = {int(row): waypoints[i].tobytes() for i, row in enumerate(first_rows)}
-        if any(held.get(row, value) != value for row, value in new.items()):
-            self.epochs[slot] += 1
-            held.clear()
-        changed = [i for i, row in enumerate(first_rows) if held.get(int(row)) != new[int(row)]]
-        if changed:
-            rows = np.asarray(first_rows, dtype=np.int64)[changed]
-            self.backend.llm.apply_model(functools.partial(write_rows, rows, np.ascontiguousarray(waypoints[changed])))
-        held.update(new)
-
-    def _frame_finished(self, rollout: _Rollout, codes: list[int], on_frame: FrameDone | None) -> bool:
-        """Store a finished frame; True when the rollout has another frame to request."""
+    def _frame_finished(self, rollout: _Rollout, codes: list[int], on_frame: FrameDone | None) -> str:
+        """Store a finished frame; "submit" when the rollout has another frame to request, "wait"
+        when its next round waits for a pinned slot, "done" when it has finished."""
         if len(codes) != self.layout.image_tokens:
             raise RuntimeError(f"vLLM returned {len(codes)} codes for a frame, expected {self.layout.image_tokens}")
         rnd = rollout.rounds[rollout.round_index]
@@ -243,12 +244,13 @@ class StreamDriver:
         rollout.local_frame += 1
         if rollout.local_frame < rnd.num_frames:
             rollout.prompt = rollout.prompt + codes + rollout.action_ids[rollout.local_frame - 1].tolist()
-            return True
+            return "submit"
         rollout.round_index += 1
         if rollout.round_index < len(rollout.rounds):
-            self._start_round(rollout)
-            return True
-        return False
+            self.slots.release(rollout.plan)
+            rollout.plan = None
+            return "submit" if self._start_round(rollout) else "wait"
+        return "done"
 
     def _submit(self, rollout: _Rollout) -> str:
         from vllm.inputs import tokens_input

@@ -28,6 +28,7 @@ EPILOG = (
     "  terra bench --act-bench 256 --kv-cache-dtype fp8 --out act.json   # ACT-Bench-shaped, end to end, videos included\n\n"
     "  terra bench --act-bench 256 --kv-cache-dtype fp8 --writers 0 --out act-w0.json   # videos made in the engine's process\n\n"
     "  terra bench --refiner --windows 1,2 --refiner-compile default --out refiner.json   # Terra's refiner (GPU)\n\n"
+    "  terra bench --env 64 --branches 8 --fork-from 20 --out env.json   # the closed-loop simulator (GPU; docs/simulator.md)\n\n"
     "Docs: docs/performance.md"
 )
 
@@ -103,6 +104,10 @@ def bench(
     full_cfg: bool = typer.Option(False, "--full-cfg", help="--refiner: run the guidance pair (two UNet evaluations per step, as Terra computes them) instead of one (same result: Terra's uc equals c)."),
     plain_cross_attention: bool = typer.Option(False, "--plain-cross-attention", help="--refiner: compute cross-attention over the zero context token instead of its closed form."),
     tiny: bool = typer.Option(False, "--tiny", help="--refiner: a tiny refiner config (a CPU smoke test; its times mean nothing)."),
+    env: int = typer.Option(0, "--env", min=0, help="The closed-loop simulator: N environments stepping one frame each against the engine's frames/s at N rollouts in flight, and a fork's first step against its branches' next (docs/simulator.md)."),
+    steps: int = typer.Option(8, "--steps", min=1, help="--env: steps the N environments take (within one round)."),
+    branches: int = typer.Option(8, "--branches", min=1, help="--env: branches of the fork."),
+    fork_from: int = typer.Option(20, "--fork-from", min=2, help="--env: frames of the forked state, context included."),
 ):
     """Measure generation speed: transformers reference vs vLLM, and vLLM with parallel rollouts."""
     from terra_cli.backends import engine_options
@@ -116,10 +121,10 @@ def bench(
     if "draft_tokens" in chosen:
         vllm_options["disable_log_stats"] = False  # statistics on: the bench reports the codes each step kept
     vllm_options.update(chosen)
-    if sum((hf_vs_vllm, draft_acceptance, scenarios > 0, act_bench > 0, refiner)) > 1:
-        raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance, --scenarios N, --act-bench N or --refiner")
-    if not (hf_vs_vllm or draft_acceptance or scenarios or act_bench or refiner):
-        raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance, --scenarios N, --act-bench N or --refiner")
+    if sum((hf_vs_vllm, draft_acceptance, scenarios > 0, act_bench > 0, refiner, env > 0)) > 1:
+        raise InputError("measure one thing per run: --hf-vs-vllm, --draft-acceptance, --scenarios N, --act-bench N, --refiner or --env N")
+    if not (hf_vs_vllm or draft_acceptance or scenarios or act_bench or refiner or env):
+        raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance, --scenarios N, --act-bench N, --refiner or --env N")
     Sampling(temperature=temperature, seed=seed)  # --seed and --temperature in range, before anything runs
     if writers is not None and not act_bench:
         raise InputError("--writers goes with --act-bench (the other measures write no videos)")
@@ -140,6 +145,12 @@ def bench(
         outputs.file("--heatmap", heatmap, (".png",))
     if keep_outputs is not None:
         outputs.folder("--keep-outputs", keep_outputs)
+    if env:
+        from terra_cli.bench.env import EnvBenchPlan
+        from terra_cli.cli.bench_env import env_bench
+
+        return env_bench(model, EnvBenchPlan(env, steps, context_frames, branches, fork_from, backend, device, dtype,
+                                             temperature, seed, vllm_options), out_json, overwrite)
     if refiner:
         return _refiner_bench(windows, refiner_compile, full_cfg, plain_cross_attention, tiny, device, dtype, seed,
                               out_json, overwrite)

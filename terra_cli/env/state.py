@@ -23,6 +23,7 @@ class EnvState:
     # Row j conditions frame j + 1. Rows between the context frames that reset was not given are
     # the first step's action, as in a server session.
     rows: list[np.ndarray] = field(default_factory=list)
+    parent: str | None = None  # the environment this one was forked from: its jobs' prefix_of
 
     @property
     def frames(self) -> int:
@@ -37,10 +38,10 @@ class EnvState:
         rnd = plan_rounds(self.context_frames, n + 1, layout.max_frames)[-1]
         job = RolloutJob(f"{self.id}#{n}.{step}", np.stack(self.tokens[rnd.first_frame:n]),
                          np.stack(rows[rnd.first_frame:n]).astype(np.float32), n - rnd.first_frame + 1,
-                         self.sampling, affinity=self.id, frame_offset=rnd.first_frame)
+                         self.sampling, affinity=self.id, frame_offset=rnd.first_frame, prefix_of=self.parent)
         return job, rows
 
     def branch(self, new_id: str) -> "EnvState":
         """A copy of this state (frames and rows) drawing with the lineage's next branch seed."""
         return EnvState(new_id, replace(self.sampling, seed=self.lineage.next_seed()), self.lineage,
-                        self.context_frames, list(self.tokens), list(self.rows))
+                        self.context_frames, list(self.tokens), list(self.rows), parent=self.id)

@@ -11,15 +11,14 @@ Branches (`fork`, `select`): a branch copies an environment's frames and action 
 with its own seed, `seeds.branch_seed(root, c)` = root + 2**20 * c for the c-th branch forked in
 the lineage of the environment reset with seed `root` (never an environment's seed: seeds.py).
 
-What a branch shares on vLLM: StreamDriver gives each job with a new affinity its own slot, and
-every request carries the cache salt `"{slot}.{epoch}"` (backends/vllm_stream.py); the slot's
-action rows are its own ids too. So a branch's FIRST frame does not hit the parent's cached KV
-blocks (other salt, other action ids): its round's prompt is computed once for the branch. Every
-later frame of the branch comes back to its slot (affinity = the branch) and reuses its own
-prefix: only the new frame's 582 tokens are computed. `info["cached_tokens"]` and
-`info["prompt_tokens"]` (vLLM only) count, for the step's requests, the prompt tokens served from
-the prefix cache and all prompt tokens. On the reference backend nothing is cached: every step
-recomputes its round's prompt.
+What a branch shares on vLLM: StreamDriver gives each job with a new affinity its own slot, whose
+prompts carry the cache salt of the rows they use; a branch's jobs name their parent
+(`RolloutJob.prefix_of`), so its first frame borrows the parent's salt and action ids for the rows
+they share and is served the state's prefix from the parent's cached blocks
+(backends/vllm_slots.py); every later frame of the branch reuses its own prefix: only the new
+frame's 582 tokens are computed. `info["cached_tokens"]` and `info["prompt_tokens"]` (vLLM only)
+count, for the step's requests, the prompt tokens served from the prefix cache and all prompt
+tokens. On the reference backend nothing is cached: every step recomputes its round's prompt.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ class Sessions:
         rnd = plan_rounds(k, n + 1, layout.max_frames)[-1]
         job = RolloutJob(f"{session.id}#{n}.{secrets.token_hex(3)}", np.stack(session.tokens[rnd.first_frame:n]),
                          np.stack(rows[rnd.first_frame:n]), n - rnd.first_frame + 1, session.sampling,
-                         affinity=session.id, frame_offset=rnd.first_frame)
+                         affinity=session.id, frame_offset=rnd.first_frame, prefix_of=session.parent)
         done: asyncio.Future = loop.create_future()
 
         def settle(result=None, error: BaseException | None = None) -> None:

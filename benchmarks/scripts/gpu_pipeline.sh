@@ -7,6 +7,10 @@
 #          (2) side by side, one GPU each: GPU 0 `bench --act-bench N1`, GPU 1 its tokens-only baseline
 #          (`bench --scenarios N1 --frames 47`), GPU 2 writer_parts.py (where a writer's time per video goes)
 #   await  wait up to AWAIT_S (default 540) for `runs`, then pack its folder into $OUT/pipe.tar.gz
+# On one GPU (nvidia-h100-x1), after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (no Ray):
+#   start1 start `runs1` in the background: N1 ACT-Bench-shaped samples tokens only, then with videos
+#          (the same GPU, one after the other), then `bench --env 64` (issue 42) and writer_parts.py;
+#          `await` collects it as above
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEP_LOG=$OUT/summary.txt
@@ -39,6 +43,26 @@ case "${1:-}" in
       > "$OUT/writer_parts.log" 2>&1 &
     wait
     echo "one-GPU runs done" >> "$STEP_LOG" ;;
+  start1)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+    nvidia-smi -L | tee -a "$STEP_LOG"
+    in_background top bash -c 'top -b -c -d 20 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
+    in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runs1 ;;
+  runs1)
+    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    timeout 600 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
+      --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1; echo "one-tokens exit $?" >> "$STEP_LOG"
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$STEP_LOG"
+    ( while sleep 30; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done ) \
+      > "$OUT/one-act-gpu.txt" 2>&1 &
+    local_watch=$!
+    timeout 900 terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
+      --out "$OUT/one-act.json" > "$OUT/one-act.log" 2>&1; echo "one-act exit $?" >> "$STEP_LOG"
+    kill $local_watch
+    timeout 420 terra bench --env 64 --steps 8 --branches 8 --fork-from 20 --kv-cache-dtype fp8 \
+      --out "$OUT/env.json" > "$OUT/env.log" 2>&1; echo "env exit $?" >> "$STEP_LOG"
+    timeout 240 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" \
+      > "$OUT/writer_parts.log" 2>&1; echo "writer_parts exit $?" >> "$STEP_LOG" ;;
   await)
     await_background pipe "${AWAIT_S:-540}"
     await_background top 0 ;;

@@ -104,12 +104,12 @@ class SingleStreamDecoder:
     """One rollout's static cache and device state; `rollout` generates one video round."""
 
     def __init__(self, model: LlamaActionForCausalLM, *, draft_tokens: int = 0, draft: str = "jacobi",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, compile_layers: bool | None = None):
         if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise InputError(f"--draft-tokens must be from 0 (plain decoding) to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         if draft not in DRAFTS:
             raise InputError(f"--draft must be {' or '.join(DRAFTS)} on this backend, got {draft!r}")
-        self.core = StaticKVDecoder(model)
+        self.core = StaticKVDecoder(model, compile_layers=compile_layers)
         device = self.core.device
         if cuda_graphs and device.type != "cuda":
             raise InputError(f"CUDA graphs need a CUDA device; the model is on {device}")
@@ -154,6 +154,7 @@ class SingleStreamDecoder:
         self.frame_codes[:codes].copy_(context_t[-1])
         steps, frame_seconds = 0, []
         self.accepted.zero_()
+        self.record_stats(0, 0, frame_seconds)
         for f in range(known, num_frames):
             started = time.perf_counter()
             self.previous_codes[:codes].copy_(self.frame_codes[:codes])
@@ -173,13 +174,17 @@ class SingleStreamDecoder:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             frame_seconds.append(time.perf_counter() - started)
+            self.record_stats(len(frame_seconds), steps, frame_seconds)  # kept per frame: a cut-off run has it
             if on_frame is not None:
                 on_frame(f, frame)
-        decided = (num_frames - known) * (codes - 1)
-        self.stats = {"frames": num_frames - known, "steps": steps, "codes_per_step": decided / steps if steps else None,
-                      "accepted_drafts": int(self.accepted), "frame_seconds": frame_seconds,
-                      "graphs_captured": self.graphs.captures}
         return frames
+
+    def record_stats(self, frames: int, steps: int, frame_seconds: list[float]) -> None:
+        decided = frames * (self.layout.image_tokens - 1)
+        self.stats = {"frames": frames, "steps": steps, "codes_per_step": decided / steps if steps else None,
+                      "accepted_drafts": int(self.accepted), "frame_seconds": frame_seconds,
+                      "graphs_captured": self.graphs.captures, "attention": self.core.attention,
+                      "compiled_layers": self.core.compiled}
 
     @torch.inference_mode()
     def prepare(self, frames: range, sampling: Sampling) -> float:

@@ -227,19 +227,21 @@ class SingleStreamBackend:
     `draft_tokens=K`: speculative Jacobi decoding (`draft`: jacobi or previous-frame); greedy codes
     are the reference's, sampled codes follow the model's distribution exactly and repeat for a
     seed, but are not the codes plain sampling draws for that seed. `cuda_graphs`: replay each
-    decode step as a CUDA graph (a CUDA device only). `stats`: per rollout, steps, codes per step,
+    decode step as a CUDA graph (a CUDA device only; None: wherever the model is on CUDA). `stats`: per rollout, steps, codes per step,
     kept drafts and per-frame seconds of the last `generate`.
     """
 
     name = "single-stream"
 
     def __init__(self, checkpoint_dir=None, *, device: str | None = None, dtype: str | None = None, model=None,
-                 draft_tokens: int = 0, draft: str = "jacobi", cuda_graphs: bool = False):
+                 draft_tokens: int = 0, draft: str = "jacobi", cuda_graphs: bool | None = False):
         from terra_cli.runtime import resolve_device, resolve_dtype
 
         self.device = resolve_device(device)
         self.model = model if model is not None else load_model(checkpoint_dir, self.device, resolve_dtype(dtype, self.device))
         self.config = self.model.config
+        if cuda_graphs is None:  # on wherever they can run
+            cuda_graphs = self.model.lm_head.weight.device.type == "cuda"
         self.decoder = SingleStreamDecoder(self.model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=cuda_graphs)
         self.stats: list[dict] = []
 
@@ -262,6 +264,14 @@ class SingleStreamBackend:
             for f in range(context.shape[1], num_frames):
                 on_frame(f, out[:, f])
         return out
+
+    def driver(self, max_in_flight: int = 1):
+        from terra_cli.backends.single_stream_driver import SingleStreamDriver
+
+        return SingleStreamDriver(self, max_in_flight)
+
+    def auto_in_flight(self, longest_frames: int, cap: int) -> tuple[int, str]:
+        return 1, "the single-stream backend runs one rollout at a time"
 
     def close(self) -> None:
         self.decoder = None

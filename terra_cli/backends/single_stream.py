@@ -15,7 +15,8 @@ stream: frame f of the rollout seeded s draws from a generator seeded `seeds.dra
 not the same stream).
 
 Many rollouts run one after the other on the same cache (this path is for one; batches are
-vLLM's); `on_frame` then reports each frame once all rollouts have it.
+vLLM's); `on_frame` then reports each frame once all rollouts have it. Front-ends reach it as
+`--backend single-stream` through `single_stream_driver.SingleStreamDriver`.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def bench(
     dtype: str = opts.dtype_option(),
     skip_hf: bool = typer.Option(False, "--skip-hf", help="Leave out the transformers reference."),
     skip_single_stream: bool = typer.Option(False, "--skip-single-stream", help=(
-        "--hf-vs-vllm: leave out the single-stream backend's rows (one rollout; plain, and with --draft jacobi)."),
+        "--hf-vs-vllm: leave out the single-stream backend's rows (one rollout; plain, and with --draft jacobi).")),
     draft: str = opts.draft_option(),
     draft_tokens: int = opts.draft_tokens_option(),
     torch_compile: Optional[bool] = opts.torch_compile_option(),

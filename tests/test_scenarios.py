@@ -181,7 +181,7 @@ def test_engine_options_are_checked_before_a_model_loads():
     assert engine_options(torch_compile=True) == {"torch_compile": True}
     with pytest.raises(InputError, match="--no-torch-compile: vLLM engine option"):
         check_backend_options("hf", engine_options(torch_compile=False))
-    with pytest.raises(InputError, match="--draft must be none or previous-frame"):
+    with pytest.raises(InputError, match="--draft must be none, previous-frame or jacobi"):
         engine_options(draft="ngram")
     with pytest.raises(InputError, match="--quantization must be none or fp8"):
         engine_options("auto", "int4")

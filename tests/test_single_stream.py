@@ -138,3 +138,20 @@ def test_bad_options_are_one_line_input_errors(model):
         SingleStreamBackend(device="cpu", model=model, cuda_graphs=True)
     with pytest.raises(InputError, match="--frames must be"):
         SingleStreamBackend(device="cpu", model=model).generate(*inputs(), FRAMES + 1, Sampling())
+
+
+@pytest.mark.slow
+def test_compiled_layer_functions_give_the_eager_codes(model):
+    """torch.compile of the layers' elementwise work (on by default on CUDA) runs here on the CPU
+    (Inductor's C++ backend): the decode steps take the compiled functions, and the greedy codes
+    stay the reference's."""
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+    from terra_cli.backends.static_kv import StaticKVDecoder
+
+    context, actions = inputs()
+    decoder = SingleStreamDecoder(model)
+    decoder.core = StaticKVDecoder(model, compile_layers=True)
+    codes = decoder.rollout(context[0], actions[0], 4, Sampling(temperature=0), 0)
+    assert decoder.core.compiled, decoder.core.ops.decode.error
+    reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], 4, Sampling(temperature=0))[0]
+    np.testing.assert_array_equal(codes, reference)

@@ -1,16 +1,23 @@
 """Issue 41 lab probe: one rollout on terra's single-stream decoder (backends/single_stream.py), plain
-and speculative Jacobi (K = 4, 8), with and without CUDA graphs, on terra-mini (trained: its draft
-acceptance is real) and on Terra's config with random bf16 weights (the cost of a step).
+and speculative Jacobi (K = 4, 8), CUDA graphs, on Terra's config with random bf16 weights (the cost
+of a step; built once into $TERRA_CACHE as `terra bench` builds it) and on terra-mini (trained: its
+draft acceptance is real). Per variant: s/frame, codes per step, ms per step, and over one profiled
+frame the GPU's busy share (union of kernel intervals / wall) and kernels per step.
 
-    python3 benchmarks/scripts/gpu_single_stream.py --out $OUT/single_stream.json
+On the GPU host (the vLLM bundle unpacked into /tmp/site, as ../shared/notes/gpu-host.md says, so
+FlashAttention's kv-cache kernel is importable; without it the probe runs torch's attention and says so):
 
-Prints one JSON line per variant and writes them all to --out after each one (a cut-off run keeps
-what finished). Each variant runs in its own try: one that fails records its error and the rest
-go on. Times are wall-clock per frame with torch.cuda.synchronize() at each frame's end; CUDA
-graphs are captured before the timed run (`graph_capture_s`). Every variant of a model draws with
-the same seed; `codes_equal_to_plain_eager` says whether a variant reproduced the eager plain
-decoder's codes (plain with graphs must: same seeded stream; Jacobi need not: exact in
-distribution only). On a CPU (`--device cpu --models tiny --frames 1`) it is a dry run.
+    export PYTHONPATH=/tmp/site TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/terra-cache/inductor; timeout 540 python3 benchmarks/scripts/gpu_single_stream.py --budget-s 420 --out $OUT/single_stream.json 2>&1 | tee $OUT/single_stream.log
+
+Variants (the most telling first, in case the time runs out): the new path (FlashAttention kv-cache
+kernel + torch.compile'd layer functions, `attention`/`compiled_layers` say what actually ran),
+Jacobi K=8 and K=4 on it, then the path measured on 2026-11-26 (torch attention, eager layers) and
+the two halves of the change apart, so each fix's share is measured. Each variant stops after
+--variant-s seconds of generation (the frames done so far are what it reports); variants not
+started within --budget-s are recorded as skipped. JSON is rewritten after every variant (a cut-off
+run keeps what finished). `codes_equal_to_first` compares a variant's codes with the model's first
+variant (same seed): plain variants draw the same stream (bf16 kernels may differ at near-ties),
+Jacobi is exact in distribution only. On a CPU (`--device cpu --models tiny`) it is a dry run.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,11 +42,23 @@ from terra_cli.backends.base import Sampling  # noqa: E402
 from terra_cli.backends.single_stream import SingleStreamBackend  # noqa: E402
 
 CONTEXT_FRAMES = 3
-# (draft_tokens, draft, cuda_graphs): the most telling first, in case the time runs out; plain
-# eager first of all, the codes every other variant is compared with.
-VARIANTS = [(0, "jacobi", False), (0, "jacobi", True), (4, "jacobi", True), (8, "jacobi", True),
-            (4, "previous-frame", True), (8, "previous-frame", True), (4, "jacobi", False), (8, "jacobi", False)]
+# name, draft_tokens, draft, environment (attention / layer compile switches read at decoder start).
+NEW = {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": ""}
+VARIANTS = [
+    ("plain", 0, "jacobi", NEW),
+    ("jacobi K=8", 8, "jacobi", NEW),
+    ("jacobi K=4", 4, "jacobi", NEW),
+    ("plain, 2026-11-26 path (torch attention, eager layers)", 0, "jacobi",
+     {"TERRA_SINGLE_STREAM_ATTENTION": "torch", "TERRA_SINGLE_STREAM_COMPILE": "0"}),
+    ("plain, flash attention, eager layers", 0, "jacobi", {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": "0"}),
+    ("plain, torch attention, compiled layers", 0, "jacobi", {"TERRA_SINGLE_STREAM_ATTENTION": "torch", "TERRA_SINGLE_STREAM_COMPILE": ""}),
+    ("previous-frame K=4", 4, "previous-frame", NEW),
+]
 TARGET_S_PER_FRAME = 0.5
+
+
+class OutOfTime(Exception):
+    pass
 
 
 def load_terra_mini(device, dtype):
@@ -58,22 +78,19 @@ def load_terra_mini(device, dtype):
 
 
 def load_terra_size(device, dtype, checkpoint: str | None):
-    """Terra's released config: from --terra-checkpoint (strict load), else random weights built
-    in memory as `terra bench` builds them (transformers' init, seed 0), RoPE kept in float32."""
-    from terra_cli.models.config import LlamaActionConfig
-    from terra_cli.models.modeling_hf import build_model, load_model
-    from terra_cli.models.testing import TERRA_WORLD_MODEL_CONFIG
+    """Terra's released config: --terra-checkpoint, else `terra bench`'s random bf16 checkpoint
+    (seed 0), written once into $TERRA_CACHE and loaded strictly like any checkpoint."""
+    from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint
+    from terra_cli.models.modeling_hf import load_model
 
-    if checkpoint:
-        model, source = load_model(checkpoint, device, dtype), checkpoint
-    else:
-        config = LlamaActionConfig.from_dict(dict(TERRA_WORLD_MODEL_CONFIG))
-        torch.manual_seed(0)
-        model = build_model(config, device=device, dtype=dtype)
-        with torch.device(device):
-            model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-        source = "random weights (seed 0), built in memory"
-    return model, random_context(model.layout), source
+    folder = checkpoint or random_terra_checkpoint(device, 0, lambda message: print(message, flush=True))
+    return load_model(folder, device, dtype), random_context(load_model_layout(folder)), str(folder)
+
+
+def load_model_layout(folder):
+    from terra_cli.models.checkpoint import load_config
+
+    return load_config(folder).layout
 
 
 def load_tiny(device, dtype):
@@ -90,47 +107,91 @@ def random_context(layout):
     return rng.integers(0, layout.image_vocab_size, size=(CONTEXT_FRAMES, layout.image_tokens), dtype=np.int64)
 
 
-def run_variant(model, context, frames, sampling, draft_tokens, draft, cuda_graphs, device) -> tuple[dict, np.ndarray]:
-    backend = SingleStreamBackend(device=device, model=model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=cuda_graphs)
+def gpu_busy(decoder, frame: int, device: str) -> dict:
+    """Re-decide frame `frame`'s codes 1.. under torch.profiler: the union of the GPU's kernel
+    intervals over the frame's wall time, and kernels per step (kernels inside graph replays are
+    reported by CUPTI; `kernels_seen` 0 means they were not, and the share is unknown)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder.next_index.fill_(1)
+    decoder.frame_base.fill_(frame * decoder.layout.frame_stride)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        steps = decoder.decide_frame(frame)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, None
+    for start, stop in intervals:  # microseconds
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0
+    return {"profiled_frame_s": round(wall, 4), "profiled_steps": steps, "kernels_seen": len(intervals),
+            "kernels_per_step": round(len(intervals) / steps, 1) if steps else None,
+            "gpu_busy_share_of_kernel_span": round(busy / span, 4) if span else None,
+            "gpu_busy_share_of_wall": round(busy / 1e6 / wall, 4) if intervals else None,
+            "kernel_ms_per_step": round(busy / 1e3 / steps, 4) if steps and intervals else None}
+
+
+def run_variant(model, context, frames, sampling, draft_tokens, draft, device, variant_s) -> tuple[dict, np.ndarray]:
+    graphs = device.startswith("cuda")
+    backend = SingleStreamBackend(device=device, model=model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=graphs)
+    decoder = backend.decoder
     try:
         actions = preset_actions("left", frames, 30.0)
-        capture_s = backend.decoder.prepare(range(CONTEXT_FRAMES, frames), sampling)
-        if device.startswith("cuda"):
+        capture_s = decoder.prepare(range(CONTEXT_FRAMES, frames), sampling)
+        if graphs:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        codes = backend.generate(context, actions, frames, sampling)
+        codes = np.zeros((frames, model.layout.image_tokens), dtype=np.int64)
+
+        def on_frame(index, tokens):
+            codes[index] = tokens[0]
+            if time.perf_counter() - started > variant_s and index < frames - 1:
+                raise OutOfTime
+
+        try:
+            backend.generate(context, actions, frames, sampling, on_frame)
+        except OutOfTime:
+            pass
         total = time.perf_counter() - started
-        stats = backend.stats[0]
+        stats = decoder.stats
         seconds = stats["frame_seconds"]
         row = {
+            "attention": stats["attention"], "compiled_layers": stats["compiled_layers"],
+            "compile_error": getattr(decoder.core.ops.decode, "error", None),
             "frames_generated": len(seconds),
             "s_per_frame_mean": round(statistics.fmean(seconds), 4),
             "s_per_frame_after_first": round(statistics.fmean(seconds[1:]), 4) if len(seconds) > 1 else None,
             "ms_per_step": round(1000 * sum(seconds) / stats["steps"], 4),
             "codes_per_step": round(stats["codes_per_step"], 4),
-            "steps": stats["steps"],
-            "accepted_drafts": stats["accepted_drafts"],
-            "graph_capture_s": round(capture_s, 2),
-            "graphs_captured": stats["graphs_captured"],
-            "generate_s_with_prefill": round(total, 3),
-            "frame_seconds": [round(s, 4) for s in seconds],
+            "steps": stats["steps"], "accepted_drafts": stats["accepted_drafts"],
+            "graph_capture_and_compile_s": round(capture_s, 2), "graphs_captured": stats["graphs_captured"],
+            "generate_s_with_prefill": round(total, 3), "frame_seconds": [round(s, 4) for s in seconds],
         }
-        if device.startswith("cuda"):
+        if graphs:
             row["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        return row, codes
+            try:
+                row.update(gpu_busy(decoder, CONTEXT_FRAMES + len(seconds) - 1, device))
+            except Exception as error:  # noqa: BLE001 - the timing stands without the profile
+                row["profile_error"] = f"{type(error).__name__}: {error}"
+        return row, codes[CONTEXT_FRAMES: CONTEXT_FRAMES + len(seconds)]
     finally:
         backend.close()
 
 
 @torch.inference_mode()
 def parity(model, context, device) -> dict:
-    """A greedy frame of the single-stream decoder (CUDA graphs where the device has them) against
-    the reference, as tests/test_gpu_parity.py measures vLLM: the reference reads the frame
-    teacher-forced and its argmax is compared at every code; plus the reference's own free-running
-    greedy frame (bf16 near-ties may flip one and the rest follows another prefix)."""
+    """A greedy frame of the decoder (its default path on this device) against the reference read
+    teacher-forced, as tests/test_gpu_parity.py measures vLLM."""
     from terra_cli.backends.hf import HfBackend
-    from terra_cli.backends.static_kv import _FLOAT_SCORES
 
     layout, k = model.layout, CONTEXT_FRAMES
     actions = preset_actions("left", k + 1, 30.0)
@@ -138,6 +199,7 @@ def parity(model, context, device) -> dict:
     backend = SingleStreamBackend(device=device, model=model, cuda_graphs=device.startswith("cuda"))
     try:
         frame = backend.generate(context, actions, k + 1, greedy)[0, k]
+        path = {"attention": backend.decoder.core.attention, "compiled_layers": backend.decoder.core.compiled}
     finally:
         backend.close()
     slots = [layout.action_placeholder_id] * layout.action_tokens
@@ -146,23 +208,22 @@ def parity(model, context, device) -> dict:
     logits, _ = model(ids, torch.arange(ids.shape[1], device=device)[None], waypoints, logits_to_keep=layout.image_tokens + 1)
     teacher_forced = logits[0, :-1, : layout.image_vocab_size].float().argmax(-1).cpu().numpy()
     reference_frame = HfBackend(device=device, model=model).generate(context, actions, k + 1, greedy)[0, k]
-    return {"variant": "parity (greedy, bf16 on a GPU)",
+    return {"variant": "parity (greedy)", **path,
             "teacher_forced_reference_argmax_equals_code": round(float((teacher_forced == frame).mean()), 4),
-            "free_running_identical_to_reference_fraction": round(float((frame == reference_frame).mean()), 4),
-            "float32_attention_scores": _FLOAT_SCORES["bmm_out_dtype"]}
+            "free_running_identical_to_reference_fraction": round(float((frame == reference_frame).mean()), 4)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("single_stream.json"))
-    parser.add_argument("--models", default="mini,terra", help="comma-separated: mini, terra, tiny")
+    parser.add_argument("--models", default="terra,mini", help="comma-separated: terra, mini, tiny")
     parser.add_argument("--frames", type=int, default=6, help="generated frames per variant (after 3 context frames)")
-    parser.add_argument("--full-round", action=argparse.BooleanOptionalAction, default=True,
-                        help="also plain + graphs over a whole 25-frame round (22 generated) on each model")
+    parser.add_argument("--variant-s", type=float, default=20.0, help="stop a variant's generation after this many seconds")
+    parser.add_argument("--variants", default="", help="comma-separated indexes into VARIANTS (default: all)")
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--terra-checkpoint", default=None, help="a Terra-size checkpoint dir (default: random weights)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--budget-s", type=float, default=390.0, help="skip variants not started within this many seconds")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip variants not started within this many seconds")
     args = parser.parse_args()
 
     from terra_cli.bench.hf_vs_vllm import environment
@@ -182,9 +243,13 @@ def main() -> int:
     loaders = {"mini": lambda: load_terra_mini(args.device, dtype),
                "terra": lambda: load_terra_size(args.device, dtype, args.terra_checkpoint),
                "tiny": lambda: load_tiny(args.device, dtype)}
+    chosen = [VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else VARIANTS
     sampling = Sampling(temperature=args.temperature, seed=0)
     for name in args.models.split(","):
         base = {"model": name}
+        if time.perf_counter() - started > args.budget_s:
+            record({**base, "skipped": f"over the {args.budget_s:.0f} s budget"})
+            continue
         try:
             t0 = time.perf_counter()
             model, context, source = loaders[name]()
@@ -192,29 +257,23 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - one model failing must not stop the other
             record({**base, "error": traceback.format_exc(limit=4)})
             continue
-        try:
-            record({**base, **parity(model, context, args.device)})
-        except Exception:  # noqa: BLE001 - record and go on
-            record({**base, "variant": "parity", "error": traceback.format_exc(limit=6)})
-        frames = CONTEXT_FRAMES + args.frames
-        runs = [(k, d, g, frames) for k, d, g in VARIANTS]
-        if args.full_round:
-            runs.insert(2, (0, "jacobi", True, model.layout.max_frames))
-        plain_eager = None
-        for draft_tokens, draft, graphs, n_frames in runs:
-            row = {**base, "variant": "plain" if draft_tokens == 0 else f"jacobi K={draft_tokens} draft={draft}",
-                   "draft_tokens": draft_tokens, "draft": draft if draft_tokens else None, "cuda_graphs": graphs,
-                   "frames": n_frames}
+        first = None
+        for label, draft_tokens, draft, env in chosen:
+            row = {**base, "variant": label, "draft_tokens": draft_tokens, "draft": draft if draft_tokens else None,
+                   "frames": CONTEXT_FRAMES + args.frames}
             if time.perf_counter() - started > args.budget_s:
                 record({**row, "skipped": f"over the {args.budget_s:.0f} s budget"})
                 continue
+            os.environ.update(env)
             try:
-                result, codes = run_variant(model, context, n_frames, sampling, draft_tokens, draft, graphs, args.device)
+                result, codes = run_variant(model, context, CONTEXT_FRAMES + args.frames, sampling, draft_tokens, draft,
+                                            args.device, args.variant_s)
                 row.update(result)
-                if draft_tokens == 0 and not graphs:
-                    plain_eager = codes
-                if plain_eager is not None and n_frames == frames and (draft_tokens or graphs):
-                    row["codes_equal_to_plain_eager"] = round(float((codes == plain_eager).mean()), 4)
+                if first is None:
+                    first = codes
+                else:
+                    common = min(len(first), len(codes))
+                    row["codes_equal_to_first"] = round(float((codes[:common] == first[:common]).mean()), 4)
                 if draft_tokens and name == "terra":
                     # Codes per step this model would need for TARGET_S_PER_FRAME at this step cost.
                     per_frame = model.layout.image_tokens - 1
@@ -225,6 +284,12 @@ def main() -> int:
             gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+        os.environ.update(NEW)
+        if time.perf_counter() - started < args.budget_s:
+            try:
+                record({**base, **parity(model, context, args.device)})
+            except Exception:  # noqa: BLE001 - record and go on
+                record({**base, "variant": "parity", "error": traceback.format_exc(limit=6)})
         del model
         gc.collect()
         if args.device.startswith("cuda"):

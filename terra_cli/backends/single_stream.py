@@ -15,7 +15,8 @@ stream: frame f of the rollout seeded s draws from a generator seeded `seeds.dra
 not the same stream).
 
 Many rollouts run one after the other on the same cache (this path is for one; batches are
-vLLM's); `on_frame` then reports each frame once all rollouts have it.
+vLLM's); `on_frame` then reports each frame once all rollouts have it. Front-ends reach it as
+`--backend single-stream` through `single_stream_driver.SingleStreamDriver`.
 """
 
 from __future__ import annotations
@@ -104,12 +105,12 @@ class SingleStreamDecoder:
     """One rollout's static cache and device state; `rollout` generates one video round."""
 
     def __init__(self, model: LlamaActionForCausalLM, *, draft_tokens: int = 0, draft: str = "jacobi",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, compile_layers: bool | None = None):
         if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise InputError(f"--draft-tokens must be from 0 (plain decoding) to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         if draft not in DRAFTS:
             raise InputError(f"--draft must be {' or '.join(DRAFTS)} on this backend, got {draft!r}")
-        self.core = StaticKVDecoder(model)
+        self.core = StaticKVDecoder(model, compile_layers=compile_layers)
         device = self.core.device
         if cuda_graphs and device.type != "cuda":
             raise InputError(f"CUDA graphs need a CUDA device; the model is on {device}")
@@ -154,6 +155,7 @@ class SingleStreamDecoder:
         self.frame_codes[:codes].copy_(context_t[-1])
         steps, frame_seconds = 0, []
         self.accepted.zero_()
+        self.record_stats(0, 0, frame_seconds)
         for f in range(known, num_frames):
             started = time.perf_counter()
             self.previous_codes[:codes].copy_(self.frame_codes[:codes])
@@ -173,13 +175,17 @@ class SingleStreamDecoder:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             frame_seconds.append(time.perf_counter() - started)
+            self.record_stats(len(frame_seconds), steps, frame_seconds)  # kept per frame: a cut-off run has it
             if on_frame is not None:
                 on_frame(f, frame)
-        decided = (num_frames - known) * (codes - 1)
-        self.stats = {"frames": num_frames - known, "steps": steps, "codes_per_step": decided / steps if steps else None,
-                      "accepted_drafts": int(self.accepted), "frame_seconds": frame_seconds,
-                      "graphs_captured": self.graphs.captures}
         return frames
+
+    def record_stats(self, frames: int, steps: int, frame_seconds: list[float]) -> None:
+        decided = frames * (self.layout.image_tokens - 1)
+        self.stats = {"frames": frames, "steps": steps, "codes_per_step": decided / steps if steps else None,
+                      "accepted_drafts": int(self.accepted), "frame_seconds": frame_seconds,
+                      "graphs_captured": self.graphs.captures, "attention": self.core.attention,
+                      "compiled_layers": self.core.compiled}
 
     @torch.inference_mode()
     def prepare(self, frames: range, sampling: Sampling) -> float:
@@ -222,19 +228,21 @@ class SingleStreamBackend:
     `draft_tokens=K`: speculative Jacobi decoding (`draft`: jacobi or previous-frame); greedy codes
     are the reference's, sampled codes follow the model's distribution exactly and repeat for a
     seed, but are not the codes plain sampling draws for that seed. `cuda_graphs`: replay each
-    decode step as a CUDA graph (a CUDA device only). `stats`: per rollout, steps, codes per step,
+    decode step as a CUDA graph (a CUDA device only; None: wherever the model is on CUDA). `stats`: per rollout, steps, codes per step,
     kept drafts and per-frame seconds of the last `generate`.
     """
 
     name = "single-stream"
 
     def __init__(self, checkpoint_dir=None, *, device: str | None = None, dtype: str | None = None, model=None,
-                 draft_tokens: int = 0, draft: str = "jacobi", cuda_graphs: bool = False):
+                 draft_tokens: int = 0, draft: str = "jacobi", cuda_graphs: bool | None = False):
         from terra_cli.runtime import resolve_device, resolve_dtype
 
         self.device = resolve_device(device)
         self.model = model if model is not None else load_model(checkpoint_dir, self.device, resolve_dtype(dtype, self.device))
         self.config = self.model.config
+        if cuda_graphs is None:  # on wherever they can run
+            cuda_graphs = self.model.lm_head.weight.device.type == "cuda"
         self.decoder = SingleStreamDecoder(self.model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=cuda_graphs)
         self.stats: list[dict] = []
 
@@ -257,6 +265,14 @@ class SingleStreamBackend:
             for f in range(context.shape[1], num_frames):
                 on_frame(f, out[:, f])
         return out
+
+    def driver(self, max_in_flight: int = 1):
+        from terra_cli.backends.single_stream_driver import SingleStreamDriver
+
+        return SingleStreamDriver(self, max_in_flight)
+
+    def auto_in_flight(self, longest_frames: int, cap: int) -> tuple[int, str]:
+        return 1, "the single-stream backend runs one rollout at a time"
 
     def close(self) -> None:
         self.decoder = None

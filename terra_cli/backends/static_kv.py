@@ -2,22 +2,36 @@
 
 The weights are the transformers model's own modules (same checkpoint, same strict load); only
 the cache and the attention call are terra's: per layer one K and one V tensor preallocated for
-`layout.max_positions` positions, written in place at the step's positions (`index_copy_`, which
-a CUDA graph can replay) and read up to a fixed key length under a position mask. Positions past
-the ones already written hold stale or garbage values; the mask `key <= query position` means no
-query ever reads them, which is what lets a speculative step write drafts it may later reject.
+`layout.max_positions` positions (plus `SPARE_POSITIONS` for draft rows that run past the last
+frame), written in place at the step's positions (`index_copy_`, which a CUDA graph can replay).
+Positions past the ones already written hold stale or garbage values; causal attention (`key <=
+query position`) means no query ever reads them, which is what lets a speculative step write
+drafts it may later reject.
+
+Where a decode step's time went (H100, Terra size, 4.1 ms a step with CUDA graphs against ~1.5 ms
+of GEMMs and attention): not the keys read (every step of a frame reads up to the frame's end,
+at most one frame more than needed), but the number of kernels. The transformers modules run
+RMSNorm as 6 kernels (float32 upcast, pow, mean, rsqrt, two multiplies), rotary as ~10, attention
+as 6, the MLP's activation as 2: about 45 kernels a layer, ~1,000 a step, each a few microseconds
+even inside a CUDA graph. So (`layer_ops.py`) the layer's elementwise work is written as two plain
+functions, compiled with `torch.compile` on CUDA (Inductor fuses them into a few kernels around
+the GEMMs), and attention on CUDA is FlashAttention's kv-cache kernel when vLLM's build of it is
+importable: one kernel that reads exactly the keys so far (`cache_seqlens` lives on the device, so
+one CUDA graph serves every step of every frame). On a CPU, and where neither is available, the
+same functions run eagerly and attention is `attend` below: the CPU's codes do not change.
 
 Grouped-query attention folds each KV head's query heads into the query length: queries
 (1, kv_heads, group * n, d) against keys (1, kv_heads, L, d), so the cache is never repeated.
-Decode steps attend with plain matmuls (`attend`); no FlashAttention kernel is used yet.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from terra_cli.backends.layer_ops import LayerOps
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
 
 
@@ -26,6 +40,11 @@ from terra_cli.models.modeling_hf import LlamaActionForCausalLM
 # mask) splits work by query block and head only, which for a decode step is kv_heads blocks, each
 # walking up to 14,550 keys alone.
 MATMUL_ATTENTION_ROWS = 256
+# Rows past the last position a draft window may write to (jacobi.MAX_DRAFT_TOKENS + 1): their
+# outputs are never used, and writing them there keeps them off every real position.
+SPARE_POSITIONS = 33
+# TERRA_SINGLE_STREAM_ATTENTION=torch keeps the torch attention on CUDA too (to compare).
+ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -58,14 +77,31 @@ def _scores(q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q, keys_t).float()
 
 
+def flash_kvcache_kernel(device: torch.device, dtype: torch.dtype):
+    """vLLM's FlashAttention `flash_attn_with_kvcache` where it can run here (a CUDA device,
+    16-bit cache, vLLM's GPU build installed, not turned off by TERRA_SINGLE_STREAM_ATTENTION=torch),
+    else None."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if os.environ.get(ATTENTION_ENV, "").strip().lower() == "torch":
+        return None
+    try:
+        from vllm.vllm_flash_attn import flash_attn_with_kvcache
+    except Exception:  # noqa: BLE001 - not installed, or a build without it: torch's attention
+        return None
+    return flash_attn_with_kvcache
+
+
 class StaticKVDecoder:
     """One rollout's cache plus a forward over `model`'s weights.
 
     `forward_codes` takes image codes only (every decode step); `forward_with_actions` takes a
-    sequence with action slots (the prompt, and the step that closes a frame).
+    sequence with action slots (the prompt, and the step that closes a frame). `attention`:
+    "flash" (FlashAttention's kv-cache kernel) or "torch"; `compiled`: whether the layers'
+    elementwise work runs through torch.compile.
     """
 
-    def __init__(self, model: LlamaActionForCausalLM):
+    def __init__(self, model: LlamaActionForCausalLM, *, compile_layers: bool | None = None):
         config = model.config
         self.model = model
         self.layout = model.layout
@@ -76,10 +112,22 @@ class StaticKVDecoder:
         self.kv_heads = config.num_key_value_heads or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.max_positions = self.layout.max_positions
-        shape = (1, self.kv_heads, self.max_positions, self.head_dim)
+        self.cache_positions = self.max_positions + SPARE_POSITIONS
+        self.flash = flash_kvcache_kernel(self.device, self.dtype)
+        self.attention = "flash" if self.flash is not None else "torch"
+        # FlashAttention reads (1, positions, KV, d); the torch path keeps (1, KV, positions, d),
+        # each KV head's keys contiguous for its matmuls.
+        self.position_dim = 1 if self.flash is not None else 2
+        shape = ((1, self.cache_positions, self.kv_heads, self.head_dim) if self.flash is not None
+                 else (1, self.kv_heads, self.cache_positions, self.head_dim))
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.key_positions = torch.arange(self.max_positions, device=self.device)
+        self.key_positions = torch.arange(self.cache_positions, device=self.device)
+        self.ops = LayerOps(model, compile_layers=self.device.type == "cuda" if compile_layers is None else compile_layers)
+
+    @property
+    def compiled(self) -> bool:
+        return self.ops.compiled
 
     def embed_codes(self, codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(n,) codes at (n,) positions -> (1, n, H); the same sum as `model.embed` for code rows."""
@@ -88,7 +136,7 @@ class StaticKVDecoder:
 
     def forward_codes(self, codes: torch.Tensor, positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """Logits (n, V) for codes (n,) at positions (n,) on the device; keys read: [0, key_length)."""
-        return self.run(self.embed_codes(codes, positions), positions, key_length)
+        return self.run(self.embed_codes(codes, positions), positions, key_length, decode=True)
 
     def forward_with_actions(self, ids: torch.Tensor, positions: torch.Tensor, waypoints: torch.Tensor,
                              logits_to_keep: int = 1) -> torch.Tensor:
@@ -98,38 +146,48 @@ class StaticKVDecoder:
         hidden = self.hidden(embeds, positions, key_length)
         return self.model.lm_head(hidden[-logits_to_keep:])
 
-    def run(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int) -> torch.Tensor:
-        return self.model.lm_head(self.hidden(embeds, positions, key_length))
+    def run(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False) -> torch.Tensor:
+        return self.model.lm_head(self.hidden(embeds, positions, key_length, decode))
 
-    def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int) -> torch.Tensor:
-        """Final hidden states (n, H): every layer writes its K/V at `positions` first, then attends."""
+    def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False) -> torch.Tensor:
+        """Final hidden states (n, H): every layer writes its K/V at `positions` first, then attends.
+        `positions` are consecutive (a prompt, a step's window); `decode`: a decode step's few rows
+        (the compiled functions' shapes), not a prompt."""
         # Positions past the table only come from draft rows that run off the last frame; their
-        # outputs are never used, and clamping keeps their writes inside the cache.
-        positions = positions.clamp(max=self.max_positions - 1)
-        cos, sin = self.model.model.rotary_emb(embeds, positions[None])
-        visible = self.key_positions[None, :key_length] <= positions[:, None]  # (n, L)
-        group = self.heads // self.kv_heads
-        mask = visible.repeat(group, 1)  # query rows are (group, n) flattened per KV head
+        # outputs are never used. Rotary takes them clamped; their K/V go to the spare rows.
+        rotary_positions = positions.clamp(max=self.max_positions - 1)
+        cos, sin = self.model.model.rotary_emb(embeds, rotary_positions[None])
+        ops = self.ops.for_rows(decode)
+        n = embeds.shape[1]
+        if self.flash is not None:
+            # Keys [0, last position] are the ones so far; causal aligns the n rows to the end.
+            seen = (positions[-1:] + 1).to(torch.int32)
+        else:
+            visible = self.key_positions[None, :key_length] <= positions[:, None]  # (n, L)
+            group = self.heads // self.kv_heads
+            mask = visible.repeat(group, 1)  # query rows are (group, n) flattened per KV head
         x = embeds
         for layer, keys, values in zip(self.layers, self.keys, self.values):
-            attention = layer.self_attn
-            h = layer.input_layernorm(x)
-            n = h.shape[1]
-            q = attention.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
-            k = attention.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attention.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys.index_copy_(2, positions, k)
-            values.index_copy_(2, positions, v)
-            q = q.reshape(1, self.kv_heads, group * n, self.head_dim)
-            out = attend(q, keys[:, :, :key_length], values[:, :, :key_length], mask, attention.scaling)
-            out = out.view(1, self.kv_heads, group, n, self.head_dim).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
-            x = x + attention.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            q, k, v = ops.attention_inputs(x, cos, sin, *self.ops.attention_weights(layer))
+            keys.index_copy_(self.position_dim, positions, k if self.flash is not None else k.transpose(1, 2))
+            values.index_copy_(self.position_dim, positions, v if self.flash is not None else v.transpose(1, 2))
+            scale = layer.self_attn.scaling
+            if self.flash is not None:
+                out = self.flash(q, keys, values, cache_seqlens=seen, softmax_scale=scale, causal=True)
+                out = out.reshape(1, n, -1)
+            else:
+                q = q.transpose(1, 2).reshape(1, self.kv_heads, group * n, self.head_dim)
+                out = attend(q, keys[:, :, :key_length], values[:, :, :key_length], mask, scale)
+                out = out.view(1, self.kv_heads, group, n, self.head_dim).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
+            x = ops.attention_output_and_mlp(x, out, *self.ops.output_weights(layer))
         return self.model.model.norm(x)[0]
 
     def frame_key_length(self, frame: int, spill: int = 0) -> int:
         """Keys every step of frame `frame` reads: up to the frame's end (plus `spill` positions a
         draft window may run past its last code), so that all steps of a frame have one shape
-        (one CUDA graph per frame, not per step) and early frames read less of the cache."""
-        return min(self.max_positions, (frame + 1) * self.layout.frame_stride + spill)
+        (one CUDA graph per frame, not per step) and early frames read less of the cache. With
+        FlashAttention the kernel reads the keys so far by itself: one length for every frame,
+        so one graph for all."""
+        if self.flash is not None:
+            return self.cache_positions
+        return min(self.cache_positions, (frame + 1) * self.layout.frame_stride + spill)

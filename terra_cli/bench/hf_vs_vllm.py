@@ -1,5 +1,6 @@
-"""`terra bench --hf-vs-vllm`: the transformers reference and the vLLM backend on the same GPU,
-the same context tokens and the same actions, plus vLLM throughput with parallel rollouts.
+"""`terra bench --hf-vs-vllm`: the transformers reference, the vLLM backend and the single-stream
+backend (plain, and with `--draft jacobi`) on the same GPU, the same context tokens and the same
+actions, plus vLLM throughput with parallel rollouts.
 
 Engine start-up is timed separately from generation; per-frame times are wall-clock between
 finished frames, so they include vLLM's per-frame prompt re-submission.
@@ -34,6 +35,7 @@ class RunResult:
     prefix_cache_hit_rate: float | None = None
     notes: str = ""
     tokens_per_step: float | None = None  # with a draft: codes one engine step kept, per rollout
+    ms_per_step: float | None = None  # single-stream: decode time per step (prefill and frame ends included)
 
     @property
     def total_seconds(self) -> float:
@@ -57,6 +59,7 @@ class RunResult:
             "peak_gpu_memory_gb": self.peak_gpu_memory_gb,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "tokens_per_step": self.tokens_per_step,
+            "ms_per_step": self.ms_per_step,
             "frame_seconds": [round(x, 4) for x in s],
             "notes": self.notes,
         }
@@ -75,6 +78,8 @@ class BenchPlan:
     run_hf: bool = True
     run_vllm: bool = True
     vllm_options: dict = field(default_factory=dict)
+    run_single_stream: bool = True
+    jacobi_draft_tokens: int = 0  # --draft jacobi: also a single-stream row with K drafts per step
 
 
 def environment() -> dict:
@@ -206,6 +211,42 @@ def timed_generate(backend, context, actions, frames, sampling, log=lambda msg: 
     return tokens, times
 
 
+def run_single_stream(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None],
+                      draft_tokens: int = 0) -> RunResult:
+    """One rollout on the single-stream backend (CUDA graphs on a GPU). Its start-up includes
+    capturing the graphs (and torch.compile of the layers) for the frames it will generate."""
+    import torch
+
+    from terra_cli.backends.single_stream import SingleStreamBackend
+
+    label = "single-stream" + (f" jacobi K={draft_tokens}" if draft_tokens else "")
+    sampling = Sampling(temperature=plan.temperature, seed=plan.seed)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    backend = SingleStreamBackend(checkpoint_dir, device=plan.device, dtype=plan.dtype, draft_tokens=draft_tokens,
+                                  draft="jacobi", cuda_graphs=None)
+    try:
+        backend.decoder.prepare(range(plan.context_frames, plan.frames), sampling)
+        startup = time.perf_counter() - started
+        log(f"{label}: ready in {startup:.1f} s")
+        _, times = timed_generate(backend, context, actions, plan.frames, sampling, log, label)
+        stats = backend.stats[0]
+        core = backend.decoder.core
+    finally:
+        backend.close()
+    peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    ms = round(1000 * sum(stats["frame_seconds"]) / stats["steps"], 4) if stats["steps"] else None
+    note = (f"one rollout; attention {core.attention}, layers {'compiled' if core.compiled else 'eager'}, "
+            f"CUDA graphs {'on' if stats['graphs_captured'] else 'off'}"
+            + ("; exact in distribution, not plain sampling's stream" if draft_tokens else ""))
+    return RunResult(label, 1, len(times), times, startup, context.shape[-1], peak, None, note,
+                     round(stats["codes_per_step"], 3), ms)
+
+
 def tokens_per_step(before: dict | None, after: dict | None) -> float | None:
     """Codes kept per draft step between two `speculation_counts` readings (None without drafts)."""
     if not before or not after or after["drafts"] == before["drafts"]:
@@ -273,6 +314,9 @@ def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = p
 
     if plan.run_hf:
         add(run_hf(checkpoint_dir, plan, context, actions, log))
+    if plan.run_single_stream:
+        for draft_tokens in (0, plan.jacobi_draft_tokens) if plan.jacobi_draft_tokens else (0,):
+            add(run_single_stream(checkpoint_dir, plan, context, actions, log, draft_tokens))
     if plan.run_vllm:
         run_vllm(checkpoint_dir, plan, context, actions, log, on_run=add, on_startup=startup.update)
     return _results(model_label, plan, environment_info, runs, partial=False, startup=startup)

@@ -21,6 +21,7 @@ EPILOG = (
     "  terra bench --hf-vs-vllm --model tiny_ckpt --device cpu --frames 4 --context-frames 2 --batch 1,2   # smoke test\n\n"
     "  terra bench --draft-acceptance --seeds 3 --frames 8 --out acceptance.json --heatmap acceptance.png\n\n"
     "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft previous-frame --draft-tokens 4   # codes/step column\n\n"
+    "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft jacobi --draft-tokens 8   # single-stream rows, plain and Jacobi\n\n"
     "  terra bench --scenarios 256 --max-rollouts 128 --lockstep 64 --out scen.json      # continuous batching (GPU)\n\n"
     "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2   # 2 GPUs (Ray)\n\n"
     "  CUDA_VISIBLE_DEVICES=0 terra bench --scenarios 256 --ray local --kv-cache-dtype fp8   # 1 engine, as a Ray actor\n\n"
@@ -90,7 +91,9 @@ def bench(
     seed: int = typer.Option(0, help="Seed for inputs and sampling."),
     device: str = opts.device_option(),
     dtype: str = opts.dtype_option(),
-    skip_hf: bool = typer.Option(False, "--skip-hf", help="Measure vLLM only."),
+    skip_hf: bool = typer.Option(False, "--skip-hf", help="Leave out the transformers reference."),
+    skip_single_stream: bool = typer.Option(False, "--skip-single-stream", help=(
+        "--hf-vs-vllm: leave out the single-stream backend's rows (one rollout; plain, and with --draft jacobi).")),
     draft: str = opts.draft_option(),
     draft_tokens: int = opts.draft_tokens_option(),
     torch_compile: Optional[bool] = opts.torch_compile_option(),
@@ -118,6 +121,10 @@ def bench(
     vllm_options = _parse_vllm_args(vllm_arg)
     chosen = engine_options(kv_cache_dtype=kv_cache_dtype, draft=draft, draft_tokens=draft_tokens,
                             torch_compile=torch_compile, attention=attention)
+    jacobi_draft_tokens = 0
+    if hf_vs_vllm and chosen.get("draft") == "jacobi":  # the single-stream rows' draft, not vLLM's
+        jacobi_draft_tokens = chosen["draft_tokens"]
+        chosen = {key: value for key, value in chosen.items() if key not in ("draft", "draft_tokens")}
     if "draft_tokens" in chosen:
         vllm_options["disable_log_stats"] = False  # statistics on: the bench reports the codes each step kept
     vllm_options.update(chosen)
@@ -184,7 +191,7 @@ def bench(
     plan = BenchPlan(
         frames=frames, context_frames=context_frames, batches=_parse_batches(batch), hf_frames=hf_frames,
         temperature=temperature, seed=seed, device=device, dtype=dtype, run_hf=not skip_hf,
-        vllm_options=vllm_options,
+        vllm_options=vllm_options, run_single_stream=not skip_single_stream, jacobi_draft_tokens=jacobi_draft_tokens,
     )
     command = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -212,7 +219,7 @@ def bench(
 def _print_table(results: dict) -> None:
     table = Table(title=f"terra bench: {results['model']}")
     for col in ("backend", "rollouts", "start-up s", "first frame s", "s/frame (mean ± sd)", "tokens/s", "frames/s",
-                "GPU mem GB", "prefix hit", "codes/step"):
+                "GPU mem GB", "prefix hit", "codes/step", "ms/step"):
         table.add_column(col, justify="right" if col != "backend" else "left")
     for r in results["runs"]:
         table.add_row(
@@ -221,6 +228,7 @@ def _print_table(results: dict) -> None:
             f"{r['frames_per_s']:.2f}", "-" if r["peak_gpu_memory_gb"] is None else f"{r['peak_gpu_memory_gb']:.1f}",
             "-" if r["prefix_cache_hit_rate"] is None else f"{r['prefix_cache_hit_rate']:.1%}",
             "-" if r.get("tokens_per_step") is None else f"{r['tokens_per_step']:.2f}",
+            "-" if r.get("ms_per_step") is None else f"{r['ms_per_step']:.2f}",
         )
     out.print(table)
     if results.get("speedup_vllm_over_hf"):

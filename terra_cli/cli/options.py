@@ -42,7 +42,9 @@ def tokenizer_option():
 
 
 def backend_option():
-    return typer.Option("auto", "--backend", help="auto (vLLM when installed and usable, else hf), vllm or hf.")
+    return typer.Option("auto", "--backend", help=(
+        "auto (vLLM when installed and usable, else hf), vllm, hf, or single-stream (terra's own one-rollout "
+        "decoder: static KV cache, CUDA graphs; the reference's codes for a seed; never chosen by auto)."))
 
 
 def device_option():
@@ -66,8 +68,11 @@ MAX_DRAFT_TOKENS = 16  # = backends.vllm.MAX_DRAFT_TOKENS (a test checks it); he
 
 def draft_option():
     return typer.Option("none", "--draft", help=(
-        "Multi-token decoding (vLLM): none, or previous-frame (propose each code from the frame before; "
-        "vLLM's rejection sampling keeps the output distribution; greedy codes may differ at near-ties in bf16)."))
+        "Multi-token decoding: none; previous-frame (vLLM, or --backend single-stream: propose each code from the "
+        "frame before; rejection sampling keeps the output distribution; greedy codes may differ at near-ties in bf16); "
+        "or jacobi (--backend single-stream: speculative Jacobi decoding, drafts from the last iteration; exact in "
+        "distribution, and a seed repeats its video, but it is not the same stream of codes as plain sampling "
+        "with that seed; greedy codes are plain decoding's)."))
 
 
 def draft_tokens_option():

@@ -1,0 +1,120 @@
+"""`--backend single-stream` behind the one driver interface (backends/single_stream_driver.py):
+the reference driver's tokens for the same jobs (rounds, frame offsets, seeds), cancellation and
+a failing job on their own, Jacobi drafts through `load_backend`, and its options checked once."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import invoke_terra
+from terra_cli.backends import check_backend_options, engine_options, load_backend
+from terra_cli.backends.base import Sampling
+from terra_cli.backends.driver import JobFeed, RolloutJob
+from terra_cli.backends.hf import HfBackend
+from terra_cli.errors import InputError
+from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+
+CODES, VOCAB, ROUND = 40, 64, 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    config = tiny_config(image_vocab=VOCAB, image_tokens=CODES, max_frames=ROUND)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("single_stream_driver"), config, seed=2)
+
+
+@pytest.fixture(scope="module")
+def backends(checkpoint):
+    single = load_backend("single-stream", checkpoint, device="cpu", dtype="float32")
+    reference = HfBackend(checkpoint, device="cpu", dtype="float32")
+    yield single, reference
+    single.close()
+
+
+def job(key, seed, total=6, offset=0, temperature=0.9):
+    rng = np.random.default_rng(seed % 1000)
+    return RolloutJob(key, rng.integers(0, VOCAB, size=(2, CODES)), rng.normal(scale=2.0, size=(total, 6, 3)).astype(np.float32),
+                      total, Sampling(temperature=temperature, top_k=20, seed=seed), frame_offset=offset)
+
+
+def run(driver, jobs, **callbacks):
+    done, frames = {}, []
+    driver.run(jobs, on_frame=lambda j, i, t: frames.append((j.key, i)),
+               on_done=lambda j, tokens: done.__setitem__(j.key, tokens.copy()), **callbacks)
+    return done, frames
+
+
+def test_jobs_draw_the_reference_drivers_tokens_over_rounds_and_frame_offsets(backends):
+    single, reference = backends
+    jobs = [job("a", 7, total=6), job("b", 2**40 + 5, total=5, offset=3)]  # 6 frames: two rounds of at most 4
+    expected, _ = run(reference.driver(1), jobs)
+    feed = JobFeed()
+    for j in jobs:
+        feed.put(j)
+    feed.close()
+    driver = single.driver(4)
+    got, frames = run(driver, feed)
+    assert sorted(got) == ["a", "b"]
+    for key in got:
+        np.testing.assert_array_equal(got[key], expected[key])
+    assert frames == [("a", i) for i in range(2, 6)] + [("b", i) for i in range(2, 5)]  # one job after the other
+    assert driver.loop.steps == 7 * (CODES - 1)
+
+
+def test_a_cancelled_job_stops_and_a_bad_job_fails_alone(backends):
+    single, _ = backends
+    feed = JobFeed()
+    bad = RolloutJob("bad", np.full((2, CODES), VOCAB + 5), np.zeros((5, 6, 3), np.float32), 5, Sampling())
+    for j in (job("first", 1), bad, job("last", 3, total=4)):
+        feed.put(j)
+    feed.close()
+    cancelled, errors = [], []
+
+    def on_frame(j, index, tokens):
+        if j.key == "first":
+            feed.cancel("first")
+
+    done = {}
+    single.driver(1).run(feed, on_frame=on_frame, on_done=lambda j, t: done.__setitem__(j.key, t),
+                         on_cancelled=lambda j: cancelled.append(j.key), on_error=lambda j, e: errors.append((j.key, e)))
+    assert cancelled == ["first"]
+    assert [key for key, _ in errors] == ["bad"] and isinstance(errors[0][1], InputError)
+    assert list(done) == ["last"] and done["last"].shape == (4, CODES)
+
+
+def test_jacobi_drafts_through_load_backend_keep_greedy_codes(checkpoint, backends):
+    single, _ = backends
+    options = engine_options(draft="jacobi", draft_tokens=4)
+    assert dict(options) == {"draft": "jacobi", "draft_tokens": 4}
+    jacobi = load_backend("single-stream", checkpoint, device="cpu", dtype="float32", **options)
+    assert (jacobi.decoder.draft, jacobi.decoder.draft_tokens) == ("jacobi", 4)
+    greedy = [job("g", 11, total=6, temperature=0)]
+    plain, _ = run(single.driver(1), greedy)
+    drafted, _ = run(jacobi.driver(1), greedy)
+    np.testing.assert_array_equal(drafted["g"], plain["g"])
+    assert jacobi.decoder.stats["codes_per_step"] > 1  # the last round's steps kept drafts
+    sampled = [job("s", 12, total=5)]
+    first, _ = run(jacobi.driver(1), sampled)
+    again, _ = run(jacobi.driver(1), sampled)
+    np.testing.assert_array_equal(first["s"], again["s"])  # a seed repeats its video
+
+
+def test_options_are_checked_for_the_backend_that_runs_them():
+    jacobi = engine_options(draft="jacobi", draft_tokens=4)
+    for other in ("hf", "vllm"):
+        with pytest.raises(InputError, match="--draft jacobi runs on --backend single-stream"):
+            check_backend_options(other, jacobi)
+    check_backend_options("single-stream", jacobi)
+    check_backend_options("single-stream", engine_options(draft="previous-frame", draft_tokens=2))
+    with pytest.raises(InputError, match="--kv-cache-dtype.*not for the single-stream backend"):
+        check_backend_options("single-stream", engine_options(kv_cache_dtype="fp8"))
+    with pytest.raises(InputError, match="--draft must be none, previous-frame or jacobi"):
+        engine_options(draft="lookahead")
+
+
+def test_generate_refuses_jacobi_on_another_backend_before_loading(checkpoint, tmp_path):
+    result = invoke_terra("generate", tmp_path / "out.mp4", "--model", checkpoint, "--actions", "straight",
+                          "--frames", 4, "--draft", "jacobi", "--backend", "hf", "--device", "cpu")
+    assert result.returncode == 2
+    assert "error: --draft jacobi runs on --backend single-stream, not on hf" in result.stderr
+    assert not (tmp_path / "out.mp4").exists()

@@ -50,18 +50,18 @@ case "${1:-}" in
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runs1 ;;
   runs1)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
-    timeout 600 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
+    timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
       --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1; echo "one-tokens exit $?" >> "$STEP_LOG"
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$STEP_LOG"
     ( while sleep 30; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done ) \
       > "$OUT/one-act-gpu.txt" 2>&1 &
     local_watch=$!
-    timeout 900 terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
+    timeout 600 terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
       --out "$OUT/one-act.json" > "$OUT/one-act.log" 2>&1; echo "one-act exit $?" >> "$STEP_LOG"
     kill $local_watch
-    timeout 420 terra bench --env 64 --steps 8 --branches 8 --fork-from 20 --kv-cache-dtype fp8 \
+    timeout 300 terra bench --env 64 --steps 8 --branches 8 --fork-from 20 --kv-cache-dtype fp8 \
       --out "$OUT/env.json" > "$OUT/env.log" 2>&1; echo "env exit $?" >> "$STEP_LOG"
-    timeout 240 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" \
+    timeout 150 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" \
       > "$OUT/writer_parts.log" 2>&1; echo "writer_parts exit $?" >> "$STEP_LOG" ;;
   await)
     await_background pipe "${AWAIT_S:-540}"

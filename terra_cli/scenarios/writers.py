@@ -41,6 +41,7 @@ from terra_cli.scenarios.writer_process import SIGNALS, DecoderSpec, serve
 
 ENCODERS_PER_PROCESS = 2  # mp4s a process encodes at once (ffmpeg processes of its own, on the host's cores)
 OPEN_PER_PROCESS = 2 * ENCODERS_PER_PROCESS  # finished scenarios handed to the pool and not yet written, per process
+GPU_WRITER_THREADS = 1  # torch CPU threads of a writer process that decodes on a GPU
 POLL_SECONDS = 0.05  # how often write_in_order looks for a finished video while it also waits for new work
 WAIT_SECONDS = 0.2  # how often it looks whether the pool broke while there is nothing to do
 CLOSE_SECONDS = 10.0  # an idle worker told to stop exits well within this; one still busy is killed
@@ -139,7 +140,10 @@ class WriterPool:
         if fields is None:
             raise ValueError("this decoder cannot be loaded in a writer process (it has no checkpoint folder)")
         self.folder = tempfile.mkdtemp(prefix="terra-writers-")
-        spec = DecoderSpec(**fields, threads=torch.get_num_threads(), fps=fps, folder=self.folder, encoders=encoders)
+        # On a GPU the decode needs no CPU threads of torch's: its 16 spun beside vLLM's engine on an H100 and
+        # slowed its steps (benchmarks/README.md). On a CPU the engine process's count gives the same frames.
+        threads = GPU_WRITER_THREADS if fields["device"].startswith("cuda") else torch.get_num_threads()
+        spec = DecoderSpec(**fields, threads=threads, fps=fps, folder=self.folder, encoders=encoders)
         self.lock = threading.Lock()
         self.failure: WriterDied | None = None
         self.closing = False

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One lease of one H100 (nvidia-h100-x1) for the issues' GPU rows, after `gpu_bundle.sh a1`, `a2`, `b`,
+# `ff`, with the wheels of .gpu/ref (diffusers, importlib_metadata, zipp, gymnasium, farama-notifications,
+# cloudpickle) unzipped into /tmp/site:
+#   start  runs `steps` in the background; `gpu_pipeline.sh await` style collection with `await`
+#   steps  one after the other on the one GPU, each in its own time limit:
+#          (42) terra bench --env 64 --steps 8 --branches 8 --fork-from 20 --kv-cache-dtype fp8
+#          (41) gpu_single_stream.py: terra's single-stream decoder, plain and Jacobi, Terra size then terra-mini
+#          (37) tokens only, then videos, N samples of 47 frames on one engine (same GPU, one after the other)
+#          (40) terra bench --refiner, compiled (Inductor), 1 and 2 windows per call
+#   await  wait up to AWAIT_S (default 540) for `steps`, then pack its folder into $OUT/probes.tar.gz
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+STEP_LOG=$OUT/summary.txt
+source benchmarks/scripts/gpu_common.sh
+export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=/tmp/terra-cache/inductor
+N=${N:-128}
+terra() { python3 -m terra_cli "$@"; }
+run_step() {  # NAME LIMIT_S COMMAND...: log in $OUT/NAME.log, exit code in the summary
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name exit $? after $((SECONDS - t0)) s" >> "$STEP_LOG"
+}
+case "${1:-}" in
+  start)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+    nvidia-smi -L | tee -a "$STEP_LOG"
+    in_background top bash -c 'top -b -c -d 20 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
+    in_background probes bash benchmarks/scripts/gpu_issue_probes.sh steps ;;
+  steps)
+    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    run_step env 240 terra bench --env 64 --steps 8 --branches 8 --fork-from 20 --kv-cache-dtype fp8 --out "$OUT/env.json"
+    run_step single_stream 330 python3 benchmarks/scripts/gpu_single_stream.py --budget-s 240 --out "$OUT/single_stream.json"
+    run_step tokens 330 terra bench --scenarios "$N" --frames 47 --kv-cache-dtype fp8 --out "$OUT/tokens.json"
+    ( while sleep 15; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done ) > "$OUT/act-gpu.txt" 2>&1 &
+    watch=$!
+    run_step act 390 terra bench --act-bench "$N" --kv-cache-dtype fp8 --out "$OUT/act.json"
+    kill $watch
+    run_step refiner-w1 300 terra bench --refiner --windows 1 --refiner-compile default --out "$OUT/refiner-w1.json"
+    run_step refiner-w2 150 terra bench --refiner --windows 2 --refiner-compile default --out "$OUT/refiner-w2.json" ;;
+  await)
+    await_background probes "${AWAIT_S:-540}"
+    await_background top 0 ;;
+  *) echo "usage: gpu_issue_probes.sh start|steps|await" >&2; exit 2 ;;
+esac

@@ -178,3 +178,31 @@ def test_bad_options_and_arguments_are_input_errors(backend, tokenizer):
     with pytest.raises(InputError, match="fork"):
         env.fork(2, 1)
     env.close()
+
+
+def test_loading_on_vllm_configures_vllms_environment_first(monkeypatch):
+    """A library caller of `TerraVectorEnv.load(backend="vllm")` needs no `configure_vllm_env()` of
+    its own (the closed-loop example failed without it on the GPU host): the settings are in place
+    before the backend loads, and what the caller set stays."""
+    import os
+
+    import terra_cli.backends as backends
+    from terra_cli.env import TerraVectorEnv
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load_backend(name, checkpoint_dir, **kwargs):
+        seen.update(name=name, multiprocessing=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
+                    level=os.environ.get("VLLM_LOGGING_LEVEL"))
+        raise Loaded
+
+    for variable in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    monkeypatch.setattr(backends, "load_backend", fake_load_backend)
+    with pytest.raises(Loaded):
+        TerraVectorEnv.load(1, backend="vllm", device="cpu")
+    assert seen == {"name": "vllm", "multiprocessing": "0", "level": "ERROR"}

@@ -97,14 +97,17 @@ class TerraVectorEnv(VectorEnv):
         from terra_cli.backends import load_backend, resolve_backend_name
         from terra_cli.models.checkpoint import load_config
         from terra_cli.models.resolve import load_tokenizer, resolve_model
-        from terra_cli.runtime import resolve_device
+        from terra_cli.runtime import configure_vllm_env, resolve_device
 
+        name = resolve_backend_name(backend)
+        if name == "vllm":
+            configure_vllm_env()  # before vLLM is imported, as the CLI does (settings the caller made stay)
         device = resolve_device(device)
         choice = resolve_model(model, "world_model", tokenizer)
         config = load_config(choice.world_model_dir)
         image_tokenizer = load_tokenizer(choice.tokenizer, device, matching=config) if choice.tokenizer else None
         in_flight = max_in_flight or max(num_envs, 64)
-        world_model = load_backend(resolve_backend_name(backend), choice.world_model_dir, device=device, dtype=dtype,
+        world_model = load_backend(name, choice.world_model_dir, device=device, dtype=dtype,
                                    max_rollouts=in_flight, threads=threads, **(engine_options or {}))
         return cls(num_envs, backend=world_model, tokenizer=image_tokenizer, max_in_flight=in_flight,
                    owns_backend=True, **kwargs)

@@ -3,7 +3,6 @@ decoding, sampled codes keep the model's distribution (chi-square against exact 
 tests/test_vllm_draft.py does for vLLM's draft), a seed gives the same tokens, and the counts of
 kept drafts add up."""
 
-import math
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from terra_cli.backends.device_sampling import filtered_probabilities
 from terra_cli.backends.single_stream import SingleStreamBackend
 from terra_cli.models.modeling_hf import load_model
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+from stats_helpers import chi_square, chi_square_bound
 
 # A small code book makes repeats, and so kept drafts, common; short frames keep CPU time low.
 VOCAB, CODES, FRAMES = 16, 8, 4
@@ -96,22 +96,6 @@ def exact_code_probabilities(model, context: np.ndarray, acts: np.ndarray, sampl
         if n:
             marginals.append(joint.reshape(-1, VOCAB).sum(axis=0))
     return marginals
-
-
-def chi_square(counts: np.ndarray, probabilities: np.ndarray) -> tuple[float, int]:
-    """Pearson's statistic with cells of expected count < 5 pooled into one; (statistic, dof)."""
-    n = counts.sum()
-    expected = probabilities * n
-    small = expected < 5
-    observed = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    keep = expected > 0
-    return float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()), int(keep.sum() - 1)
-
-
-def chi_square_bound(dof: int, z: float = 3.09) -> float:
-    """The 99.9% quantile of chi-square(dof) (Wilson-Hilferty)."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
 @pytest.mark.parametrize("draft,sampling", [("jacobi", Sampling(temperature=1.0, seed=11)),

@@ -2,7 +2,6 @@
 previous frame's codes, greedy tokens stay those of the reference, and sampled tokens keep the
 reference's distribution (chi-square against exact probabilities)."""
 
-import math
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from terra_cli.backends.base import Sampling
 from terra_cli.backends.hf import HfBackend
 from terra_cli.models.modeling_hf import load_model
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+from stats_helpers import chi_square, chi_square_bound
 
 pytestmark = pytest.mark.vllm
 DRAFT_TOKENS = 3
@@ -107,22 +107,6 @@ def exact_code_probabilities(checkpoint, context: np.ndarray, acts: np.ndarray, 
     p2_given_01 = next_code_probs(pairs).reshape(vocab, vocab, vocab)
     p2 = np.einsum("a,ab,abc->c", p0, p1_given_0, p2_given_01)
     return p1, p2
-
-
-def chi_square(counts: np.ndarray, probabilities: np.ndarray) -> tuple[float, int]:
-    """Pearson's statistic with cells of expected count < 5 pooled into one; (statistic, dof)."""
-    n = counts.sum()
-    expected = probabilities * n
-    small = expected < 5
-    observed = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    keep = expected > 0
-    return float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()), int(keep.sum() - 1)
-
-
-def chi_square_bound(dof: int, z: float = 3.09) -> float:
-    """The 99.9% quantile of chi-square(dof) (Wilson-Hilferty)."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
 def test_sampled_codes_keep_the_reference_distribution(engine, checkpoint):

@@ -130,13 +130,13 @@ def test_a_frame_draws_the_same_codes_whatever_frames_came_before_it_in_the_roun
 
 
 def test_bad_options_are_one_line_input_errors(model):
-    with pytest.raises(InputError, match="--draft-tokens must be from 0"):
+    with pytest.raises(InputError, match="draft_tokens must be from 0"):
         SingleStreamBackend(device="cpu", model=model, draft_tokens=33)
-    with pytest.raises(InputError, match="--draft must be"):
+    with pytest.raises(InputError, match="draft must be"):
         SingleStreamBackend(device="cpu", model=model, draft_tokens=2, draft="ngram")
     with pytest.raises(InputError, match="CUDA graphs need a CUDA device"):
         SingleStreamBackend(device="cpu", model=model, cuda_graphs=True)
-    with pytest.raises(InputError, match="--frames must be"):
+    with pytest.raises(InputError, match="a round must have more frames than"):
         SingleStreamBackend(device="cpu", model=model).generate(*inputs(), FRAMES + 1, Sampling())
 
 

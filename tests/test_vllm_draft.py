@@ -140,7 +140,7 @@ def test_a_model_with_too_small_heads_is_refused_before_the_engine_starts(tmp_pa
     config = tiny_config(hidden_size=32, heads=2)  # head_dim 16 cannot hold a 21-bit code
     with pytest.raises(TerraError, match="heads of at least"):
         previous_frame_draft(tmp_path, config, 4)
-    with pytest.raises(TerraError, match="--draft-tokens must be from 1 to 16"):
+    with pytest.raises(TerraError, match="draft_tokens must be from 1 to 16"):
         previous_frame_draft(tmp_path, tiny_config(), 17)
 
 

@@ -96,7 +96,7 @@ def check_generation_inputs(
         raise InputError("at least one context frame is needed")
     if not k < num_frames <= layout.max_frames:
         raise InputError(
-            f"--frames must be more than the {k} context frame(s) and at most {layout.max_frames} per round, got {num_frames}"
+            f"a round must have more frames than its {k} context frame(s) and at most {layout.max_frames}, got {num_frames}"
         )
     actions = np.asarray(action_waypoints, dtype=np.float32)
     if actions.ndim == 3:

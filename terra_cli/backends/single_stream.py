@@ -107,9 +107,9 @@ class SingleStreamDecoder:
     def __init__(self, model: LlamaActionForCausalLM, *, draft_tokens: int = 0, draft: str = "jacobi",
                  cuda_graphs: bool = False, compile_layers: bool | None = None):
         if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
-            raise InputError(f"--draft-tokens must be from 0 (plain decoding) to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
+            raise InputError(f"draft_tokens must be from 0 (plain decoding) to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         if draft not in DRAFTS:
-            raise InputError(f"--draft must be {' or '.join(DRAFTS)} on this backend, got {draft!r}")
+            raise InputError(f"draft must be {' or '.join(DRAFTS)} on this backend, got {draft!r}")
         self.core = StaticKVDecoder(model, compile_layers=compile_layers)
         device = self.core.device
         if cuda_graphs and device.type != "cuda":

@@ -35,7 +35,7 @@ def previous_frame_draft(checkpoint_dir: Path, config, draft_tokens: int) -> dic
     from terra_cli.models.draft_vllm import lookup_dimensions
 
     if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
-        raise TerraError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
+        raise TerraError(f"draft_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
     lookup_dimensions(config)  # raises a one-line error when the heads are too small
     return {"method": "eagle", "model": str(checkpoint_dir), "num_speculative_tokens": draft_tokens}
 

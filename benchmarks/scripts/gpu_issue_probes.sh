@@ -8,6 +8,8 @@
 #          (41) gpu_single_stream.py: terra's single-stream decoder, plain and Jacobi, Terra size then terra-mini
 #          (37) tokens only, then videos, N samples of 47 frames on one engine (same GPU, one after the other)
 #          (40) terra bench --refiner, compiled (Inductor), 1 and 2 windows per call
+#   startab / ab  (issue 37) `bench --act-bench N` with the decode-ahead in the engine's process
+#          (`--writers 0`) and in two writer processes (`--writers 2`), one after the other
 #   await  wait up to AWAIT_S (default 540) for `steps`, then pack its folder into $OUT/probes.tar.gz
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -39,6 +41,19 @@ case "${1:-}" in
     kill $watch
     run_step refiner-w1 300 terra bench --refiner --windows 1 --refiner-compile default --out "$OUT/refiner-w1.json"
     run_step refiner-w2 150 terra bench --refiner --windows 2 --refiner-compile default --out "$OUT/refiner-w2.json" ;;
+  ab)  # issue 37: where the decode-ahead runs, one after the other on the one GPU (started like `steps`)
+    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    for writers in 0 2; do
+      ( while sleep 15; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done ) \
+        > "$OUT/act-w$writers-gpu.txt" 2>&1 &
+      watch=$!
+      run_step "act-w$writers" 240 terra bench --act-bench "$N" --kv-cache-dtype fp8 --writers "$writers" \
+        --out "$OUT/act-w$writers.json"
+      kill $watch
+    done ;;
+  startab)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+    in_background probes bash benchmarks/scripts/gpu_issue_probes.sh ab ;;
   await)
     await_background probes "${AWAIT_S:-540}"
     await_background top 0 ;;

@@ -113,8 +113,8 @@ class ScenarioEngine:
             self.pool = start_pool(self.tokenizer, job_writers(self.job, spec.device), VIDEO_FPS)
         from terra_cli.scenarios.writers import WriterPool
 
-        # Writer processes decode a scenario's frames while it is generated (scenarios.writers).
-        self.ahead_of_time = self.pool if isinstance(self.pool, WriterPool) else None
+        # The writer (processes, or threads here) decodes a scenario's frames while it is generated.
+        self.ahead_of_time = self.pool if hasattr(self.pool, "frame") else None  # not the refiner's stage
         self.waiters: dict[str, _Waiter] = {}
         self.lock = threading.Lock()
         self.frames = 0

@@ -3,10 +3,11 @@
 Generation goes through the backend's driver (backends/driver.py: continuous batching on vLLM,
 lockstep batches on the reference); contexts are read and encoded in batches by a thread, ahead of
 the engine (`encoding.EncodeAhead`). Finished scenarios go to a background thread that
-writes them, so the engine keeps stepping while a video is made. With `writers` > 0
-the tokens are decoded and the mp4 encoded in that many writer processes (`scenarios.writers`),
-off this process's interpreter lock, and the thread only places their bytes; with 0 it decodes and
-encodes itself. Either way this process is the only one that writes into the folder. Each
+writes them, so the engine keeps stepping while a video is made. Frames are decoded while
+their scenario is generated and the mp4 encoded once it is done: with `writers` > 0 in that many
+writer processes (`scenarios.writers`), off this process's CUDA context and interpreter lock; with 0
+in threads of this process (`scenarios.local_writer`). The writer thread places their bytes in order.
+Either way this process is the only one that writes into the folder. Each
 written scenario appends one line to `DIR/results.jsonl` (`scenarios.results`: id, status, seed, frames, seconds,
 paths, digest); a re-run skips every id whose line says done, whose files exist and whose content
 is unchanged. The folder is held by one run at a time (`outdir.OutDirLock`), and a file is replaced
@@ -142,8 +143,9 @@ def run_scenarios(
             writer.put(s, tokens, time.perf_counter() - started[key])
             run.generated_frames += s.frames - s.context_frames
 
-        # Writer processes decode a scenario's frames while it is generated: at the end only its mp4 is left.
-        ahead_of_time = pool if isinstance(pool, WriterPool) else None
+        # The writer (processes, or threads here) decodes a scenario's frames while it is generated: at the end
+        # only its mp4 is left.
+        ahead_of_time = pool if hasattr(pool, "frame") else None  # not the refiner's stage
 
         def start(job) -> None:
             started[job.key] = time.perf_counter()

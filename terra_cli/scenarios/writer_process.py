@@ -30,6 +30,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -143,9 +144,17 @@ def serve(conn, spec: DecoderSpec) -> None:
         return
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read, args=(conn, inbox), name="terra-writer-inbox", daemon=True).start()
-    store = FrameStore(decoder, spec.held_frames)
+    drive(inbox, FrameStore(decoder, spec.held_frames), lambda message: _send(conn, send_lock, message), spec.fps,
+          spec.folder, spec.encoders)
+
+
+def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], object], fps: float, folder: str,
+          encoders: int) -> None:
+    """A writer's loop (a writer process's, and `local_writer.InProcessWriter`'s thread): take the
+    messages of `inbox` until None, decode frames ahead, and answer each finished video through `reply`
+    once one of `encoders` threads has encoded it."""
     finished: deque[tuple[str, np.ndarray]] = deque()
-    with ThreadPoolExecutor(max(1, spec.encoders), thread_name_prefix="terra-mp4") as encoders:
+    with ThreadPoolExecutor(max(1, encoders), thread_name_prefix="terra-mp4") as encoding:
         stopping = False
         while not stopping:
             messages = [] if finished or store.waiting else [inbox.get()]
@@ -168,9 +177,9 @@ def serve(conn, spec: DecoderSpec) -> None:
                 try:
                     frames, late = store.take(key, tokens)
                 except Exception as exc:  # this scenario's failure: recorded as failed, the run goes on
-                    _send(conn, send_lock, ("error", key, str(exc)))
+                    reply(("error", key, str(exc)))
                 else:
-                    encoders.submit(_encode, conn, send_lock, spec, key, frames, late)
+                    encoding.submit(_encode, reply, fps, folder, key, frames, late)
             elif store.waiting:
                 try:
                     store.decode_waiting()
@@ -178,14 +187,15 @@ def serve(conn, spec: DecoderSpec) -> None:
                     store.waiting.clear()
 
 
-def _encode(conn, send_lock: threading.Lock, spec: DecoderSpec, key: str, frames: list[np.ndarray], late: int) -> None:
+def _encode(reply: Callable[[tuple], object], fps: float, folder: str, key: str, frames: list[np.ndarray],
+            late: int) -> None:
     from terra_cli.media.frames import video_bytes
 
     try:
-        reply = ("done", key, video_bytes(frames, spec.fps, spec.folder), late)
+        message = ("done", key, video_bytes(frames, fps, folder), late)
     except Exception as exc:
-        reply = ("error", key, str(exc))
-    _send(conn, send_lock, reply)
+        message = ("error", key, str(exc))
+    reply(message)
 
 
 def _read(conn, inbox: queue.SimpleQueue) -> None:

@@ -77,11 +77,18 @@ class VideoFailed(Exception):
     """One scenario's video could not be made in a writer process (the worker's message)."""
 
 
-def start_pool(decoder, workers: int, fps: float) -> "WriterPool | None":
-    """`workers` writer processes for `decoder`, or None where there are none to start: 0 asked,
-    no decoder, or one a process cannot load from a folder (the refiner stays in its process)."""
-    if workers < 1 or decoder is None or DecoderSpec.of(decoder) is None:
+def start_pool(decoder, workers: int, fps: float):
+    """What makes the videos of `decoder` (an image tokenizer): `workers` writer processes, or with 0
+    (or a tokenizer a process cannot load from a folder) its threads in this process
+    (`local_writer.InProcessWriter`); None for no decoder or another kind (the caller decodes)."""
+    from tokenizer_decoder import ImageTokenizer
+
+    if not isinstance(decoder, ImageTokenizer):
         return None
+    if workers < 1 or DecoderSpec.of(decoder) is None:
+        from terra_cli.scenarios.local_writer import InProcessWriter
+
+        return InProcessWriter(decoder, fps)
     return WriterPool(decoder, workers, fps)
 
 

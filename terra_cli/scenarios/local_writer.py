@@ -1,0 +1,126 @@
+"""`InProcessWriter`: the writer processes' work (`scenarios.writer_process`) in threads of the engine's process.
+
+One thread decodes each scenario's frames as the engine makes them, on a CUDA stream of its own, and
+a few encoder threads make the mp4s (each runs its own ffmpeg). It is what `--writers 0` runs.
+
+Why a thread can beat processes on a GPU: terra runs vLLM in its own process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so this decoder shares vLLM's CUDA context and its kernels
+interleave with the engine's on the same card. Writer processes each have a context of their own, and
+the card time-slices between contexts: on an H100 the engine made 19% fewer frames beside two of them
+while the decoder itself needs about 10% of the card (benchmarks/README.md, issue 37). What a thread
+costs instead is the interpreter lock: the decode's kernel launches and the encoders' pipe writes.
+
+Same interface as `writers.WriterPool` (`open`, `frame`, `drop`, `submit`, `check`, `close`, `size`,
+`videos`, `video_seconds`, `frames_decoded_late`), so `write_in_order` and the Ray actor drive either.
+A failure of the thread (out of memory) fails every open video with `WriterDied`, and the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from terra_cli.scenarios.writer_process import HELD_FRAMES, FrameStore, drive
+from terra_cli.scenarios.writers import CLOSE_SECONDS, ENCODERS_PER_PROCESS, WriterDied
+
+ENCODERS_IN_PROCESS = 2 * ENCODERS_PER_PROCESS  # the mp4s two writer processes would encode at once
+
+
+class InProcessWriter:
+    size = 2  # write_in_order keeps OPEN_PER_PROCESS * size finished videos open: one per encoder thread, twice
+
+    def __init__(self, decoder, fps: float, encoders: int = ENCODERS_IN_PROCESS, held_frames: int = HELD_FRAMES):
+        self.decoder, self.fps, self.encoders = decoder, fps, encoders
+        self.folder = tempfile.mkdtemp(prefix="terra-writers-")
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.unanswered: dict[str, tuple[Future, float]] = {}
+        self.failure: WriterDied | None = None
+        self.closing = False
+        self.videos, self.video_seconds, self.frames_decoded_late = 0, 0.0, 0
+        self.store = FrameStore(decoder, held_frames)
+        self.thread = threading.Thread(target=self._run, name="terra-video-writer", daemon=True)
+        self.thread.start()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def open(self, key: str, context: np.ndarray) -> None:
+        self.frame(key, 0, context)
+
+    def frame(self, key: str, index: int, tokens: np.ndarray) -> None:
+        if self.failure is None and not self.closing:
+            self.inbox.put(("frames", key, index, np.array(tokens, dtype=np.int64, ndmin=2)))
+
+    def drop(self, key: str) -> None:
+        if self.failure is None and not self.closing:
+            self.inbox.put(("drop", key))
+
+    def submit(self, key: str, tokens: np.ndarray, seed: int | None = None) -> Future:  # (no noise: seed unused)
+        future: Future = Future()
+        with self.lock:
+            if self.failure is not None or self.closing:
+                future.set_exception(self.failure or WriterDied("the video writer was closed"))
+                return future
+            self.unanswered[key] = (future, time.perf_counter())
+        self.inbox.put(("finish", key, np.ascontiguousarray(tokens, dtype=np.int64)))
+        return future
+
+    def close(self) -> None:
+        """Let the videos being encoded finish (the run waited for the ones it needs), then stop."""
+        with self.lock:
+            self.closing = True
+        self.inbox.put(None)
+        self.thread.join(CLOSE_SECONDS)
+        with self.lock:
+            self._fail_open(WriterDied("the video writer was closed before this scenario was encoded"))
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _run(self) -> None:
+        try:
+            with self._own_stream():
+                drive(self.inbox, self.store, self._answer, self.fps, self.folder, self.encoders)
+        except BaseException as exc:  # out of memory, a bug: the run ends with it, resumable
+            with self.lock:
+                self.failure = WriterDied(f"the video writer thread failed: {type(exc).__name__}: {exc}")
+                self._fail_open(self.failure)
+
+    def _own_stream(self):
+        """A CUDA stream of this thread's own, so its kernels can run between the engine's."""
+        device = getattr(self.decoder, "device", None)
+        if getattr(device, "type", None) != "cuda":
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(torch.cuda.Stream(device))
+
+    def _answer(self, message: tuple) -> None:
+        with self.lock:
+            entry = self.unanswered.pop(message[1], None)
+            if entry is None:
+                return
+            future, sent_at = entry
+            self.videos += 1
+            self.video_seconds += time.perf_counter() - sent_at
+            if message[0] == "done":
+                self.frames_decoded_late += message[3]
+        if message[0] == "done":
+            future.set_result(message[2])
+        else:
+            from terra_cli.scenarios.writers import VideoFailed
+
+            future.set_exception(VideoFailed(message[2]))
+
+    def _fail_open(self, error: BaseException) -> None:
+        for future, _ in self.unanswered.values():
+            if not future.done():
+                future.set_exception(error)
+        self.unanswered.clear()

@@ -267,7 +267,7 @@ def test_a_writer_that_falls_behind_holds_back_admission_never_the_engine(tmp_pa
 
 def test_default_writers_and_the_option_checks(tmp_path, model):
     assert default_writers("cpu") == 0
-    assert default_writers("cuda") == default_writers("cuda:1") == 2
+    assert default_writers("cuda") == default_writers("cuda:1") == 0
     path = write_lines(tmp_path, lines(1))
     base = ["generate", "--scenarios", path, "--out-dir", tmp_path / "out", "--model", model, "--backend", "hf"]
     for extra, message in ((["--no-decode", "--writers", "2"], "--writers makes videos"),
@@ -393,7 +393,11 @@ def test_a_ray_engine_actor_decodes_in_its_writer_process_and_dies_with_it(tmp_p
         return ScenarioEngine(EngineSpec(job, "hf", "cpu", needs_tokenizer=True))
 
     pooled, threaded = engine(1), engine(0)
-    assert pooled.pool is not None and pooled.pool.size == 1 and threaded.pool is None
+    from terra_cli.scenarios.local_writer import InProcessWriter
+    from terra_cli.scenarios.writers import WriterPool
+
+    # --writers 1: a writer process; --writers 0: the actor's own threads
+    assert isinstance(pooled.pool, WriterPool) and pooled.pool.size == 1 and isinstance(threaded.pool, InProcessWriter)
     first = pooled.generate(ScenarioWork(file.scenarios[0], context_tokens=context))
     same = threaded.generate(ScenarioWork(file.scenarios[0], context_tokens=context))
     np.testing.assert_array_equal(first.tokens, same.tokens)
@@ -410,6 +414,7 @@ def test_a_ray_engine_actor_decodes_in_its_writer_process_and_dies_with_it(tmp_p
         time.sleep(0.05)
     assert len(died) == 1 and isinstance(died[0], WriterDied)
     pooled.pool.close()
+    threaded.pool.close()
 
 
 def test_frames_decoded_ahead_make_the_video_a_whole_decode_makes(tokenizer_dir):

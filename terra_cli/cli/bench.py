@@ -27,7 +27,7 @@ EPILOG = (
     "  CUDA_VISIBLE_DEVICES=0 terra bench --scenarios 256 --ray local --kv-cache-dtype fp8   # 1 engine, as a Ray actor\n\n"
     "  terra bench --act-bench 512 --data-parallel 2 --kv-cache-dtype fp8 --out act2.json   # ACT-Bench-shaped on 2 GPUs\n\n"
     "  terra bench --act-bench 256 --kv-cache-dtype fp8 --out act.json   # ACT-Bench-shaped, end to end, videos included\n\n"
-    "  terra bench --act-bench 256 --kv-cache-dtype fp8 --writers 0 --out act-w0.json   # videos made in the engine's process\n\n"
+    "  terra bench --act-bench 256 --kv-cache-dtype fp8 --writers 2 --out act-w2.json   # videos made in two processes\n\n"
     "  terra bench --refiner --windows 1,2 --refiner-compile default --out refiner.json   # Terra's refiner (GPU)\n\n"
     "  terra bench --env 64 --branches 8 --fork-from 20 --out env.json   # the closed-loop simulator (GPU; docs/simulator.md)\n\n"
     "Docs: docs/performance.md"
@@ -73,7 +73,7 @@ def bench(
     heatmap: Optional[Path] = typer.Option(None, "--heatmap", help="--draft-acceptance: PNG of the acceptance per grid position."),
     scenarios: int = typer.Option(0, "--scenarios", min=0, help="Scenario throughput: N scenarios of --frames frames through `generate --scenarios`'s engine (continuous batching)."),
     act_bench: int = typer.Option(0, "--act-bench", min=0, help="End to end like ACT-Bench: N samples (random nuScenes-size JPEGs, 47 frames in 2 rounds) through `generate --scenarios`, videos included; s/sample and a 2,286-sample projection."),
-    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto, as generate --scenarios", help="--act-bench: video writer processes per engine (0: a thread of the engine's process), as `generate --scenarios --writers`."),
+    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto, as generate --scenarios", help="--act-bench: video writer processes per engine (0: threads of the engine's process), as `generate --scenarios --writers`."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="--scenarios/--act-bench: rollouts in flight per engine, or auto (as many as the KV cache holds, at most 256)."),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios/--act-bench: engines, one per GPU; more than one run as actors of a local Ray cluster (needs terra-cli[ray])."),
     ray_address: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="--scenarios/--act-bench: run the --data-parallel engines as Ray actors, also one: local (a cluster of this machine), auto, ray://HOST:10001 or HOST:6379, as `generate --scenarios --ray`."),

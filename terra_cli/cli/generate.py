@@ -67,7 +67,7 @@ def generate(
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
-    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto: 1 on a GPU, 0 on a CPU", help="With --scenarios: processes that decode finished scenarios and encode their mp4s beside the engine, which then only generates tokens (e.g. --writers 2); 0: a thread of the engine's process does it. With --ray/--data-parallel: per engine, on its node. --decoder refiner always decodes in the engine's process (each Ray engine refines its own videos)."),
+    writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto: 0", help="With --scenarios: processes that decode scenarios' frames as they are made and encode their mp4s beside the engine (e.g. --writers 2); 0: threads of the engine's process do it (the default: faster on a GPU, where they share vLLM's CUDA context). With --ray/--data-parallel: per engine, on its node. --decoder refiner always decodes in the engine's process (each Ray engine refines its own videos)."),
     kv_cache_dtype: str = opts.kv_cache_dtype_option(),
     quantization: str = opts.quantization_option(),
     attention: str = opts.attention_option(),

@@ -17,6 +17,7 @@ A failure of the thread (out of memory) fails every open video with `WriterDied`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import shutil
@@ -46,6 +47,7 @@ class InProcessWriter:
         self.closing = False
         self.videos, self.video_seconds, self.frames_decoded_late = 0, 0.0, 0
         self.store = FrameStore(decoder, held_frames)
+        atexit.register(self.close)  # its temporary folder goes with the process (a Ray actor's, say)
         self.thread = threading.Thread(target=self._run, name="terra-video-writer", daemon=True)
         self.thread.start()
 
@@ -75,7 +77,8 @@ class InProcessWriter:
         return future
 
     def close(self) -> None:
-        """Let the videos being encoded finish (the run waited for the ones it needs), then stop."""
+        """Let the videos being encoded finish (the run waited for the ones it needs), then stop. Safe to call twice."""
+        atexit.unregister(self.close)
         with self.lock:
             self.closing = True
         self.inbox.put(None)

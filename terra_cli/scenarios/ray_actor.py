@@ -6,7 +6,7 @@ rollout in the engine's batch. The stages are a single engine's (scenarios.runne
 their contexts to one intake thread, which encodes them in batches ahead of the engine
 (`encoding.encode_batch`) and puts their jobs into a `JobFeed`; one thread runs the backend's
 driver over that feed (backends/driver.py, whatever the backend). Videos are decoded and encoded by the actor's own writer processes
-(`--writers`, two on a GPU by default: `scenarios.writers.WriterPool`, decoding frames as they are made), so the actor's interpreter
+(`--writers N` processes, `scenarios.writers.WriterPool`, or by default threads of the actor's process, `scenarios.local_writer`; either decodes frames as they are made), so the actor's interpreter
 only generates, as a single engine's process does; with none (a CPU), in the calling threads.
 With `--decoder refiner`, the actor loads the refiner before its engine (as a single engine does)
 and refines its own videos in a thread (`refiner.stage`): the windows of the videos its open calls

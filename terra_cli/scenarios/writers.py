@@ -48,12 +48,13 @@ CLOSE_SECONDS = 10.0  # an idle worker told to stop exits well within this; one 
 
 
 def default_writers(device: str) -> int:
-    """--writers auto: two processes on a GPU, none on a CPU (a thread of the engine's process: the
-    decode needs the cores that generate). Frames are decoded as they are made, so at a batch's end
-    only encoding is left: two processes of two encoders each write 256 ACT-Bench videos that
-    finish together in seconds, where one process decoding whole videos took 174 s on an H100
-    (benchmarks/README.md); each holds a CUDA context and a decoder beside vLLM's KV cache."""
-    return 2 if str(device).startswith("cuda") else 0
+    """--writers auto: none, on a GPU as on a CPU: the engine's process decodes frames as they are made
+    and encodes the mp4s in threads of its own (`local_writer.InProcessWriter`). On an H100 that
+    generated 5% more frames than two writer processes beside vLLM (one CUDA context instead of three)
+    and used 7 GB less of the card; either way the videos of a batch that finishes together are
+    written in seconds, where one process decoding whole videos took 174 s (benchmarks/README.md).
+    Processes remain for a host whose engine's interpreter is the bottleneck (`--writers N`)."""
+    return 0
 
 
 def decode_frames(decoder, tokens: np.ndarray, seed: int | None = None) -> list[np.ndarray]:

@@ -187,6 +187,25 @@ def take_cancelled(feed: "JobFeed | None", job: RolloutJob, on_cancelled: JobCan
     return True
 
 
+def admit(layout, feed: "JobFeed | None", job: RolloutJob, on_cancelled: JobCancelled | None,
+          on_error: JobFailed | None, on_start: JobStarted | None) -> bool:
+    """Whether a driver takes `job` now: not cancelled, its invariants hold (`check_job`; a job that
+    fails them is reported to `on_error`, or raises without it), and then `on_start` is called. Every
+    driver admits a job through this."""
+    if take_cancelled(feed, job, on_cancelled):
+        return False
+    try:
+        check_job(layout, job)
+    except Exception as exc:
+        if on_error is None:
+            raise
+        on_error(job, exc)
+        return False
+    if on_start is not None:
+        on_start(job)
+    return True
+
+
 def timed_get(feed: "JobFeed", wait: float, loop: LoopTimes) -> RolloutJob | None:
     """`feed.get(wait)`, its waiting counted as idle (the caller has nothing in flight when wait > 0)."""
     if wait <= 0:

@@ -159,24 +159,13 @@ class ReferenceDriver:
         import collections
         import time
 
-        from terra_cli.backends.driver import JobFeed, check_job, compatible, take_cancelled, timed_get
+        from terra_cli.backends.driver import JobFeed, admit, compatible, timed_get
 
         feed = jobs if isinstance(jobs, JobFeed) else None
         pending = collections.deque(()) if feed is not None else collections.deque(jobs)
 
         def admitted(job) -> bool:
-            if job is None or take_cancelled(feed, job, on_cancelled):
-                return False
-            try:
-                check_job(self.layout, job)
-            except Exception as exc:
-                if on_error is None:
-                    raise
-                on_error(job, exc)
-                return False
-            if on_start is not None:
-                on_start(job)
-            return True
+            return job is not None and admit(self.layout, feed, job, on_cancelled, on_error, on_start)
 
         def take_compatible(first):
             if feed is not None:

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from terra_cli.backends.driver import JobFeed, LoopTimes, check_job, take_cancelled, timed_get
+from terra_cli.backends.driver import JobFeed, LoopTimes, admit, take_cancelled, timed_get
 
 
 class _JobCancelled(Exception):
@@ -43,17 +43,7 @@ class SingleStreamDriver:
             while True:
                 admitting, idle_before = clock(), self.loop.idle_s
                 job = (pending.popleft() if pending else None) if feed is None else timed_get(feed, idle_wait, self.loop)
-                admitted = job is not None and not take_cancelled(feed, job, on_cancelled)
-                if admitted:
-                    try:
-                        check_job(self.layout, job)
-                    except Exception as exc:
-                        if on_error is None:
-                            raise
-                        on_error(job, exc)
-                        admitted = False
-                if admitted and on_start is not None:
-                    on_start(job)
+                admitted = job is not None and admit(self.layout, feed, job, on_cancelled, on_error, on_start)
                 self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
                 if admitted:
                     self._run_job(job, feed, on_frame, on_done, on_cancelled, on_error)

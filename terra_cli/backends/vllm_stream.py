@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from terra_cli.backends.driver import (FrameDone, JobCancelled, JobDone, JobFailed, JobFeed, JobStarted,  # noqa: F401
-                                       LoopTimes, RolloutJob, check_job, take_cancelled, timed_get)
+                                       LoopTimes, RolloutJob, admit, take_cancelled, timed_get)
 from terra_cli.backends.vllm import VllmBackend, write_rows, interleave
 from terra_cli.backends.vllm_slots import RoundPlan, SlotTable
 from terra_cli.pipeline.rounds import Round, plan_rounds
@@ -145,17 +145,8 @@ class StreamDriver:
                         exhausted = job is None and feed.finished
                     if job is None:
                         break
-                    if take_cancelled(feed, job, on_cancelled):
+                    if not admit(self.layout, feed, job, on_cancelled, on_error, on_start):
                         continue
-                    try:
-                        check_job(self.layout, job)
-                    except Exception as exc:
-                        if on_error is None:
-                            raise
-                        on_error(job, exc)
-                        continue
-                    if on_start is not None:
-                        on_start(job)
                     rollout = self._start(job, self.slots.take(free, job.affinity, job.prefix_of))
                     if self._start_round(rollout):
                         active[self._submit(rollout)] = rollout

@@ -152,6 +152,62 @@ def test_compiled_layer_functions_give_the_eager_codes(model):
     decoder = SingleStreamDecoder(model)
     decoder.core = StaticKVDecoder(model, compile_layers=True)
     codes = decoder.rollout(context[0], actions[0], 4, Sampling(temperature=0), 0)
-    assert decoder.core.compiled, decoder.core.ops.decode.error
+    assert decoder.core.compiled, decoder.core.ops.compile_error
     reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], 4, Sampling(temperature=0))[0]
+    np.testing.assert_array_equal(codes, reference)
+
+
+def paged_varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table,
+                           softmax_scale, causal, fa_version):
+    """FlashAttention's `flash_attn_varlen_func` contract for one sequence, written plainly: keys
+    are the cache's blocks in `block_table`'s order, the first `seqused_k` of them are real, query
+    heads share KV heads in groups, and the causal mask is aligned to the bottom right."""
+    assert causal and fa_version in (2, 3) and cu_seqlens_q.tolist() == [0, q.shape[0]] == [0, max_seqlen_q]
+    assert max_seqlen_k == block_table.shape[1] * k.shape[1]
+    used = int(seqused_k[0])
+    keys = k[block_table[0].long()].flatten(0, 1)[:used]  # (used, KV, d)
+    values = v[block_table[0].long()].flatten(0, 1)[:used]
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * softmax_scale
+    n = q.shape[0]
+    visible = torch.arange(used)[None, :] <= (used - n + torch.arange(n))[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, values.float()).to(q.dtype)
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 4])
+def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch, draft_tokens):
+    """The cache as FlashAttention's paged layout (what CUDA runs when vLLM's kernel is present),
+    with the kernel's documented contract standing in for it: the block table, `seqused_k` and
+    the per-step query rows the decoder passes give the reference's greedy codes, one code per
+    step and with Jacobi windows."""
+    from terra_cli.backends import static_kv
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+
+    monkeypatch.setattr(static_kv, "flash_varlen_kernel", lambda device, dtype: (paged_varlen_attention, 3))
+    context, actions = inputs(seed=4)
+    decoder = SingleStreamDecoder(model, draft_tokens=draft_tokens)
+    decoder.core = static_kv.StaticKVDecoder(model, compile_layers=False)
+    assert decoder.core.attention == "flash" and decoder.core.cache_positions % static_kv.FLASH_BLOCK == 0
+    codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
+    reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
+    np.testing.assert_array_equal(codes, reference)
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 4])
+def test_fused_projections_give_the_reference_codes(model, draft_tokens):
+    """The decode steps' fused projections (q, k, v as one GEMM, gate and up as one: what the
+    compiled CUDA path runs), here eager on the CPU, give the reference's greedy codes."""
+    from terra_cli.backends import static_kv
+    from terra_cli.backends.layer_ops import FusedOps, LayerOps
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+
+    context, actions = inputs(seed=5)
+    decoder = SingleStreamDecoder(model, draft_tokens=draft_tokens)
+    decoder.core = static_kv.StaticKVDecoder(model, compile_layers=False)
+    decoder.core.ops = LayerOps(model, compile_layers=False, fuse_projections=True)
+    assert isinstance(decoder.core.ops.for_rows(True).functions, FusedOps)
+    codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
+    reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
     np.testing.assert_array_equal(codes, reference)

@@ -5,11 +5,11 @@ draft acceptance is real). Per variant: s/frame, codes per step, ms per step, an
 frame the GPU's busy share (union of kernel intervals / wall) and kernels per step.
 
 On the GPU host (the vLLM bundle unpacked into /tmp/site, as ../shared/notes/gpu-host.md says, so
-FlashAttention's kv-cache kernel is importable; without it the probe runs torch's attention and says so):
+FlashAttention's varlen kernel is importable; without it the probe runs torch's attention and says so):
 
     export PYTHONPATH=/tmp/site TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/terra-cache/inductor; timeout 540 python3 benchmarks/scripts/gpu_single_stream.py --budget-s 420 --out $OUT/single_stream.json 2>&1 | tee $OUT/single_stream.log
 
-Variants (the most telling first, in case the time runs out): the new path (FlashAttention kv-cache
+Variants (the most telling first, in case the time runs out): the new path (FlashAttention varlen
 kernel + torch.compile'd layer functions, `attention`/`compiled_layers` say what actually ran),
 Jacobi K=8 and K=4 on it, then the path measured on 2026-11-26 (torch attention, eager layers) and
 the two halves of the change apart, so each fix's share is measured. Each variant stops after
@@ -121,8 +121,17 @@ def gpu_busy(decoder, frame: int, device: str) -> dict:
         steps = decoder.decide_frame(frame)
         torch.cuda.synchronize()
         wall = time.perf_counter() - started
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    kernels = [e for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    # Where a step's kernel time goes: the kernels by total time, per step (names cut to 90 chars).
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:15]
+    top_kernels = [{"kernel": name, "per_step": round(len(times) / steps, 2) if steps else None,
+                    "us_per_step": round(sum(times) / steps, 1) if steps else None,
+                    "us_each": round(sum(times) / len(times), 2)} for name, times in top]
     busy, end = 0.0, None
     for start, stop in intervals:  # microseconds
         if end is None or start > end:
@@ -136,7 +145,8 @@ def gpu_busy(decoder, frame: int, device: str) -> dict:
             "kernels_per_step": round(len(intervals) / steps, 1) if steps else None,
             "gpu_busy_share_of_kernel_span": round(busy / span, 4) if span else None,
             "gpu_busy_share_of_wall": round(busy / 1e6 / wall, 4) if intervals else None,
-            "kernel_ms_per_step": round(busy / 1e3 / steps, 4) if steps and intervals else None}
+            "kernel_ms_per_step": round(busy / 1e3 / steps, 4) if steps and intervals else None,
+            "top_kernels": top_kernels}
 
 
 def run_variant(model, context, frames, sampling, draft_tokens, draft, device, variant_s) -> tuple[dict, np.ndarray]:
@@ -166,7 +176,7 @@ def run_variant(model, context, frames, sampling, draft_tokens, draft, device, v
         seconds = stats["frame_seconds"]
         row = {
             "attention": stats["attention"], "compiled_layers": stats["compiled_layers"],
-            "compile_error": getattr(decoder.core.ops.decode, "error", None),
+            "compile_error": decoder.core.ops.compile_error,
             "frames_generated": len(seconds),
             "s_per_frame_mean": round(statistics.fmean(seconds), 4),
             "s_per_frame_after_first": round(statistics.fmean(seconds[1:]), 4) if len(seconds) > 1 else None,

@@ -15,9 +15,9 @@ RMSNorm as 6 kernels (float32 upcast, pow, mean, rsqrt, two multiplies), rotary 
 as 6, the MLP's activation as 2: about 45 kernels a layer, ~1,000 a step, each a few microseconds
 even inside a CUDA graph. So (`layer_ops.py`) the layer's elementwise work is written as two plain
 functions, compiled with `torch.compile` on CUDA (Inductor fuses them into a few kernels around
-the GEMMs), and attention on CUDA is FlashAttention's kv-cache kernel when vLLM's build of it is
-importable: one kernel that reads exactly the keys so far (`cache_seqlens` lives on the device, so
-one CUDA graph serves every step of every frame). On a CPU, and where neither is available, the
+the GEMMs), and attention on CUDA is FlashAttention's paged varlen kernel (vLLM 0.25's build has
+no `flash_attn_with_kvcache`) when it is importable: one kernel that reads exactly the keys so far
+(`seqused_k` lives on the device, so one CUDA graph serves every step of every frame). On a CPU, and where neither is available, the
 same functions run eagerly and attention is `attend` below: the CPU's codes do not change.
 
 Grouped-query attention folds each KV head's query heads into the query length: queries
@@ -77,19 +77,56 @@ def _scores(q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q, keys_t).float()
 
 
-def flash_kvcache_kernel(device: torch.device, dtype: torch.dtype):
-    """vLLM's FlashAttention `flash_attn_with_kvcache` where it can run here (a CUDA device,
-    16-bit cache, vLLM's GPU build installed, not turned off by TERRA_SINGLE_STREAM_ATTENTION=torch),
-    else None."""
+# The cache seen as FlashAttention's paged layout: blocks of this many positions, in order.
+FLASH_BLOCK = 16
+
+
+def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
+    """vLLM's FlashAttention `flash_attn_varlen_func` and the version to run (3 on Hopper, else 2)
+    where it can run here (a CUDA device, 16-bit cache, vLLM's GPU build installed, not turned off
+    by TERRA_SINGLE_STREAM_ATTENTION=torch), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return None
     if os.environ.get(ATTENTION_ENV, "").strip().lower() == "torch":
         return None
     try:
-        from vllm.vllm_flash_attn import flash_attn_with_kvcache
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
     except Exception:  # noqa: BLE001 - not installed, or a build without it: torch's attention
         return None
-    return flash_attn_with_kvcache
+    for version in (3, 2):
+        try:
+            if is_fa_version_supported(version):
+                return flash_attn_varlen_func, version
+        except Exception:  # noqa: BLE001 - a build that cannot say: try the next version
+            continue
+    return None
+
+
+class FlashCacheAttention:
+    """One rollout's attention over the static cache through FlashAttention's paged kernel (the
+    one vLLM's decode runs): the cache (1, positions, KV, d) is read as blocks of FLASH_BLOCK
+    positions in order, and `seqused_k` (on the device) says how many keys are written, so one
+    kernel reads exactly the keys so far and one CUDA graph serves every step of every frame."""
+
+    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device):
+        self.kernel, self.version = kernel, version
+        blocks = cache_positions // FLASH_BLOCK
+        self.block_table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+        self.query_starts: dict[int, torch.Tensor] = {}
+        self.max_keys = cache_positions
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """q (1, n, heads, d); keys/values (1, positions, KV, d); seen (1,) int32 -> (1, n, heads * d)."""
+        n = q.shape[1]
+        starts = self.query_starts.get(n)
+        if starts is None:
+            starts = self.query_starts[n] = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+        paged = (-1, FLASH_BLOCK) + tuple(keys.shape[2:])
+        out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n, cu_seqlens_q=starts,
+                          max_seqlen_k=self.max_keys, seqused_k=seen, block_table=self.block_table,
+                          softmax_scale=scale, causal=True, fa_version=self.version)
+        return out.reshape(1, n, -1)
 
 
 class StaticKVDecoder:
@@ -97,7 +134,7 @@ class StaticKVDecoder:
 
     `forward_codes` takes image codes only (every decode step); `forward_with_actions` takes a
     sequence with action slots (the prompt, and the step that closes a frame). `attention`:
-    "flash" (FlashAttention's kv-cache kernel) or "torch"; `compiled`: whether the layers'
+    "flash" (FlashAttention's paged kernel) or "torch"; `compiled`: whether the layers'
     elementwise work runs through torch.compile.
     """
 
@@ -113,7 +150,10 @@ class StaticKVDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.max_positions = self.layout.max_positions
         self.cache_positions = self.max_positions + SPARE_POSITIONS
-        self.flash = flash_kvcache_kernel(self.device, self.dtype)
+        flash = flash_varlen_kernel(self.device, self.dtype)
+        if flash is not None:
+            self.cache_positions = -(-self.cache_positions // FLASH_BLOCK) * FLASH_BLOCK
+        self.flash = FlashCacheAttention(*flash, self.cache_positions, self.device) if flash is not None else None
         self.attention = "flash" if self.flash is not None else "torch"
         # FlashAttention reads (1, positions, KV, d); the torch path keeps (1, KV, positions, d),
         # each KV head's keys contiguous for its matmuls.
@@ -167,19 +207,18 @@ class StaticKVDecoder:
             group = self.heads // self.kv_heads
             mask = visible.repeat(group, 1)  # query rows are (group, n) flattened per KV head
         x = embeds
-        for layer, keys, values in zip(self.layers, self.keys, self.values):
-            q, k, v = ops.attention_inputs(x, cos, sin, *self.ops.attention_weights(layer))
+        for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
+            q, k, v = ops.attention_inputs(index, x, cos, sin)
             keys.index_copy_(self.position_dim, positions, k if self.flash is not None else k.transpose(1, 2))
             values.index_copy_(self.position_dim, positions, v if self.flash is not None else v.transpose(1, 2))
             scale = layer.self_attn.scaling
             if self.flash is not None:
-                out = self.flash(q, keys, values, cache_seqlens=seen, softmax_scale=scale, causal=True)
-                out = out.reshape(1, n, -1)
+                out = self.flash(q, keys, values, seen, scale)
             else:
                 q = q.transpose(1, 2).reshape(1, self.kv_heads, group * n, self.head_dim)
                 out = attend(q, keys[:, :, :key_length], values[:, :, :key_length], mask, scale)
                 out = out.view(1, self.kv_heads, group, n, self.head_dim).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
-            x = ops.attention_output_and_mlp(x, out, *self.ops.output_weights(layer))
+            x = ops.attention_output_and_mlp(index, x, out)
         return self.model.model.norm(x)[0]
 
     def frame_key_length(self, frame: int, spill: int = 0) -> int:

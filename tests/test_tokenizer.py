@@ -278,3 +278,34 @@ def test_cli_tokenize_errors(tmp_path, saved_small_tokenizer):
     result = invoke_terra("tokenize", tmp_path / "ok.png", "--out", tmp_path / "t.npy", "--tokenizer", broken)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "missing keys: encoder.conv_in.weight" in result.stderr
+
+
+def test_full_batches_take_the_compiled_decoder_and_fall_back_to_eager_when_it_fails(monkeypatch):
+    """`compile_decoder` sets a decoder for full batches only (static shapes); on the CPU it sets
+    none. A compiled decoder that fails is dropped for the eager one, with the reason kept."""
+    from terra_cli.scenarios import writer_process
+
+    tok = ImageTokenizer.from_config(small_config(), seed=0, device="cpu", batch_size=2, image_size=SMALL_SIZE)
+    tokens = np.random.default_rng(0).integers(0, tok.codebook_size, size=(3, tok.tokens_per_frame))
+    eager = tok.decode_tokens(tokens, full_batches=True)
+    assert tok.compile_decoder() is False and tok._compiled_decode is None
+    assert writer_process.compile_decoder(tok) is False  # a CPU decoder stays eager
+
+    batches = []
+
+    def stand_in(codes):
+        batches.append(codes.shape[0])
+        return tok.model.decode(codes)
+
+    tok._compiled_decode = stand_in
+    np.testing.assert_array_equal(tok.decode_tokens(tokens, full_batches=True), eager)
+    assert batches == [2, 2]  # the short last batch was padded to the batch size
+    tok.decode_tokens(tokens)  # not full batches: the eager decoder
+    assert batches == [2, 2]
+
+    def broken(codes):
+        raise RuntimeError("no Triton here\nmore")
+
+    tok._compiled_decode = broken
+    np.testing.assert_array_equal(tok.decode_tokens(tokens, full_batches=True), eager)
+    assert tok.decoder_compile_error == "RuntimeError: no Triton here"

@@ -80,6 +80,8 @@ class ImageTokenizer:
         self.batch_size = batch_size
         self.image_size = (height, width)
         self.source = source
+        self._compiled_decode = None  # set by compile_decoder()
+        self.decoder_compile_error: str | None = None
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -220,6 +222,25 @@ class ImageTokenizer:
                 on_batch(len(batch))
         return out
 
+    def compile_decoder(self) -> bool:
+        """Run full batches (`decode_tokens(full_batches=True)`) through `torch.compile` of the
+        decoder: static shapes, since a full batch always has `batch_size` frames. Only on CUDA,
+        where Inductor fuses the GroupNorm/SiLU passes that dominate its memory traffic; if the
+        first compiled call fails, the eager decoder takes over and `decoder_compile_error` says
+        why. Returns whether a compiled decoder is set."""
+        if self.device.type != "cuda" or not hasattr(torch, "compile"):
+            return False
+        self._compiled_decode = torch.compile(self.model.decode, dynamic=False)
+        return True
+
+    def _decode_batch(self, codes: torch.Tensor, full: bool) -> torch.Tensor:
+        if full and self._compiled_decode is not None and self.decoder_compile_error is None:
+            try:
+                return self._compiled_decode(codes)
+            except Exception as error:  # noqa: BLE001 - no compiler or Triton here: the eager decoder is correct too
+                self.decoder_compile_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return self.model.decode(codes)
+
     @torch.inference_mode()
     def decode_tokens(self, tokens, *, on_batch: Callable[[int], None] | None = None,
                       full_batches: bool = False) -> np.ndarray:
@@ -240,7 +261,7 @@ class ImageTokenizer:
                 rows = torch.cat([rows, rows[-1:].expand(self.batch_size - count, -1)])
             codes = self.tokens_to_codes(rows).to(self.device)
             with self._autocast():
-                pixels = self.model.decode(codes)
+                pixels = self._decode_batch(codes, full_batches)
             frames[start:start + count] = self.postprocess(pixels[:count])
             if on_batch is not None:
                 on_batch(count)

@@ -92,10 +92,37 @@ def main() -> None:
             per_frame[f"{layout}_batch{batch}"], _ = timed(decode_batch, device, args.repeats)
             per_frame[f"{layout}_batch{batch}"] /= batch
     tokenizer.model.to(memory_format=torch.contiguous_format)
+    # The compiled decoder (what decode-ahead runs on CUDA: ImageTokenizer.compile_decoder), its
+    # first-call compile time per batch size, and its frames' agreement with the eager decoder's.
+    compiled: dict[str, float] = {}
+    if device.type == "cuda" and tokenizer.compile_decoder():
+        from terra_cli.refiner.compiled import use_inductor_cache
+        from tokenizer_decoder import psnr
+
+        use_inductor_cache()
+        for batch in (8, 16):
+            chunk = codes[:batch] if codes.shape[0] >= batch else codes[:1].expand(batch, -1, -1, -1).contiguous()
+
+            def decode_compiled():
+                with torch.inference_mode(), tokenizer._autocast():
+                    return tokenizer._compiled_decode(chunk)
+
+            started = time.perf_counter()
+            decode_compiled()
+            torch.cuda.synchronize(device)
+            compiled[f"compile_s_batch{batch}"] = time.perf_counter() - started
+            compiled[f"compiled_batch{batch}"], out = timed(decode_compiled, device, args.repeats)
+            compiled[f"compiled_batch{batch}"] /= batch
+            if batch == tokenizer.batch_size:
+                with torch.inference_mode(), tokenizer._autocast():
+                    reference = tokenizer.model.decode(chunk)
+                compiled["psnr_db_compiled_vs_eager"] = psnr(tokenizer.postprocess(reference), tokenizer.postprocess(out))
+        compiled["error"] = tokenizer.decoder_compile_error
     report = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "frames": args.frames, "batch_size": tokenizer.batch_size, "torch_threads": torch.get_num_threads(),
               "mp4_bytes": size, "seconds": {k: round(v, 4) for k, v in parts.items()},
               "decoder_seconds_per_frame": {k: round(v, 5) for k, v in per_frame.items()},
+              "compiled_decoder": {k: (round(v, 5) if isinstance(v, float) else v) for k, v in compiled.items()},
               "seconds_per_video_parts_sum": round(parts["decode_tokens_whole"] + parts["write_video_with_check"], 4)}
     for name, seconds in report["seconds"].items():
         print(f"{name:>24}: {seconds:.3f} s")

@@ -35,6 +35,8 @@ from typing import Callable
 import numpy as np
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# TERRA_DECODER_COMPILE=0 keeps the tokenizer's decoder eager on CUDA (to compare; on by default).
+DECODER_COMPILE_ENV = "TERRA_DECODER_COMPILE"
 # Decoded frames a process keeps for videos still being generated; frames past it are decoded when
 # their video is done. 12,288 frames of 288x512 are 5.4 GB of host memory: 256 ACT-Bench rollouts.
 HELD_FRAMES = 12_288
@@ -66,11 +68,26 @@ class DecoderSpec:
                 "image_size": tuple(tokenizer.image_size)}
 
 
+def compile_decoder(decoder) -> bool:
+    """Decode-ahead batches through the compiled decoder on CUDA (`ImageTokenizer.compile_decoder`),
+    Inductor's cache in terra's cache folder, unless TERRA_DECODER_COMPILE=0. The first run on a
+    machine pays the compile once, in the thread that decodes."""
+    if os.environ.get(DECODER_COMPILE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if not hasattr(decoder, "compile_decoder") or getattr(getattr(decoder, "device", None), "type", None) != "cuda":
+        return False
+    from terra_cli.refiner.compiled import use_inductor_cache
+
+    use_inductor_cache()
+    return decoder.compile_decoder()
+
+
 class FrameStore:
     """Frames decoded ahead, per video: (tokens, pixels) by frame index, and the rows that wait to be decoded."""
 
     def __init__(self, decoder, held_frames: int):
         self.decoder, self.limit = decoder, held_frames
+        compile_decoder(decoder)
         self.videos: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None]]] = {}
         self.waiting: deque[tuple[str, int]] = deque()  # (key, index) not decoded yet
         self.count = 0  # frames held, decoded or waiting

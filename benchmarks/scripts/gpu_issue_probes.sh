@@ -10,6 +10,9 @@
 #          (40) terra bench --refiner, compiled (Inductor), 1 and 2 windows per call
 #   startab / ab  (issue 37) `bench --act-bench N` with the decode-ahead in the engine's process
 #          (`--writers 0`) and in two writer processes (`--writers 2`), one after the other
+#   start4 / steps4  (37, 41; next session) writer_parts.py with the compiled decoder (warms Inductor's cache
+#          for the decode-ahead batch), gpu_single_stream.py (FlashAttention varlen + fused projections),
+#          then tokens only and `--act-bench N` (decoder compiled, the default) on the one engine
 #   await  wait up to AWAIT_S (default 540) for `steps`, then pack its folder into $OUT/probes.tar.gz
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -51,11 +54,26 @@ case "${1:-}" in
         --out "$OUT/act-w$writers.json"
       kill $watch
     done ;;
+  steps4)
+    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    run_step writer_parts 240 python3 benchmarks/scripts/writer_parts.py --device cuda --out "$OUT/writer_parts.json"
+    run_step single_stream 360 python3 benchmarks/scripts/gpu_single_stream.py --budget-s 270 --variants 0,1,4,3 \
+      --out "$OUT/single_stream.json"
+    run_step tokens 330 terra bench --scenarios "$N" --frames 47 --kv-cache-dtype fp8 --out "$OUT/tokens.json"
+    ( while sleep 15; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done ) > "$OUT/act-gpu.txt" 2>&1 &
+    watch=$!
+    run_step act 420 terra bench --act-bench "$N" --kv-cache-dtype fp8 --out "$OUT/act.json"
+    kill $watch ;;
+  start4)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+    nvidia-smi -L | tee -a "$STEP_LOG"
+    in_background top bash -c 'top -b -c -d 20 -n 90 -w 230 | grep --line-buffered -A 12 "^top -"'
+    in_background probes bash benchmarks/scripts/gpu_issue_probes.sh steps4 ;;
   startab)
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
     in_background probes bash benchmarks/scripts/gpu_issue_probes.sh ab ;;
   await)
     await_background probes "${AWAIT_S:-540}"
     await_background top 0 ;;
-  *) echo "usage: gpu_issue_probes.sh start|steps|await" >&2; exit 2 ;;
+  *) echo "usage: gpu_issue_probes.sh start|steps|start4|steps4|startab|ab|await" >&2; exit 2 ;;
 esac

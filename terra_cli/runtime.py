@@ -23,6 +23,12 @@ SMALL_DECODER_HIDDEN = 1024
 STARTUP_LOG_ENV = "TERRA_VLLM_STARTUP_LOG"  # where configure_vllm_env routed vLLM's INFO records
 
 
+def switched_off(variable: str, environ=None) -> bool:
+    """Whether an on-by-default lab switch (TERRA_SINGLE_STREAM_COMPILE, TERRA_DECODER_COMPILE) is set to 0/false/no/off."""
+    environ = os.environ if environ is None else environ
+    return environ.get(variable, "").strip().lower() in ("0", "false", "no", "off")
+
+
 def cuda_device_count() -> int:
     import torch
 

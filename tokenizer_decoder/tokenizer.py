@@ -230,7 +230,8 @@ class ImageTokenizer:
         why. Returns whether a compiled decoder is set."""
         if self.device.type != "cuda" or not hasattr(torch, "compile"):
             return False
-        self._compiled_decode = torch.compile(self.model.decode, dynamic=False)
+        if self._compiled_decode is None:  # every writer of a run shares one tokenizer: compile once
+            self._compiled_decode = torch.compile(self.model.decode, dynamic=False)
         return True
 
     def _decode_batch(self, codes: torch.Tensor, full: bool) -> torch.Tensor:

@@ -17,10 +17,11 @@ Terra's size); prompts keep the modules' own.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
+
+from terra_cli.runtime import switched_off
 
 # TERRA_SINGLE_STREAM_COMPILE=0 keeps the eager functions on CUDA too (to compare, or where
 # Inductor cannot build).
@@ -48,8 +49,13 @@ def attention_inputs(x, cos, sin, norm_weight, eps: float, wq, bq, wk, bk, wv, b
     q = F.linear(h, wq, bq).view(1, n, heads, head_dim)
     k = F.linear(h, wk, bk).view(1, n, kv_heads, head_dim)
     v = F.linear(h, wv, bv).view(1, n, kv_heads, head_dim)
+    return (*rotated(q, k, cos, sin), v)
+
+
+def rotated(q, k, cos, sin):
+    """Rotary applied to q (1, n, heads, d) and k (1, n, kv_heads, d) with cos/sin (1, n, d)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (1, n, 1, d): one angle per row, every head
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def attention_output_and_mlp(x, attended, wo, bo, norm_weight, eps: float, wg, bg, wu, bu, wd, bd):
@@ -65,8 +71,7 @@ def attention_inputs_fused(x, cos, sin, norm_weight, eps: float, wqkv, bqkv, hea
     h = rms_norm(x, norm_weight, eps)
     q, k, v = F.linear(h, wqkv, bqkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q.reshape(1, n, heads, head_dim), k.reshape(1, n, kv_heads, head_dim), v.reshape(1, n, kv_heads, head_dim)
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+    return (*rotated(q, k, cos, sin), v)
 
 
 def attention_output_and_mlp_fused(x, attended, wo, bo, norm_weight, eps: float, wgu, bgu, wd, bd):
@@ -122,7 +127,7 @@ class CompiledOps:
 
 
 def compile_wanted(requested: bool) -> bool:
-    if os.environ.get(COMPILE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(COMPILE_ENV):
         return False
     return requested and hasattr(torch, "compile")
 

@@ -17,8 +17,8 @@ even inside a CUDA graph. So (`layer_ops.py`) the layer's elementwise work is wr
 functions, compiled with `torch.compile` on CUDA (Inductor fuses them into a few kernels around
 the GEMMs), and attention on CUDA is FlashAttention's paged varlen kernel (vLLM 0.25's build has
 no `flash_attn_with_kvcache`) when it is importable: one kernel that reads exactly the keys so far
-(`seqused_k` lives on the device, so one CUDA graph serves every step of every frame). On a CPU, and where neither is available, the
-same functions run eagerly and attention is `attend` below: the CPU's codes do not change.
+(`seqused_k` lives on the device, so one CUDA graph serves every step of every frame). On a CPU,
+and where neither is available, the same functions run eagerly and attention is `attend` below: the CPU's codes do not change.
 
 Grouped-query attention folds each KV head's query heads into the query length: queries
 (1, kv_heads, group * n, d) against keys (1, kv_heads, L, d), so the cache is never repeated.

@@ -72,7 +72,9 @@ def compile_decoder(decoder) -> bool:
     """Decode-ahead batches through the compiled decoder on CUDA (`ImageTokenizer.compile_decoder`),
     Inductor's cache in terra's cache folder, unless TERRA_DECODER_COMPILE=0. The first run on a
     machine pays the compile once, in the thread that decodes."""
-    if os.environ.get(DECODER_COMPILE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    from terra_cli.runtime import switched_off
+
+    if switched_off(DECODER_COMPILE_ENV):
         return False
     if not hasattr(decoder, "compile_decoder") or getattr(getattr(decoder, "device", None), "type", None) != "cuda":
         return False

@@ -234,3 +234,29 @@ def test_sigint_to_a_data_parallel_driver_alone_stops_it(work):
     assert driver.returncode == 130, output
     assert "interrupted: " in output
     assert 1 <= len(read_results(out / RESULTS_NAME)) < SCENARIOS
+
+
+def test_an_engine_takes_new_work_while_its_finished_rollouts_videos_are_made(cluster, tmp_path, monkeypatch):
+    """A rollout's place in the engine's batch frees when its tokens are done, not when its video
+    is: one rollout in flight (a window of two calls), three scenarios, and no video may come back
+    before the engine has generated all three (TERRA_RAY_TEST_HOLD_VIDEOS). If the finished
+    rollouts' videos held their places, the third scenario would never be handed out and the
+    held videos would fail after their 60 s limit."""
+    from terra_cli.models.default import default_tokenizer_dir
+    from terra_cli.scenarios.ray_runner import run_on_ray
+
+    np.save(tmp_path / "ctx.npy", np.random.default_rng(0).integers(0, 1024, size=(1, 576)))
+    lines = [{"id": f"h{i}", "context": "ctx.npy", "actions": "left", "frames": 2, "seed": i} for i in range(3)]
+    (tmp_path / "s.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    model = write_tiny_checkpoint(tmp_path / "m", tiny_config(image_vocab=1024, layers=1, max_frames=4))
+    monkeypatch.setenv("TERRA_RAY_TEST_HOLD_VIDEOS", "3")
+    out = tmp_path / "out"
+    job = ScenarioJob(tmp_path / "s.jsonl", out, Defaults(), model=ModelSpec(str(model), tokenizer=str(default_tokenizer_dir())),
+                      engine=Engine("hf", "cpu", "float32"), max_rollouts=1)
+    run = run_on_ray(prepare_job(job), "auto", 1)
+    records = read_results(out / RESULTS_NAME)
+    assert sorted(r["id"] for r in records if r["status"] == "done") == ["h0", "h1", "h2"], records
+    assert run.requeued == 0 and not run.errors
+    for i in range(3):
+        assert (out / f"h{i}.mp4").read_bytes()[4:8] == b"ftyp"
+        assert np.load(out / f"h{i}.npy").shape == (2, 576)

@@ -401,14 +401,18 @@ def test_a_ray_engine_actor_decodes_in_its_writer_process_and_dies_with_it(tmp_p
     first = pooled.generate(ScenarioWork(file.scenarios[0], context_tokens=context))
     same = threaded.generate(ScenarioWork(file.scenarios[0], context_tokens=context))
     np.testing.assert_array_equal(first.tokens, same.tokens)
-    assert first.video == same.video and first.video[4:8] == b"ftyp"
+    # generate returns with the tokens; the video is already on its way and `video` collects it, once
+    assert first.video_follows and same.video_follows and set(pooled.videos) == {file.scenarios[0].id}
+    video = pooled.video(first.id)
+    assert video == threaded.video(same.id) and video[4:8] == b"ftyp" and not pooled.videos
     died = []
     pooled._die = died.append
     for w in pooled.pool.workers:
         os.kill(w.process.pid, signal.SIGKILL)
         w.process.join(10)
+    second = pooled.generate(ScenarioWork(file.scenarios[1], context_tokens=context))
     with pytest.raises(WriterDied, match="video writer process"):
-        pooled.generate(ScenarioWork(file.scenarios[1], context_tokens=context))
+        pooled.video(second.id)
     deadline = time.monotonic() + 10
     while not died and time.monotonic() < deadline:
         time.sleep(0.05)

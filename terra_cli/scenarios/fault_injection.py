@@ -1,5 +1,5 @@
 """Faults a Ray scenario run can be told to inject, from the environment, for tests and lab probes:
-a slow engine, a scenario that fails on every engine. Unset, they inject nothing. They live here,
+a slow engine, a scenario that fails on every engine, videos held back. Unset, they inject nothing. They live here,
 not among the runner's functions, so that nothing of the product looks like a test."""
 
 from __future__ import annotations
@@ -21,3 +21,9 @@ def injected_failures() -> frozenset[str]:
     """TERRA_RAY_TEST_FAIL="a,b": scenarios every engine fails (tests: a scenario that passes
     validation and still fails on every engine)."""
     return frozenset(filter(None, os.environ.get("TERRA_RAY_TEST_FAIL", "").split(",")))
+
+
+def injected_video_hold() -> int:
+    """TERRA_RAY_TEST_HOLD_VIDEOS=N: every engine returns no video until it has generated N frames
+    (tests: an engine must take new work while its finished rollouts' videos are still being made)."""
+    return int(os.environ.get("TERRA_RAY_TEST_HOLD_VIDEOS", "0") or 0)

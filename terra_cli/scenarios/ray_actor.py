@@ -2,7 +2,11 @@
 
 The driver (`scenarios.ray_runner`) calls `generate` once per scenario and keeps several calls
 open per actor; the actor runs them concurrently (a threaded actor), so every open call is a
-rollout in the engine's batch. The stages are a single engine's (scenarios.runner): the calls hand
+rollout in the engine's batch. `generate` returns as soon as the rollout's tokens are done, its
+video already handed to the writer; the driver then asks for the video with `video`. So a
+rollout's place in the batch is free again when its tokens are, not when its video is written:
+when a batch of equal-length rollouts finishes together, the next batch starts at once instead
+of refilling at the writer's pace (the full-run timeline in benchmarks/README.md). The stages are a single engine's (scenarios.runner): the calls hand
 their contexts to one intake thread, which encodes them in batches ahead of the engine
 (`encoding.encode_batch`) and puts their jobs into a `JobFeed`; one thread runs the backend's
 driver over that feed (backends/driver.py, whatever the backend). Videos are decoded and encoded by the actor's own writer processes
@@ -48,6 +52,7 @@ class EngineSpec:
     frame_delay: float = 0.0  # test knob: seconds slept after each frame (a deliberately slow engine)
     longest_frames: int = 0  # the longest scenario of the run (--max-rollouts auto sizes by it)
     failing_ids: frozenset = frozenset()  # test knob: scenarios this engine fails
+    hold_videos: int = 0  # test knob: no video returns before the engine has generated this many frames
 
 
 @dataclass
@@ -60,11 +65,24 @@ class ScenarioWork:
 
 
 @dataclass
-class Finished:
+class Generated:
+    """What `generate` returns: a rollout's tokens. When `video_follows`, its video is being made
+    and `video(id)` returns it."""
+
     id: str
     tokens: np.ndarray  # (frames, T) int64, context included
-    video: bytes | None  # the encoded .mp4, when the job decodes
     seconds: float  # from the engine taking the scenario to its last frame
+    video_follows: bool
+
+
+@dataclass
+class Finished:
+    """A scenario ready to write: its tokens, and its encoded .mp4 when the job decodes."""
+
+    id: str
+    tokens: np.ndarray
+    video: bytes | None
+    seconds: float
 
 
 class _Waiter:
@@ -116,6 +134,7 @@ class ScenarioEngine:
         # The writer (processes, or threads here) decodes a scenario's frames while it is generated.
         self.ahead_of_time = self.pool if hasattr(self.pool, "frame") else None  # not the refiner's stage
         self.waiters: dict[str, _Waiter] = {}
+        self.videos: dict[str, object] = {}  # scenario -> its video's Future, or (tokens, seed) to decode in `video`
         self.lock = threading.Lock()
         self.frames = 0
         self.failure: BaseException | None = None
@@ -147,7 +166,7 @@ class ScenarioEngine:
             return {"frames": self.frames, "pending_frames": sum(w.frames for w in self.waiters.values()),
                     "engine_loop": loop}
 
-    def generate(self, work: ScenarioWork) -> Finished:
+    def generate(self, work: ScenarioWork) -> Generated:
         s = work.scenario
         if s.id in self.spec.failing_ids:
             raise RuntimeError(f"scenario {s.id} fails on purpose (TERRA_RAY_TEST_FAIL)")
@@ -166,7 +185,33 @@ class ScenarioEngine:
         if waiter.error is not None:
             raise waiter.error
         seconds = time.perf_counter() - started
-        return Finished(s.id, waiter.tokens, self._encode_video(s.id, waiter.tokens, s.seed), seconds)
+        video_follows = bool(self.job.decode and self.tokenizer is not None)
+        if video_follows:
+            self._start_video(s.id, waiter.tokens, s.seed)
+        return Generated(s.id, waiter.tokens, seconds, video_follows)
+
+    def video(self, key: str) -> bytes:
+        """The encoded video of a scenario `generate` returned with `video_follows`; waits for the
+        writer. VideoFailed is that scenario's failure (the driver retries it elsewhere)."""
+        with self.lock:
+            pending = self.videos.pop(key)
+        if self.spec.hold_videos:
+            self._hold_video(key)
+        if isinstance(pending, tuple):  # no writer (a CPU actor): decode in this calling thread
+            from terra_cli.media.frames import video_bytes
+            from terra_cli.scenarios.writers import decode_frames
+
+            tokens, _ = pending
+            with self.codec:
+                frames = decode_frames(self.tokenizer, tokens)
+            return video_bytes(frames, fps=VIDEO_FPS)
+        from terra_cli.scenarios.writers import WriterDied
+
+        try:
+            return pending.result()
+        except WriterDied as exc:  # every later video would fail too
+            threading.Thread(target=self._die, args=(exc,), daemon=True).start()
+            raise
 
     # -- the intake and engine threads ----------------------------------------------------
 
@@ -245,23 +290,20 @@ class ScenarioEngine:
             waiter.tokens, waiter.error = tokens, error
             waiter.event.set()
 
-    def _encode_video(self, key: str, tokens: np.ndarray, seed: int) -> bytes | None:
-        if not self.job.decode or self.tokenizer is None:
-            return None
-        if self.pool is not None:  # writer processes, or the refiner's stage (the calls' videos share its UNet calls)
-            from terra_cli.scenarios.writers import WriterDied
+    def _hold_video(self, key: str, limit_s: float = 60.0) -> None:
+        deadline = time.monotonic() + limit_s
+        while self.frames < self.spec.hold_videos:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"video {key} held for {limit_s:.0f} s: the engine generated {self.frames} of "
+                                   f"{self.spec.hold_videos} frames (TERRA_RAY_TEST_HOLD_VIDEOS)")
+            time.sleep(0.02)
 
-            try:
-                return self.pool.submit(key, tokens, seed).result()  # VideoFailed: this scenario's, retried elsewhere
-            except WriterDied as exc:  # every later video would fail too
-                threading.Thread(target=self._die, args=(exc,), daemon=True).start()
-                raise
-        from terra_cli.media.frames import video_bytes
-        from terra_cli.scenarios.writers import decode_frames
-
-        with self.codec:
-            frames = decode_frames(self.tokenizer, tokens)
-        return video_bytes(frames, fps=VIDEO_FPS)
+    def _start_video(self, key: str, tokens: np.ndarray, seed: int) -> None:
+        # The writer processes or threads, or the refiner's stage (whose UNet calls take the
+        # windows of several videos), start on it now; `video` collects it.
+        pending = self.pool.submit(key, tokens, seed) if self.pool is not None else (tokens, seed)
+        with self.lock:
+            self.videos[key] = pending
 
 
 def _with_threads(job: ScenarioJob, threads: int) -> ScenarioJob:

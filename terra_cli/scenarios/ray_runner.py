@@ -4,13 +4,14 @@
 `--ray [ADDRESS]` and `--data-parallel N` (a local cluster of N engines) both come here. The
 driver has validated every line (`prepare_job`) and reads `results.jsonl` for resume. It reads
 each scenario's context itself and ships the decoded frames or tokens through the object store;
-an actor (`ray_actor.ScenarioEngine`, one per GPU) returns tokens and the encoded video, and the
-driver writes them with `results.save_finished`, as a single-engine run does. No shared
+an actor (`ray_actor.ScenarioEngine`, one per GPU) returns tokens, then (a second call) the encoded
+video, and the driver writes them with `results.save_finished`, as a single-engine run does. No shared
 filesystem is needed, and the driver is the only writer: a scenario is written once.
 
 Hand-out is dynamic: each engine holds at most `window` open calls (its continuous batch plus a
 few queued while there is work to spare, `may_queue`), and never more than its `fair_share` of
-the work left, topped up as scenarios finish, so a fast engine takes more and a slow one less.
+the work left, topped up as rollouts finish (their videos are still being made: those count
+apart, `video_backlog`), so a fast engine takes more and a slow one less.
 A dead actor's open scenarios go back to the front of the queue for any engine, itself included;
 Ray restarts it (max_restarts) and it rejoins once its engine is loaded again. A scenario that
 fails MAX_ATTEMPTS times (errors of its own, each retried on another engine where there is one,
@@ -26,11 +27,12 @@ from typing import Callable
 from terra_cli.scenarios.job import AUTO_MAX_ROLLOUTS, PreparedJob
 from terra_cli.scenarios.ray_cluster import EnginePlan, ray_cluster
 from terra_cli.errors import OutputError
-from terra_cli.scenarios.fault_injection import injected_failures, injected_frame_delays
+from terra_cli.scenarios.fault_injection import injected_failures, injected_frame_delays, injected_video_hold
 from terra_cli.scenarios.outdir import RESULTS_NAME, make_out_dir, plan_outputs
 from terra_cli.scenarios.results import NotRecorded, ResultsLog, log_skipped, save_finished
 from terra_cli.scenarios.ray_hand_out import (EngineState, RayRun, counted, fair_share, may_queue,  # noqa: F401
-                                              window_for)
+                                              video_backlog, window_for)
+from terra_cli.scenarios.ray_actor import Finished
 from terra_cli.scenarios.spec import Scenario
 
 MAX_ATTEMPTS = 3
@@ -88,7 +90,7 @@ class RayDriver:
         self._start_engines()
         clock = time.perf_counter()
         try:
-            while self.pending or any(e.open for e in run.engines):
+            while self.pending or any(e.open or e.videos for e in run.engines):
                 if all(e.status == "dead" for e in run.engines):
                     run.errors.append(f"every engine is dead; {len(self.pending)} scenario(s) not run "
                                       "(run again to resume)")
@@ -101,7 +103,7 @@ class RayDriver:
                         self.hand_out(engine)
                         if engine.stats_ref is None and now - engine.stats_at > TICK_SECONDS:
                             engine.stats_ref = engine.actor.stats.remote()
-                refs = [r for e in run.engines for r in (*e.open, e.probe, e.stats_ref) if r is not None]
+                refs = [r for e in run.engines for r in (*e.open, *e.videos, e.probe, e.stats_ref) if r is not None]
                 ready, _ = ray.wait(refs, num_returns=1, timeout=TICK_SECONDS)
                 if ready:
                     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -111,7 +113,7 @@ class RayDriver:
             _last_engine_loops(run.engines)
         except KeyboardInterrupt:
             # Whatever is already back is written before the actors go.
-            refs = [r for e in run.engines for r in e.open]
+            refs = [r for e in run.engines for r in (*e.open, *e.videos)]
             try:
                 for ref in (ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []):
                     self.settle(ref)
@@ -138,12 +140,15 @@ class RayDriver:
         threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // count) if device == "cpu" else 0
         backend = prepared.backend if device == "cpu" or prepared.job.engine.backend != "auto" else "auto"
         engine_class = ray.remote(ScenarioEngine)
+        # Each open call holds one of the actor's threads: the generate calls of its window, and the
+        # video calls of finished rollouts (at most the backlog, and a window's worth more).
+        calls = 2 * self.window + video_backlog(self.job.max_rollouts or AUTO_MAX_ROLLOUTS) + 4
         longest = max(s.frames for s in self.pending)
         for index in range(count):
             spec = EngineSpec(self.job, backend, device, prepared.needs_tokenizer, index, threads,
-                              delays.get(index, 0.0), longest, injected_failures())
+                              delays.get(index, 0.0), longest, injected_failures(), injected_video_hold())
             actor = engine_class.options(max_restarts=ENGINE_RESTARTS, max_task_retries=0,
-                                         max_concurrency=self.window + 4, scheduling_strategy="SPREAD",
+                                         max_concurrency=calls, scheduling_strategy="SPREAD",
                                          **resources).remote(spec)
             self.state.engines.append(EngineState(index, actor, probe=actor.ready.remote()))
 
@@ -187,8 +192,10 @@ class RayDriver:
 
     def lost(self, engine: EngineState, why: str) -> None:
         """The actor died: its open scenarios go back to the queue; Ray restarts it."""
-        scenarios = list(engine.open.values())
+        scenarios = [*engine.open.values(), *(s for s, _ in engine.videos.values())]
+        engine.lost_frames += engine.video_frames()  # generated, their videos lost with the actor
         engine.open.clear()
+        engine.videos.clear()
         engine.status, engine.restarts, engine.since = "restarting", engine.restarts + 1, time.perf_counter()
         engine.lost_frames += engine.pending_frames  # as of its last stats: the work to redo
         engine.counted, engine.live, engine.pending_frames, engine.stats_ref = engine.counted + engine.live, 0, 0, None
@@ -214,7 +221,7 @@ class RayDriver:
 
         engines, pending = self.state.engines, self.pending
         limit = window_for(engine.in_flight)
-        while len(engine.open) < limit and pending:
+        while len(engine.open) < limit and pending and len(engine.videos) < video_backlog(engine.in_flight):
             now = time.perf_counter()
             if len(engine.open) >= fair_share(engines, len(pending), now):
                 return
@@ -241,6 +248,9 @@ class RayDriver:
                 return
             if ref in engine.open:
                 self._settle_result(engine, ref)
+                return
+            if ref in engine.videos:
+                self._settle_video(engine, ref)
                 return
 
     def _settle_probe(self, engine: EngineState, ref) -> None:
@@ -288,7 +298,25 @@ class RayDriver:
         except RayTaskError as exc:
             self.record_failure(s, engine, _short(exc))
         else:
-            self.finished(engine, s, result)
+            if result.video_follows:
+                engine.videos[engine.actor.video.remote(s.id)] = (s, result)
+            else:
+                self.finished(engine, s, Finished(s.id, result.tokens, None, result.seconds))
+
+    def _settle_video(self, engine: EngineState, ref) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        s, generated = engine.videos.pop(ref)
+        try:
+            video = ray.get(ref)
+        except RayActorError as exc:
+            engine.videos[ref] = (s, generated)
+            self.lost(engine, _short(exc))
+        except RayTaskError as exc:
+            self.record_failure(s, engine, _short(exc))
+        else:
+            self.finished(engine, s, Finished(s.id, generated.tokens, video, generated.seconds))
 
 
 def _last_engine_loops(engines: list[EngineState]) -> None:

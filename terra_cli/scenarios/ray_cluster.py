@@ -92,6 +92,28 @@ def plan_engines(ray, prepared: PreparedJob, cap: int | None) -> tuple[int, str,
     return count, "cpu", {"num_cpus": 1}
 
 
+TERMINATING_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+@contextlib.contextmanager
+def python_signal_handlers_kept() -> Iterator[None]:
+    """`ray.init` installs its own native handler for SIGTERM, which prints a stack dump and ends the
+    process at once. terra's CLI turns SIGTERM (`timeout`, job schedulers) and SIGHUP into Ctrl-C so
+    that what is finished gets written: put its Python handlers back once Ray is up."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    kept = {name: signal.getsignal(getattr(signal, name)) for name in TERMINATING_SIGNALS if hasattr(signal, name)}
+    try:
+        yield
+    finally:
+        for name, handler in kept.items():
+            if callable(handler) or handler in (signal.SIG_IGN, signal.SIG_DFL):
+                signal.signal(getattr(signal, name), handler)
+
+
 @dataclass(frozen=True)
 class EnginePlan:
     engines: int
@@ -112,8 +134,9 @@ def ray_cluster(prepared: PreparedJob, address: str | None = None, engines: int 
         raise InputError(f"several engines spread over all visible GPUs; drop --device {prepared.job.engine.device} "
                          "(choose GPUs with CUDA_VISIBLE_DEVICES)")
     local_gpus = cuda_device_count() if address is None and prepared.device != "cpu" else 0
-    started_here = connect(ray, address, cpus=max(engines or 1, os.cpu_count() or 1), gpus=local_gpus,
-                           verbose=verbose)
+    with python_signal_handlers_kept():
+        started_here = connect(ray, address, cpus=max(engines or 1, os.cpu_count() or 1), gpus=local_gpus,
+                               verbose=verbose)
     try:
         yield EnginePlan(*plan_engines(ray, prepared, engines))
     finally:

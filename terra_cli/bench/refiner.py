@@ -19,9 +19,8 @@ import torch
 from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
 from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner
 from terra_cli.refiner.windows import count_windows
+from terra_cli.scenarios.spec import ACT_BENCH_FRAMES, ACT_BENCH_SAMPLES
 
-ACT_BENCH_SAMPLES = 2286
-ACT_BENCH_FRAMES = 47
 TOKENS_ONLY_HOURS = 1.14  # ACT-Bench tokens on one H100, fp8 KV, 256 in flight (benchmarks/README.md)
 H100_BF16_DENSE = 989e12
 

@@ -20,8 +20,9 @@ from typing import Callable
 
 import numpy as np
 
-ACT_BENCH_SAMPLES = 2286
-ACT_BENCH_GENERATED_FRAMES = 44
+from terra_cli.scenarios.spec import ACT_BENCH_FRAMES, ACT_BENCH_SAMPLES  # noqa: F401  (act_bench imports them here)
+
+ACT_BENCH_GENERATED_FRAMES = ACT_BENCH_FRAMES - 3  # 3 context frames
 PRESETS = ("left", "right", "straight", "stop", "accelerate")
 BUSY_BUCKET_S = 10.0  # the GPU busy timeline's resolution in the reports
 # Each scenario gets a context file of its own (a shared one would let vLLM's prefix cache skip the

@@ -42,6 +42,7 @@ from terra_cli.scenarios.contexts import check_images, check_regular_file, check
 TOKENS_SUFFIX = ".npy"
 TERRA_FRAMES = 25
 ACT_BENCH_FRAMES = 47
+ACT_BENCH_SAMPLES = 2286  # the benchmark's size (the benches project their rates to it)
 ACT_BENCH_PREFIX = "NUSCENES_ACTION_"
 # Scenario ids become file names: keep them portable (fullmatch: `$` would let a trailing newline in).
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,150}")

@@ -7,6 +7,10 @@
 #              compiled  --refiner-compile default (what a GPU run gets by default)
 #              graphs    --refiner-compile reduce-overhead (CUDA graphs)
 #              autotune  --refiner-compile max-autotune (autotuned kernels + CUDA graphs; long compile)
+#              fp8       --refiner-compile default --refiner-dtype fp8 (the UNet's transformer Linear
+#                        layers in float8, torch._scaled_mm); the log's "fp8:" line and the JSON's "fp8"
+#                        give the PSNR of one refined window against the same weights in bf16
+#              fp8-eager --refiner-compile none --refiner-dtype fp8
 #            Inductor's cache is under $TERRA_CACHE/inductor (kept in /tmp/terra-cache while the
 #            machine is held): a second call of the same variant shows the cached compile time.
 #   product  the product path on CUDA with a tiny world model and a tiny refiner (seconds mean
@@ -20,6 +24,7 @@
 #   OUT=/tmp/out VARIANTS=eager WINDOWS="1 2 4 8" bash benchmarks/scripts/gpu_refiner_product.sh bench [WHEEL...]
 #   OUT=/tmp/out VARIANTS=compiled bash benchmarks/scripts/gpu_refiner_product.sh bench [WHEEL...]
 #   OUT=/tmp/out VARIANTS=graphs bash benchmarks/scripts/gpu_refiner_product.sh bench [WHEEL...]
+#   OUT=/tmp/out VARIANTS="compiled fp8" WINDOWS=1 bash benchmarks/scripts/gpu_refiner_product.sh bench [WHEEL...]
 #   OUT=/tmp/out bash benchmarks/scripts/gpu_refiner_product.sh product [WHEEL...]
 # Each bench step has its own limit (LIMIT_S, default 240 s) and none starts after BUDGET_S (default
 # 480 s), so a call ends inside the 10-minute device limit; what did not run says "skipped (time)".
@@ -36,18 +41,19 @@ LIMIT_S=${LIMIT_S:-240}
 BUDGET_S=${BUDGET_S:-480}
 
 bench_one() {  # VARIANT WINDOWS
-  local variant=$1 windows=$2 mode t0=$SECONDS rc name
+  local variant=$1 windows=$2 mode t0=$SECONDS rc name dtype=auto
   case $variant in
     eager) mode=none ;; compiled) mode=default ;; graphs) mode=reduce-overhead ;; autotune) mode=max-autotune ;;
+    fp8) mode=default dtype=fp8 ;; fp8-eager) mode=none dtype=fp8 ;;
     *) echo "unknown variant $variant" | tee -a "$STEP_LOG"; return ;;
   esac
   name=refiner-$variant-w$windows
   if [ "$SECONDS" -gt "$BUDGET_S" ]; then echo "== $name: skipped (time)" | tee -a "$STEP_LOG"; return; fi
-  echo "== $name: terra bench --refiner --windows $windows --refiner-compile $mode" | tee -a "$STEP_LOG"
+  echo "== $name: terra bench --refiner --windows $windows --refiner-compile $mode --refiner-dtype $dtype" | tee -a "$STEP_LOG"
   timeout "$LIMIT_S" python3 -m terra_cli bench --refiner --windows "$windows" --refiner-compile "$mode" \
-    --out "$OUT/$name.json" --overwrite > "$OUT/$name.log" 2>&1
+    --refiner-dtype "$dtype" --out "$OUT/$name.json" --overwrite > "$OUT/$name.log" 2>&1
   rc=$?
-  grep -E "compiled|window\(s\) per call|rror" "$OUT/$name.log" | tail -4 | tee -a "$STEP_LOG"
+  grep -E "compiled|window\(s\) per call|fp8:|rror" "$OUT/$name.log" | tail -5 | tee -a "$STEP_LOG"
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$STEP_LOG"
 }
 

@@ -145,7 +145,11 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
     say(f"ACT-Bench ({ACT_BENCH_SAMPLES} x {frames} frames, {windows} windows each): refining {refine_hours:.2f} h; with "
         f"tokens ({TOKENS_ONLY_HOURS} h): {projection['two_stages_hours']:.2f} h as two stages, at least "
         f"{projection['overlapped_lower_bound_hours']:.2f} h overlapped")
-    return {"config": config.to_dict(), "options": options.__dict__, "device": device, "dtype": str(plan.dtype),
+    fp8 = fp8_agreement(plan, refiner) if options.dtype == "fp8" else None
+    if fp8 is not None:
+        say(f"fp8: {fp8['layers']} UNet Linear layers; one refined window against the same weights unquantized "
+            f"({plan.dtype}): PSNR {fp8['psnr_db']:.1f} dB (random weights: real weights may differ)")
+    return {"config": config.to_dict(), "options": options.__dict__, "fp8": fp8, "device": device, "dtype": str(plan.dtype),
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
             "flops": {"unet_eval": unet_flops, "window": window_flops, "evals_per_window": evals_per_window,
                       "vae_encode_per_frame": enc_flops, "vae_decode_per_frame": dec_flops,
@@ -153,3 +157,21 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
             "rows": rows, "compile_mode": refiner.compile_mode, "compile_seconds": round(refiner.compile_seconds, 2),
             "vae_seconds_per_frame": {"encode": round(encode, 5), "decode": round(decode, 5)},
             "act_bench": projection}
+
+
+def fp8_agreement(plan: RefinerBenchPlan, refiner: VideoRefiner, seed: int = 0) -> dict:
+    """PSNR of one window refined by the fp8 UNet against the same random weights unquantized
+    (`VideoRefiner.random` seeds its weights), from the same condition and noise."""
+    from dataclasses import replace
+
+    from tokenizer_decoder.tokenizer import psnr
+
+    config = plan.config
+    reference = VideoRefiner.random(config, plan.device, plan.dtype,
+                                    options=replace(plan.options, dtype="auto", compile="none", batch_windows=1))
+    h, w = config.latent_hw
+    condition = torch.randn(config.window, config.latent_channels, h, w, generator=torch.Generator().manual_seed(seed))
+    frames = [r.decode(r.refine_latents([condition], [seed])[0]) for r in (reference, refiner)]
+    del reference
+    return {"layers": refiner.fp8_layers, "psnr_db": round(float(psnr(*frames)), 2), "frames": int(frames[0].shape[0]),
+            "reference_dtype": str(plan.dtype)}

@@ -104,6 +104,7 @@ def bench(
     refiner: bool = typer.Option(False, "--refiner", help="Terra's video refiner, random weights in its exact shapes: s/window, UNet evaluations/s, MFU, peak memory, ACT-Bench projection."),
     windows: str = typer.Option("1,2", "--windows", help="--refiner: windows per UNet call to measure, comma-separated."),
     refiner_compile: str = typer.Option("none", "--refiner-compile", help="--refiner: torch.compile mode for the UNet: none, auto (default on a GPU), default, reduce-overhead or max-autotune (CUDA graphs), max-autotune-no-cudagraphs; compiled once at the largest --windows, then again per other size."),
+    refiner_dtype: str = typer.Option("auto", "--refiner-dtype", help="--refiner: auto (--dtype throughout) or fp8 (the UNet's attention and feed-forward Linear layers in float8; also reports the PSNR of one refined window against the same weights unquantized)."),
     full_cfg: bool = typer.Option(False, "--full-cfg", help="--refiner: run the guidance pair (two UNet evaluations per step, as Terra computes them) instead of one (same result: Terra's uc equals c)."),
     plain_cross_attention: bool = typer.Option(False, "--plain-cross-attention", help="--refiner: compute cross-attention over the zero context token instead of its closed form."),
     tiny: bool = typer.Option(False, "--tiny", help="--refiner: a tiny refiner config (a CPU smoke test; its times mean nothing)."),
@@ -159,8 +160,8 @@ def bench(
         return env_bench(model, EnvBenchPlan(env, steps, context_frames, branches, fork_from, backend, device, dtype,
                                              temperature, seed, vllm_options), out_json, overwrite)
     if refiner:
-        return _refiner_bench(windows, refiner_compile, full_cfg, plain_cross_attention, tiny, device, dtype, seed,
-                              out_json, overwrite)
+        return _refiner_bench(windows, refiner_compile, refiner_dtype, full_cfg, plain_cross_attention, tiny, device,
+                              dtype, seed, out_json, overwrite)
     if act_bench:
         from terra_cli.bench.act_bench import ActBenchPlan
         from terra_cli.cli.bench_act import act_bench as run_act_bench
@@ -329,8 +330,8 @@ def engine_shares(engines: list[dict]) -> str:
     return f"{len(engines)}" + (f": {', '.join(shares)}" if shares else "")
 
 
-def _refiner_bench(windows: str, compile_mode: str, full_cfg: bool, plain_cross_attention: bool, tiny: bool,
-                   device: str, dtype: str, seed: int, out_json: Optional[Path], overwrite: bool) -> None:
+def _refiner_bench(windows: str, compile_mode: str, refiner_dtype: str, full_cfg: bool, plain_cross_attention: bool,
+                   tiny: bool, device: str, dtype: str, seed: int, out_json: Optional[Path], overwrite: bool) -> None:
     from terra_cli.bench.refiner import RefinerBenchPlan, run_refiner_bench
     from terra_cli.media.atomic import atomic_write_json, check_writable
     from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config
@@ -341,8 +342,12 @@ def _refiner_bench(windows: str, compile_mode: str, full_cfg: bool, plain_cross_
         check_writable(out_json, overwrite)
     batches = [int(b) for b in _parse_batches(windows)]
     resolved = resolve_device(device)
+    from terra_cli.refiner.fp8 import check_fp8_device, check_refiner_dtype
+
+    if check_refiner_dtype(refiner_dtype) == "fp8":
+        check_fp8_device(resolved)
     options = RefinerOptions(same_uncond=not full_cfg, batch_windows=max(batches), compile=compile_mode,
-                             exact_cross_attention=not plain_cross_attention)
+                             exact_cross_attention=not plain_cross_attention, dtype=refiner_dtype.strip().lower())
     plan = RefinerBenchPlan(batches=batches, options=options, device=resolved, dtype=resolve_dtype(dtype, resolved),
                             config=tiny_refiner_config() if tiny else TERRA_REFINER)
     import torch

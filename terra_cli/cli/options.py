@@ -114,3 +114,10 @@ def refiner_windows_option():
     return typer.Option(1, "--refiner-windows", min=1, help=(
         "With the refiner: 25-frame windows per UNet call, fixed for the run (with --scenarios, of several "
         "videos at once). The same seed gives the same video at any value, up to float rounding."))
+
+
+def refiner_dtype_option():
+    return typer.Option("auto", "--refiner-dtype", help=(
+        "With the refiner: auto (the run's --dtype throughout: bf16 on a GPU, float32 on a CPU) or fp8 (opt-in: "
+        "the UNet's attention and feed-forward Linear layers in float8 with scaled matmuls; a GPU of compute "
+        "capability 8.9+, or the CPU; not measured on a GPU yet, docs/refiner.md)."))

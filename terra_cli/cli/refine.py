@@ -57,6 +57,7 @@ def refine_video(
     allow_slow: bool = typer.Option(False, "--allow-slow", help="On a CPU: run even when it is estimated to take over an hour."),
     refiner_compile: str = opts.refiner_compile_option(),
     refiner_windows: int = opts.refiner_windows_option(),
+    refiner_dtype: str = opts.refiner_dtype_option(),
     overwrite: bool = opts.overwrite_option(),
 ):
     """Refine saved tokens into a video with Terra's video refiner."""
@@ -74,7 +75,8 @@ def refine_video(
     from terra_cli.refiner.refiner import RefinerOptions
 
     choice = refiner_choice("refiner", refiner, model, device, dtype, allow_slow,
-                            RefinerOptions(batch_windows=refiner_windows, compile=refiner_compile.strip().lower()))
+                            RefinerOptions(batch_windows=refiner_windows, compile=refiner_compile.strip().lower(),
+                                           dtype=refiner_dtype.strip().lower()))
     if variant not in PAIRED_TOKENIZER:
         raise InputError(f"--variant must be one of {', '.join(PAIRED_TOKENIZER)}, got {variant!r}")
     # Only the tokenizer is needed here, not the world model --model names.

@@ -74,7 +74,7 @@ def refiner_choice(decoder: str, refiner: str | None, model: str | None, device:
                    allow_slow: bool = False, options: RefinerOptions = RefinerOptions()) -> RefinerChoice | None:
     """--decoder / --refiner as the CLI gives them -> a RefinerChoice (None for the frame-wise decoder).
     Without --refiner, a --model that is turing-motors/Terra (or a local snapshot of it) brings its own.
-    `options` (--refiner-compile, --refiner-windows) are checked here, before anything loads."""
+    `options` (--refiner-compile, --refiner-windows, --refiner-dtype) are checked here, before anything loads."""
     from pathlib import Path
 
     from terra_cli.errors import InputError
@@ -82,8 +82,10 @@ def refiner_choice(decoder: str, refiner: str | None, model: str | None, device:
     from terra_cli.refiner.checkpoint import REFINER_FILE, REFINER_SUBFOLDER
 
     from terra_cli.refiner.compiled import check_compile_mode
+    from terra_cli.refiner.fp8 import check_refiner_dtype
 
     check_compile_mode(options.compile)
+    check_refiner_dtype(options.dtype)
     if options.batch_windows < 1:
         raise InputError(f"--refiner-windows must be at least 1, got {options.batch_windows}")
     decoder = decoder.strip().lower()
@@ -92,6 +94,8 @@ def refiner_choice(decoder: str, refiner: str | None, model: str | None, device:
     if decoder == "frames":
         if refiner is not None:
             raise InputError("--refiner works with --decoder refiner")
+        if options.dtype != RefinerOptions().dtype:
+            raise InputError("--refiner-dtype works with --decoder refiner")
         if options != RefinerOptions():
             raise InputError("--refiner-compile and --refiner-windows work with --decoder refiner")
         return None
@@ -115,6 +119,10 @@ def load_refiner(choice: RefinerChoice, frame_counts: list[int]) -> VideoRefiner
     for frames in frame_counts:
         check_frames(frames)  # Terra's 25-frame window, before reading gigabytes of weights
     device = resolve_device(choice.device)
+    if choice.options.dtype == "fp8":
+        from terra_cli.refiner.fp8 import check_fp8_device
+
+        check_fp8_device(device)
     refiner = VideoRefiner.from_checkpoint(choice.spec, device="cpu", dtype=resolve_dtype_name(choice.dtype, device),
                                            options=choice.options)
     for frames in frame_counts:

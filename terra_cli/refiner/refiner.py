@@ -30,6 +30,7 @@ from terra_cli.refiner import sampler
 from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_latents, encode_condition
 from terra_cli.refiner.compiled import COMPILE_MODES, compile_unet, resolve_compile_mode, uses_cuda_graphs
 from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
+from terra_cli.refiner.fp8 import check_refiner_dtype, quantize_unet_linears
 from terra_cli.refiner.unet import added_time_ids, build_unet, zero_context
 from terra_cli.refiner.windows import check_frames, kept_frames, start_end_indices
 
@@ -49,6 +50,7 @@ class RefinerOptions:
     compile: str = "auto"  # compiled.COMPILE_MODES; auto: Inductor's default mode on a GPU, eager on a CPU
     exact_cross_attention: bool = True  # closed form of attention over the one zero context token
     vae_chunk: int = 4  # frames per VAE decoder call
+    dtype: str = "auto"  # --refiner-dtype: auto (the run's dtype throughout) or fp8 (fp8.py: the UNet's transformer Linears)
 
 
 class VideoRefiner:
@@ -60,6 +62,11 @@ class VideoRefiner:
             raise InputError(f"--refiner-windows (windows per UNet call) must be at least 1, got {options.batch_windows}")
         self.config, self.device, self.dtype, self.source, self.options = config, device, dtype, source, options
         self.unet, self.vae = unet, vae
+        self.fp8_layers = 0  # Linear layers turned into fp8.Fp8Linear (--refiner-dtype fp8)
+        if check_refiner_dtype(options.dtype) == "fp8":
+            self.fp8_layers = quantize_unet_linears(unet)
+            LOG.info(f"refiner: {self.fp8_layers} UNet Linear layers in fp8 (--refiner-dtype fp8: opt-in, its speed "
+                     f"and agreement with bf16 not measured on a GPU yet)")
         self.ignored = ignored or []
         self.target_device = device  # where refining runs (load_refiner loads on the CPU first)
         self.forward = None  # the UNet, eager or compiled: chosen at the first call, on the device it runs on

@@ -253,6 +253,36 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     assert describe_engine_loop(idle_only).startswith("engine loop: 0% in the engine's step (no step), ")
 
 
+def test_a_ray_bench_logs_each_engines_loop_over_the_last_minute_not_since_its_start(monkeypatch):
+    """A run cut off by a time limit writes no JSON: the log says, minute by minute, where each
+    engine's loop went, from the differences of its cumulative times."""
+    from types import SimpleNamespace
+
+    from terra_cli.bench import scenarios as bench
+
+    lines, clock = [], [1000.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    timed = bench.TimedRun.__new__(bench.TimedRun)
+    timed.log, timed.marks, timed.loops_logged, timed.loops_logged_at = lines.append, {"start": 1000.0}, {}, 1000.0
+    first = {"steps": 1000, "seconds": 60.0, "in_engine_step_s": 54.0, "admitting_jobs_s": 3.0,
+             "handling_frames_s": 3.0, "idle_s": 0.0, "other_s": 0.0, "ms_per_step": 54.0}
+    engine = SimpleNamespace(index=2, engine_loop=first)
+    run = SimpleNamespace(engines=[engine, SimpleNamespace(index=3, engine_loop=None)])  # 3: no stats yet
+    clock[0] = 1030.0
+    timed.on_tick(run)
+    assert lines == []  # not a minute yet
+    clock[0] = 1061.0
+    timed.on_tick(run)
+    assert lines == ["61 s, engine 2, last minute: engine loop: 90% in the engine's step (54.00 ms x 1000 steps), "
+                     "5% taking in jobs, 5% handling finished frames"]
+    # the next minute: 30 s stepping (500 steps), 30 s idle
+    engine.engine_loop = {**first, "steps": 1500, "seconds": 120.0, "in_engine_step_s": 84.0, "idle_s": 30.0}
+    clock[0] = 1122.0
+    timed.on_tick(run)
+    assert lines[-1] == ("122 s, engine 2, last minute: engine loop: 50% in the engine's step (60.00 ms x 500 steps), "
+                         "0% taking in jobs, 0% handling finished frames, 50% idle (nothing in flight, waiting for work)")
+
+
 def test_the_pipelined_projection_takes_the_slower_of_engine_and_writer_per_sample():
     from terra_cli.bench.act_bench import pipelined_projection_s
 

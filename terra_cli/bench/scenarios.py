@@ -25,6 +25,7 @@ from terra_cli.scenarios.spec import ACT_BENCH_FRAMES, ACT_BENCH_SAMPLES  # noqa
 ACT_BENCH_GENERATED_FRAMES = ACT_BENCH_FRAMES - 3  # 3 context frames
 PRESETS = ("left", "right", "straight", "stop", "accelerate")
 BUSY_BUCKET_S = 10.0  # the GPU busy timeline's resolution in the reports
+LOOP_LOG_S = 60.0  # on Ray, each engine's loop over the last minute goes to the log this often
 # Each scenario gets a context file of its own (a shared one would let vLLM's prefix cache skip the
 # prefill and flatter the rate); 100,000 is 44 ACT-Benches, days of generation on any GPU, and its
 # files can still be removed within seconds of a SIGTERM.
@@ -97,6 +98,14 @@ class BusySampler:
                 timeline[str(g)] = [round(float(values[owners == b].mean()) / 100, 3) if (owners == b).any() else None
                                     for b in range(int(owners.max()) + 1)]
         return timeline
+
+
+def loop_since(loop: dict, earlier: dict | None) -> dict:
+    """An engine loop's times between two of its cumulative snapshots (`LoopTimes.as_dict`)."""
+    earlier = earlier or {}
+    since = {k: v - earlier.get(k, 0) for k, v in loop.items() if k != "ms_per_step" and isinstance(v, (int, float))}
+    since["ms_per_step"] = 1000 * since["in_engine_step_s"] / since["steps"] if since.get("steps") else None
+    return since
 
 
 def describe_engine_loop(loop: dict | None) -> str | None:
@@ -193,6 +202,8 @@ class TimedRun:
         self.frames = 0
         self.frame_marks: list[float] = []  # perf_counter at each new frame count, for the rate timeline
         self.engine_loop: dict | None = None
+        self.loops_logged: dict[int, dict] = {}  # Ray: each engine's loop times when last logged
+        self.loops_logged_at = time.perf_counter()
 
     def on_ready(self, index: int, ready) -> None:
         self.marks.setdefault("ready", time.perf_counter())
@@ -212,10 +223,24 @@ class TimedRun:
             self.marks["last_frame"] = now
             self.progress(count, self.total)
 
+    def on_tick(self, run) -> None:
+        """Ray: each engine's loop over the last LOOP_LOG_S, in the log as the run goes (a run cut
+        off by a time limit still tells where its engines' time went, and when)."""
+        now = time.perf_counter()
+        if now - self.loops_logged_at < LOOP_LOG_S:
+            return
+        self.loops_logged_at = now
+        for engine in run.engines:
+            if engine.engine_loop:
+                line = describe_engine_loop(loop_since(engine.engine_loop, self.loops_logged.get(engine.index)))
+                self.loops_logged[engine.index] = dict(engine.engine_loop)
+                if line:
+                    self.log(f"{now - self.marks['start']:.0f} s, engine {engine.index}, last minute: {line}")
+
     def run(self):
         self.marks["start"] = time.perf_counter()
         try:
-            run = run_engines(self.prepared, self.engine_count, self.ray, self.on_ready, self.on_frames)
+            run = run_engines(self.prepared, self.engine_count, self.ray, self.on_ready, self.on_frames, self.on_tick)
         finally:
             self.sampler.stop()
         self.marks["end"] = time.perf_counter()
@@ -253,12 +278,14 @@ def uses_ray(engines: int, ray: str | None) -> bool:
     return engines > 1 or ray is not None
 
 
-def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_frames: Callable[[int], None]):
+def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_frames: Callable[[int], None],
+                on_tick: Callable[[object], None] = lambda run: None):
     """Run a prepared scenario job the way `generate --scenarios` does: one engine in this
     process, or Ray actors (`ray` given, or several engines: a local cluster). Calls
     on_ready(engine index, EngineReady) as each engine is ready, and on_frames(generated frames
     so far) after each frame (one engine) or every tick (Ray: frames of written scenarios and
-    the engines' last counts of open ones). Returns the run (a ScenarioRun, RayRun on Ray)."""
+    the engines' last counts of open ones; on_tick(the RayRun) too). Returns the run (a ScenarioRun,
+    RayRun on Ray)."""
     from terra_cli.scenarios.job import EngineReady, run_scenario_job
 
     if not uses_ray(engines, ray):
@@ -274,8 +301,10 @@ def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_
     def on_event(kind, engine, payload):
         if kind == "ready":
             on_ready(engine.index, EngineReady(payload["startup_s"], payload["startup"], payload["in_flight"]))
-        elif kind == "tick" and payload.progress_frames:
-            on_frames(payload.progress_frames)
+        elif kind == "tick":
+            if payload.progress_frames:
+                on_frames(payload.progress_frames)
+            on_tick(payload)
 
     return run_on_ray(prepared, None if ray in (None, "local") else ray, engines, on_event=on_event)
 

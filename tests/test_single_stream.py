@@ -211,3 +211,25 @@ def test_fused_projections_give_the_reference_codes(model, draft_tokens):
     codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
     reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
     np.testing.assert_array_equal(codes, reference)
+
+
+@pytest.mark.parametrize("draft_tokens", [3, 8])
+def test_jacobi_logits_over_rows_padded_for_the_gpus_kernels_give_the_reference_codes(model, draft_tokens, monkeypatch):
+    """On CUDA a Jacobi step's 2..15 rows go through the lm_head padded to 16 (the Hopper GEMMs
+    take that shape); here, forced on the CPU, the padding is really taken and the codes are the
+    reference's."""
+    from terra_cli.backends import static_kv
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+
+    context, actions = inputs(seed=6)
+    decoder = SingleStreamDecoder(model, draft_tokens=draft_tokens)
+    assert decoder.core.logit_row_multiple == 1  # off on the CPU
+    decoder.core.logit_row_multiple = static_kv.LOGIT_ROW_MULTIPLE
+    heads = []
+    lm_head = model.lm_head.forward
+    monkeypatch.setattr(model.lm_head, "forward", lambda x: heads.append(x.shape[0]) or lm_head(x))
+    codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
+    monkeypatch.undo()
+    assert static_kv.LOGIT_ROW_MULTIPLE in heads and draft_tokens + 1 not in heads
+    reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
+    np.testing.assert_array_equal(codes, reference)

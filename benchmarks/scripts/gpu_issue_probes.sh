@@ -37,7 +37,7 @@ case "${1:-}" in
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     run_step env 240 terra bench --env 64 --steps 8 --branches 8 --fork-from 20 --kv-cache-dtype fp8 --out "$OUT/env.json"
     run_step single_stream 330 python3 benchmarks/scripts/gpu_single_stream.py --budget-s 240 --out "$OUT/single_stream.json"
-    run_step tokens 330 terra bench --scenarios "$N" --frames 47 --kv-cache-dtype fp8 --out "$OUT/tokens.json"
+    run_step tokens 450 terra bench --scenarios "$N" --frames 47 --kv-cache-dtype fp8 --out "$OUT/tokens.json"
     ( while sleep 15; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done ) > "$OUT/act-gpu.txt" 2>&1 &
     watch=$!
     run_step act 390 terra bench --act-bench "$N" --kv-cache-dtype fp8 --out "$OUT/act.json"
@@ -57,9 +57,9 @@ case "${1:-}" in
   steps4)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     run_step writer_parts 240 python3 benchmarks/scripts/writer_parts.py --device cuda --out "$OUT/writer_parts.json"
-    run_step single_stream 360 python3 benchmarks/scripts/gpu_single_stream.py --budget-s 270 --variants 0,1,4,3 \
+    run_step single_stream 360 python3 benchmarks/scripts/gpu_single_stream.py --budget-s 270 --variants 0,1,7,4 \
       --out "$OUT/single_stream.json"
-    run_step tokens 330 terra bench --scenarios "$N" --frames 47 --kv-cache-dtype fp8 --out "$OUT/tokens.json"
+    run_step tokens 450 terra bench --scenarios "$N" --frames 47 --kv-cache-dtype fp8 --out "$OUT/tokens.json"
     ( while sleep 15; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done ) > "$OUT/act-gpu.txt" 2>&1 &
     watch=$!
     run_step act 420 terra bench --act-bench "$N" --kv-cache-dtype fp8 --out "$OUT/act.json"

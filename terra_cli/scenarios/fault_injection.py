@@ -1,6 +1,7 @@
-"""Faults a Ray scenario run can be told to inject, from the environment, for tests and lab probes:
-a slow engine, a scenario that fails on every engine. Unset, they inject nothing. They live here,
-not among the runner's functions, so that nothing of the product looks like a test."""
+"""Faults a scenario run can be told to inject, from the environment, for tests and lab probes:
+a slow engine, a scenario that fails on every engine, a writer the engine may not run ahead of.
+Unset, they inject nothing. They live here, not among the runners' functions, so that nothing of
+the product looks like a test."""
 
 from __future__ import annotations
 
@@ -21,3 +22,17 @@ def injected_failures() -> frozenset[str]:
     """TERRA_RAY_TEST_FAIL="a,b": scenarios every engine fails (tests: a scenario that passes
     validation and still fails on every engine)."""
     return frozenset(filter(None, os.environ.get("TERRA_RAY_TEST_FAIL", "").split(",")))
+
+
+def injected_single_engine_frame_delay() -> float:
+    """TERRA_TEST_FRAME_DELAY=0.5: seconds a one-engine `--scenarios` run (not Ray's engines:
+    TERRA_RAY_TEST_FRAME_DELAY) sleeps after each frame, so that a test's Ctrl-C lands mid-run."""
+    return float(os.environ.get("TERRA_TEST_FRAME_DELAY") or 0.0)
+
+
+def injected_writer_backlog() -> int | None:
+    """TERRA_TEST_WRITER_BACKLOG=2: a one-engine run takes no new scenario while this many finished
+    ones wait to be written (the product's bound is far larger). A test that acts on the first
+    results line then knows the engine has not run ahead to the end behind a slow-starting writer."""
+    value = os.environ.get("TERRA_TEST_WRITER_BACKLOG")
+    return int(value) if value else None

@@ -161,10 +161,13 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path):
 
 @pytest.mark.slow
 def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path):
-    """`terra bench --act-bench 3 --data-parallel 2 --writers 1` (reference backend on CPU, a local
+    """`terra bench --act-bench 2 --data-parallel 2 --writers 1` (reference backend on CPU, a local
     Ray cluster): the samples are handed to both engines, each engine's writer process makes its
     videos, the driver writes each once, the report has each engine's share, and the tokens equal
-    a one-engine run's."""
+    a one-engine run's. The model is a snapshot folder (world_model/ beside its lfq_tokenizer_B_256/,
+    as turing-motors/Terra's) whose tokenizer is a small one of Terra's frame size and codes: the
+    bench uses the snapshot's own, and each of the 20 frames decoded here costs about a third of the
+    embedded tokenizer's."""
     import json
 
     pytest.importorskip("ray")
@@ -172,19 +175,24 @@ def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path):
 
     from terra_cli.cli import app
     from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+    from tokenizer_decoder import ImageTokenizer, small_config
 
-    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=1024, layers=1, max_frames=4))
-    common = ["bench", "--act-bench", "3", "--frames", "5", "--model", str(model), "--backend", "hf", "--device", "cpu"]
+    model = tmp_path / "snapshot"
+    write_tiny_checkpoint(model / "world_model", tiny_config(image_vocab=1024, layers=1, max_frames=4))
+    tokenizer = ImageTokenizer.from_config(small_config(ch=32), seed=0, device="cpu")  # 1024 codes, 576 a frame
+    tokenizer.save_pretrained(model / "lfq_tokenizer_B_256")
+    common = ["bench", "--act-bench", "2", "--frames", "5", "--model", str(model), "--backend", "hf", "--device", "cpu"]
     one = CliRunner().invoke(app, [*common, "--keep-outputs", str(tmp_path / "one"), "--out", str(tmp_path / "one.json")])
     assert one.exit_code == 0, one.output
     two = CliRunner().invoke(app, [*common, "--data-parallel", "2", "--writers", "1", "--keep-outputs",
                                    str(tmp_path / "two"), "--out", str(tmp_path / "two.json")])
     assert two.exit_code == 0, two.output
     report = json.loads((tmp_path / "two.json").read_text())
+    assert report["tokenizer"] == str(model / "lfq_tokenizer_B_256")
     assert [e["engine"] for e in report["engines"]] == [0, 1]
-    assert sum(e["scenarios"] for e in report["engines"]) == 3 and report["run"]["videos_written"] == 3
-    assert report["run"]["generated_frames"] == 3 * 2 and report["run"]["results_lines_done"] == 3
-    for name in (f"NUSCENES_ACTION_{i:06d}" for i in range(3)):
+    assert sum(e["scenarios"] for e in report["engines"]) == 2 and report["run"]["videos_written"] == 2
+    assert report["run"]["generated_frames"] == 2 * 2 and report["run"]["results_lines_done"] == 2
+    for name in (f"NUSCENES_ACTION_{i:06d}" for i in range(2)):
         np.testing.assert_array_equal(np.load(tmp_path / "two" / "outputs" / f"{name}.npy"),
                                       np.load(tmp_path / "one" / "outputs" / f"{name}.npy"))
         assert (tmp_path / "two" / "outputs" / f"{name}.mp4").stat().st_size > 0

@@ -40,16 +40,23 @@ def one_video(folder, model, seed: int, name: str) -> np.ndarray:
     return np.load(folder / name)
 
 
-def test_generate_scenarios_and_a_session_draw_the_same_tokens(setup):
+@pytest.fixture(scope="module")
+def one_videos(setup):
+    """Scenarios a and b as one-video `terra generate` runs draw them (each a process of its own): what
+    every other front-end here must draw."""
+    folder, model = setup
+    return one_video(folder, model, SEED, "one.npy"), one_video(folder, model, SEED + 1, "neighbour.npy")
+
+
+def test_generate_scenarios_and_a_session_draw_the_same_tokens(setup, one_videos):
     from fastapi.testclient import TestClient
 
     from terra_cli.server.app import Settings, create_app
     from terra_cli.server.loader import EngineConfig, load_engine
 
     folder, model = setup
-    video = one_video(folder, model, SEED, "one.npy")
+    video, neighbour = one_videos
     assert video.shape == (FRAMES, 576)
-    neighbour = one_video(folder, model, SEED + 1, "neighbour.npy")
     assert (neighbour[2:] != video[2:]).mean() > 0.5  # seeds one apart draw other videos
     np.testing.assert_array_equal(one_video(folder, model, SEED, "again.npy"), video)
     # torch's CPU generator keeps 32 bits of a seed: seeds that differ only above them once gave one video.
@@ -76,18 +83,17 @@ def test_generate_scenarios_and_a_session_draw_the_same_tokens(setup):
 
 
 @pytest.mark.slow
-def test_data_parallel_engines_draw_what_one_engine_draws(setup):
+def test_data_parallel_engines_draw_what_one_engine_draws(setup, one_videos):
     pytest.importorskip("ray")
     folder, model = setup
     result = invoke_terra("generate", "--scenarios", folder / "s.jsonl", "--out-dir", folder / "two-engines",
                           "--model", model, "--no-decode", "--data-parallel", 2, *ENGINE)
     assert result.returncode == 0, result.stderr
-    for scenario, seed in (("a", SEED), ("b", SEED + 1)):
-        np.testing.assert_array_equal(np.load(folder / "two-engines" / f"{scenario}.npy"),
-                                      one_video(folder, model, seed, f"dp-{scenario}.npy"))
+    for scenario, video in zip(("a", "b"), one_videos):
+        np.testing.assert_array_equal(np.load(folder / "two-engines" / f"{scenario}.npy"), video)
 
 
-def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_session(setup):
+def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_session(setup, one_videos):
     """`--backend single-stream` (terra's own decoder, plain decoding) follows the same seed rule
     as the reference: a one-video generate over two rounds, and a server session stepped frame by
     frame on it, give the reference's tokens."""
@@ -97,7 +103,7 @@ def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_s
     from terra_cli.server.loader import EngineConfig, load_engine
 
     folder, model = setup
-    reference = one_video(folder, model, SEED, "reference.npy")
+    reference = one_videos[0]
     result = invoke_terra("generate", "--model", model, "--context-tokens", folder / "ctx.npy", "--actions", "straight",
                           "--frames", FRAMES, "--seed", SEED, "--no-decode", "--save-tokens", folder / "single.npy",
                           "--backend", "single-stream", "--device", "cpu", "--dtype", "float32")

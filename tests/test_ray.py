@@ -24,6 +24,11 @@ from terra_cli.scenarios.spec import Defaults
 ray = pytest.importorskip("ray")
 TOKENS = 16
 SCENARIOS = 12
+# The Ctrl-C tests' engines sleep this long after each frame: a scenario (2 frames) takes 6 s on either engine,
+# so when the first results line appears at least 10 scenarios are left, 30 s of the two engines' work, and
+# the signal lands mid-run whatever a loaded machine delays. (At 0.5 s, a loaded CI machine's runs had
+# finished before the signal came.) Interrupted, a test waits for about one scenario only.
+CTRL_C_FRAME_DELAY = "0=3.0,1=3.0"
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +164,7 @@ def test_a_restarted_engine_takes_back_the_scenarios_it_lost(cluster, work, monk
 def test_ctrl_c_stops_the_actors_keeps_finished_scenarios_and_a_rerun_completes(cluster, work):
     folder, model = work
     out = folder / "cut"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_RAY_TEST_FRAME_DELAY": "0=0.5,1=0.5",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_RAY_TEST_FRAME_DELAY": CTRL_C_FRAME_DELAY,
            "RAY_ADDRESS": cluster.address}
     driver = subprocess.Popen(
         [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir", str(out),
@@ -220,7 +225,7 @@ def test_sigint_to_a_data_parallel_driver_alone_stops_it(work):
     inherits SIGINT ignored, as POSIX wants for background jobs; SIGTERM stops it there.)"""
     folder, model = work
     out = folder / "dp_sigint"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_RAY_TEST_FRAME_DELAY": "0=0.5,1=0.5"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_RAY_TEST_FRAME_DELAY": CTRL_C_FRAME_DELAY}
     env.pop("RAY_ADDRESS", None)
     driver = subprocess.Popen(
         [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir", str(out),

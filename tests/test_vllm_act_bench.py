@@ -53,7 +53,7 @@ def test_act_bench_cli_on_vllm_cpu(tmp_path):
     assert run["videos_written"] == run["results_lines_done"] == 2
     assert run["writers"] == 1 and run["phases_s"]["drain_writer"] >= 0  # the videos came from a writer process
     # Its pace, measured in the pool: the two videos' time over two, within the run's wall time.
-    assert 0 < run["writer_s_per_video"] < run["seconds_wall"] / 2 and "s/video in a writer" in result.stdout
+    assert 0 < run["writer_s_per_video"] < run["seconds_wall"] and "s/video in a writer" in result.stdout
     assert run["seconds_per_sample_wall"] >= run["seconds_per_sample_steady"] > 0
     # Where the engine loop's time went, and the GPU busy timeline (none on a CPU).
     loop = run["engine_loop"]

@@ -246,17 +246,20 @@ def test_an_engine_takes_new_work_while_its_finished_rollouts_videos_are_made(cl
     is: one rollout in flight (a window of two calls), three scenarios, and no video may come back
     before the engine has generated all three (TERRA_RAY_TEST_HOLD_VIDEOS). If the finished
     rollouts' videos held their places, the third scenario would never be handed out and the
-    held videos would fail after their 60 s limit."""
-    from terra_cli.models.default import default_tokenizer_dir
+    held videos would fail after their 60 s limit. The tokenizer is a small one of Terra's frame
+    size and codes (1024, 576 a frame): this test is about hand-out, not decoding."""
     from terra_cli.scenarios.ray_runner import run_on_ray
+    from tokenizer_decoder import ImageTokenizer, small_config
 
     np.save(tmp_path / "ctx.npy", np.random.default_rng(0).integers(0, 1024, size=(1, 576)))
     lines = [{"id": f"h{i}", "context": "ctx.npy", "actions": "left", "frames": 2, "seed": i} for i in range(3)]
     (tmp_path / "s.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
     model = write_tiny_checkpoint(tmp_path / "m", tiny_config(image_vocab=1024, layers=1, max_frames=4))
+    tokenizer = tmp_path / "tokenizer"
+    ImageTokenizer.from_config(small_config(ch=32, ch_mult=(1,) * 5), seed=0, device="cpu").save_pretrained(tokenizer)
     monkeypatch.setenv("TERRA_RAY_TEST_HOLD_VIDEOS", "3")
     out = tmp_path / "out"
-    job = ScenarioJob(tmp_path / "s.jsonl", out, Defaults(), model=ModelSpec(str(model), tokenizer=str(default_tokenizer_dir())),
+    job = ScenarioJob(tmp_path / "s.jsonl", out, Defaults(), model=ModelSpec(str(model), tokenizer=str(tokenizer)),
                       engine=Engine("hf", "cpu", "float32"), max_rollouts=1)
     run = run_on_ray(prepare_job(job), "auto", 1)
     records = read_results(out / RESULTS_NAME)

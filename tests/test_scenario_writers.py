@@ -388,15 +388,17 @@ def test_a_ray_engine_actor_decodes_in_its_writer_process_and_dies_with_it(tmp_p
     from terra_cli.pipeline.world_model import Engine
     from terra_cli.scenarios.ray_actor import EngineSpec, ScenarioEngine, ScenarioWork
 
-    from terra_cli.models.default import default_tokenizer_dir
+    from tokenizer_decoder import ImageTokenizer, small_config
 
     file = read_scenarios(write_lines(tmp_path, lines(2)), Defaults())
-    # the embedded tokenizer (1024 codes, 576 a frame) and a tiny model of its codes
+    # a small tokenizer of Terra's frame size and codes (1024, 576 a frame) and a tiny model of its codes
+    tokenizer = tmp_path / "tokenizer"
+    ImageTokenizer.from_config(small_config(ch=32, ch_mult=(1,) * 5), seed=0, device="cpu").save_pretrained(tokenizer)
     model = write_tiny_checkpoint(tmp_path / "m", tiny_config(image_vocab=1024, layers=1, max_frames=4))
     context = np.random.default_rng(0).integers(0, 1024, size=(file.scenarios[0].context_frames, 576))
 
     def engine(writers):
-        job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "out", model=ModelSpec(str(model), tokenizer=str(default_tokenizer_dir())),
+        job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "out", model=ModelSpec(str(model), tokenizer=str(tokenizer)),
                           engine=Engine("hf", "cpu", "float32"), writers=writers)
         return ScenarioEngine(EngineSpec(job, "hf", "cpu", needs_tokenizer=True))
 

@@ -7,7 +7,8 @@
 #          (2) side by side, one GPU each: GPU 0 `bench --act-bench N1`, GPU 1 its tokens-only baseline
 #          (`bench --scenarios N1 --frames 47`), GPU 2 writer_parts.py (where a writer's time per video goes)
 #   startfull / runsfull  (carry .gpu/ray2) the tokens-only baseline, 256 rollouts in flight per engine
-#          (`bench --scenarios 1024 --frames 47 --data-parallel 4`, ~7 min), then the full ACT-Bench-shaped
+#          (`bench --scenarios 1024 --frames 47 --data-parallel 4`, its first TOKENS_S=360 s: the bench logs
+#          the generated frames/s every minute), then the full ACT-Bench-shaped
 #          run on four engines, videos included: `bench --act-bench 2286 --data-parallel 4` (a watcher logs
 #          done videos and GPU use every 30 s; the bench logs each engine's loop every minute)
 #   await  wait up to AWAIT_S (default 540) for `runs`, then pack its folder into $OUT/pipe.tar.gz
@@ -49,7 +50,9 @@ case "${1:-}" in
     echo "one-GPU runs done" >> "$STEP_LOG" ;;
   runsfull)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
-    timeout 600 terra bench --scenarios 1024 --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
+    # The tokens-only baseline's first wave only (TOKENS_S, default 360 s): its per-minute rate lines
+    # compare with the same minutes of the full run's first wave, and the budget keeps the full run whole.
+    timeout "${TOKENS_S:-360}" terra bench --scenarios 1024 --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
       --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1; echo "dp4-tokens exit $?" >> "$STEP_LOG"
     ( while sleep 30; do
         echo "$(date +%s) done=$(grep -c '"done"' /tmp/actfull/outputs/results.jsonl 2>/dev/null)" \

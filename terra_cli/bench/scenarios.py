@@ -204,6 +204,7 @@ class TimedRun:
         self.engine_loop: dict | None = None
         self.loops_logged: dict[int, dict] = {}  # Ray: each engine's loop times when last logged
         self.loops_logged_at = time.perf_counter()
+        self.frames_logged = 0  # the frame count when the rate was last logged
 
     def on_ready(self, index: int, ready) -> None:
         self.marks.setdefault("ready", time.perf_counter())
@@ -229,7 +230,10 @@ class TimedRun:
         now = time.perf_counter()
         if now - self.loops_logged_at < LOOP_LOG_S:
             return
-        self.loops_logged_at = now
+        since, self.loops_logged_at = now - self.loops_logged_at, now
+        made, self.frames_logged = self.frames - self.frames_logged, self.frames
+        self.log(f"{now - self.marks['start']:.0f} s: {made} frames in the last {since:.0f} s "
+                 f"({made / since:.2f} generated frames/s), {self.frames} of {self.total}")
         for engine in run.engines:
             if engine.engine_loop:
                 line = describe_engine_loop(loop_since(engine.engine_loop, self.loops_logged.get(engine.index)))

@@ -155,3 +155,23 @@ def test_npy_headers_are_checked_before_loading(tmp_path):
     for name, message in cases.items():
         with pytest.raises(InputError, match=message):
             read_npy(tmp_path / name, "tokens", max_items=None if name == "huge.npy" else 5)
+
+
+def test_a_placed_video_is_synced_to_disk_and_a_scratch_video_for_bytes_is_not(tmp_path, monkeypatch):
+    """video_bytes' file is read back at once and removed (the process that places the bytes syncs
+    its own file): syncing it only added disk writes while a wave of videos finished at once."""
+    import os
+
+    from terra_cli.media import frames as media_frames
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(media_frames.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    clip = [solid(v, 32, 48) for v in (0, 120, 240)]
+    write_video(tmp_path / "placed.mp4", clip, fps=10)
+    assert len(synced) == 1
+    data = media_frames.video_bytes(clip, 10, folder=tmp_path)
+    assert len(synced) == 1  # no second sync
+    (tmp_path / "back.mp4").write_bytes(data)
+    assert count_frames(tmp_path / "back.mp4") == 3  # still checked whole before its bytes are returned
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back.mp4", "placed.mp4"]  # scratch folder gone

@@ -6,12 +6,15 @@ rollout in the engine's batch. `generate` returns as soon as the rollout's token
 video already handed to the writer; the driver then asks for the video with `video`. So a
 rollout's place in the batch is free again when its tokens are, not when its video is written:
 when a batch of equal-length rollouts finishes together, the next batch starts at once instead
-of refilling at the writer's pace (the full-run timeline in benchmarks/README.md). The stages are a single engine's (scenarios.runner): the calls hand
-their contexts to one intake thread, which encodes them in batches ahead of the engine
-(`encoding.encode_batch`) and puts their jobs into a `JobFeed`; one thread runs the backend's
-driver over that feed (backends/driver.py, whatever the backend). Videos are decoded and encoded by the actor's own writer processes
-(`--writers N` processes, `scenarios.writers.WriterPool`, or by default threads of the actor's process, `scenarios.local_writer`; either decodes frames as they are made), so the actor's interpreter
-only generates, as a single engine's process does; with none (a CPU), in the calling threads.
+of refilling at the writer's pace (the full-run timeline in benchmarks/README.md).
+
+The stages are a single engine's (scenarios.runner): the calls hand their contexts to one intake
+thread, which encodes them in batches ahead of the engine (`encoding.encode_batch`) and puts their
+jobs into a `JobFeed`; one thread runs the backend's driver over that feed (backends/driver.py,
+whatever the backend). Videos are decoded and encoded by the actor's own writers: by default
+threads of the actor's process (`scenarios.local_writer`), or `--writers N` processes
+(`scenarios.writers.WriterPool`); either decodes frames as they are made. With none (a CPU), the
+calling threads decode them.
 With `--decoder refiner`, the actor loads the refiner before its engine (as a single engine does)
 and refines its own videos in a thread (`refiner.stage`): the windows of the videos its open calls
 wait for share UNet calls. Either way the driver alone writes files.
@@ -134,7 +137,7 @@ class ScenarioEngine:
         # The writer (processes, or threads here) decodes a scenario's frames while it is generated.
         self.ahead_of_time = self.pool if hasattr(self.pool, "frame") else None  # not the refiner's stage
         self.waiters: dict[str, _Waiter] = {}
-        self.videos: dict[str, object] = {}  # scenario -> its video's Future, or (tokens, seed) to decode in `video`
+        self.videos: dict[str, object] = {}  # scenario -> its video's Future, or its tokens to decode in `video`
         self.lock = threading.Lock()
         self.frames = 0
         self.failure: BaseException | None = None
@@ -197,13 +200,12 @@ class ScenarioEngine:
             pending = self.videos.pop(key)
         if self.spec.hold_videos:
             self._hold_video(key)
-        if isinstance(pending, tuple):  # no writer (a CPU actor): decode in this calling thread
+        if isinstance(pending, np.ndarray):  # no writer (a CPU actor): decode its tokens in this calling thread
             from terra_cli.media.frames import video_bytes
             from terra_cli.scenarios.writers import decode_frames
 
-            tokens, _ = pending
             with self.codec:
-                frames = decode_frames(self.tokenizer, tokens)
+                frames = decode_frames(self.tokenizer, pending)
             return video_bytes(frames, fps=VIDEO_FPS)
         from terra_cli.scenarios.writers import WriterDied
 
@@ -301,7 +303,7 @@ class ScenarioEngine:
     def _start_video(self, key: str, tokens: np.ndarray, seed: int) -> None:
         # The writer processes or threads, or the refiner's stage (whose UNet calls take the
         # windows of several videos), start on it now; `video` collects it.
-        pending = self.pool.submit(key, tokens, seed) if self.pool is not None else (tokens, seed)
+        pending = self.pool.submit(key, tokens, seed) if self.pool is not None else tokens
         with self.lock:
             self.videos[key] = pending
 

@@ -286,37 +286,33 @@ class RayDriver:
         engine.engine_loop = stats.get("engine_loop")
 
     def _settle_result(self, engine: EngineState, ref) -> None:
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        s = engine.open.pop(ref)
-        try:
-            result = ray.get(ref)
-        except RayActorError as exc:
-            engine.open[ref] = s
-            self.lost(engine, _short(exc))
-        except RayTaskError as exc:
-            self.record_failure(s, engine, _short(exc))
-        else:
+        s = engine.open[ref]
+        for result in self._settle_call(engine, engine.open, ref, s):
             if result.video_follows:
                 engine.videos[engine.actor.video.remote(s.id)] = (s, result)
             else:
                 self.finished(engine, s, Finished(s.id, result.tokens, None, result.seconds))
 
     def _settle_video(self, engine: EngineState, ref) -> None:
+        s, generated = engine.videos[ref]
+        for video in self._settle_call(engine, engine.videos, ref, s):
+            self.finished(engine, s, Finished(s.id, generated.tokens, video, generated.seconds))
+
+    def _settle_call(self, engine: EngineState, calls: dict, ref, s) -> list:
+        """The value of a finished call of `engine` on scenario `s` (as a list of one), or nothing: a
+        dead actor leaves the call in `calls` for `lost` to hand out again; a failed call fails `s` alone."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        s, generated = engine.videos.pop(ref)
+        entry = calls.pop(ref)
         try:
-            video = ray.get(ref)
+            return [ray.get(ref)]
         except RayActorError as exc:
-            engine.videos[ref] = (s, generated)
+            calls[ref] = entry
             self.lost(engine, _short(exc))
         except RayTaskError as exc:
             self.record_failure(s, engine, _short(exc))
-        else:
-            self.finished(engine, s, Finished(s.id, generated.tokens, video, generated.seconds))
+        return []
 
 
 def _last_engine_loops(engines: list[EngineState]) -> None:

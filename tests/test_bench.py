@@ -274,6 +274,8 @@ def test_a_ray_bench_logs_each_engines_loop_over_the_last_minute_not_since_its_s
     timed = bench.TimedRun.__new__(bench.TimedRun)
     timed.log, timed.marks, timed.loops_logged, timed.loops_logged_at = lines.append, {"start": 1000.0}, {}, 1000.0
     timed.frames, timed.frames_logged, timed.total = 1220, 0, 5000
+    timed.sampler, timed.busy_logged = bench.BusySampler([0, 1]), 0  # never started: samples set by hand
+    timed.sampler.samples, timed.sampler.times = {0: [90, 100], 1: [40, 60]}, [0.0, 0.1]
     first = {"steps": 1000, "seconds": 60.0, "in_engine_step_s": 54.0, "admitting_jobs_s": 3.0,
              "handling_frames_s": 3.0, "idle_s": 0.0, "other_s": 0.0, "ms_per_step": 54.0}
     engine = SimpleNamespace(index=2, engine_loop=first)
@@ -283,17 +285,23 @@ def test_a_ray_bench_logs_each_engines_loop_over_the_last_minute_not_since_its_s
     assert lines == []  # not a minute yet
     clock[0] = 1061.0
     timed.on_tick(run)
-    assert lines == ["61 s: 1220 frames in the last 61 s (20.00 generated frames/s), 1220 of 5000",
+    assert lines == ["61 s: 1220 frames in the last 61 s (20.00 generated frames/s), 1220 of 5000, GPU busy 95/50%",
                      "61 s, engine 2, last minute: engine loop: 90% in the engine's step (54.00 ms x 1000 steps), "
                      "5% taking in jobs, 5% handling finished frames"]
-    # the next minute: 30 s stepping (500 steps), 30 s idle
-    engine.engine_loop = {**first, "steps": 1500, "seconds": 120.0, "in_engine_step_s": 84.0, "idle_s": 30.0}
+    # the next minute: 30 s stepping (500 steps), 30 s idle; the actor's wake probe joins in (cumulative)
+    engine.engine_loop = {**first, "steps": 1500, "seconds": 120.0, "in_engine_step_s": 84.0, "idle_s": 30.0,
+                          "wakes": 12_000, "wake_late_s": 6.0, "wake_long_waits": 1_100}
+    timed.loops_logged[2] = {**timed.loops_logged[2], "wakes": 10_000, "wake_late_s": 1.0, "wake_long_waits": 100}
     timed.frames = 1525
+    timed.sampler.samples[0] += [10, 30]
+    timed.sampler.samples[1] += [0, 0]
+    timed.sampler.times += [0.2, 0.3]
     clock[0] = 1122.0
     timed.on_tick(run)
-    assert lines[-2] == "122 s: 305 frames in the last 61 s (5.00 generated frames/s), 1525 of 5000"
+    assert lines[-2] == "122 s: 305 frames in the last 61 s (5.00 generated frames/s), 1525 of 5000, GPU busy 20/0%"
     assert lines[-1] == ("122 s, engine 2, last minute: engine loop: 50% in the engine's step (60.00 ms x 500 steps), "
-                         "0% taking in jobs, 0% handling finished frames, 50% idle (nothing in flight, waiting for work)")
+                         "0% taking in jobs, 0% handling finished frames, 50% idle (nothing in flight, waiting for work); "
+                         "its process's 5 ms timer woke 2.50 ms late on average, 50% of wakes over 2 ms late")
 
 
 def test_the_pipelined_projection_takes_the_slower_of_engine_and_writer_per_sample():

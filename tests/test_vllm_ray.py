@@ -36,6 +36,7 @@ def test_a_vllm_engine_actor_writes_what_the_engine_in_this_process_writes(tmp_p
     # The actor's engine loop times come back with the run's summary, taken as it ended.
     loop = result.summary()[0]["engine_loop"]
     assert loop["steps"] > 0 and 0 < loop["in_engine_step_s"] <= loop["seconds"]
+    assert loop["wakes"] > 0 and loop["wake_late_s"] >= 0  # the actor's WakeProbe rides along
     records = read_results(tmp_path / "actor" / RESULTS_NAME)
     assert sorted(r["id"] for r in records if r["status"] == "done") == [f"v{i}" for i in range(6)]
     assert {(r["engine"], bool(r["node"])) for r in records} == {(0, True)}

@@ -84,6 +84,10 @@ class BusySampler:
             self.times.append(time.perf_counter() - first)
             time.sleep(self.interval)
 
+    def busy_after(self, first: int) -> list[float]:
+        """Each GPU's mean busy fraction over its samples from index `first` on (empty without NVML)."""
+        return [float(np.mean(s[first:])) / 100 for s in self.samples.values() if len(s) > first]
+
     def busy(self) -> dict[str, float | None]:
         return {str(g): (round(float(np.mean(s)) / 100, 3) if s else None) for g, s in self.samples.items()}
 
@@ -116,9 +120,13 @@ def describe_engine_loop(loop: dict | None) -> str | None:
              for k in ("in_engine_step_s", "admitting_jobs_s", "handling_frames_s", "idle_s")}
     idle = f", {share['idle_s']:.0f}% idle (nothing in flight, waiting for work)" if loop.get("idle_s") else ""
     steps = f"{loop['ms_per_step']:.2f} ms x {loop['steps']} steps" if loop.get("ms_per_step") is not None else "no step"
+    waits = ""
+    if loop.get("wakes"):  # a Ray actor's WakeProbe: a thread of the engine's process sleeping 5 ms at a time
+        waits = (f"; its process's 5 ms timer woke {1000 * loop['wake_late_s'] / loop['wakes']:.2f} ms late on average, "
+                 f"{100 * loop.get('wake_long_waits', 0) / loop['wakes']:.0f}% of wakes over 2 ms late")
     return (f"engine loop: {share['in_engine_step_s']:.0f}% in the engine's step ({steps}), "
             f"{share['admitting_jobs_s']:.0f}% taking in jobs, "
-            f"{share['handling_frames_s']:.0f}% handling finished frames{idle}")
+            f"{share['handling_frames_s']:.0f}% handling finished frames{idle}{waits}")
 
 
 def write_bench_scenarios(folder: Path, layout, plan: ScenarioBenchPlan) -> Path:
@@ -205,6 +213,7 @@ class TimedRun:
         self.loops_logged: dict[int, dict] = {}  # Ray: each engine's loop times when last logged
         self.loops_logged_at = time.perf_counter()
         self.frames_logged = 0  # the frame count when the rate was last logged
+        self.busy_logged = 0  # how many GPU samples there were then
 
     def on_ready(self, index: int, ready) -> None:
         self.marks.setdefault("ready", time.perf_counter())
@@ -232,8 +241,11 @@ class TimedRun:
             return
         since, self.loops_logged_at = now - self.loops_logged_at, now
         made, self.frames_logged = self.frames - self.frames_logged, self.frames
+        busy = self.sampler.busy_after(self.busy_logged)
+        self.busy_logged = len(self.sampler.times)
+        busy_text = f", GPU busy {'/'.join(f'{100 * b:.0f}' for b in busy)}%" if busy else ""
         self.log(f"{now - self.marks['start']:.0f} s: {made} frames in the last {since:.0f} s "
-                 f"({made / since:.2f} generated frames/s), {self.frames} of {self.total}")
+                 f"({made / since:.2f} generated frames/s), {self.frames} of {self.total}{busy_text}")
         for engine in run.engines:
             if engine.engine_loop:
                 line = describe_engine_loop(loop_since(engine.engine_loop, self.loops_logged.get(engine.index)))

@@ -151,6 +151,9 @@ class ScenarioEngine:
         self.thread.start()
         self.intake_thread = threading.Thread(target=self._take_in, name="terra-intake", daemon=True)
         self.intake_thread.start()
+        from terra_cli.scenarios.wake_probe import WakeProbe
+
+        self.wake_probe = WakeProbe()  # the host side's waits, reported with the engine loop's times
 
     # -- called by the driver -------------------------------------------------------------
 
@@ -164,7 +167,7 @@ class ScenarioEngine:
                 "in_flight": self.in_flight, "writers": self.pool.size if isinstance(self.pool, WriterPool) else 0}
 
     def stats(self) -> dict:
-        loop = self.driver.loop.as_dict()
+        loop = {**self.driver.loop.as_dict(), **self.wake_probe.as_dict()}
         with self.lock:
             return {"frames": self.frames, "pending_frames": sum(w.frames for w in self.waiters.values()),
                     "engine_loop": loop}

@@ -12,6 +12,7 @@
 #          run on four engines, videos included: `bench --act-bench 2286 --data-parallel 4` (a watcher logs
 #          done videos and GPU use every 30 s; the bench logs each engine's loop every minute)
 #   await  wait up to AWAIT_S (default 540) for `runs`, then pack its folder into $OUT/pipe.tar.gz
+#          (the last await of a lease: AWAIT_S at least 40 s under the budget left, or its output is lost)
 # On one GPU (nvidia-h100-x1), after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (no Ray):
 #   start1 start `runs1` in the background: N1 ACT-Bench-shaped samples tokens only, then with videos
 #          (the same GPU, one after the other), then `bench --env 64` (issue 42) and writer_parts.py;
@@ -52,8 +53,12 @@ case "${1:-}" in
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     # The tokens-only baseline's first wave only (TOKENS_S, default 360 s): its per-minute rate lines
     # compare with the same minutes of the full run's first wave, and the budget keeps the full run whole.
-    timeout "${TOKENS_S:-360}" terra bench --scenarios 1024 --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
-      --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1; echo "dp4-tokens exit $?" >> "$STEP_LOG"
+    # TOKENS_S=0 skips it: a 30-minute lease holds setup (~150 s) and the whole full run (~1,300 s) only then.
+    if [ "${TOKENS_S:-360}" != 0 ]; then
+      timeout "${TOKENS_S:-360}" terra bench --scenarios 1024 --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
+        --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1; echo "dp4-tokens exit $?" >> "$STEP_LOG"
+    fi
+    df -h /dev/shm /tmp >> "$STEP_LOG" 2>&1  # Ray's object store falls back to /tmp when /dev/shm is small
     ( while sleep 30; do
         echo "$(date +%s) done=$(grep -c '"done"' /tmp/actfull/outputs/results.jsonl 2>/dev/null)" \
           "gpu=$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' ')"
@@ -62,6 +67,7 @@ case "${1:-}" in
     timeout 1800 terra bench --act-bench 2286 --data-parallel 4 --kv-cache-dtype fp8 --keep-outputs /tmp/actfull \
       --out "$OUT/dp4-act-full.json" > "$OUT/dp4-act-full.log" 2>&1; echo "dp4-act-full exit $?" >> "$STEP_LOG"
     kill $watch
+    grep -i "object store\|/dev/shm\|spill" /tmp/ray/session_latest/logs/raylet.out 2>/dev/null | head -5 >> "$STEP_LOG"
     cp /tmp/actfull/outputs/results.jsonl "$OUT/full-results.jsonl" 2>/dev/null
     ;;
   start1)

@@ -268,3 +268,26 @@ def test_an_engine_takes_new_work_while_its_finished_rollouts_videos_are_made(cl
     for i in range(3):
         assert (out / f"h{i}.mp4").read_bytes()[4:8] == b"ftyp"
         assert np.load(out / f"h{i}.npy").shape == (2, 576)
+
+
+def test_a_context_broken_after_validation_fails_its_scenario_alone(cluster, work, tmp_path):
+    """The driver reads contexts ahead of the hand-out in threads (encoding.ReadAhead): a read
+    that fails is that scenario's final failure, and every other scenario is written."""
+    from terra_cli.scenarios.ray_runner import run_on_ray
+
+    folder, model = work
+    np.save(tmp_path / "ctx.npy", np.load(folder / "ctx.npy"))
+    np.save(tmp_path / "broken.npy", np.load(folder / "ctx.npy"))
+    lines = [json.loads(line) for line in (folder / "s.jsonl").read_text().splitlines()[:4]]
+    lines.append({"id": "broken", "context": "broken.npy", "actions": "left", "frames": 4})
+    (tmp_path / "s.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    prepared = prepare_job(job(tmp_path, "s.jsonl", "out", model))  # validated while it was whole
+    (tmp_path / "broken.npy").write_bytes(b"\x93NUMPY" + b"\x00" * 10)
+    result = run_on_ray(prepared, "auto", 2)
+    assert result.done == 4 and result.failed == 1
+    records = read_results(tmp_path / "out" / RESULTS_NAME)
+    failed = [r for r in records if r["status"] == "failed"]
+    assert [r["id"] for r in failed] == ["broken"] and "context unreadable" in failed[0]["reason"]
+    for line in lines[:4]:
+        np.testing.assert_array_equal(np.load(tmp_path / "out" / f"{line['id']}.npy"),
+                                      np.load(folder / "one" / f"{line['id']}.npy"))

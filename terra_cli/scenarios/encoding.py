@@ -1,14 +1,16 @@
 """The intake stage: scenario contexts to tokens, image contexts read and encoded in batches
 (`encoded`, `encode_batch`), token contexts loaded, all of it in a thread ahead of the engine
 (`EncodeAhead` for a single engine's run; a Ray engine actor's intake thread uses `encode_batch`),
-so the engine never waits on a JPEG or the encoder while it has work."""
+so the engine never waits on a JPEG or the encoder while it has work. A Ray run's driver reads the
+contexts it ships in threads, ahead of the hand-out (`ReadAhead`)."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
 import threading
-from typing import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -16,6 +18,7 @@ from terra_cli.scenarios.spec import Scenario
 
 ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
 STOP_WAIT_SECONDS = 1.0  # how long a finished run waits for the encoding thread to end
+READ_THREADS = 8  # a Ray driver's context readers (decoding a JPEG lets go of the interpreter)
 
 
 def encode_batch(contexts: list[tuple[np.ndarray | None, list[np.ndarray] | None]], tokenizer,
@@ -108,3 +111,34 @@ def _sample_road(count: int) -> list[np.ndarray]:
     from terra_cli.models.default import sample_context_frames
 
     return list(sample_context_frames(count))
+
+
+class ReadAhead:
+    """A Ray driver's contexts, read by READ_THREADS threads before the hand-out asks for them.
+
+    Read one at a time in the driver's loop, 1,152 ACT-Bench samples (three 1600x900 JPEGs each)
+    for four engines' first batches took about a minute, engine after engine, and the wave change
+    of a full run needed 900 more at once (benchmarks/README.md, 2026-11-27). `want` starts the
+    reads of the scenarios next in line, at most `ahead` of them not yet taken; `take` returns one
+    scenario's read (reading it now if it was not started) or raises that read's error."""
+
+    def __init__(self, read: Callable[[Scenario], object], ahead: int, threads: int = READ_THREADS):
+        self.read, self.ahead = read, ahead
+        self.reading: dict[str, Future] = {}
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="terra-read-ahead")
+
+    def want(self, next_in_line: Iterable[Scenario]) -> None:
+        for s in next_in_line:
+            if len(self.reading) >= self.ahead:
+                return
+            if s.id not in self.reading:
+                self.reading[s.id] = self.pool.submit(self.read, s)
+
+    def take(self, s: Scenario):
+        future = self.reading.pop(s.id, None)
+        return future.result() if future is not None else self.read(s)
+
+    def close(self) -> None:
+        """The run is over: reads not started are dropped, none is waited for."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.reading.clear()

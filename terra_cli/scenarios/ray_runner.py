@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
 from typing import Callable
 
+from terra_cli.scenarios.encoding import ReadAhead
 from terra_cli.scenarios.job import AUTO_MAX_ROLLOUTS, PreparedJob
 from terra_cli.scenarios.ray_cluster import EnginePlan, ray_cluster
 from terra_cli.errors import OutputError
@@ -35,6 +37,7 @@ from terra_cli.scenarios.ray_hand_out import (EngineState, RayRun, counted, fair
 from terra_cli.scenarios.ray_actor import Finished
 from terra_cli.scenarios.spec import Scenario
 
+READ_AHEAD_MAX = 1024  # contexts the driver holds read ahead of the hand-out (ReadAhead)
 MAX_ATTEMPTS = 3
 ENGINE_RESTARTS = 3  # per actor; then it stays dead and the others finish the run
 TICK_SECONDS = 0.5
@@ -80,6 +83,9 @@ class RayDriver:
         self.avoid: dict[str, int] = {}  # scenario -> the engine it last failed on
         self.works: dict[str, object] = {}  # scenario -> its context in the object store (kept for retries)
         self.window = window_for(self.job.max_rollouts or AUTO_MAX_ROLLOUTS)  # the most an engine may be given
+        # Contexts read ahead: what every engine's window takes at once (a wave change), up to
+        # READ_AHEAD_MAX (about 1.3 GB of 288x512 RGB frames held by the driver).
+        self.reader = ReadAhead(read_work, ahead=min(READ_AHEAD_MAX, self.plan.engines * self.window))
 
     def run(self) -> RayRun:
         import ray
@@ -96,6 +102,7 @@ class RayDriver:
                                       "(run again to resume)")
                     break
                 now = time.perf_counter()
+                self.reader.want(s for s in islice(self.pending, self.reader.ahead) if s.id not in self.works)
                 for engine in run.engines:
                     if engine.probe is None and engine.status in ("starting", "restarting") and now >= engine.probe_at:
                         engine.probe = engine.actor.ready.remote()
@@ -121,6 +128,7 @@ class RayDriver:
                 pass
             raise
         finally:
+            self.reader.close()
             for engine in run.engines:
                 try:
                     ray.kill(engine.actor, no_restart=True)
@@ -232,7 +240,7 @@ class RayDriver:
                 return
             if s.id not in self.works:
                 try:
-                    self.works[s.id] = ray.put(read_work(s))
+                    self.works[s.id] = ray.put(self.reader.take(s))
                 except Exception as exc:  # its context vanished or broke since validation
                     self.record_failure(s, engine, f"context unreadable: {' '.join(str(exc).split())}", final=True)
                     continue

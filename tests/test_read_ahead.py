@@ -1,0 +1,57 @@
+"""A Ray driver reads the contexts it ships in threads, ahead of the hand-out (encoding.ReadAhead)."""
+
+import threading
+import time
+
+import pytest
+
+from terra_cli.scenarios.encoding import ReadAhead
+
+
+class Line:
+    def __init__(self, id):
+        self.id = id
+
+
+def test_reads_run_side_by_side_ahead_of_the_takes_and_each_take_gets_its_own_read():
+    lock, running, most = threading.Lock(), [0], [0]
+    started = []
+
+    def read(s):
+        with lock:
+            started.append(s.id)
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)  # a JPEG being decoded
+        with lock:
+            running[0] -= 1
+        return f"context of {s.id}"
+
+    lines = [Line(f"s{i}") for i in range(10)]
+    reader = ReadAhead(read, ahead=6, threads=3)
+    reader.want(lines)
+    time.sleep(0.05)
+    assert sorted(reader.reading) == sorted(f"s{i}" for i in range(6))  # at most `ahead` not yet taken
+    assert reader.take(lines[0]) == "context of s0"
+    reader.want(lines[1:])  # (the driver passes what is still pending) one place freed: the next in line starts
+    assert "s6" in reader.reading and "s7" not in reader.reading
+    assert [reader.take(s) for s in lines[1:7]] == [f"context of s{i}" for i in range(1, 7)]
+    assert reader.take(lines[9]) == "context of s9"  # never started ahead: read on the spot
+    assert most[0] == 3  # three readers at once
+    assert sorted(started) == sorted(f"s{i}" for i in (*range(7), 9))  # nothing read twice
+    reader.close()
+
+
+def test_a_failed_read_is_raised_by_its_own_take_alone():
+    def read(s):
+        if s.id == "bad":
+            raise OSError("cannot identify image file")
+        return s.id
+
+    reader = ReadAhead(read, ahead=4, threads=2)
+    good, bad = Line("good"), Line("bad")
+    reader.want([bad, good])
+    with pytest.raises(OSError, match="cannot identify"):
+        reader.take(bad)
+    assert reader.take(good) == "good"
+    reader.close()

@@ -109,6 +109,24 @@ def test_scenario_bench_runs_the_product_path_and_reports_rates(tmp_path):
     assert again.exit_code == 2 and "is not empty" in again.output
 
 
+def test_a_one_engine_scenario_bench_logs_its_rate_as_it_runs(tmp_path, monkeypatch):
+    """The minute lines are not Ray's alone: a one-engine run cut off by a limit still told its rate."""
+    from typer.testing import CliRunner
+
+    from terra_cli.bench import scenarios as bench
+    from terra_cli.cli import app
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+
+    monkeypatch.setattr(bench, "LOOP_LOG_S", 0.0)  # a line at every frame
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=16, layers=1))
+    result = CliRunner().invoke(app, ["bench", "--scenarios", "3", "--frames", "4", "--context-frames", "2",
+                                      "--model", str(model), "--backend", "hf", "--device", "cpu",
+                                      "--out", str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.output
+    rates = [line for line in result.output.splitlines() if "generated frames/s), " in line]
+    assert rates and rates[-1].split("), ")[1].startswith("6 of 6")  # 3 scenarios x 2 generated frames
+
+
 @pytest.mark.slow
 def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path):
     """`terra bench --act-bench`'s library on CPU (reference backend, one sample of 5 frames on a
@@ -299,6 +317,12 @@ def test_a_ray_bench_logs_each_engines_loop_over_the_last_minute_not_since_its_s
     clock[0] = 1122.0
     timed.on_tick(run)
     assert lines[-2] == "122 s: 305 frames in the last 61 s (5.00 generated frames/s), 1525 of 5000, GPU busy 20/0%"
+    # one engine (no Ray): no engine's stats mid-run, the rate line alone
+    timed.frames, clock[0] = 2135, 1183.0
+    count = len(lines) + 1
+    timed.on_tick(SimpleNamespace(engines=[]))
+    assert len(lines) == count and lines[-1].startswith("183 s: 610 frames in the last 61 s (10.00 generated frames/s)")
+    lines.pop()
     assert lines[-1] == ("122 s, engine 2, last minute: engine loop: 50% in the engine's step (60.00 ms x 500 steps), "
                          "0% taking in jobs, 0% handling finished frames, 50% idle (nothing in flight, waiting for work); "
                          "its process's 5 ms timer woke 2.50 ms late on average, 50% of wakes over 2 ms late")

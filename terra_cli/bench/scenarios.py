@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -234,8 +235,9 @@ class TimedRun:
             self.progress(count, self.total)
 
     def on_tick(self, run) -> None:
-        """Ray: each engine's loop over the last LOOP_LOG_S, in the log as the run goes (a run cut
-        off by a time limit still tells where its engines' time went, and when)."""
+        """Every LOOP_LOG_S, the generated frames/s and the GPUs' busy share over that time, and on
+        Ray each engine's loop, in the log as the run goes (a run cut off by a time limit still
+        tells its rate and where its engines' time went, and when)."""
         now = time.perf_counter()
         if now - self.loops_logged_at < LOOP_LOG_S:
             return
@@ -300,16 +302,17 @@ def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_
     process, or Ray actors (`ray` given, or several engines: a local cluster). Calls
     on_ready(engine index, EngineReady) as each engine is ready, and on_frames(generated frames
     so far) after each frame (one engine) or every tick (Ray: frames of written scenarios and
-    the engines' last counts of open ones; on_tick(the RayRun) too). Returns the run (a ScenarioRun,
-    RayRun on Ray)."""
+    the engines' last counts of open ones), and on_tick with them (the RayRun; one engine: no
+    engine's stats). Returns the run (a ScenarioRun, RayRun on Ray)."""
     from terra_cli.scenarios.job import EngineReady, run_scenario_job
 
     if not uses_ray(engines, ray):
-        count = [0]
+        count, no_engine_stats = [0], SimpleNamespace(engines=[])  # its loop's times come with the run's end
 
         def on_frame():
             count[0] += 1
             on_frames(count[0])
+            on_tick(no_engine_stats)
 
         return run_scenario_job(prepared, on_ready=lambda ready: on_ready(0, ready), on_frame=on_frame)
     from terra_cli.scenarios.ray_runner import run_on_ray

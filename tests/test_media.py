@@ -175,3 +175,33 @@ def test_a_placed_video_is_synced_to_disk_and_a_scratch_video_for_bytes_is_not(t
     (tmp_path / "back.mp4").write_bytes(data)
     assert count_frames(tmp_path / "back.mp4") == 3  # still checked whole before its bytes are returned
     assert sorted(p.name for p in tmp_path.iterdir()) == ["back.mp4", "placed.mp4"]  # scratch folder gone
+
+
+def test_ffmpeg_is_spawned_without_a_python_pre_exec_hook_and_in_its_own_process_group(tmp_path, monkeypatch):
+    """imageio's writer starts ffmpeg with preexec_fn=os.setpgrp, which makes CPython fork the whole
+    calling process: in a vLLM engine's process, a copy of its page tables for every video."""
+    import subprocess
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(cmd, **kwargs):
+        started.append(kwargs)
+        return real_popen(cmd, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    path = write_video(tmp_path / "clip.mp4", [solid(v, 32, 48) for v in (0, 120, 240)], fps=10)
+    assert count_frames(path) == 3
+    encoder = started[0]
+    assert encoder.get("preexec_fn") is None and encoder.get("process_group") == 0
+
+
+def test_an_encoder_that_fails_leaves_no_file_and_says_so_in_one_line(tmp_path, monkeypatch):
+    import imageio_ffmpeg
+
+    from terra_cli.media.frames import MediaError
+
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: "false")  # exits 1 at once
+    with pytest.raises(MediaError, match=r"cannot write video .*clip\.mp4: ffmpeg exited with status 1"):
+        write_video(tmp_path / "clip.mp4", [solid(v, 32, 48) for v in (0, 120)], fps=10)
+    assert list(tmp_path.iterdir()) == []

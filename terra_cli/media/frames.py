@@ -201,6 +201,58 @@ def check_video_writer() -> None:
 # x264's `veryfast`: 0.34 s for a 47-frame 288x512 video on a 2-core CPU, against 1.36 s for its
 # default (`medium`), and a smaller file at the same quality setting (benchmarks/README.md, issue 37).
 H264_PRESET = "veryfast"
+H264_CRF = 10  # what imageio's quality=8 gave: int((1 - 8 / 10) * 51)
+PIPE_BYTES = 1 << 20  # ffmpeg's stdin pipe, enlarged where Linux allows: fewer waits per frame
+
+
+def _encode_h264(path: Path, frames: list[np.ndarray], fps: float) -> None:
+    """The mp4 of `frames` at `path`, by the ffmpeg imageio-ffmpeg ships (the command imageio's
+    writer ran). terra starts it itself: imageio starts it with a Python pre-exec hook, which
+    makes CPython fork the whole calling process instead of spawning. In a vLLM engine's process
+    (the writer threads, `scenarios.local_writer`) that is a copy of gigabytes of page tables per
+    video, with every thread of the engine stalled on the process's memory map while it runs."""
+    import subprocess
+    import tempfile
+    from fractions import Fraction
+
+    import imageio_ffmpeg
+
+    height, width = frames[0].shape[:2]
+    scale = ["-vf", f"scale={width + width % 2}:{height + height % 2}"] if width % 2 or height % 2 else []
+    cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}",
+           "-pix_fmt", "rgb24", "-r", str(Fraction(fps).limit_denominator()), "-i", "-", "-an",
+           "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(H264_CRF), *scale, "-v", "error",
+           "-preset", H264_PRESET, str(path)]
+    with tempfile.TemporaryFile() as errors:
+        # process_group=0: Ctrl-C at the terminal reaches terra, which ends the run, not ffmpeg mid-file
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors,
+                                process_group=0)
+        try:
+            _widen_pipe(proc.stdin)
+            try:
+                for frame in frames:
+                    proc.stdin.write(memoryview(np.ascontiguousarray(frame)).cast("B"))
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # ffmpeg stopped early: its exit status and message say why
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted while writing
+                proc.kill()
+                proc.wait()
+        if code != 0:
+            errors.seek(0)
+            message = errors.read().decode(errors="replace").strip().splitlines()
+            raise RuntimeError(f"ffmpeg exited with status {code}" + (f": {message[-1][:200]}" if message else ""))
+
+
+def _widen_pipe(stream) -> None:
+    try:
+        import fcntl
+
+        fcntl.fcntl(stream.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except (ImportError, OSError):  # not Linux, or above the host's pipe-max-size: the default pipe works
+        pass
 
 
 def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: float = 10, overwrite: bool = False,
@@ -209,23 +261,13 @@ def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: floa
     video of every frame: ffmpeg can fail late (a full disk while writing the trailer) and still
     leave a file, which must not replace anything. Like every writer, it replaces a file only
     with `overwrite`. `durable=False` skips the fsync, for a scratch file read back at once."""
-    import imageio.v2 as iio
-
     path = Path(path)
     if not overwrite and os.path.lexists(path):  # before the encoding, not after it
         raise OutputError(f"{path} already exists; pass --overwrite to replace it")
     frames = _check_frames(frames, str(path))
     with atomic_path(path, overwrite) as tmp:
         try:
-            writer = iio.get_writer(
-                str(tmp), format="FFMPEG", fps=fps, codec="libx264", quality=8,
-                macro_block_size=2, ffmpeg_log_level="error", output_params=["-preset", H264_PRESET],
-            )
-            try:
-                for frame in frames:
-                    writer.append_data(frame)
-            finally:
-                writer.close()
+            _encode_h264(tmp, frames, fps)
         except MediaError:
             raise
         except OSError:

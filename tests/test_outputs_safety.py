@@ -58,33 +58,22 @@ def test_full_disk_while_saving_tokens_keeps_the_old_file(tmp_path, model, monke
 
 
 def test_full_disk_while_encoding_a_video_places_nothing(tmp_path, monkeypatch):
-    import imageio.v2 as iio
+    import imageio_ffmpeg
 
     from terra_cli.media import frames as media_frames
 
     frames = [np.zeros((32, 32, 3), np.uint8)] * 3
     target = tmp_path / "v.mp4"
-    real_get_writer = iio.get_writer
-
-    class FailingWriter:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_get_writer(*args, **kwargs)
-            self.count = 0
-
-        def append_data(self, frame):
-            self.count += 1
-            if self.count == 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            self.inner.append_data(frame)
-
-        def close(self):
-            self.inner.close()
-
-    monkeypatch.setattr(iio, "get_writer", FailingWriter)
+    # an ffmpeg whose output disk is full: it reads its input, says so and exits 1
+    full_disk = tmp_path.parent / f"{tmp_path.name}-ffmpeg-full-disk"
+    full_disk.write_text("#!/bin/sh\ncat > /dev/null\necho \"$0: No space left on device\" >&2\nexit 1\n")
+    full_disk.chmod(0o755)
+    real_ffmpeg = imageio_ffmpeg.get_ffmpeg_exe()
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: str(full_disk))
     with pytest.raises(OutputError, match="no space left"):
         media_frames.write_video(target, frames)
     assert _listing(tmp_path) == []
-    monkeypatch.setattr(iio, "get_writer", real_get_writer)
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: real_ffmpeg)
     # ffmpeg failing late (no trailer) still exits 0 and leaves a file: the read-back catches it
     monkeypatch.setattr(media_frames, "_video_frame_count", lambda path: 1)
     with pytest.raises(media_frames.MediaError, match="1 readable frame"):

@@ -7,6 +7,7 @@ a one-line message naming the file.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -243,6 +244,8 @@ def _encode_h264(path: Path, frames: list[np.ndarray], fps: float) -> None:
         if code != 0:
             errors.seek(0)
             message = errors.read().decode(errors="replace").strip().splitlines()
+            if any("No space left on device" in line for line in message):  # said as every full disk is
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             raise RuntimeError(f"ffmpeg exited with status {code}" + (f": {message[-1][:200]}" if message else ""))
 
 

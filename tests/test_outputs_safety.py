@@ -111,10 +111,9 @@ def test_the_second_writer_gets_one_clear_error(tmp_path):
     assert target.read_bytes() == b"a" * 1000
 
 
-def test_a_failed_reconstruct_keeps_the_old_folder_whole(tmp_path, monkeypatch):
+def test_a_failed_reconstruct_keeps_the_old_folder_whole(tmp_path, monkeypatch, frame_tokenizer):
     from PIL import Image
 
-    from terra_cli.models.default import default_tokenizer_dir
     from tokenizer_decoder import ImageTokenizer
 
     frames = tmp_path / "frames"
@@ -135,7 +134,7 @@ def test_a_failed_reconstruct_keeps_the_old_folder_whole(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ImageTokenizer, "decode_tokens", decode_then_fail)
     args = ["tokenize", str(frames), "--out", str(tmp_path / "t.npy"), "--reconstruct", str(recon),
-            "--batch-size", "1", "--overwrite", "--tokenizer", str(default_tokenizer_dir()), "--device", "cpu"]
+            "--batch-size", "1", "--overwrite", "--tokenizer", frame_tokenizer, "--device", "cpu"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "no space left" in result.output and "Traceback" not in result.output
@@ -259,11 +258,10 @@ def test_an_output_inside_an_output_folder_is_refused_before_any_model(tmp_path,
     assert _snapshot(tmp_path) == before
 
 
-def test_overwriting_a_frames_folder_replaces_frame_files_only(tmp_path):
+def test_overwriting_a_frames_folder_replaces_frame_files_only(tmp_path, frame_tokenizer):
     """The CLI end to end: unrelated files and frames no terra run made survive --overwrite; frames
-    an earlier run made and this one does not write again are removed."""
-    from terra_cli.models.default import default_tokenizer_dir
-
+    an earlier run made and this one does not write again are removed. (conftest's frame_tokenizer:
+    Terra's frame size, a third of the embedded tokenizer's time; files are the point.)"""
     inputs = _images(tmp_path / "in", 2)
     recon = tmp_path / "recon"
     recon.mkdir()
@@ -273,7 +271,7 @@ def test_overwriting_a_frames_folder_replaces_frame_files_only(tmp_path):
 
     def tokenize(*extra):
         return CliRunner().invoke(app, ["tokenize", str(inputs), "--out", str(tmp_path / "t.npy"), "--reconstruct",
-                                        str(recon), "--tokenizer", str(default_tokenizer_dir()), "--device", "cpu",
+                                        str(recon), "--tokenizer", frame_tokenizer, "--device", "cpu",
                                         *extra])
 
     assert "is not empty" in _one_error(tokenize())

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from conftest import save_frame_tokenizer
 from terra_cli.cli import app
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 from terra_cli.scenarios.runner import RESULTS_NAME, ScenarioRun, _Writer, completed_ids, \
@@ -285,9 +286,11 @@ def test_default_writers_and_the_option_checks(tmp_path, model):
 
 @pytest.fixture(scope="module")
 def cli_model(tmp_path_factory):
-    """A model of Terra's 576 codes a frame and a small tokenizer of its 512 codes (what the CLI loads)."""
+    """A model of Terra's 576 codes a frame and a small tokenizer of its 512 codes (what the CLI loads),
+    32 channels at every level: the writer process decodes each scenario's 288x512 frames."""
     folder = tmp_path_factory.mktemp("writers_cli")
-    return (write_tiny_checkpoint(folder / "model", tiny_config(layers=1)), save_tokenizer(folder / "tokenizer"))
+    return (write_tiny_checkpoint(folder / "model", tiny_config(layers=1)),
+            save_frame_tokenizer(folder / "tokenizer", codes_bits=9))
 
 
 # For the tests that act on a run once its first results line is written: the engine sleeps after each

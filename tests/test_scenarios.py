@@ -134,15 +134,15 @@ def test_act_bench_lines_read_like_terras_own_script(tmp_path):
 
 
 @pytest.mark.slow
-def test_act_bench_videos_are_what_its_scorer_reads(tmp_path):
+def test_act_bench_videos_are_what_its_scorer_reads(tmp_path, frame_tokenizer):
     """End to end through the CLI: the scorer globs *.mp4 in one folder, takes the sample id from
-    the trailing _digits of the name and keeps the last frames of each video."""
+    the trailing _digits of the name and keeps the last frames of each video. (The tokenizer is a
+    small one of Terra's frame size and codes: names and frame counts are the point, not pictures.)"""
     import re
 
     from PIL import Image
 
     from terra_cli.media.frames import count_frames
-    from terra_cli.models.default import default_tokenizer_dir
 
     root = tmp_path / "nuscenes"
     root.mkdir()
@@ -152,11 +152,11 @@ def test_act_bench_videos_are_what_its_scorer_reads(tmp_path):
         Image.fromarray(rng.integers(0, 255, size=(288, 512, 3), dtype=np.uint8)).save(root / f"{i}.jpg")
         images.append(f"{i}.jpg")
     path = scenario_file(tmp_path, [act_bench_line(345, images)])
-    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=1024, layers=1))  # the embedded tokenizer's codes
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=1024, layers=1))  # the tokenizer's codes
     out = tmp_path / "videos"
     result = CliRunner().invoke(app, ["generate", "--scenarios", str(path), "--image-root", str(root),
                                       "--out-dir", str(out), "--model", str(model), "--tokenizer",
-                                      str(default_tokenizer_dir()), "--backend", "hf", "--frames", "4",
+                                      frame_tokenizer, "--backend", "hf", "--frames", "4",
                                       "--rollouts", "2"])
     assert result.exit_code == 0, result.output
     for sample in ("s0", "s1"):

@@ -1,6 +1,8 @@
 """`terra serve`'s API in this process (FastAPI's TestClient): jobs, sessions, streaming, cancel,
 expiry, auth, caps, bad requests and a client that goes away, on a tiny model and the reference
-backend. One engine for the module; apps for auth and caps share it without their lifespan."""
+backend. One engine for the module; apps for auth and caps share it without their lifespan. Its
+frames decode with conftest's frame_tokenizer (Terra's frame size and codes, a third of the
+embedded tokenizer's decode time)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from server_helpers import SERVE_MAX_FRAMES, context_tokens, default_tokenizer, serve_checkpoint, wait_for, wait_job
+from server_helpers import SERVE_MAX_FRAMES, context_tokens, serve_checkpoint, wait_for, wait_job
 
 pytest.importorskip("fastapi")
 
@@ -22,10 +24,10 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
+def engine(checkpoint, frame_tokenizer):
     from terra_cli.server.loader import EngineConfig, load_engine
 
-    service = load_engine(EngineConfig(model=str(checkpoint), tokenizer=default_tokenizer(), backend="hf",
+    service = load_engine(EngineConfig(model=str(checkpoint), tokenizer=frame_tokenizer, backend="hf",
                                        device="cpu", dtype="float32", threads=1))
     yield service
     service.close()

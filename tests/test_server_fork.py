@@ -9,7 +9,7 @@ import io
 import numpy as np
 import pytest
 
-from server_helpers import context_tokens, default_tokenizer, serve_checkpoint
+from server_helpers import context_tokens, serve_checkpoint
 
 pytest.importorskip("fastapi")
 
@@ -22,13 +22,13 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(checkpoint):
+def client(checkpoint, frame_tokenizer):
     from fastapi.testclient import TestClient
 
     from terra_cli.server.app import Settings, create_app
     from terra_cli.server.loader import EngineConfig, load_engine
 
-    engine = load_engine(EngineConfig(model=str(checkpoint), tokenizer=default_tokenizer(), backend="hf",
+    engine = load_engine(EngineConfig(model=str(checkpoint), tokenizer=frame_tokenizer, backend="hf",
                                       device="cpu", dtype="float32", threads=1))
     with TestClient(create_app(engine, Settings(max_sessions=3, session_timeout=120))) as test_client:
         yield test_client

@@ -1,6 +1,7 @@
 """A real `terra serve` process (uvicorn on 127.0.0.1): `terra generate --server` writes what a local
 run writes, its errors are the local run's one-liners, and SIGTERM drains (new work refused, the
-job in flight finished or cancelled within the grace period, exit 0)."""
+job in flight finished or cancelled within the grace period, exit 0). The server decodes with
+conftest's frame_tokenizer (Terra's frame size and codes; a third of the embedded one's decode time)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import invoke_terra
-from server_helpers import default_tokenizer, serve_checkpoint, wait_for
+from server_helpers import serve_checkpoint, wait_for
 
 pytest.importorskip("uvicorn")
 
@@ -47,14 +48,14 @@ def _post(url: str, body: dict):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, frame_tokenizer):
     folder = tmp_path_factory.mktemp("served")
     checkpoint = serve_checkpoint(folder / "model")
     port = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     log = open(folder / "serve.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "terra_cli", "serve", "--model", str(checkpoint), "--tokenizer", default_tokenizer(),
+        [sys.executable, "-m", "terra_cli", "serve", "--model", str(checkpoint), "--tokenizer", frame_tokenizer,
          "--backend", "hf", "--threads", "1", "--port", str(port), "--drain-grace", "60"],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -69,7 +70,7 @@ def served(tmp_path_factory):
         log.close()
 
 
-def test_generate_on_the_server_writes_what_a_local_run_writes(served, tmp_path):
+def test_generate_on_the_server_writes_what_a_local_run_writes(served, tmp_path, frame_tokenizer):
     url, _, checkpoint, _ = served
     remote = invoke_terra("generate", tmp_path / "remote.mp4", "--actions", "left", "--frames", 4, "--seed", 7,
                           "--save-tokens", tmp_path / "remote.npy", "--save-frames", tmp_path / "frames", "--server", url)
@@ -77,7 +78,7 @@ def test_generate_on_the_server_writes_what_a_local_run_writes(served, tmp_path)
     assert "backend hf (server)" in remote.stdout and "video -> " in remote.stdout
     assert (tmp_path / "remote.mp4").read_bytes()[4:8] == b"ftyp"
     assert len(list((tmp_path / "frames").glob("*.png"))) == 4
-    local = invoke_terra("generate", "--model", checkpoint, "--tokenizer", default_tokenizer(), "--backend", "hf",
+    local = invoke_terra("generate", "--model", checkpoint, "--tokenizer", frame_tokenizer, "--backend", "hf",
                          "--threads", 1, "--actions", "left", "--frames", 4, "--seed", 7, "--no-decode",
                          "--save-tokens", tmp_path / "local.npy")
     assert local.returncode == 0, local.stdout

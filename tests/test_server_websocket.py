@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from server_helpers import SERVE_MAX_FRAMES, context_tokens, default_tokenizer, serve_checkpoint, wait_for
+from server_helpers import SERVE_MAX_FRAMES, context_tokens, serve_checkpoint, wait_for
 
 pytest.importorskip("uvicorn")
 websockets_sync = pytest.importorskip("websockets.sync.client")
@@ -36,14 +36,14 @@ class Records(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, frame_tokenizer):
     import uvicorn
 
     from terra_cli.server.app import Settings, create_app
     from terra_cli.server.loader import EngineConfig, load_engine
 
     engine = load_engine(EngineConfig(model=str(serve_checkpoint(tmp_path_factory.mktemp("ws") / "model")),
-                                      tokenizer=default_tokenizer(), backend="hf", device="cpu", dtype="float32",
+                                      tokenizer=frame_tokenizer, backend="hf", device="cpu", dtype="float32",
                                       threads=1))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

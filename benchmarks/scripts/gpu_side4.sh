@@ -22,16 +22,17 @@ case "${1:-}" in
     in_background side4 bash benchmarks/scripts/gpu_side4.sh chains ;;
   chains)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    CHAIN_S=${CHAIN_S:-900}  # each GPU's chain stops after this many seconds
     refiner() {  # GPU VARIANTS WINDOWS: gpu_refiner_product.sh bench into $OUT/gpuN
       mkdir -p "$OUT/gpu$1"
-      CUDA_VISIBLE_DEVICES=$1 OUT=$OUT/gpu$1 VARIANTS=$2 WINDOWS=$3 LIMIT_S=420 BUDGET_S=600 \
-        timeout 900 bash benchmarks/scripts/gpu_refiner_product.sh bench > "$OUT/gpu$1.log" 2>&1
+      CUDA_VISIBLE_DEVICES=$1 OUT=$OUT/gpu$1 VARIANTS=$2 WINDOWS=$3 LIMIT_S=$CHAIN_S BUDGET_S=$CHAIN_S \
+        timeout "$CHAIN_S" bash benchmarks/scripts/gpu_refiner_product.sh bench > "$OUT/gpu$1.log" 2>&1
     }
-    CUDA_VISIBLE_DEVICES=0 timeout 600 python3 benchmarks/scripts/gpu_single_stream.py --models terra \
-      --budget-s 420 --variants 0,1,7,4 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1 &
-    refiner 1 compiled "1 2" &
-    refiner 2 graphs "2 4" &
-    refiner 3 "fp8 autotune" 2 &
+    CUDA_VISIBLE_DEVICES=0 timeout "$CHAIN_S" python3 benchmarks/scripts/gpu_single_stream.py --models terra \
+      --budget-s $((CHAIN_S - 60)) --variants 0,1,7,4 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1 &
+    refiner 1 compiled "${W1:-1 2}" &
+    refiner 2 graphs "${W2:-2 4}" &
+    refiner 3 "${V3:-fp8 autotune}" 2 &
     wait
     echo "chains done" >> "$STEP_LOG" ;;
   await)

@@ -214,22 +214,31 @@ def test_fused_projections_give_the_reference_codes(model, draft_tokens):
 
 
 @pytest.mark.parametrize("draft_tokens", [3, 8])
-def test_jacobi_logits_over_rows_padded_for_the_gpus_kernels_give_the_reference_codes(model, draft_tokens, monkeypatch):
-    """On CUDA a Jacobi step's 2..15 rows go through the lm_head padded to 16 (the Hopper GEMMs
-    take that shape); here, forced on the CPU, the padding is really taken and the codes are the
-    reference's."""
+def test_jacobi_logits_computed_weight_major_give_the_reference_codes(model, draft_tokens, monkeypatch):
+    """TERRA_SINGLE_STREAM_LOGITS=weight-major computes a Jacobi step's rows as W @ h.T (a candidate
+    for the GPU's lm_head kernel choice): the multi-row steps really skip the Linear, and the codes
+    are the reference's."""
     from terra_cli.backends import static_kv
     from terra_cli.backends.single_stream import SingleStreamDecoder
 
     context, actions = inputs(seed=6)
+    monkeypatch.setenv(static_kv.LOGITS_ENV, "weight-major")
     decoder = SingleStreamDecoder(model, draft_tokens=draft_tokens)
-    assert decoder.core.logit_row_multiple == 1  # off on the CPU
-    decoder.core.logit_row_multiple = static_kv.LOGIT_ROW_MULTIPLE
-    heads = []
+    assert decoder.core.logits_layout == "weight-major"
+    head_rows = []
     lm_head = model.lm_head.forward
-    monkeypatch.setattr(model.lm_head, "forward", lambda x: heads.append(x.shape[0]) or lm_head(x))
+    monkeypatch.setattr(model.lm_head, "forward", lambda x: head_rows.append(x.shape[0]) or lm_head(x))
     codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
     monkeypatch.undo()
-    assert static_kv.LOGIT_ROW_MULTIPLE in heads and draft_tokens + 1 not in heads
+    assert draft_tokens + 1 not in head_rows  # every (K + 1)-row step went weight-major
     reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
     np.testing.assert_array_equal(codes, reference)
+
+
+def test_an_unknown_logits_layout_is_refused(model, monkeypatch):
+    from terra_cli.backends import static_kv
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+
+    monkeypatch.setenv(static_kv.LOGITS_ENV, "padded")
+    with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_LOGITS"):
+        SingleStreamDecoder(model, draft_tokens=3)

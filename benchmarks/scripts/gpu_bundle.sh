@@ -8,6 +8,7 @@
 #   ray  (carry .gpu/ray: ray-site.tar.xz, Ray and its dependencies unpacked, into /tmp/raysite)
 # /tmp survives between calls while the machine is held: make the calls back to back.
 set -euo pipefail
+shopt -s nullglob  # a part folder may hold no wheels
 mkdir -p /tmp/dl /tmp/site
 case "$1" in
   a1) cp .gpu/a1/a-part.aa /tmp/dl/
@@ -20,4 +21,4 @@ case "$1" in
   ray) mkdir -p /tmp/raysite && tar -C /tmp/raysite -xJf .gpu/ray/ray-site.tar.xz ;;
   *) echo "usage: gpu_bundle.sh a1|a2|b|ff|ray" >&2; exit 2 ;;
 esac
-du -sh /tmp/site /tmp/raysite 2>/dev/null; nvidia-smi -L
+du -sh /tmp/site /tmp/raysite 2>/dev/null || true; nvidia-smi -L

@@ -3,11 +3,12 @@
 # `gpu_bundle.sh a1`, `a2`, `b` and `gpu_side4.sh ref` (carry .gpu/ref: diffusers and its wheels):
 #   ref    unzip .gpu/ref's wheels into /tmp/site
 #   start  install terra, start `chains` in the background (collect with `await`)
-#   chains GPU 0 (41): gpu_single_stream.py at Terra size: plain, Jacobi K=8 (logit rows padded), K=8
-#          unpadded, plain with eager layers
-#          GPU 1 (40): the refiner compiled (Inductor default), 1 then 2 windows per call
-#          GPU 2 (40): CUDA graphs (reduce-overhead), 2 then 4 windows per call
-#          GPU 3 (40): the fp8 UNet (compiled), 2 windows per call, then max-autotune at 2
+#   chains GPU 0 (41): gpu_single_stream.py at Terra size: plain, Jacobi K=8, K=8 with the logits
+#          weight-major (W @ h.T), plain with eager layers (variants 0,1,7,4)
+#          GPU 1 (40): the refiner compiled (Inductor default), W1 windows per call (default "1 2")
+#          GPU 2 (40): CUDA graphs (reduce-overhead), W2 windows per call (default "2 4")
+#          GPU 3 (40): V3 variants at 2 windows per call (default "fp8 autotune")
+#          each chain stops after CHAIN_S seconds (default 900)
 #   await  wait up to AWAIT_S (default 540), then pack /tmp/bg/side4 into $OUT/side4.tar.gz
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

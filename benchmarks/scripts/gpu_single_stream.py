@@ -43,7 +43,7 @@ from terra_cli.backends.single_stream import SingleStreamBackend  # noqa: E402
 
 CONTEXT_FRAMES = 3
 # name, draft_tokens, draft, environment (attention / layer compile switches read at decoder start).
-NEW = {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": "", "TERRA_SINGLE_STREAM_PAD_LOGIT_ROWS": ""}
+NEW = {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": "", "TERRA_SINGLE_STREAM_LOGITS": ""}
 VARIANTS = [
     ("plain", 0, "jacobi", NEW),
     ("jacobi K=8", 8, "jacobi", NEW),
@@ -53,7 +53,7 @@ VARIANTS = [
     ("plain, flash attention, eager layers", 0, "jacobi", {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": "0"}),
     ("plain, torch attention, compiled layers", 0, "jacobi", {"TERRA_SINGLE_STREAM_ATTENTION": "torch", "TERRA_SINGLE_STREAM_COMPILE": ""}),
     ("previous-frame K=4", 4, "previous-frame", NEW),
-    ("jacobi K=8, logit rows unpadded (the 2026-11-26 path)", 8, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_PAD_LOGIT_ROWS": "0"}),
+    ("jacobi K=8, logits weight-major (W @ h.T)", 8, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "weight-major"}),
 ]
 TARGET_S_PER_FRAME = 0.5
 

@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from terra_cli.backends.layer_ops import LayerOps
-from terra_cli.runtime import switched_off
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
 
 
@@ -46,13 +45,14 @@ MATMUL_ATTENTION_ROWS = 256
 SPARE_POSITIONS = 33
 # TERRA_SINGLE_STREAM_ATTENTION=torch keeps the torch attention on CUDA too (to compare).
 ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
-# A Jacobi step's logits come from a few rows (K + 1). On the H100, cuBLAS ran 9 rows of Terra's
-# lm_head (262,144 x 2,048) as an sm75 CUTLASS kernel at 0.99 ms a step, 2.5x the one-row GEMV
-# (benchmarks/README.md, the evening of 2026-11-26). The weight read is the same for 16 rows, so
-# decode steps of 2..15 rows are padded to 16 on CUDA, where the Hopper kernels take the shape.
-# TERRA_SINGLE_STREAM_PAD_LOGIT_ROWS=0 turns it off (to compare).
-LOGIT_ROW_MULTIPLE = 16
-PAD_LOGIT_ROWS_ENV = "TERRA_SINGLE_STREAM_PAD_LOGIT_ROWS"
+# A Jacobi step's logits come from a few rows (K + 1). On the H100 cuBLAS runs 9 rows of Terra's
+# lm_head (262,144 x 2,048), and 16 rows as well (padding them was tried and measured, 2026-11-27),
+# as one sm75 CUTLASS kernel at about 1 ms a step, 2.5x the one-row GEMV (benchmarks/README.md).
+# TERRA_SINGLE_STREAM_LOGITS=weight-major computes them as W @ h.T, one tall GEMM over the
+# vocabulary, which cuBLAS tiles differently: a candidate for the next GPU comparison. The default
+# stays `linear`, the measured one.
+LOGITS_ENV = "TERRA_SINGLE_STREAM_LOGITS"
+LOGITS_LAYOUTS = ("linear", "weight-major")
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -172,7 +172,9 @@ class StaticKVDecoder:
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.key_positions = torch.arange(self.cache_positions, device=self.device)
         self.ops = LayerOps(model, compile_layers=self.device.type == "cuda" if compile_layers is None else compile_layers)
-        self.logit_row_multiple = LOGIT_ROW_MULTIPLE if self.device.type == "cuda" and not switched_off(PAD_LOGIT_ROWS_ENV) else 1
+        self.logits_layout = os.environ.get(LOGITS_ENV) or "linear"
+        if self.logits_layout not in LOGITS_LAYOUTS:
+            raise ValueError(f"{LOGITS_ENV}={self.logits_layout!r}: expected one of {', '.join(LOGITS_LAYOUTS)}")
 
     @property
     def compiled(self) -> bool:
@@ -200,13 +202,12 @@ class StaticKVDecoder:
         return self.logits(hidden) if decode else self.model.lm_head(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head over a decode step's rows (n, H) -> (n, V); 2..15 rows go through it padded to
-        `logit_row_multiple` (each row's logits are its own: the padding rows are zeros, dropped)."""
-        rows, multiple = hidden.shape[0], self.logit_row_multiple
-        if rows < 2 or multiple < 2 or rows % multiple == 0:
-            return self.model.lm_head(hidden)
-        padded = F.pad(hidden, (0, 0, 0, multiple - rows % multiple))
-        return self.model.lm_head(padded)[:rows]
+        """lm_head over a decode step's rows (n, H) -> (n, V), in the layout `logits_layout` names."""
+        head = self.model.lm_head
+        if hidden.shape[0] < 2 or self.logits_layout == "linear":
+            return head(hidden)
+        logits = (head.weight @ hidden.t()).t().contiguous()
+        return logits if head.bias is None else logits + head.bias
 
     def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False) -> torch.Tensor:
         """Final hidden states (n, H): every layer writes its K/V at `positions` first, then attends.

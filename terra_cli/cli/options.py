@@ -120,4 +120,4 @@ def refiner_dtype_option():
     return typer.Option("auto", "--refiner-dtype", help=(
         "With the refiner: auto (the run's --dtype throughout: bf16 on a GPU, float32 on a CPU) or fp8 (opt-in: "
         "the UNet's attention and feed-forward Linear layers in float8 with scaled matmuls; a GPU of compute "
-        "capability 8.9+, or the CPU; not measured on a GPU yet, docs/refiner.md)."))
+        "capability 8.9+, or the CPU; slower than bf16 on an H100, docs/refiner.md)."))

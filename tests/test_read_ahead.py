@@ -55,3 +55,32 @@ def test_a_failed_read_is_raised_by_its_own_take_alone():
         reader.take(bad)
     assert reader.take(good) == "good"
     reader.close()
+
+
+def test_a_ray_driver_reads_contexts_at_the_tokenizers_frame_size_and_the_pixels_it_encodes_do_not_change(tmp_path):
+    """ACT-Bench's contexts are 1600x900 JPEGs: the driver resizes them as it reads (10x fewer bytes
+    held and shipped), and the tokenizer, resizing again on the actor, sees exactly the pixels it
+    would have made from the originals."""
+    import numpy as np
+    from PIL import Image
+
+    from terra_cli.scenarios.ray_runner import read_work
+    from terra_cli.scenarios.spec import Scenario
+    from tokenizer_decoder.tokenizer import FRAME_HEIGHT, FRAME_WIDTH, resize_frames
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(3):
+        path = tmp_path / f"cam{i}.jpg"
+        Image.fromarray(rng.integers(0, 256, (900, 1600, 3), dtype=np.uint8)).save(path, quality=90)
+        paths.append(path)
+    scenario = Scenario(id="s0", line=1, actions=np.zeros((4, 6, 3), np.float32), frames=4, seed=0,
+                        context_images=tuple(paths), context_frames=3)
+    work = read_work(scenario)
+    assert [f.shape for f in work.context_images] == [(FRAME_HEIGHT, FRAME_WIDTH, 3)] * 3
+    originals = [np.asarray(Image.open(p).convert("RGB")) for p in paths]
+    expected = resize_frames(originals)  # what the actor's tokenizer made of the full-size frames
+    again = resize_frames(work.context_images)  # what it makes of the resized ones
+    for got, want in zip(again, expected):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(resize_frames(originals, (FRAME_HEIGHT, FRAME_WIDTH - 16))[0][:, :-16], expected[0][:, :-16])

@@ -142,8 +142,7 @@ class ImageTokenizer:
     # -- pixels <-> tensors ---------------------------------------------------------------------
     def resize_frames(self, images: Sequence) -> list[np.ndarray]:
         """PIL images or uint8 arrays -> RGB uint8 (H, W, 3) at the tokenizer's size, resized as Terra does."""
-        height, width = self.image_size
-        return [np.asarray(_to_pil(image, i).convert("RGB").resize((width, height))) for i, image in enumerate(images)]
+        return resize_frames(images, self.image_size)
 
     def preprocess(self, images: Sequence) -> torch.Tensor:
         """PIL images or uint8 HxWx3 arrays -> float32 (B, 3, H, W) in [-1, 1] on the CPU."""
@@ -299,6 +298,14 @@ def psnr(reference: np.ndarray, reconstruction: np.ndarray) -> float:
         raise TokenizerInputError(f"PSNR needs images of the same shape, got {a.shape} and {b.shape}")
     mse = float(np.mean((a - b) ** 2))
     return float("inf") if mse == 0 else 10.0 * np.log10(255.0**2 / mse)
+
+
+def resize_frames(images: Sequence, image_size: tuple[int, int] = (FRAME_HEIGHT, FRAME_WIDTH)) -> list[np.ndarray]:
+    """PIL images or uint8 arrays -> RGB uint8 (H, W, 3) at `image_size`, resized as Terra does.
+    A frame already at that size comes back unchanged (Pillow copies it), so frames resized ahead,
+    elsewhere (a Ray driver's readers), tokenize exactly as the originals do."""
+    height, width = image_size
+    return [np.asarray(_to_pil(image, i).convert("RGB").resize((width, height))) for i, image in enumerate(images)]
 
 
 def _to_pil(image, index: int):

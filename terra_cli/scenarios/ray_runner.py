@@ -84,7 +84,8 @@ class RayDriver:
         self.works: dict[str, object] = {}  # scenario -> its context in the object store (kept for retries)
         self.window = window_for(self.job.max_rollouts or AUTO_MAX_ROLLOUTS)  # the most an engine may be given
         # Contexts read ahead: what every engine's window takes at once (a wave change), up to
-        # READ_AHEAD_MAX (about 1.3 GB of 288x512 RGB frames held by the driver).
+        # READ_AHEAD_MAX (about 1.3 GB of 288x512 RGB frames held by the driver: `read_work`
+        # resizes them as it reads).
         self.reader = ReadAhead(read_work, ahead=min(READ_AHEAD_MAX, self.plan.engines * self.window))
 
     def run(self) -> RayRun:
@@ -337,14 +338,20 @@ def _last_engine_loops(engines: list[EngineState]) -> None:
 
 
 def read_work(s: Scenario):
-    """A scenario's context as data for an actor on any node: tokens, or RGB frames."""
+    """A scenario's context as data for an actor on any node: tokens, or RGB frames at the
+    tokenizer's frame size. Resized here, in the reading threads, the exact way the tokenizer
+    would: ACT-Bench's 1600x900 JPEGs are 10x the bytes of Terra's 288x512 frames, and the driver
+    held and shipped them whole (27 GB resident in a full run's first minute, 2026-11-27)."""
+    from tokenizer_decoder.tokenizer import resize_frames
+
     from terra_cli.pipeline.inputs import load_context_tokens, read_context_frames
     from terra_cli.scenarios.ray_actor import ScenarioWork
 
     if s.context_tokens is not None:
         return ScenarioWork(s, context_tokens=load_context_tokens(s.context_tokens, s.context_frames))
     if s.context_images:
-        return ScenarioWork(s, context_images=read_context_frames(list(s.context_images), s.context_frames))
+        frames = read_context_frames(list(s.context_images), s.context_frames)
+        return ScenarioWork(s, context_images=resize_frames(frames))
     from terra_cli.models.default import sample_context_frames
 
     return ScenarioWork(s, context_images=list(sample_context_frames(s.context_frames)))

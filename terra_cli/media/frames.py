@@ -271,10 +271,8 @@ def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: floa
     with atomic_path(path, overwrite) as tmp:
         try:
             _encode_h264(tmp, frames, fps)
-        except MediaError:
+        except (MediaError, OSError):  # already one line; atomic_path names the path and an OSError's cause
             raise
-        except OSError:
-            raise  # atomic_path names the path and the cause (no space, permissions)
         except Exception as exc:
             raise MediaError(f"cannot write video {path}: {_short(exc)}") from exc
         written = _video_frame_count(tmp) if tmp.stat().st_size else 0

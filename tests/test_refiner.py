@@ -41,6 +41,40 @@ def test_windows_follow_terras_start_end_indices():
         start_end_indices(24)
 
 
+def test_windows_per_call_by_default_two_but_never_more_than_one_videos_windows():
+    from terra_cli.refiner.refiner import WINDOWS_PER_CALL, windows_per_call
+
+    assert WINDOWS_PER_CALL == 2
+    assert windows_per_call(None) == 2  # --scenarios: windows of several videos share a call
+    assert windows_per_call(None, 25) == 1  # one video of one window: a padded second would cost a window
+    assert windows_per_call(None, 47) == 2
+    assert windows_per_call(None, 100) == 2
+    assert windows_per_call(3, 25) == 3  # as asked, whatever the video
+
+
+@pytest.mark.parametrize("extra, frames, windows", [([], "25", 1), ([], "47", 2), (["--refiner-windows", "3"], "25", 3)])
+def test_generate_hands_the_refiner_its_windows_per_call(monkeypatch, tmp_path, extra, frames, windows):
+    from conftest import invoke_terra
+
+    from terra_cli.refiner import decoder
+
+    seen = []
+
+    def choice(decoder_name, refiner, model, device, dtype, allow_slow, options):
+        seen.append(options.batch_windows)
+        raise InputError("stop here")
+
+    monkeypatch.setattr(decoder, "refiner_choice", choice)
+    result = invoke_terra("generate", tmp_path / "out.mp4", "--decoder", "refiner", "--frames", frames, *extra)
+    assert result.returncode == 2 and "stop here" in result.stderr
+    assert seen == [windows]
+    (tmp_path / "s.jsonl").write_text('{"id": "a", "actions": "straight", "frames": 25}\n')
+    result = invoke_terra("generate", "--scenarios", tmp_path / "s.jsonl", "--out-dir", tmp_path / "v", "--decoder",
+                          "refiner", *extra)
+    assert "stop here" in result.stderr
+    assert seen[1] == (3 if extra else 2)  # scenarios: windows of several videos share a call
+
+
 def test_edm_sigmas_and_guidance_scales():
     sigmas = sampler.edm_sigmas(15)
     assert len(sigmas) == 16 and sigmas[0] == 700.0 and sigmas[-1] == 0.0

@@ -82,7 +82,7 @@ def generate(
     refiner: Optional[str] = typer.Option(None, "--refiner", help="With --decoder refiner: its weights, a .pt/.safetensors file, a folder or a hub id (default: from --model turing-motors/Terra, file video_refiner/refiner_model.pt)."),
     allow_slow: bool = typer.Option(False, "--allow-slow", help="With --decoder refiner on a CPU: run even when it is estimated to take over an hour."),
     refiner_compile: str = opts.refiner_compile_option(),
-    refiner_windows: int = opts.refiner_windows_option(),
+    refiner_windows: Optional[int] = opts.refiner_windows_option(),
     refiner_dtype: str = opts.refiner_dtype_option(),
     server: Optional[str] = typer.Option(None, "--server", help="Run on a `terra serve` at this URL (its model; no start-up here). API key: TERRA_API_KEY."),
 ):
@@ -96,13 +96,15 @@ def generate(
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 
     refine = None
-    if decoder != "frames" or refiner is not None or allow_slow or refiner_compile != "auto" or refiner_windows != 1 \
+    if decoder != "frames" or refiner is not None or allow_slow or refiner_compile != "auto" or refiner_windows is not None \
             or refiner_dtype != "auto":
         from terra_cli.refiner.decoder import refiner_choice
-        from terra_cli.refiner.refiner import RefinerOptions
+        from terra_cli.refiner.refiner import RefinerOptions, windows_per_call
 
+        if refiner_windows is None and decoder.strip().lower() == "refiner":
+            refiner_windows = windows_per_call(None, None if scenarios is not None else (25 if frames is None else frames))
         refine = refiner_choice(decoder, refiner, model, device, dtype, allow_slow,
-                                RefinerOptions(batch_windows=refiner_windows, compile=refiner_compile.strip().lower(),
+                                RefinerOptions(batch_windows=refiner_windows or 1, compile=refiner_compile.strip().lower(),
                                                dtype=refiner_dtype.strip().lower()))
 
     if scenarios is not None:

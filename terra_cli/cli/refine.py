@@ -56,7 +56,7 @@ def refine_video(
     dtype: str = opts.dtype_option(),
     allow_slow: bool = typer.Option(False, "--allow-slow", help="On a CPU: run even when it is estimated to take over an hour."),
     refiner_compile: str = opts.refiner_compile_option(),
-    refiner_windows: int = opts.refiner_windows_option(),
+    refiner_windows: Optional[int] = opts.refiner_windows_option(),
     refiner_dtype: str = opts.refiner_dtype_option(),
     overwrite: bool = opts.overwrite_option(),
 ):
@@ -72,10 +72,11 @@ def refine_video(
 
     outputs = check_outputs(output, None, None, no_decode=False, overwrite=overwrite)
     ids = load_context_tokens(tokens, None)
-    from terra_cli.refiner.refiner import RefinerOptions
+    from terra_cli.refiner.refiner import RefinerOptions, windows_per_call
 
     choice = refiner_choice("refiner", refiner, model, device, dtype, allow_slow,
-                            RefinerOptions(batch_windows=refiner_windows, compile=refiner_compile.strip().lower(),
+                            RefinerOptions(batch_windows=windows_per_call(refiner_windows, len(ids)),
+                                           compile=refiner_compile.strip().lower(),
                                            dtype=refiner_dtype.strip().lower()))
     if variant not in PAIRED_TOKENIZER:
         raise InputError(f"--variant must be one of {', '.join(PAIRED_TOKENIZER)}, got {variant!r}")

@@ -41,6 +41,23 @@ TERRA_UNET_FLOPS = 28.34e12
 TERRA_VAE_DECODE_FLOPS = 2.85e12
 TERRA_VAE_ENCODE_FLOPS = 1.04e12
 SLOW_CPU_SECONDS = 3600.0
+# --refiner-windows by default: compiled on an H100, 2 windows per UNet call took 1.20 s a window
+# against 1.35 s for 1, in one call (benchmarks/README.md, 2026-11-26; 4 and 8 did not finish
+# compiling in the time measured).
+WINDOWS_PER_CALL = 2
+
+
+def windows_per_call(asked: int | None, frames: int | None = None) -> int:
+    """--refiner-windows as asked; by default WINDOWS_PER_CALL, but no more than one video of
+    `frames` has when only that video is refined (a compiled call pads a short group, and a
+    padded window costs as much as a real one)."""
+    if asked is not None:
+        return asked
+    if frames is None:
+        return WINDOWS_PER_CALL
+    from terra_cli.refiner.windows import count_windows
+
+    return min(WINDOWS_PER_CALL, count_windows(frames)) if frames >= 25 else 1
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def test_a_vllm_engine_actor_writes_what_the_engine_in_this_process_writes(tmp_p
                   decode=False)
     job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "actor", Defaults(), model=ModelSpec(str(engine_checkpoint)),
                       engine=Engine("vllm", "cpu", "float32"), max_rollouts=8, decode=False)
-    result = run_on_ray(prepare_job(job), None, 1)  # a local cluster of this machine, one engine
+    result = run_on_ray(prepare_job(job), None, 1, probe_wakes=True)  # a local cluster of this machine, one engine
     assert result.done == 6 and not result.errors
     # The actor's engine loop times come back with the run's summary, taken as it ended.
     loop = result.summary()[0]["engine_loop"]

@@ -325,7 +325,7 @@ def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_
                 on_frames(payload.progress_frames)
             on_tick(payload)
 
-    return run_on_ray(prepared, None if ray in (None, "local") else ray, engines, on_event=on_event)
+    return run_on_ray(prepared, None if ray in (None, "local") else ray, engines, on_event=on_event, probe_wakes=True)
 
 
 def _lockstep(checkpoint: Path, layout, plan: ScenarioBenchPlan, gpus: list[int], log) -> dict:

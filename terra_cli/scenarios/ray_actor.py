@@ -56,6 +56,7 @@ class EngineSpec:
     longest_frames: int = 0  # the longest scenario of the run (--max-rollouts auto sizes by it)
     failing_ids: frozenset = frozenset()  # test knob: scenarios this engine fails
     hold_videos: int = 0  # test knob: no video returns before the engine has generated this many frames
+    probe_wakes: bool = False  # run a WakeProbe, reported with the loop's times (a bench reads it)
 
 
 @dataclass
@@ -153,7 +154,8 @@ class ScenarioEngine:
         self.intake_thread.start()
         from terra_cli.scenarios.wake_probe import WakeProbe
 
-        self.wake_probe = WakeProbe()  # the host side's waits, reported with the engine loop's times
+        # The host side's waits, reported with the engine loop's times (a thread waking every 5 ms: only when asked)
+        self.wake_probe = WakeProbe() if spec.probe_wakes else None
 
     # -- called by the driver -------------------------------------------------------------
 
@@ -167,7 +169,7 @@ class ScenarioEngine:
                 "in_flight": self.in_flight, "writers": self.pool.size if isinstance(self.pool, WriterPool) else 0}
 
     def stats(self) -> dict:
-        loop = {**self.driver.loop.as_dict(), **self.wake_probe.as_dict()}
+        loop = {**self.driver.loop.as_dict(), **(self.wake_probe.as_dict() if self.wake_probe is not None else {})}
         with self.lock:
             return {"frames": self.frames, "pending_frames": sum(w.frames for w in self.waiters.values()),
                     "engine_loop": loop}

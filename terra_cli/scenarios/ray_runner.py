@@ -48,18 +48,22 @@ Event = Callable[[str, "EngineState | None", object], None]  # (kind, engine, pa
 
 
 def run_on_ray(prepared: PreparedJob, address: str | None = None, engines: int | None = None, *,
-               on_event: Event = lambda kind, engine, payload: None, verbose: bool = False) -> RayRun:
+               on_event: Event = lambda kind, engine, payload: None, verbose: bool = False,
+               probe_wakes: bool = False) -> RayRun:
+    """`probe_wakes`: each actor runs a `WakeProbe` and reports it with its loop's times (a bench's
+    minute lines); off for plain runs, where nobody reads it."""
     from terra_cli.scenarios.outdir import OutDirLock
 
     # The cluster first: a bad --ray address leaves no empty --out-dir behind.
     with ray_cluster(prepared, address, engines, verbose) as plan, OutDirLock(prepared.job.out_dir):
-        return drive(prepared, plan, on_event)
+        return drive(prepared, plan, on_event, probe_wakes)
 
 
-def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind, engine, payload: None) -> RayRun:
+def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind, engine, payload: None,
+          probe_wakes: bool = False) -> RayRun:
     """Run `prepared` on `plan.engines` actors. KeyboardInterrupt writes every result that is
     already back, stops the actors and propagates."""
-    return RayDriver(prepared, plan, on_event).run()
+    return RayDriver(prepared, plan, on_event, probe_wakes).run()
 
 
 class RayDriver:
@@ -67,8 +71,9 @@ class RayDriver:
     take them, settles what comes back (results, readiness probes, loop statistics), requeues
     what a dead actor held, and is the only writer of --out-dir (`results.save_finished`)."""
 
-    def __init__(self, prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind, engine, payload: None):
-        self.prepared, self.plan, self.on_event = prepared, plan, on_event
+    def __init__(self, prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind, engine, payload: None,
+                 probe_wakes: bool = False):
+        self.prepared, self.plan, self.on_event, self.probe_wakes = prepared, plan, on_event, probe_wakes
         self.job, self.out_dir = prepared.job, prepared.job.out_dir
         make_out_dir(self.out_dir)  # the caller holds it (outdir.OutDirLock)
         self.outputs = plan_outputs(prepared.file.scenarios, self.out_dir, decode=self.job.decode,
@@ -155,7 +160,8 @@ class RayDriver:
         longest = max(s.frames for s in self.pending)
         for index in range(count):
             spec = EngineSpec(self.job, backend, device, prepared.needs_tokenizer, index, threads,
-                              delays.get(index, 0.0), longest, injected_failures(), injected_video_hold())
+                              delays.get(index, 0.0), longest, injected_failures(), injected_video_hold(),
+                              self.probe_wakes)
             actor = engine_class.options(max_restarts=ENGINE_RESTARTS, max_task_retries=0,
                                          max_concurrency=calls, scheduling_strategy="SPREAD",
                                          **resources).remote(spec)

@@ -100,7 +100,7 @@ def test_a_slow_engine_takes_fewer_scenarios_and_a_poison_one_fails_alone(cluste
     folder, model = work
     # engine 1: 4 s a scenario, engine 0: ~0.05 s; so wide that engine 0 starting late on a loaded
     # machine (seen with 0.5 s under CI's parallel workers) cannot let engine 1 catch up
-    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "1=2.0")
+    monkeypatch.setenv("TERRA_TEST_FRAME_DELAY", "1=2.0")
     monkeypatch.setenv("TERRA_RAY_TEST_FAIL", "poison")  # valid (token ranges are checked up front), fails on every engine
     result = run(folder, model, "slow", scenarios="poison.jsonl")
     shares = {row["engine"]: row["scenarios"] for row in result.summary()}
@@ -119,7 +119,7 @@ def test_killed_engines_lose_nothing_and_rejoin(cluster, work, monkeypatch):
     scenarios are handed out again, Ray restarts both and the run finishes only once they have
     rejoined; every scenario is written once, with the tokens of an uninterrupted run."""
     folder, model = work
-    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "0=0.25,1=0.25")
+    monkeypatch.setenv("TERRA_TEST_FRAME_DELAY", "0=0.25,1=0.25")
     pids, events = {}, []
 
     def on_event(kind, engine, payload):
@@ -148,7 +148,7 @@ def test_a_restarted_engine_takes_back_the_scenarios_it_lost(cluster, work, monk
     folder, model = work
     lines = (folder / "s.jsonl").read_text().splitlines()[:4]
     (folder / "four.jsonl").write_text("\n".join(lines) + "\n")
-    monkeypatch.setenv("TERRA_RAY_TEST_FRAME_DELAY", "0=8.0")
+    monkeypatch.setenv("TERRA_TEST_FRAME_DELAY", "0=8.0")
     killed = []
 
     def on_event(kind, engine, payload):
@@ -166,7 +166,7 @@ def test_a_restarted_engine_takes_back_the_scenarios_it_lost(cluster, work, monk
 def test_ctrl_c_stops_the_actors_keeps_finished_scenarios_and_a_rerun_completes(cluster, work):
     folder, model = work
     out = folder / "cut"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_RAY_TEST_FRAME_DELAY": CTRL_C_FRAME_DELAY,
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_TEST_FRAME_DELAY": CTRL_C_FRAME_DELAY,
            "RAY_ADDRESS": cluster.address}
     driver = subprocess.Popen(
         [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir", str(out),
@@ -227,7 +227,7 @@ def test_sigint_to_a_data_parallel_driver_alone_stops_it(work):
     inherits SIGINT ignored, as POSIX wants for background jobs; SIGTERM stops it there.)"""
     folder, model = work
     out = folder / "dp_sigint"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_RAY_TEST_FRAME_DELAY": CTRL_C_FRAME_DELAY}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERRA_TEST_FRAME_DELAY": CTRL_C_FRAME_DELAY}
     env.pop("RAY_ADDRESS", None)
     driver = subprocess.Popen(
         [sys.executable, "-m", "terra_cli", "generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir", str(out),

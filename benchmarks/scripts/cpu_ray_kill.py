@@ -1,6 +1,6 @@
 """What a killed engine costs a Ray scenario run, on the CPU (issue 26).
 
-Two engines (reference backend, a tiny model, TERRA_RAY_TEST_FRAME_DELAY making each frame take
+Two engines (reference backend, a tiny model, TERRA_TEST_FRAME_DELAY making each frame take
 a known time) run the same scenarios twice on one local Ray cluster: once undisturbed, once with
 engine 1's process SIGKILLed after its 4th written scenario. Printed (and written as JSON to
 argv[1], if given): wall time of both runs, the frames redone (generated frames of the scenarios
@@ -27,7 +27,7 @@ SCENARIOS, FRAMES, CONTEXT = 24, 12, 2
 
 
 def main() -> None:
-    os.environ["TERRA_RAY_TEST_FRAME_DELAY"] = f"0={FRAME_SECONDS},1={FRAME_SECONDS}"
+    os.environ["TERRA_TEST_FRAME_DELAY"] = f"0={FRAME_SECONDS},1={FRAME_SECONDS}"
     from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
     from terra_cli.scenarios.job import ScenarioJob, prepare_job
     from terra_cli.models.resolve import ModelSpec

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.frame_delay:
-        os.environ["TERRA_RAY_TEST_FRAME_DELAY"] = ",".join(f"{i}={args.frame_delay}" for i in range(args.engines))
+        os.environ["TERRA_TEST_FRAME_DELAY"] = ",".join(f"{i}={args.frame_delay}" for i in range(args.engines))
 
     from terra_cli.backends import engine_options
     from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint

@@ -8,14 +8,21 @@ from __future__ import annotations
 import os
 
 
-def injected_frame_delays() -> dict[int, float]:
-    """TERRA_RAY_TEST_FRAME_DELAY="1=0.3,2=0.1": engine index -> seconds slept after each frame
-    (tests make one engine deliberately slow)."""
-    delays = {}
-    for part in filter(None, os.environ.get("TERRA_RAY_TEST_FRAME_DELAY", "").split(",")):
-        index, _, seconds = part.partition("=")
-        delays[int(index)] = float(seconds)
-    return delays
+FRAME_DELAY_ENV = "TERRA_TEST_FRAME_DELAY"
+
+
+def injected_frame_delay(engine: int = 0) -> float:
+    """Seconds engine `engine` sleeps after each frame: TERRA_TEST_FRAME_DELAY="0.5" for every
+    engine, or "1=0.3,2=0.1" per engine index (a one-engine run is engine 0). Tests make an engine
+    deliberately slow, or a run long enough for a Ctrl-C to land mid-run."""
+    delay = 0.0
+    for part in filter(None, os.environ.get(FRAME_DELAY_ENV, "").split(",")):
+        index, equals, seconds = part.partition("=")
+        if not equals:
+            delay = float(index)  # every engine's, unless one is named
+        elif int(index) == engine:
+            return float(seconds)
+    return delay
 
 
 def injected_failures() -> frozenset[str]:
@@ -28,12 +35,6 @@ def injected_video_hold() -> int:
     """TERRA_RAY_TEST_HOLD_VIDEOS=N: every engine returns no video until it has generated N frames
     (tests: an engine must take new work while its finished rollouts' videos are still being made)."""
     return int(os.environ.get("TERRA_RAY_TEST_HOLD_VIDEOS", "0") or 0)
-
-
-def injected_single_engine_frame_delay() -> float:
-    """TERRA_TEST_FRAME_DELAY=0.5: seconds a one-engine `--scenarios` run (not Ray's engines:
-    TERRA_RAY_TEST_FRAME_DELAY) sleeps after each frame, so that a test's Ctrl-C lands mid-run."""
-    return float(os.environ.get("TERRA_TEST_FRAME_DELAY") or 0.0)
 
 
 def injected_writer_backlog() -> int | None:

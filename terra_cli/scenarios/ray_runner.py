@@ -29,7 +29,7 @@ from terra_cli.scenarios.encoding import ReadAhead
 from terra_cli.scenarios.job import AUTO_MAX_ROLLOUTS, PreparedJob
 from terra_cli.scenarios.ray_cluster import EnginePlan, ray_cluster
 from terra_cli.errors import OutputError
-from terra_cli.scenarios.fault_injection import injected_failures, injected_frame_delays, injected_video_hold
+from terra_cli.scenarios.fault_injection import injected_failures, injected_frame_delay, injected_video_hold
 from terra_cli.scenarios.outdir import RESULTS_NAME, make_out_dir, plan_outputs
 from terra_cli.scenarios.results import NotRecorded, ResultsLog, log_skipped, save_finished
 from terra_cli.scenarios.ray_hand_out import (EngineState, RayRun, counted, fair_share, may_queue,  # noqa: F401
@@ -149,7 +149,6 @@ class RayDriver:
         from terra_cli.scenarios.ray_actor import EngineSpec, ScenarioEngine
 
         prepared, plan = self.prepared, self.plan
-        delays = injected_frame_delays()
         count, device, resources = plan.engines, plan.device, plan.resources
         threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // count) if device == "cpu" else 0
         backend = prepared.backend if device == "cpu" or prepared.job.engine.backend != "auto" else "auto"
@@ -160,7 +159,7 @@ class RayDriver:
         longest = max(s.frames for s in self.pending)
         for index in range(count):
             spec = EngineSpec(self.job, backend, device, prepared.needs_tokenizer, index, threads,
-                              delays.get(index, 0.0), longest, injected_failures(), injected_video_hold(),
+                              injected_frame_delay(index), longest, injected_failures(), injected_video_hold(),
                               self.probe_wakes)
             actor = engine_class.options(max_restarts=ENGINE_RESTARTS, max_task_retries=0,
                                          max_concurrency=calls, scheduling_strategy="SPREAD",

@@ -42,7 +42,7 @@ from terra_cli.pipeline.video import VIDEO_FPS
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
 from terra_cli.scenarios.encoding import ENCODE_BATCH, EncodeAhead
-from terra_cli.scenarios.fault_injection import injected_single_engine_frame_delay, injected_writer_backlog
+from terra_cli.scenarios.fault_injection import injected_frame_delay, injected_writer_backlog
 from terra_cli.scenarios.results import (NotRecorded, ResultsLog, completed_ids, log_skipped,  # noqa: F401
                                          save_finished, write_scenario)
 from terra_cli.scenarios.spec import Scenario, ScenarioFile
@@ -129,7 +129,7 @@ def run_scenarios(
                          plan.replaceable, pool)
         clock = time.perf_counter()
         backlog_limit = injected_writer_backlog() or max(WRITER_BACKLOG, max_rollouts)
-        frame_delay = injected_single_engine_frame_delay()
+        frame_delay = injected_frame_delay()
 
 
         ahead: EncodeAhead | None = None

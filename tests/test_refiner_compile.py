@@ -36,3 +36,38 @@ def test_inductors_own_default_in_the_variable_counts_as_unset(tmp_path):
     environ = {"TERRA_CACHE": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
     assert use_inductor_cache(environ) == tmp_path / "inductor"
     assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+
+
+def test_tracing_quietly_silences_dynamos_lru_cache_warning_and_nothing_else():
+    """diffusers' up-sampling calls an lru_cache-wrapped version check; Dynamo warns at each call
+    site while tracing (every compiled GPU run's log showed two). Here a tiny function does the same."""
+    import contextlib
+    import functools
+    import warnings
+
+    import torch
+
+    from terra_cli.refiner.compiled import tracing_quietly
+
+    @functools.lru_cache
+    def old_torch(version):
+        return False
+
+    def upsample(x):
+        if old_torch("2.1"):
+            return x
+        warnings.warn("another warning", UserWarning)
+        return x * 2
+
+    def traced_warnings(quiet: bool) -> list[str]:
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tracing_quietly() if quiet else contextlib.nullcontext():
+                torch.compile(upsample, backend="eager")(torch.ones(2))
+        return [str(w.message) for w in caught]
+
+    loud = traced_warnings(quiet=False)
+    assert any("lru_cache" in m for m in loud)  # the warning this silences, as torch gives it
+    quiet = traced_warnings(quiet=True)
+    assert not any("lru_cache" in m for m in quiet) and "another warning" in quiet

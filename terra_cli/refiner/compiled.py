@@ -15,7 +15,9 @@ is set, so only the first run on a machine pays the full compile.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from pathlib import Path
 
 from terra_cli.errors import InputError
@@ -72,6 +74,18 @@ def use_inductor_cache(environ=None) -> Path:
     folder = inductor_cache_dir(environ)
     environ[INDUCTOR_CACHE_ENV] = str(folder)
     return folder
+
+
+@contextlib.contextmanager
+def tracing_quietly():
+    """While Dynamo traces the UNet: diffusers' up-sampling blocks call `is_torch_version`, an
+    `lru_cache`-wrapped pure function, and Dynamo warns once per call site that it traces through
+    the cache (seen in every compiled run's log, 2026-11-27). Tracing through a pure function is
+    correct, so that warning alone is silenced; every other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools\.lru_cache`-wrapped function",
+                                category=UserWarning)
+        yield
 
 
 def compile_unet(unet, mode: str):

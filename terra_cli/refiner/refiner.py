@@ -28,7 +28,7 @@ import torch
 from terra_cli.errors import InputError
 from terra_cli.refiner import sampler
 from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_latents, encode_condition
-from terra_cli.refiner.compiled import COMPILE_MODES, compile_unet, resolve_compile_mode, uses_cuda_graphs
+from terra_cli.refiner.compiled import COMPILE_MODES, compile_unet, resolve_compile_mode, tracing_quietly, uses_cuda_graphs
 from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
 from terra_cli.refiner.fp8 import check_refiner_dtype, quantize_unet_linears
 from terra_cli.refiner.unet import added_time_ids, build_unet, zero_context
@@ -171,8 +171,9 @@ class VideoRefiner:
         config, batch = self.config, self.options.batch_windows
         h, w = config.latent_hw
         started = time.perf_counter()
-        self._call_unet(torch.zeros(batch, config.window, config.in_channels, h, w),
-                        torch.zeros(batch, dtype=torch.float32))
+        with tracing_quietly():
+            self._call_unet(torch.zeros(batch, config.window, config.in_channels, h, w),
+                            torch.zeros(batch, dtype=torch.float32))
         if str(self.device).startswith("cuda"):
             torch.cuda.synchronize(self.device)
         self.compile_seconds = time.perf_counter() - started

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import invoke_terra  # noqa: E402
+from conftest import invoke_terra, save_frame_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -34,15 +34,22 @@ def test_auto_in_flight_is_what_the_kv_cache_holds_capped(vllm_engine):
 @pytest.mark.slow
 def test_act_bench_cli_on_vllm_cpu(tmp_path):
     """2 ACT-Bench samples of 5 frames on a 4-frame model (two rounds each) through the CLI: the
-    report, the engine options reaching the engine, auto in-flight, and the written outputs."""
+    report, the engine options reaching the engine, auto in-flight, and the written outputs. The
+    model is a snapshot folder (world_model/ beside lfq_tokenizer_B_256/, as turing-motors/Terra's)
+    whose tokenizer is conftest's small one of Terra's frame size and codes: the bench takes the
+    snapshot's own, and its 6 context encodes and 10 frame decodes cost about a third of the
+    embedded tokenizer's (pictures are not the point here)."""
     from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 
-    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=1024, layers=1, max_frames=4))
+    model = tmp_path / "snapshot"
+    write_tiny_checkpoint(model / "world_model", tiny_config(image_vocab=1024, layers=1, max_frames=4))
+    save_frame_tokenizer(model / "lfq_tokenizer_B_256")  # 1024 codes, 576 a frame
     out_json, keep = tmp_path / "act.json", tmp_path / "kept"
     result = invoke_terra("bench", "--act-bench", 2, "--frames", 5, "--model", model, "--device", "cpu",
                           "--no-torch-compile", "--writers", 1, "--out", out_json, "--keep-outputs", keep)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out_json.read_text())
+    assert report["tokenizer"] == str(model / "lfq_tokenizer_B_256")
     assert report["command"].startswith("terra bench --act-bench 2")
     assert report["plan"]["max_rollouts"] is None and report["plan"]["backend"] == "vllm"
     engine = report["engine"]

@@ -15,6 +15,8 @@ from terra_cli.cli.app import (EXIT_INTERRUPTED, _state, app, console, friendly_
                                warn_implausible)
 from terra_cli.errors import InputError
 
+ONE_VIDEO_FRAMES = 25  # --frames of one video when not given (a scenario line has its own default)
+
 
 @app.command(
     epilog=(
@@ -102,7 +104,8 @@ def generate(
         from terra_cli.refiner.refiner import RefinerOptions, windows_per_call
 
         if refiner_windows is None and decoder.strip().lower() == "refiner":
-            refiner_windows = windows_per_call(None, None if scenarios is not None else (25 if frames is None else frames))
+            one_video = ONE_VIDEO_FRAMES if frames is None else frames
+            refiner_windows = windows_per_call(None, None if scenarios is not None else one_video)
         refine = refiner_choice(decoder, refiner, model, device, dtype, allow_slow,
                                 RefinerOptions(batch_windows=refiner_windows or 1, compile=refiner_compile.strip().lower(),
                                                dtype=refiner_dtype.strip().lower()))
@@ -137,7 +140,7 @@ def generate(
                         ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid), ("--writers", writers is not None)):
         if value:
             raise InputError(f"{name} works with --scenarios FILE")
-    frames = 25 if frames is None else frames
+    frames = ONE_VIDEO_FRAMES if frames is None else frames
     if actions is None:
         raise InputError("--actions is needed (a preset, a .npy, or ACT-Bench JSON), or --scenarios FILE for many videos")
     # Everything that can be checked without a model, outputs first.

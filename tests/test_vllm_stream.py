@@ -159,6 +159,63 @@ def test_the_loop_times_say_where_the_drivers_thread_spent_the_run(backend):
     assert loop["ms_per_step"] == pytest.approx(1000 * loop["in_engine_step_s"] / loop["steps"], abs=0.01)
 
 
+def test_a_frames_request_takes_its_rollouts_earlier_hashes_and_they_equal_vllms_own(backend, monkeypatch):
+    """Each frame's request starts with the block hashes of its rollout's previous request
+    (backends/vllm_prefix_hashes.py). Every request's prompt hashes, as the engine saw them, are
+    what vLLM's own hasher gives a fresh request of the same tokens and salt; the tokens are those
+    of a run with the reuse off; and the engine has its own hasher back after the run."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from terra_cli.backends.vllm_prefix_hashes import engine_core_of
+    from terra_cli.backends.vllm_stream import StreamDriver
+
+    core = engine_core_of(backend.llm)
+    assert core is not None, "the test engine runs in process"
+    vllm_hasher = core.request_block_hasher
+    prompts = {}  # request id -> (prompt tokens, salt, the prompt's hashes when the engine took it)
+
+    taken = {}  # request id -> how many hashes it came with
+
+    def recording(request):
+        given = len(request.block_hashes)
+        new = vllm_hasher(request)
+        if request.request_id not in prompts:
+            taken[request.request_id] = given
+            prompts[request.request_id] = (list(request.all_token_ids), request.cache_salt,
+                                           list(request.block_hashes) + new)
+        return new
+
+    monkeypatch.setattr(core, "request_block_hasher", recording)
+    jobs = [job("h0", 1, frames=7), job("h1", 2, frames=4)]  # h0 runs two rounds
+    driver = StreamDriver(backend, 2)
+    with_reuse = {}
+    driver.run(jobs, on_done=lambda j, t: with_reuse.__setitem__(j.key, t.copy()))
+    assert core.request_block_hasher is recording
+    assert driver.prefix_hashes.new_requests == len(prompts) == 5 + 2
+    # A round's first request hashes its prompt; each later one comes with at least every hash of
+    # the previous request's prompt (and of the frame it generated, where that filled blocks).
+    rounds = {}
+    for request_id in prompts:  # "key#round.frame", in the order the engine took them
+        rounds.setdefault(request_id.rsplit(".", 1)[0], []).append(request_id)
+    assert sorted(len(ids) for ids in rounds.values()) == [2, 2, 3]  # h0: 3 then 2 new frames; h1: 2
+    for ids in rounds.values():
+        assert taken[ids[0]] == 0
+        for previous, request_id in zip(ids, ids[1:]):
+            assert taken[request_id] >= len(prompts[previous][2]) > 0
+    assert driver.prefix_hashes.reused_blocks == sum(taken.values())
+    for request_id, (tokens, salt, hashes) in prompts.items():
+        fresh = Request(request_id, tokens, SamplingParams(), None, cache_salt=salt, block_hasher=vllm_hasher)
+        assert fresh.block_hashes == hashes, request_id
+    monkeypatch.setenv("TERRA_VLLM_REUSE_PREFIX_HASHES", "0")
+    plain = StreamDriver(backend, 2)
+    without = {}
+    plain.run(jobs, on_done=lambda j, t: without.__setitem__(j.key, t.copy()))
+    assert plain.prefix_hashes.new_requests == 0
+    for key in with_reuse:
+        np.testing.assert_array_equal(with_reuse[key], without[key])
+
+
 class SlowTokenizer:
     """Stands in for the image tokenizer: each encode takes `seconds`, and the `fail_at`-th raises."""
 

@@ -23,6 +23,7 @@ interface (backends/driver.py); the jobs, the feed and the loop times live there
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -32,6 +33,7 @@ import numpy as np
 from terra_cli.backends.driver import (FrameDone, JobCancelled, JobDone, JobFailed, JobFeed, JobStarted,  # noqa: F401
                                        LoopTimes, RolloutJob, admit, take_cancelled, timed_get)
 from terra_cli.backends.vllm import VllmBackend, write_rows, interleave
+from terra_cli.backends.vllm_prefix_hashes import PrefixHashReuse
 from terra_cli.backends.vllm_slots import RoundPlan, SlotTable
 from terra_cli.pipeline.rounds import Round, plan_rounds
 
@@ -79,6 +81,12 @@ def auto_in_flight(backend: VllmBackend, longest_frames: int, cap: int) -> tuple
     return chosen, f"the KV cache holds {capacity} rollouts of {tokens} tokens; {chosen} in flight (at most {cap})"
 
 
+def rollout_of_request(request_id: str) -> str | None:
+    """The job key in a request id of `StreamDriver._submit` ("key#round.frame"), else None."""
+    key, hash_mark, _ = request_id.rpartition("#")
+    return key if hash_mark else None
+
+
 class StreamDriver:
     """Runs `RolloutJob`s with up to `max_in_flight` at once on a `VllmBackend`'s engine."""
 
@@ -97,6 +105,10 @@ class StreamDriver:
         self.cached_tokens = 0
         self.prompt_tokens = 0
         self.loop = LoopTimes()  # summed over every run() of this driver
+        # A frame's request reuses its rollout's previous block hashes (vllm_prefix_hashes.py);
+        # TERRA_VLLM_REUSE_PREFIX_HASHES=0 turns it off, for measuring what it saves.
+        self.prefix_hashes = PrefixHashReuse(rollout_of_request)
+        self.reuse_prefix_hashes = os.environ.get("TERRA_VLLM_REUSE_PREFIX_HASHES", "1") != "0"
 
     def run(self, jobs: Iterable[RolloutJob] | JobFeed, on_frame: FrameDone | None = None,
             on_done: JobDone | None = None, on_cancelled: JobCancelled | None = None,
@@ -118,6 +130,8 @@ class StreamDriver:
 
         clock = time.perf_counter
         began = self.loop.running_since = clock()
+        if self.reuse_prefix_hashes:
+            self.prefix_hashes.attach(self.backend.llm)
         try:
             while True:
                 if feed is not None:
@@ -189,12 +203,14 @@ class StreamDriver:
             # Our salted blocks are useless to lockstep calls, and nothing is in flight now.
             if not self.engine.has_unfinished_requests():
                 self.backend.llm.reset_prefix_cache()
+            self.prefix_hashes.detach()
 
     def _end(self, rollout: _Rollout, free: list[int]) -> None:
         """A rollout leaves the engine: its round's pins end and its slot is free."""
         self.slots.release(rollout.plan)
         rollout.plan = None
         free.append(rollout.slot)
+        self.prefix_hashes.forget(rollout.job.key)
 
     def _write_rows(self, first_rows: np.ndarray, waypoints: np.ndarray) -> None:
         self.backend.llm.apply_model(functools.partial(write_rows, first_rows, waypoints))

@@ -329,6 +329,33 @@ def test_a_ray_bench_logs_each_engines_loop_over_the_last_minute_not_since_its_s
                          "its process's 5 ms timer woke 2.50 ms late on average, 50% of wakes over 2 ms late")
 
 
+def test_a_ray_bench_says_when_an_engine_is_lost_or_gone_and_keeps_it_in_its_results(monkeypatch):
+    """On four H100s engine 0 could not start (vLLM refused: the driver held GPU memory there) and the
+    bench ran on three without a word. Engine events reach the bench's log and its results."""
+    from types import SimpleNamespace
+
+    from terra_cli.bench import scenarios as bench
+    from terra_cli.scenarios import ray_runner
+
+    died = ("The actor died because of an error raised in its creation task: ValueError: Free memory on "
+            "device cuda:0 (65.6/79.2 GiB) on startup is less than desired GPU memory utilization")
+
+    def fake_run_on_ray(prepared, address, engines, on_event, probe_wakes):
+        on_event("lost", SimpleNamespace(index=1, node="n1"), "its process was killed")
+        on_event("rejoined", SimpleNamespace(index=1, node="n1"), {})
+        on_event("dead", SimpleNamespace(index=0, node="n0"), died)
+        return SimpleNamespace(engines=[])
+
+    monkeypatch.setattr(ray_runner, "run_on_ray", fake_run_on_ray)
+    lines = []
+    timed = bench.TimedRun(SimpleNamespace(file=SimpleNamespace(scenarios=[]), device="cpu"), 2, "local", lines.append)
+    timed.run()
+    assert lines == ["engine 1 lost (its process was killed); its unfinished scenarios go to the others, Ray restarts it",
+                     "engine 1 restarted on n1 and rejoined", f"engine 0 is gone for good: {died}"]
+    assert [event.split(": ", 1)[1] for event in timed.measures()["engine_events"]] == lines
+    assert all(event.split(" s: ", 1)[0].isdigit() for event in timed.measures()["engine_events"])
+
+
 def test_the_pipelined_projection_takes_the_slower_of_engine_and_writer_per_sample():
     from terra_cli.bench.act_bench import pipelined_projection_s
 

@@ -31,3 +31,27 @@ def test_the_cache_falls_back_from_two_copies_to_one_to_vllms_sizing():
     assert one == kv_cache_bytes(config, 256, "fp8", copies=1) and 38 * GIB < one < 40 * GIB
     # 256 bf16 rollouts need 78 GiB for one copy: vLLM sizes its cache itself
     assert sized_kv_cache(config, 256, None, WEIGHTS, H100) is None
+
+
+def test_an_engine_sized_in_bytes_starts_beside_another_process_on_its_gpu():
+    """vLLM checks at start that `gpu_memory_utilization` of the card is free, even when the KV
+    cache is given in bytes. A Ray driver that built the random checkpoint on GPU 0 kept 9.5 GB
+    there, and engine 0 refused to start with the default 0.9 (80 GB card, 70.5 GB free). The
+    share terra passes beside a cache in bytes passes vLLM's own check then, and is the asked
+    share on a free card."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from terra_cli.backends.vllm_config import startup_memory_share
+
+    utils = pytest.importorskip("vllm.v1.worker.utils")
+    total, held_by_driver = H100, 9_500_000_000
+    free = total - held_by_driver
+    snapshot = SimpleNamespace(total_memory=total, free_memory=free, device_="cuda:0")
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        utils.request_memory(snapshot, SimpleNamespace(gpu_memory_utilization=0.9))
+    share = startup_memory_share(free, total, 0.9)
+    assert utils.request_memory(snapshot, SimpleNamespace(gpu_memory_utilization=share)) <= free
+    assert share > 0.8  # still close to what is free: nothing else is decided by it
+    assert startup_memory_share(total - 600_000_000, total, 0.9) == 0.9  # a CUDA context's worth held: as asked

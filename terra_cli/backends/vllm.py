@@ -20,7 +20,8 @@ import numpy as np
 
 from terra_cli.backends.attention import choose_attention
 from terra_cli.backends.vllm_config import (MAX_DRAFT_TOKENS, gpu_memory_bytes, compile_by_default,  # noqa: F401
-                                            eager_compilation_config, previous_frame_draft, sized_kv_cache)
+                                            eager_compilation_config, gpu_free_bytes, previous_frame_draft,
+                                            sized_kv_cache, startup_memory_share)
 from terra_cli.backends.vllm_startup import read_phases
 from terra_cli.models.checkpoint import check_state_dict, load_config, weight_files
 from terra_cli.errors import TerraError
@@ -231,6 +232,8 @@ class VllmBackend:
                 kwargs["gpu_memory_utilization"] = gpu_memory_utilization  # vLLM's own sizing
             else:
                 kwargs["kv_cache_memory_bytes"] = kv_bytes
+                kwargs["gpu_memory_utilization"] = startup_memory_share(gpu_free_bytes(), gpu_memory_bytes(),
+                                                                        gpu_memory_utilization)
         torch_compile = compile_by_default(on_gpu) if torch_compile is None else torch_compile
         self.attention = choose_attention(attention, self.config, on_gpu=on_gpu, drafting=bool(draft_tokens),
                                           kv_cache_dtype=engine_kwargs.get("kv_cache_dtype"))

@@ -71,3 +71,17 @@ def gpu_memory_bytes() -> int:
     import torch
 
     return torch.cuda.get_device_properties(0).total_memory
+
+
+def gpu_free_bytes() -> int:
+    import torch
+
+    return torch.cuda.mem_get_info(0)[0]
+
+
+def startup_memory_share(free: int, total: int, asked: float) -> float:
+    """The `gpu_memory_utilization` to give vLLM beside a KV cache sized in bytes. vLLM then only
+    checks at start that this share of the card is free, and refuses to start otherwise: with
+    another process on the card (a Ray driver on GPU 0 that built the random checkpoint there,
+    a writer) its default of 0.9 failed an engine on an H100 that had room for its 53 GiB."""
+    return round(max(0.05, min(asked, free / total - 0.01)), 4)

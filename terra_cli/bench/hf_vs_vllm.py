@@ -140,6 +140,11 @@ def write_random_terra_checkpoint(out_dir: Path, device: str, seed: int = 0) -> 
     model = build_model(config, device=device, dtype=torch.bfloat16)
     save_checkpoint(model, config, out_dir, max_shard_bytes=1 << 30)
     del model
+    if str(device).startswith("cuda"):
+        # Built in the process that then starts the engines (a Ray driver shares GPU 0 with engine
+        # 0): torch's cache kept the 9.5 GB of the build, and vLLM refused to start beside it.
+        gc.collect()
+        torch.cuda.empty_cache()
     return out_dir
 
 

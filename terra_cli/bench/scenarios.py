@@ -214,6 +214,7 @@ class TimedRun:
         self.loops_logged: dict[int, dict] = {}  # Ray: each engine's loop times when last logged
         self.loops_logged_at = time.perf_counter()
         self.frames_logged = 0  # the frame count when the rate was last logged
+        self.engine_events: list[str] = []  # Ray: engines lost, restarted or gone, as logged
         self.busy_logged = 0  # how many GPU samples there were then
 
     def on_ready(self, index: int, ready) -> None:
@@ -222,6 +223,10 @@ class TimedRun:
                                "in_flight": ready.in_flight, "in_flight_reason": ready.in_flight_reason}
         self.log(f"engine {index} ready in {ready.seconds:.1f} s, {ready.in_flight} in flight"
                  + (f" ({ready.in_flight_reason})" if ready.in_flight_reason else ""))
+
+    def on_engine_event(self, line: str) -> None:
+        self.engine_events.append(f"{time.perf_counter() - self.marks['start']:.0f} s: {line}")
+        self.log(line)
 
     def on_frames(self, count: int) -> None:
         now = time.perf_counter()
@@ -258,7 +263,8 @@ class TimedRun:
     def run(self):
         self.marks["start"] = time.perf_counter()
         try:
-            run = run_engines(self.prepared, self.engine_count, self.ray, self.on_ready, self.on_frames, self.on_tick)
+            run = run_engines(self.prepared, self.engine_count, self.ray, self.on_ready, self.on_frames, self.on_tick,
+                              self.on_engine_event)
         finally:
             self.sampler.stop()
         self.marks["end"] = time.perf_counter()
@@ -278,7 +284,7 @@ class TimedRun:
         BUSY_BUCKET_S) and, for one engine in this process, where its loop's time went."""
         return {"gpu_busy": self.sampler.busy(), "gpu_busy_timeline": self.sampler.timeline(),
                 "frames_per_s_timeline": self.frames_timeline(), "gpu_busy_bucket_s": BUSY_BUCKET_S,
-                "engine_loop": self.engine_loop}
+                "engine_loop": self.engine_loop, "engine_events": self.engine_events}
 
     def frames_timeline(self, bucket_s: float = BUSY_BUCKET_S) -> list[float]:
         """Generated frames/s per `bucket_s` from the first frame, beside the busy timeline: a
@@ -297,10 +303,12 @@ def uses_ray(engines: int, ray: str | None) -> bool:
 
 
 def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_frames: Callable[[int], None],
-                on_tick: Callable[[object], None] = lambda run: None):
+                on_tick: Callable[[object], None] = lambda run: None,
+                on_engine_event: Callable[[str], None] = lambda line: None):
     """Run a prepared scenario job the way `generate --scenarios` does: one engine in this
     process, or Ray actors (`ray` given, or several engines: a local cluster). Calls
-    on_ready(engine index, EngineReady) as each engine is ready, and on_frames(generated frames
+    on_ready(engine index, EngineReady) as each engine is ready, on_engine_event(line) as a Ray
+    engine is lost, rejoins or is gone for good, and on_frames(generated frames
     so far) after each frame (one engine) or every tick (Ray: frames of written scenarios and
     the engines' last counts of open ones), and on_tick with them (the RayRun; one engine: no
     engine's stats). Returns the run (a ScenarioRun, RayRun on Ray)."""
@@ -315,11 +323,14 @@ def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_
             on_tick(no_engine_stats)
 
         return run_scenario_job(prepared, on_ready=lambda ready: on_ready(0, ready), on_frame=on_frame)
+    from terra_cli.scenarios.ray_hand_out import engine_event_line
     from terra_cli.scenarios.ray_runner import run_on_ray
 
     def on_event(kind, engine, payload):
         if kind == "ready":
             on_ready(engine.index, EngineReady(payload["startup_s"], payload["startup"], payload["in_flight"]))
+        elif kind in ("lost", "rejoined", "dead"):  # a bench on fewer engines than asked must say so
+            on_engine_event(engine_event_line(kind, engine, payload))
         elif kind == "tick":
             if payload.progress_frames:
                 on_frames(payload.progress_frames)

@@ -8,6 +8,7 @@ import time
 from typing import Callable
 
 from terra_cli.cli.progress import TaskProgress
+from terra_cli.scenarios.ray_hand_out import engine_event_line
 
 
 class RayDisplay:
@@ -18,18 +19,11 @@ class RayDisplay:
         self.sized = False
 
     def event(self, kind: str, engine, payload) -> None:
+        line = engine_event_line(kind, engine, payload)
         if kind == "tick":
             self._tick(payload)
-        elif kind == "ready":
-            self.say(f"engine {engine.index} ready on {engine.node} in {payload['startup_s']:.1f} s "
-                     f"({payload['backend']}, {payload['device']})")
-        elif kind == "rejoined":
-            self.say(f"engine {engine.index} restarted on {engine.node} and rejoined")
-        elif kind == "lost":
-            self.say(f"engine {engine.index} lost ({payload}); its unfinished scenarios go to the others, "
-                     "Ray restarts it")
-        elif kind == "dead":
-            self.say(f"engine {engine.index} is gone for good: {payload}")
+        elif line is not None:
+            self.say(line)
         elif kind == "written" and payload.get("status") == "done":
             self.written[0] += 1
         elif kind == "written" and payload.get("status") == "failed":

@@ -85,6 +85,21 @@ class RayRun(ScenarioRun):
 
 
 
+def engine_event_line(kind: str, engine: EngineState, payload) -> str | None:
+    """The one line a driver shows for an engine's start, loss, restart or end (`generate
+    --scenarios` and `bench` alike); None for the events it does not show (ticks, results)."""
+    if kind == "ready":
+        return (f"engine {engine.index} ready on {engine.node} in {payload['startup_s']:.1f} s "
+                f"({payload['backend']}, {payload['device']})")
+    if kind == "rejoined":
+        return f"engine {engine.index} restarted on {engine.node} and rejoined"
+    if kind == "lost":
+        return f"engine {engine.index} lost ({payload}); its unfinished scenarios go to the others, Ray restarts it"
+    if kind == "dead":
+        return f"engine {engine.index} is gone for good: {payload}"
+    return None
+
+
 def window_for(in_flight: int) -> int:
     """Open calls per engine: its whole batch and an eighth more (at least one queued), so it never
     waits on the driver; an engine running one rollout at a time holds one more, no further work that

@@ -114,6 +114,29 @@ def test_a_slow_engine_takes_fewer_scenarios_and_a_poison_one_fails_alone(cluste
     assert_written_once_as_one_engine(folder, "slow", [f"v{i}" for i in range(SCENARIOS)])
 
 
+def test_an_engine_that_cannot_start_is_named_with_its_cause_and_the_other_does_the_work(cluster, work, monkeypatch):
+    """On four H100s engine 0's vLLM refused to start (the driver held memory on its GPU) and the
+    run went on with three, silently. A constructor that raises is gone at once, not restarted,
+    and the driver's line for it names the cause."""
+    from terra_cli.scenarios.ray_hand_out import engine_event_line
+
+    folder, model = work
+    monkeypatch.setenv("TERRA_RAY_TEST_START_FAIL", "1")
+    lines, kinds = [], []
+
+    def on_event(kind, engine, payload):
+        kinds.append((kind, engine.index if engine else None))
+        if kind in ("ready", "dead", "lost"):
+            lines.append(engine_event_line(kind, engine, payload))
+
+    result = run(folder, model, "one-gone", on_event=on_event)
+    assert ("dead", 1) in kinds and ("lost", 1) not in kinds and ("ready", 1) not in kinds
+    assert "engine 1 is gone for good: RuntimeError: engine 1 cannot start (TERRA_RAY_TEST_START_FAIL)" in lines
+    assert [e.status for e in result.engines] == ["alive", "dead"] and result.failed == 0
+    records = assert_written_once_as_one_engine(folder, "one-gone", [f"v{i}" for i in range(SCENARIOS)])
+    assert {r["engine"] for r in records} == {0}
+
+
 def test_killed_engines_lose_nothing_and_rejoin(cluster, work, monkeypatch):
     """SIGKILL engine 1's process mid-run, then engine 0's once it has taken over: their open
     scenarios are handed out again, Ray restarts both and the run finishes only once they have

@@ -1,6 +1,6 @@
 """Faults a scenario run can be told to inject, from the environment, for tests and lab probes:
-a slow engine, a scenario that fails on every engine, a writer the engine may not run ahead of,
-videos held back. Unset, they inject nothing. They live here, not among the runners' functions, so
+a slow engine, one that cannot start, a scenario that fails on every engine, a writer the engine
+may not run ahead of, videos held back. Unset, they inject nothing. They live here, not among the runners' functions, so
 that nothing of the product looks like a test."""
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ def injected_frame_delay(engine: int = 0) -> float:
         elif int(index) == engine:
             return float(seconds)
     return delay
+
+
+def injected_start_failure(engine: int) -> bool:
+    """TERRA_RAY_TEST_START_FAIL="1,2": these engines' actors raise in their constructor, as one does
+    whose vLLM refuses to start (tests: the run says so and the others do the work)."""
+    return str(engine) in os.environ.get("TERRA_RAY_TEST_START_FAIL", "").split(",")
 
 
 def injected_failures() -> frozenset[str]:

@@ -57,6 +57,7 @@ class EngineSpec:
     failing_ids: frozenset = frozenset()  # test knob: scenarios this engine fails
     hold_videos: int = 0  # test knob: no video returns before the engine has generated this many frames
     probe_wakes: bool = False  # run a WakeProbe, reported with the loop's times (a bench reads it)
+    fails_to_start: bool = False  # test knob: the constructor raises, as when vLLM refuses to start
 
 
 @dataclass
@@ -101,7 +102,8 @@ class ScenarioEngine:
     """The actor's class (wrapped with `ray.remote` by the driver; plain Python to test)."""
 
     def __init__(self, spec: EngineSpec):
-
+        if spec.fails_to_start:
+            raise RuntimeError(f"engine {spec.index} cannot start (TERRA_RAY_TEST_START_FAIL)")
         from terra_cli.runtime import configure_vllm_env
 
         configure_vllm_env()  # before anything imports vLLM (a no-op for the reference backend's work)

@@ -216,6 +216,31 @@ def test_a_frames_request_takes_its_rollouts_earlier_hashes_and_they_equal_vllms
         np.testing.assert_array_equal(with_reuse[key], without[key])
 
 
+def test_staggered_starts_spread_a_batch_over_a_frames_steps_and_keep_every_token(backend, monkeypatch):
+    """With staggered starts a batch run admits at most max_in_flight / image_tokens new rollouts a
+    step, so equal-length jobs do not reach their frame ends together; the tokens are those of
+    jobs started all at once, and TERRA_STAGGER_STARTS=0 turns it off."""
+    from terra_cli.backends.vllm_stream import StreamDriver
+
+    jobs = [job(f"s{i}", 20 + i, frames=4) for i in range(4)]
+
+    def started_at_steps(driver):
+        steps, tokens = [], {}
+        driver.run(jobs, on_start=lambda j: steps.append(driver.loop.steps),
+                   on_done=lambda j, t: tokens.__setitem__(j.key, t.copy()))
+        return steps, tokens
+
+    staggered, spread_tokens = started_at_steps(StreamDriver(backend, 4, stagger_starts=True))
+    every = ENGINE_IMAGE_TOKENS / 4  # steps between two starts
+    assert staggered[0] == 0 and all(every <= b - a <= every + 1 for a, b in zip(staggered, staggered[1:]))
+    together, tokens = started_at_steps(StreamDriver(backend, 4))
+    assert together == [0, 0, 0, 0]
+    for key in tokens:
+        np.testing.assert_array_equal(spread_tokens[key], tokens[key])
+    monkeypatch.setenv("TERRA_STAGGER_STARTS", "0")
+    assert started_at_steps(StreamDriver(backend, 4, stagger_starts=True))[0] == [0, 0, 0, 0]
+
+
 class SlowTokenizer:
     """Stands in for the image tokenizer: each encode takes `seconds`, and the `fail_at`-th raises."""
 

@@ -52,8 +52,11 @@ class WorldModelBackend(Protocol):
     name: str
     config: LlamaActionConfig
 
-    def driver(self, max_in_flight: int = 1):
-        """The one driver interface over this backend (backends/driver.py): what every front-end runs."""
+    def driver(self, max_in_flight: int = 1, stagger_starts: bool = False):
+        """The one driver interface over this backend (backends/driver.py): what every front-end runs.
+        `stagger_starts`: spread the rollouts' starts over a frame's steps, so that equal-length jobs
+        do not finish their frames, rounds and videos all in the same step (batch runs ask for it;
+        a server or a vector environment, whose requests come together, does not)."""
         ...
 
     def generate(

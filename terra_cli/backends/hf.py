@@ -122,8 +122,8 @@ class HfBackend:
         return generate_frames(self.model, context_tokens, action_waypoints, num_frames, sampling, on_frame,
                                first_frame=first_frame)
 
-    def driver(self, max_in_flight: int = 1) -> "ReferenceDriver":
-        return ReferenceDriver(self, max_in_flight)
+    def driver(self, max_in_flight: int = 1, stagger_starts: bool = False) -> "ReferenceDriver":
+        return ReferenceDriver(self, max_in_flight)  # its batches advance frame by frame together anyway
 
     def auto_in_flight(self, longest_frames: int, cap: int) -> tuple[int, str]:
         """Rollouts at once when none is asked for: one (a lockstep batch only pays on a GPU, where

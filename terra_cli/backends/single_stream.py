@@ -266,10 +266,10 @@ class SingleStreamBackend:
                 on_frame(f, out[:, f])
         return out
 
-    def driver(self, max_in_flight: int = 1):
+    def driver(self, max_in_flight: int = 1, stagger_starts: bool = False):
         from terra_cli.backends.single_stream_driver import SingleStreamDriver
 
-        return SingleStreamDriver(self, max_in_flight)
+        return SingleStreamDriver(self, max_in_flight)  # one rollout at a time: nothing to stagger
 
     def auto_in_flight(self, longest_frames: int, cap: int) -> tuple[int, str]:
         return 1, "the single-stream backend runs one rollout at a time"

@@ -323,11 +323,11 @@ class VllmBackend:
 
         return auto_in_flight(self, longest_frames, cap)
 
-    def driver(self, max_in_flight: int = 1):
+    def driver(self, max_in_flight: int = 1, stagger_starts: bool = False):
         """Continuous batching over this engine (vllm_stream.StreamDriver), the driver interface."""
         from terra_cli.backends.vllm_stream import StreamDriver
 
-        return StreamDriver(self, max_in_flight)
+        return StreamDriver(self, max_in_flight, stagger_starts)
 
     def speculation_counts(self) -> dict | None:
         """vLLM's running totals of draft steps, proposed and accepted tokens (with --draft, when the

@@ -90,7 +90,7 @@ def rollout_of_request(request_id: str) -> str | None:
 class StreamDriver:
     """Runs `RolloutJob`s with up to `max_in_flight` at once on a `VllmBackend`'s engine."""
 
-    def __init__(self, backend: VllmBackend, max_in_flight: int):
+    def __init__(self, backend: VllmBackend, max_in_flight: int, stagger_starts: bool = False):
         self.backend = backend
         self.layout = backend.config.layout
         self.engine = backend.llm.llm_engine
@@ -109,6 +109,14 @@ class StreamDriver:
         # TERRA_VLLM_REUSE_PREFIX_HASHES=0 turns it off, for measuring what it saves.
         self.prefix_hashes = PrefixHashReuse(rollout_of_request)
         self.reuse_prefix_hashes = os.environ.get("TERRA_VLLM_REUSE_PREFIX_HASHES", "1") != "0"
+        # Staggered starts: at most max_in_flight / image_tokens new rollouts a step, so a batch that
+        # starts empty spreads its rollouts over a frame's steps. Equal-length jobs (ACT-Bench)
+        # otherwise finish each frame in the same step (the engine idles while every next request
+        # goes in), each round and each video too (a wave of videos at once). A finished job's slot
+        # is refilled at once, so the spread lasts the run. TERRA_STAGGER_STARTS=0 turns it off.
+        self.starts_per_step = None
+        if stagger_starts and os.environ.get("TERRA_STAGGER_STARTS", "1") != "0":
+            self.starts_per_step = self.max_in_flight / self.layout.image_tokens
 
     def run(self, jobs: Iterable[RolloutJob] | JobFeed, on_frame: FrameDone | None = None,
             on_done: JobDone | None = None, on_cancelled: JobCancelled | None = None,
@@ -130,6 +138,7 @@ class StreamDriver:
 
         clock = time.perf_counter
         began = self.loop.running_since = clock()
+        start_credit = 1.0  # staggered starts: new rollouts this step may take (at most one saved up)
         if self.reuse_prefix_hashes:
             self.prefix_hashes.attach(self.backend.llm)
         try:
@@ -150,7 +159,9 @@ class StreamDriver:
                         waiting.remove(rollout)
                         active[self._submit(rollout)] = rollout
                 admitting, idle_before = clock(), self.loop.idle_s
-                while free and not exhausted:
+                if self.starts_per_step is not None:
+                    start_credit = min(1.0, start_credit + self.starts_per_step) if active else 1.0
+                while free and not exhausted and (self.starts_per_step is None or start_credit >= 1.0):
                     if feed is None:
                         job = next(pending, None)
                         exhausted = job is None
@@ -162,6 +173,7 @@ class StreamDriver:
                     if not admit(self.layout, feed, job, on_cancelled, on_error, on_start):
                         continue
                     rollout = self._start(job, self.slots.take(free, job.affinity, job.prefix_of))
+                    start_credit -= 1.0
                     if self._start_round(rollout):
                         active[self._submit(rollout)] = rollout
                     else:

@@ -49,8 +49,8 @@ class WorldModel:
         """The engine's start-up in phases (vLLM; empty for the reference)."""
         return dict(getattr(self.backend, "startup", None) or {})
 
-    def driver(self, max_in_flight: int = 1):
-        return self.backend.driver(max_in_flight)
+    def driver(self, max_in_flight: int = 1, stagger_starts: bool = False):
+        return self.backend.driver(max_in_flight, stagger_starts)
 
     def close(self) -> None:
         if self.backend is not None:

@@ -166,7 +166,7 @@ def run_scenarios(
         def job(s: Scenario, context: np.ndarray) -> RolloutJob:
             return RolloutJob(s.id, context, s.actions, s.frames, replace(sampling, seed=s.seed))
 
-        driver = backend.driver(max_rollouts)
+        driver = backend.driver(max_rollouts, stagger_starts=True)
         try:
             ahead = EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts),
                                 hold=lambda: writer.behind(backlog_limit))

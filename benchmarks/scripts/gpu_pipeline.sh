@@ -17,6 +17,10 @@
 #   start1 start `runs1` in the background: N1 ACT-Bench-shaped samples tokens only, then with videos
 #          (the same GPU, one after the other), then `bench --env 64` (issue 42) and writer_parts.py;
 #          `await` collects it as above
+# On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff`:
+#   startab  start `runsab` in the background: staggered starts (the default) against all at once
+#          (TERRA_STAGGER_STARTS=0), one GPU each, side by side: GPU 0/1 `bench --act-bench N1` (videos),
+#          GPU 2/3 `bench --scenarios N1 --frames 47` (tokens only); `await` collects it
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEP_LOG=$OUT/summary.txt
@@ -81,6 +85,29 @@ case "${1:-}" in
     nvidia-smi -L | tee -a "$STEP_LOG"
     in_background top bash -c 'top -b -c -d 20 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runs1 ;;
+  startab)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+    nvidia-smi -L | tee -a "$STEP_LOG"
+    in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runsab ;;
+  runsab)
+    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    # One build of the random checkpoint before four processes would race to build it.
+    python3 -c "from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint as r; r('cuda', 0)" \
+      > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
+    ( while sleep 30; do echo "$(date +%s) $(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader | tr '\n' ' ')"; done ) \
+      > "$OUT/ab-gpu.txt" 2>&1 &
+    watch=$!
+    pids=()
+    for run in "0 1 act" "1 0 act" "2 1 tokens" "3 0 tokens"; do
+      set -- $run
+      if [ "$3" = act ]; then what=(--act-bench "$N1"); else what=(--scenarios "$N1" --frames 47); fi
+      CUDA_VISIBLE_DEVICES=$1 TERRA_STAGGER_STARTS=$2 timeout 600 python3 -m terra_cli bench "${what[@]}" \
+        --kv-cache-dtype fp8 --out "$OUT/$3-stagger$2.json" > "$OUT/$3-stagger$2.log" 2>&1 &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    kill $watch
+    echo "a/b runs done" >> "$STEP_LOG" ;;
   runs1)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
@@ -99,5 +126,5 @@ case "${1:-}" in
   await)
     await_background pipe "${AWAIT_S:-540}"
     await_background top 0 ;;
-  *) echo "usage: gpu_pipeline.sh start|runs|startfull|runsfull|start1|runs1|await" >&2; exit 2 ;;
+  *) echo "usage: gpu_pipeline.sh start|runs|startfull|runsfull|start1|runs1|startab|runsab|await" >&2; exit 2 ;;
 esac

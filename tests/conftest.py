@@ -140,16 +140,6 @@ def invoke_terra(*args):
     return SimpleNamespace(returncode=result.exit_code, stderr=result.output, stdout=result.output)
 
 
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist
-def pytest_xdist_auto_num_workers(config):
-    """`pytest -n auto`: one worker a core, and one more, pinned beside worker 0. A worker's core idles
-    while its test waits: the Ray tests' engines sleep seconds a frame on purpose (the Ctrl-C, slow-
-    and restarted-engine tests), drivers wait on their actors and writer processes. The extra worker
-    takes up that time; when all are busy, two share a core, which costs the sum of their work."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores + 1
-
-
 # The modules of the most worker time (a fresh-clone CI's --durations, 2026-11-27, one core a worker), heaviest
 # first: under `pytest -n N` the long ones start first, and the last units handed out are short ones, so
 # no worker is left running a five-minute module while the others idle. The rest keep file order.

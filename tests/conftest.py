@@ -140,25 +140,14 @@ def invoke_terra(*args):
     return SimpleNamespace(returncode=result.exit_code, stderr=result.output, stdout=result.output)
 
 
-# The modules of the most worker time (a fresh-clone CI's --durations, 2026-11-27, one core a worker), heaviest
-# first: under `pytest -n N` the long ones start first, and the last units handed out are short ones, so
-# no worker is left running a five-minute module while the others idle. The rest keep file order.
-HEAVIEST_MODULES = ("test_vllm_*", "test_ray", "test_refiner_cli", "test_bench", "test_scenario_writers",
-                    "test_exactness", "test_generate", "test_wheel", "test_paged_attention", "test_eval")
-
-
-def _module_rank(name):
-    unit = "test_vllm_*" if name.startswith("test_vllm_") else name
-    return HEAVIEST_MODULES.index(unit) if unit in HEAVIEST_MODULES else len(HEAVIEST_MODULES)
-
-
 def pytest_collection_modifyitems(config, items):
-    """The heaviest modules first (HEAVIEST_MODULES: the vLLM engine modules lead), and in them the
-    tests on the shared engine.
+    """Modules that start a vLLM engine run first, and in them the tests on the shared engine.
 
-    Under `pytest -n N` (xdist, scheduled by pytest_xdist_make_scheduler below) the long modules
-    must not be what the last idle worker waits on."""
-    items.sort(key=lambda item: (_module_rank(item.module.__name__),  # stable sort: files
+    Under `pytest -n N` (xdist, scheduled by pytest_xdist_make_scheduler below) the long engine
+    modules must not be what the last idle worker waits on."""
+    starts_engine = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
+    starts_engine.add("test_wheel")  # not an engine, but minutes long too (build, install, run)
+    items.sort(key=lambda item: (item.module.__name__ not in starts_engine,  # stable sort: files
                                  "vllm_engine" not in item.fixturenames))  # keep their order
 
 
@@ -166,7 +155,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     """pytest -n N: each module is one unit of work (its module fixtures start once), except that
     the tests/test_vllm_*.py modules are one unit together, so they share one worker's vLLM import
-    and `vllm_engine`. Units are handed out in collection order (heaviest first)."""
+    and `vllm_engine`. Units are handed out in collection order (engine modules first)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class EngineModulesTogether(LoadScopeScheduling):

@@ -222,7 +222,7 @@ def test_staggered_starts_spread_a_batch_over_a_frames_steps_and_keep_every_toke
     jobs started all at once, and TERRA_STAGGER_STARTS=0 turns it off."""
     from terra_cli.backends.vllm_stream import StreamDriver
 
-    jobs = [job(f"s{i}", 20 + i, frames=4) for i in range(4)]
+    jobs = [job(f"s{i}", 20 + i, frames=3) for i in range(4)]
 
     def started_at_steps(driver):
         steps, tokens = [], {}
@@ -230,15 +230,15 @@ def test_staggered_starts_spread_a_batch_over_a_frames_steps_and_keep_every_toke
                    on_done=lambda j, t: tokens.__setitem__(j.key, t.copy()))
         return steps, tokens
 
-    staggered, spread_tokens = started_at_steps(StreamDriver(backend, 4, stagger_starts=True))
-    every = ENGINE_IMAGE_TOKENS / 4  # steps between two starts
-    assert staggered[0] == 0 and all(every <= b - a <= every + 1 for a, b in zip(staggered, staggered[1:]))
-    together, tokens = started_at_steps(StreamDriver(backend, 4))
+    staggered, spread_tokens = started_at_steps(StreamDriver(backend, 8, stagger_starts=True))
+    every = ENGINE_IMAGE_TOKENS / 8  # steps between two starts
+    assert staggered[0] == 0 and all(every - 1 <= b - a <= every + 1 for a, b in zip(staggered, staggered[1:]))
+    together, tokens = started_at_steps(StreamDriver(backend, 8))
     assert together == [0, 0, 0, 0]
     for key in tokens:
         np.testing.assert_array_equal(spread_tokens[key], tokens[key])
     monkeypatch.setenv("TERRA_STAGGER_STARTS", "0")
-    assert started_at_steps(StreamDriver(backend, 4, stagger_starts=True))[0] == [0, 0, 0, 0]
+    assert started_at_steps(StreamDriver(backend, 8, stagger_starts=True))[0] == [0, 0, 0, 0]
 
 
 class SlowTokenizer:

@@ -106,7 +106,9 @@ def test_a_slow_engine_takes_fewer_scenarios_and_a_poison_one_fails_alone(cluste
     shares = {row["engine"]: row["scenarios"] for row in result.summary()}
     assert result.done == SCENARIOS and result.failed == 1 and shares[1] < shares[0]
     loops = [row["engine_loop"] for row in result.summary()]
-    assert all(loop["steps"] > 0 and "wakes" not in loop for loop in loops)  # no WakeProbe unless a bench asks
+    # No WakeProbe unless a bench asks. (Engine 1 may have stepped not at all: when engine 0 is up
+    # well before it, engine 0 takes every scenario; seen once in eight module runs.)
+    assert loops[0]["steps"] > 0 and all("wakes" not in loop for loop in loops), loops
     failed = [r for r in read_results(folder / "slow" / RESULTS_NAME) if r["status"] == "failed"]
     assert [r["id"] for r in failed] == ["poison"]
     assert "failed 3 times" in failed[0]["reason"] and "engine 0" in failed[0]["reason"] \

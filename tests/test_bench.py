@@ -210,6 +210,7 @@ def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path):
     report = json.loads((tmp_path / "two.json").read_text())
     assert report["tokenizer"] == str(model / "lfq_tokenizer_B_256")
     assert [e["engine"] for e in report["engines"]] == [0, 1]
+    assert [e["status"] for e in report["engines"]] == ["alive", "alive"] and report["run"]["engine_events"] == []
     assert sum(e["scenarios"] for e in report["engines"]) == 2 and report["run"]["videos_written"] == 2
     assert report["run"]["generated_frames"] == 2 * 2 and report["run"]["results_lines_done"] == 2
     for name in (f"NUSCENES_ACTION_{i:06d}" for i in range(2)):

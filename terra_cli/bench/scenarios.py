@@ -274,7 +274,8 @@ class TimedRun:
         for row in getattr(run, "summary", lambda: [])():  # Ray; an engine still starting at the end has a row too
             engine = self.engines.setdefault(row["engine"], {"engine": row["engine"], "startup_s": row["startup_s"],
                                                              "startup": {}, "in_flight": None})
-            engine.update({k: row[k] for k in ("scenarios", "share", "frames", "restarts", "lost_frames", "engine_loop")})
+            engine.update({k: row[k] for k in ("status", "scenarios", "share", "frames", "restarts", "lost_frames",
+                                               "engine_loop")})
             if line := describe_engine_loop(row["engine_loop"]):
                 self.log(f"engine {row['engine']} {line}")
         return run

@@ -83,8 +83,6 @@ class RayRun(ScenarioRun):
                 for e in self.engines]
 
 
-
-
 def engine_event_line(kind: str, engine: EngineState, payload) -> str | None:
     """The one line a driver shows for an engine's start, loss, restart or end (`generate
     --scenarios` and `bench` alike); None for the events it does not show (ticks, results)."""

@@ -1,7 +1,7 @@
 """Faults a scenario run can be told to inject, from the environment, for tests and lab probes:
 a slow engine, one that cannot start, a scenario that fails on every engine, a writer the engine
-may not run ahead of, videos held back. Unset, they inject nothing. They live here, not among the runners' functions, so
-that nothing of the product looks like a test."""
+may not run ahead of, videos held back. Unset, they inject nothing. They live here, not among the
+runners' functions, so that nothing of the product looks like a test."""
 
 from __future__ import annotations
 

@@ -226,13 +226,14 @@ class VllmBackend:
             kwargs["enable_chunked_prefill"] = False
         if on_gpu:
             weights = sum(f.stat().st_size for f in weight_files(self.checkpoint_dir))
+            card_bytes = gpu_memory_bytes()
             kv_bytes = sized_kv_cache(self.config, max_rollouts, engine_kwargs.get("kv_cache_dtype"), weights,
-                                      gpu_memory_bytes())
+                                      card_bytes)
             if "gpu_memory_utilization" in engine_kwargs or not size_kv_cache or kv_bytes is None:
                 kwargs["gpu_memory_utilization"] = gpu_memory_utilization  # vLLM's own sizing
             else:
                 kwargs["kv_cache_memory_bytes"] = kv_bytes
-                kwargs["gpu_memory_utilization"] = startup_memory_share(gpu_free_bytes(), gpu_memory_bytes(),
+                kwargs["gpu_memory_utilization"] = startup_memory_share(gpu_free_bytes(), card_bytes,
                                                                         gpu_memory_utilization)
         torch_compile = compile_by_default(on_gpu) if torch_compile is None else torch_compile
         self.attention = choose_attention(attention, self.config, on_gpu=on_gpu, drafting=bool(draft_tokens),

@@ -35,8 +35,7 @@ case "${1:-}" in
     if [ ! -d /tmp/site/ray ]; then
       cat /tmp/dl/ray.tar.xz.aa .gpu/ray2/ray.tar.xz.ab | tar -C /tmp/site -xJf - || { echo "ray bundle missing"; exit 1; }
     fi
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
-    nvidia-smi -L | tee -a "$STEP_LOG"
+    TERRA_INSTALLED= gpu_setup || exit 1  # install terra here; the runs it starts keep TERRA_INSTALLED
     in_background top bash -c 'top -b -c -d 30 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh "${1/start/runs}" ;;
   runs)
@@ -81,13 +80,11 @@ case "${1:-}" in
     fi
     ;;
   start1)
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
-    nvidia-smi -L | tee -a "$STEP_LOG"
+    TERRA_INSTALLED= gpu_setup || exit 1  # install terra here; the runs it starts keep TERRA_INSTALLED
     in_background top bash -c 'top -b -c -d 20 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runs1 ;;
   startab)
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
-    nvidia-smi -L | tee -a "$STEP_LOG"
+    TERRA_INSTALLED= gpu_setup || exit 1  # install terra here; the runs it starts keep TERRA_INSTALLED
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runsab ;;
   runsab)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null

@@ -11,6 +11,7 @@ import queue
 import signal
 import subprocess
 import sys
+import shutil
 import tempfile
 import threading
 import time
@@ -458,7 +459,7 @@ def test_frames_decoded_ahead_make_the_video_a_whole_decode_makes(tokenizer_dir)
     np.testing.assert_array_equal(np.stack(frames)[:4], whole["b"][:4])
     np.testing.assert_array_equal(frames[4], tokenizer.decode_tokens(changed[4:5], full_batches=True)[0])
     while store.waiting:
-        store.decode_waiting()
+        store.decode_waiting(partial=True)
     frames, late = store.take("a", videos["a"])
     assert late == 0 and store.count == 0 and not store.videos
     np.testing.assert_array_equal(np.stack(frames), whole["a"])
@@ -471,6 +472,69 @@ def test_frames_decoded_ahead_make_the_video_a_whole_decode_makes(tokenizer_dir)
     frames, late = capped.take("a", videos["a"])
     assert late == 7 and capped.count == 0  # (none was decoded yet)
     np.testing.assert_array_equal(np.stack(frames), whole["a"])
+
+
+def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(tokenizer_dir):
+    """Rollouts whose frames end in different steps send one frame at a time. A writer (its loop,
+    `writer_process.drive`, as both kinds of writer run it) decodes ahead only when a whole batch of
+    the decoder's size waits: no batch is padded while videos are still generated, so the decoder
+    needs its frames' GPU time only. The frames a video's end finds undecoded are decoded then, and
+    the mp4 holds every frame."""
+    import queue
+    import threading
+
+    from terra_cli.scenarios.writer_process import drive
+
+    tokenizer = load(tokenizer_dir)
+    tokenizer.batch_size = 4
+    calls: list[int] = []  # rows each decode call received (after padding)
+    original = tokenizer.decode_tokens
+
+    def counted(tokens, **kwargs):
+        calls.append(len(tokens))
+        return original(tokens, **kwargs)
+
+    tokenizer.decode_tokens = counted
+    from terra_cli.scenarios.writer_process import FrameStore
+
+    store = FrameStore(tokenizer, held_frames=100)
+    rng = np.random.default_rng(5)
+    videos = {key: rng.integers(0, 512, size=(6, TOKENS)) for key in ("a", "b")}
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    folder = tempfile.mkdtemp()
+    loop = threading.Thread(target=drive, args=(inbox, store, answers.put, 10.0, folder, 1), daemon=True)
+    loop.start()
+    sent = 0
+    for index in range(6):
+        for key, tokens in videos.items():
+            inbox.put(("frames", key, index, tokens[index:index + 1]))
+            sent += 1
+            deadline = time.monotonic() + 10
+            while len(calls) < sent // 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.02)  # a loop that decoded part batches would have started one by now
+            assert len(calls) == sent // 4, (sent, calls)
+    assert calls == [4, 4, 4] and not store.waiting  # 12 frames: three full batches, nothing padded
+    for key, tokens in videos.items():
+        inbox.put(("finish", key, tokens))
+    done = {}
+    for _ in videos:
+        message = answers.get(timeout=60)
+        assert message[0] == "done", message
+        done[message[1]] = message
+    inbox.put(None)
+    loop.join(10)
+    shutil.rmtree(folder)
+    assert done["a"][3] == 0 and done["b"][3] == 0  # every frame was decoded ahead
+    assert calls == [4, 4, 4]
+
+    store = FrameStore(tokenizer, held_frames=100)  # a part batch waits for its video's end
+    store.add("c", 0, videos["a"][:3])
+    assert not store.full_batch_waiting() and not store.decode_waiting() and len(store.waiting) == 3
+    frames, late = store.take("c", videos["a"][:3])
+    assert late == 3 and calls[-1] == 3  # decoded at the end, in one call
+    np.testing.assert_array_equal(np.stack(frames), original(videos["a"][:3], full_batches=True))
 
 
 @pytest.mark.parametrize("where", ["processes", "threads"])

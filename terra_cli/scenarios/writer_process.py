@@ -2,8 +2,8 @@
 engine makes them, an mp4 encoded once a video is done.
 
 A scenario's frames arrive while it is generated (`frames` messages, its context first); the process
-decodes what has arrived in batches of the tokenizer's batch size on the run's device and keeps the
-pixels. When the scenario is done (`finish`, with all its tokens), only the frames not decoded yet
+decodes them on the run's device whenever a full batch of the tokenizer's batch size has arrived, and
+keeps the pixels. When the scenario is done (`finish`, with all its tokens), only the frames not decoded yet
 (the last one, or all of them past the memory cap) are decoded, and the mp4 is encoded by one of a
 few encoder threads (each runs its own ffmpeg), while this thread goes on decoding. So the videos of
 a batch of rollouts that finish together are not decoded one after the other after the last token:
@@ -108,18 +108,29 @@ class FrameStore:
     def drop(self, key: str) -> None:
         self.count -= len(self.videos.pop(key, {}))
 
-    def decode_waiting(self) -> None:
-        """Decode one batch of the frames that wait (of videos still held)."""
+    def full_batch_waiting(self) -> bool:
+        return len(self.waiting) >= self.decoder.batch_size
+
+    def decode_waiting(self, partial: bool = False) -> bool:
+        """Decode one batch of the frames that wait (of videos still held); returns whether it decoded.
+
+        Only a full batch unless `partial`: every batch is padded to the decoder's batch size, so a
+        writer that decoded each frame as it came would pay a whole batch per frame. When rollouts'
+        frames end in different steps (continuous refill), frames arrive one at a time and such a
+        writer kept the GPU busy with padding beside the engine (benchmarks/README.md, issue 37)."""
         batch: list[tuple[str, int]] = []
         while self.waiting and len(batch) < self.decoder.batch_size:
             key, index = self.waiting.popleft()
             entry = self.videos.get(key, {}).get(index)
             if entry is not None and entry[1] is None:
                 batch.append((key, index))
-        if batch:
-            rows = np.stack([self.videos[key][index][0] for key, index in batch])
-            for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
-                self.videos[key][index] = (self.videos[key][index][0], pixels)
+        if not batch or (len(batch) < self.decoder.batch_size and not partial):
+            self.waiting.extendleft(reversed(batch))  # (the stale entries passed over are gone)
+            return False
+        rows = np.stack([self.videos[key][index][0] for key, index in batch])
+        for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
+            self.videos[key][index] = (self.videos[key][index][0], pixels)
+        return True
 
     def take(self, key: str, tokens: np.ndarray) -> tuple[list[np.ndarray], int]:
         """Every frame of a finished video (F, T): the ones decoded ahead whose tokens match, the rest
@@ -176,7 +187,9 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
     with ThreadPoolExecutor(max(1, encoders), thread_name_prefix="terra-mp4") as encoding:
         stopping = False
         while not stopping:
-            messages = [] if finished or store.waiting else [inbox.get()]
+            # Blocks unless a done video or a full batch of frames waits: a part batch waits for more frames
+            # (or for its video's end, when `take` decodes what is left).
+            messages = [] if finished or store.full_batch_waiting() else [inbox.get()]
             while True:
                 try:
                     messages.append(inbox.get_nowait())
@@ -199,7 +212,7 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
                     reply(("error", key, str(exc)))
                 else:
                     encoding.submit(_encode, reply, fps, folder, key, frames, late)
-            elif store.waiting:
+            elif store.full_batch_waiting():
                 try:
                     store.decode_waiting()
                 except Exception:  # such a frame is decoded again when its video is done, and fails there alone

@@ -107,6 +107,27 @@ def vllm_engine(engine_checkpoint, _shared_engine):
     return backend
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster of this machine for a module's in-process runs that would each start
+    their own (`--data-parallel N` through the CLI in this process, `run_on_ray(prepared, None, n)`):
+    scenarios/ray_cluster.connect joins a Ray this process is already connected to and leaves it
+    running. A start costs 12 to 15 s of one core on CI's machine; an idle cluster about 3 s of CPU
+    a minute, so it lives for one module only, whose tests that use it run last (below). Sized as
+    connect sizes its own."""
+    ray = pytest.importorskip("ray")
+    from terra_cli.scenarios.ray_cluster import python_signal_handlers_kept
+
+    started = not ray.is_initialized()
+    if started:
+        with python_signal_handlers_kept():  # as connect: keep the CLI's SIGTERM handling in this process
+            ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=False, logging_level="ERROR")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 def _reattach_closed_log_handlers():
     """A logger configured during an in-process run (vLLM's, when an engine starts) keeps the
     CliRunner's stream, which is closed afterwards: point such handlers back at stderr."""
@@ -141,14 +162,20 @@ def invoke_terra(*args):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules that start a vLLM engine run first, and in them the tests on the shared engine.
+    """Modules that start a vLLM engine run first, and in them the tests on the shared engine; in a
+    module, the tests on `local_ray` last, so that its cluster is up only while they run.
 
     Under `pytest -n N` (xdist, scheduled by pytest_xdist_make_scheduler below) the long engine
     modules must not be what the last idle worker waits on."""
     starts_engine = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
     starts_engine.add("test_wheel")  # not an engine, but minutes long too (build, install, run)
+    module_order = {}
+    for item in items:
+        module_order.setdefault(item.module.__name__, len(module_order))
     items.sort(key=lambda item: (item.module.__name__ not in starts_engine,  # stable sort: files
-                                 "vllm_engine" not in item.fixturenames))  # keep their order
+                                 "vllm_engine" not in item.fixturenames,  # keep their order
+                                 module_order[item.module.__name__],
+                                 "local_ray" in item.fixturenames))  # a module's Ray runs last, together
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, nothing to do

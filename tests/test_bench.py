@@ -80,7 +80,7 @@ def test_bench_cli_smoke_on_cpu(tmp_path, engine_checkpoint):
     assert again.returncode != 0 and "--overwrite" in again.stderr
 
 
-def test_scenario_bench_runs_the_product_path_and_reports_rates(tmp_path):
+def test_scenario_bench_runs_the_product_path_and_reports_rates(tmp_path, local_ray):
     """CPU smoke test of `terra bench --scenarios` (reference backend, two engines): every scenario
     is generated through `generate --scenarios`'s code, and the report holds what the GPU run needs."""
     import json
@@ -182,7 +182,7 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path, fr
 
 
 @pytest.mark.slow
-def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path):
+def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path, local_ray):
     """`terra bench --act-bench 2 --data-parallel 2 --writers 1` (reference backend on CPU, a local
     Ray cluster): the samples are handed to both engines, each engine's writer process makes its
     videos, the driver writes each once, the report has each engine's share, and the tokens equal
@@ -192,7 +192,6 @@ def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path):
     here costs about a third of the embedded tokenizer's."""
     import json
 
-    pytest.importorskip("ray")
     from typer.testing import CliRunner
 
     from terra_cli.cli import app

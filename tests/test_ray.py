@@ -318,3 +318,35 @@ def test_a_context_broken_after_validation_fails_its_scenario_alone(cluster, wor
     for line in lines[:4]:
         np.testing.assert_array_equal(np.load(tmp_path / "out" / f"{line['id']}.npy"),
                                       np.load(folder / "one" / f"{line['id']}.npy"))
+
+
+SIGTERM_PROBE = """
+import os, signal, sys, time
+import ray
+from terra_cli.cli import _interrupt
+from terra_cli.scenarios.ray_cluster import python_signal_handlers_kept
+signal.signal(signal.SIGTERM, _interrupt)
+with python_signal_handlers_kept():
+    ray.init(address=sys.argv[1], include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+    print("no interrupt")
+except KeyboardInterrupt:
+    print("interrupted as Ctrl-C")
+finally:
+    ray.shutdown()
+"""
+
+
+def test_sigterm_after_ray_starts_is_ctrl_c_not_a_native_abort(cluster):
+    """SIGTERM on a Ray run (scenarios/ray_cluster.python_signal_handlers_kept): `ray.init` replaces the
+    CLI's SIGTERM handler with a native one that dumps a stack and aborts; terra puts its own back, so
+    `timeout` or a job scheduler stops a Ray run as Ctrl-C does (what is finished is written). The
+    probe joins the module's cluster: joining installs the native handler as starting a local
+    cluster does (without the guard the probe exits 15 on SIGTERM), in 3 s, not a start's 15."""
+    done = subprocess.run([sys.executable, "-c", SIGTERM_PROBE, cluster.address], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "interrupted as Ctrl-C"
+    assert "SIGTERM received" not in done.stdout + done.stderr

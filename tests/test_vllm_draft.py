@@ -30,7 +30,10 @@ def checkpoint(tmp_path_factory):
 def engine(checkpoint):
     from terra_cli.backends.vllm import VllmBackend
 
-    backend = VllmBackend(checkpoint, max_rollouts=64, draft_tokens=DRAFT_TOKENS, disable_log_stats=False)
+    # Eager: the draft is the point here, not torch.compile (conftest's shared engine keeps that path),
+    # and a GPU runs the draft eager by default too (compile_by_default).
+    backend = VllmBackend(checkpoint, max_rollouts=64, draft_tokens=DRAFT_TOKENS, disable_log_stats=False,
+                          torch_compile=False)
     yield backend
     backend.close()
 

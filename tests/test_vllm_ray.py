@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_a_vllm_engine_actor_writes_what_the_engine_in_this_process_writes(tmp_path, engine_checkpoint, vllm_engine):
+    from terra_cli.backends import engine_options
     from terra_cli.scenarios.job import ScenarioJob, prepare_job
     from terra_cli.models.resolve import ModelSpec
     from terra_cli.pipeline.world_model import Engine
@@ -30,7 +31,8 @@ def test_a_vllm_engine_actor_writes_what_the_engine_in_this_process_writes(tmp_p
     run_scenarios(read_scenarios(tmp_path / "s.jsonl"), tmp_path / "here", vllm_engine, None, max_rollouts=4,
                   decode=False)
     job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "actor", Defaults(), model=ModelSpec(str(engine_checkpoint)),
-                      engine=Engine("vllm", "cpu", "float32"), max_rollouts=8, decode=False)
+                      engine=Engine("vllm", "cpu", "float32", options=engine_options(torch_compile=False)),
+                      max_rollouts=8, decode=False)  # eager (~12 s to start, not ~40 s); this process's is compiled
     result = run_on_ray(prepare_job(job), None, 1, probe_wakes=True)  # a local cluster of this machine, one engine
     assert result.done == 6 and not result.errors
     # The actor's engine loop times come back with the run's summary, taken as it ended.

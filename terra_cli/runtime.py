@@ -23,6 +23,18 @@ SMALL_DECODER_HIDDEN = 1024
 STARTUP_LOG_ENV = "TERRA_VLLM_STARTUP_LOG"  # where configure_vllm_env routed vLLM's INFO records
 
 
+STAGGER_STARTS_ENV = "TERRA_STAGGER_STARTS"
+
+
+def stagger_starts_asked(environ=None) -> bool:
+    """Whether batch runs (scenarios, ACT-Bench, Ray actors) spread their rollouts' starts over a frame's
+    steps (`backend.driver(..., stagger_starts=True)`): TERRA_STAGGER_STARTS=1. Off by default: the one
+    run with it on (4 x H200, 2026-11-27, benchmarks/README.md) was slower than the runs before it, and
+    its videos still finished in waves."""
+    environ = os.environ if environ is None else environ
+    return environ.get(STAGGER_STARTS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def switched_off(variable: str, environ=None) -> bool:
     """Whether an on-by-default lab switch (TERRA_SINGLE_STREAM_COMPILE, TERRA_DECODER_COMPILE) is set to 0/false/no/off."""
     environ = os.environ if environ is None else environ

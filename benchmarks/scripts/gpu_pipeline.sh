@@ -18,8 +18,8 @@
 #          (the same GPU, one after the other), then `bench --env 64` (issue 42) and writer_parts.py;
 #          `await` collects it as above
 # On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff`:
-#   startab  start `runsab` in the background: staggered starts (the default) against all at once
-#          (TERRA_STAGGER_STARTS=0), one GPU each, side by side: GPU 0/1 `bench --act-bench N1` (videos),
+#   startab  start `runsab` in the background: staggered starts (TERRA_STAGGER_STARTS=1) against all at
+#          once (the default, =0), one GPU each, side by side: GPU 0/1 `bench --act-bench N1` (videos),
 #          GPU 2/3 `bench --scenarios N1 --frames 47` (tokens only); `await` collects it
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

@@ -55,8 +55,8 @@ class WorldModelBackend(Protocol):
     def driver(self, max_in_flight: int = 1, stagger_starts: bool = False):
         """The one driver interface over this backend (backends/driver.py): what every front-end runs.
         `stagger_starts`: spread the rollouts' starts over a frame's steps, so that equal-length jobs
-        do not finish their frames, rounds and videos all in the same step (batch runs ask for it;
-        a server or a vector environment, whose requests come together, does not)."""
+        do not finish their frames in the same step (batch runs ask for it when
+        `runtime.stagger_starts_asked()`; a server or a vector environment never does)."""
         ...
 
     def generate(

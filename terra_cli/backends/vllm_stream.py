@@ -113,9 +113,10 @@ class StreamDriver:
         # starts empty spreads its rollouts over a frame's steps. Equal-length jobs (ACT-Bench)
         # otherwise finish each frame in the same step (the engine idles while every next request
         # goes in), each round and each video too (a wave of videos at once). A finished job's slot
-        # is refilled at once, so the spread lasts the run. TERRA_STAGGER_STARTS=0 turns it off.
+        # is refilled at once, so the spread lasts the run. Batch runs ask for it where
+        # runtime.stagger_starts_asked says so (off by default: measured slower, benchmarks/README.md).
         self.starts_per_step = None
-        if stagger_starts and os.environ.get("TERRA_STAGGER_STARTS", "1") != "0":
+        if stagger_starts:
             self.starts_per_step = self.max_in_flight / self.layout.image_tokens
 
     def run(self, jobs: Iterable[RolloutJob] | JobFeed, on_frame: FrameDone | None = None,

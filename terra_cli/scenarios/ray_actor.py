@@ -144,7 +144,9 @@ class ScenarioEngine:
         self.lock = threading.Lock()
         self.frames = 0
         self.failure: BaseException | None = None
-        self.driver = self.engine.driver(self.in_flight, stagger_starts=True)
+        from terra_cli.runtime import stagger_starts_asked
+
+        self.driver = self.engine.driver(self.in_flight, stagger_starts=stagger_starts_asked())
         self.feed = JobFeed()
         self.intake: queue.SimpleQueue = queue.SimpleQueue()  # ScenarioWork from the calls, to encode
         from terra_cli.scenarios.encoding import cuda_device

@@ -39,6 +39,7 @@ import numpy as np
 from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError, OutputError
 from terra_cli.pipeline.video import VIDEO_FPS
+from terra_cli.runtime import stagger_starts_asked
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
 from terra_cli.scenarios.encoding import ENCODE_BATCH, EncodeAhead
@@ -166,7 +167,7 @@ def run_scenarios(
         def job(s: Scenario, context: np.ndarray) -> RolloutJob:
             return RolloutJob(s.id, context, s.actions, s.frames, replace(sampling, seed=s.seed))
 
-        driver = backend.driver(max_rollouts, stagger_starts=True)
+        driver = backend.driver(max_rollouts, stagger_starts=stagger_starts_asked())
         try:
             ahead = EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts),
                                 hold=lambda: writer.behind(backlog_limit))

@@ -63,11 +63,9 @@ def run_env_bench(checkpoint, plan: EnvBenchPlan, log: Callable[[str], None] = p
     layout = load_config(checkpoint).layout
     check_plan(plan, layout)
     in_flight = max(plan.envs, 2 * plan.branches + 1)  # the fork's branches, and the fresh ones beside them
-    options = dict(plan.vllm_options)
-    if plan.backend == "vllm":
-        options["max_rollouts"] = in_flight
     began = time.perf_counter()
-    backend = load_backend(plan.backend, checkpoint, device=resolve_device(plan.device), dtype=plan.dtype, **options)
+    backend = load_backend(plan.backend, checkpoint, device=resolve_device(plan.device), dtype=plan.dtype,
+                           max_rollouts=in_flight, **plan.vllm_options)
     startup = time.perf_counter() - began
     log(f"engine ready in {startup:.1f} s")
     sampling = Sampling(temperature=plan.temperature, seed=plan.seed)

@@ -350,10 +350,8 @@ def _lockstep(checkpoint: Path, layout, plan: ScenarioBenchPlan, gpus: list[int]
     rng = np.random.default_rng(plan.seed)
     context = rng.integers(0, layout.image_vocab_size, size=(plan.context_frames, layout.image_tokens))
     actions = preset_actions("left", plan.frames, 30.0)
-    options = dict(plan.vllm_options)
-    if plan.backend == "vllm":
-        options["max_rollouts"] = plan.lockstep
-    engine = load_backend(plan.backend, checkpoint, device=resolve_device(plan.device), dtype=plan.dtype, **options)
+    engine = load_backend(plan.backend, checkpoint, device=resolve_device(plan.device), dtype=plan.dtype,
+                          max_rollouts=plan.lockstep, **plan.vllm_options)
     try:
         batch = (plan.lockstep, *context.shape)
         sampler = BusySampler(gpus[:1])

@@ -87,8 +87,7 @@ def eval_command(
     config = load_config(model_dir)
     plan.check_model(config.layout.max_frames)  # before the synthetic truth is rendered
     tok = load_tokenizer(choice.tokenizer, dev, matching=config)
-    wm = load_backend(backend_name, model_dir, device=dev, dtype=dtype,
-                      **({"max_rollouts": plan.seeds} if backend_name == "vllm" else {}))
+    wm = load_backend(backend_name, model_dir, device=dev, dtype=dtype, max_rollouts=plan.seeds)
     seconds_load = time.perf_counter() - started
     console.print(
         f"eval: model {model_dir}, tokenizer {tok.source}, backend: {backend_name} on {dev}; "

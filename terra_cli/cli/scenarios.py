@@ -48,11 +48,11 @@ def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None, pl
 
     job = prepared.job
     file, out_dir = prepared.file, job.out_dir
-    in_flight = (job.max_rollouts or 0) if prepared.backend == "vllm" else 1
+    in_flight = job.max_rollouts or 0  # 0: --max-rollouts auto, the engine says how many once it is ready
     where = "1 engine" if ray is None else f"Ray ({ray[0] or 'local'}, {ray[1] or 'one per GPU'} engine(s))"
     say(f"{len(file.scenarios)} scenario(s) from {job.scenarios} ({file.source_format}), backend {prepared.backend}, "
         f"model {prepared.model_label}, {where}, "
-        + (f"up to {in_flight} in flight each" if in_flight else "rollouts in flight as the KV cache holds") + f" -> {out_dir}/")
+        + (f"up to {in_flight} in flight each" if in_flight else "rollouts in flight as the engine holds") + f" -> {out_dir}/")
     total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
     progress = TaskProgress(console, "scenarios", total_frames, unit="generated frames")
     started = time.perf_counter()

@@ -275,6 +275,8 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
                                           "5% taking in jobs, 30% handling finished frames")
     assert describe_engine_loop({**loop, "idle_s": 2.0, "other_s": 2.0}).endswith(
         "30% handling finished frames, 10% idle (nothing in flight, waiting for work)")
+    assert describe_engine_loop({**loop, "decode_ahead_batches": 3, "decode_ahead_frames": 24}).endswith(
+        "30% handling finished frames; the writer decoded 24 frames ahead in 3 batches")
     assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None
     idle_only = {"steps": 0, "seconds": 5.0, "in_engine_step_s": 0.0, "admitting_jobs_s": 0.0, "handling_frames_s": 0.0,
                  "idle_s": 5.0, "other_s": 0.0, "ms_per_step": None}  # an engine that got no job
@@ -309,8 +311,10 @@ def test_a_ray_bench_logs_each_engines_loop_over_the_last_minute_not_since_its_s
                      "5% taking in jobs, 5% handling finished frames"]
     # the next minute: 30 s stepping (500 steps), 30 s idle; the actor's wake probe joins in (cumulative)
     engine.engine_loop = {**first, "steps": 1500, "seconds": 120.0, "in_engine_step_s": 84.0, "idle_s": 30.0,
-                          "wakes": 12_000, "wake_late_s": 6.0, "wake_long_waits": 1_100}
-    timed.loops_logged[2] = {**timed.loops_logged[2], "wakes": 10_000, "wake_late_s": 1.0, "wake_long_waits": 100}
+                          "wakes": 12_000, "wake_late_s": 6.0, "wake_long_waits": 1_100,
+                          "decode_ahead_batches": 50, "decode_ahead_frames": 400, "decode_first_batch_s": 31.0}
+    timed.loops_logged[2] = {**timed.loops_logged[2], "wakes": 10_000, "wake_late_s": 1.0, "wake_long_waits": 100,
+                             "decode_ahead_batches": 20, "decode_ahead_frames": 160, "decode_first_batch_s": 31.0}
     timed.frames = 1525
     timed.sampler.samples[0] += [10, 30]
     timed.sampler.samples[1] += [0, 0]
@@ -326,7 +330,8 @@ def test_a_ray_bench_logs_each_engines_loop_over_the_last_minute_not_since_its_s
     lines.pop()
     assert lines[-1] == ("122 s, engine 2, last minute: engine loop: 50% in the engine's step (60.00 ms x 500 steps), "
                          "0% taking in jobs, 0% handling finished frames, 50% idle (nothing in flight, waiting for work); "
-                         "its process's 5 ms timer woke 2.50 ms late on average, 50% of wakes over 2 ms late")
+                         "its process's 5 ms timer woke 2.50 ms late on average, 50% of wakes over 2 ms late; "
+                         "the writer decoded 240 frames ahead in 30 batches")
 
 
 def test_a_ray_bench_says_when_an_engine_is_lost_or_gone_and_keeps_it_in_its_results(monkeypatch):

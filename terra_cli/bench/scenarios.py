@@ -108,7 +108,8 @@ class BusySampler:
 def loop_since(loop: dict, earlier: dict | None) -> dict:
     """An engine loop's times between two of its cumulative snapshots (`LoopTimes.as_dict`)."""
     earlier = earlier or {}
-    since = {k: v - earlier.get(k, 0) for k, v in loop.items() if k != "ms_per_step" and isinstance(v, (int, float))}
+    since = {k: v - earlier.get(k, 0) for k, v in loop.items()
+             if k not in ("ms_per_step", "decode_first_batch_s") and isinstance(v, (int, float))}
     since["ms_per_step"] = 1000 * since["in_engine_step_s"] / since["steps"] if since.get("steps") else None
     return since
 
@@ -125,9 +126,13 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     if loop.get("wakes"):  # a Ray actor's WakeProbe: a thread of the engine's process sleeping 5 ms at a time
         waits = (f"; its process's 5 ms timer woke {1000 * loop['wake_late_s'] / loop['wakes']:.2f} ms late on average, "
                  f"{100 * loop.get('wake_long_waits', 0) / loop['wakes']:.0f}% of wakes over 2 ms late")
+    decoded = ""
+    if loop.get("decode_ahead_batches"):  # the in-process writer's decode-ahead (scenarios.writer_process.FrameStore)
+        decoded = (f"; the writer decoded {loop['decode_ahead_frames']} frames ahead in "
+                   f"{loop['decode_ahead_batches']} batches")
     return (f"engine loop: {share['in_engine_step_s']:.0f}% in the engine's step ({steps}), "
             f"{share['admitting_jobs_s']:.0f}% taking in jobs, "
-            f"{share['handling_frames_s']:.0f}% handling finished frames{idle}{waits}")
+            f"{share['handling_frames_s']:.0f}% handling finished frames{idle}{waits}{decoded}")
 
 
 def write_bench_scenarios(folder: Path, layout, plan: ScenarioBenchPlan) -> Path:

@@ -55,6 +55,10 @@ class InProcessWriter:
         if self.failure is not None:
             raise self.failure
 
+    def decode_stats(self) -> dict:
+        """The decode-ahead's batches and frames so far (`FrameStore.stats`)."""
+        return self.store.stats()
+
     def open(self, key: str, context: np.ndarray) -> None:
         self.frame(key, 0, context)
 

@@ -174,6 +174,8 @@ class ScenarioEngine:
 
     def stats(self) -> dict:
         loop = {**self.driver.loop.as_dict(), **(self.wake_probe.as_dict() if self.wake_probe is not None else {})}
+        if hasattr(self.pool, "decode_stats"):  # the in-process writer: its decode-ahead shares this process and GPU
+            loop.update(self.pool.decode_stats())
         with self.lock:
             return {"frames": self.frames, "pending_frames": sum(w.frames for w in self.waiters.values()),
                     "engine_loop": loop}

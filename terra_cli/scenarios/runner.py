@@ -189,6 +189,8 @@ def run_scenarios(
         if pool is not None:
             run.videos_made, run.video_seconds = pool.videos, pool.video_seconds
             run.frames_decoded_late = getattr(pool, "frames_decoded_late", None)
+            if run.engine_loop is not None and hasattr(pool, "decode_stats"):  # as a Ray actor reports it
+                run.engine_loop.update(pool.decode_stats())
     return run
 
 

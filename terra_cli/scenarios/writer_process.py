@@ -27,6 +27,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -93,6 +94,9 @@ class FrameStore:
         self.videos: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None]]] = {}
         self.waiting: deque[tuple[str, int]] = deque()  # (key, index) not decoded yet
         self.count = 0  # frames held, decoded or waiting
+        # What the decode-ahead did (a bench's engine rows): its batches, their frames, the first one's
+        # seconds (with a compiled decoder, the compile, which shares the engine's process)
+        self.batches_ahead, self.frames_ahead, self.first_batch_s = 0, 0, None
 
     def add(self, key: str, first: int, tokens: np.ndarray) -> None:
         video = self.videos.setdefault(key, {})
@@ -128,9 +132,18 @@ class FrameStore:
             self.waiting.extendleft(reversed(batch))  # (the stale entries passed over are gone)
             return False
         rows = np.stack([self.videos[key][index][0] for key, index in batch])
+        started = time.perf_counter()
         for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
             self.videos[key][index] = (self.videos[key][index][0], pixels)
+        if self.first_batch_s is None:
+            self.first_batch_s = time.perf_counter() - started
+        self.batches_ahead += 1
+        self.frames_ahead += len(batch)
         return True
+
+    def stats(self) -> dict:
+        return {"decode_ahead_batches": self.batches_ahead, "decode_ahead_frames": self.frames_ahead,
+                "decode_first_batch_s": self.first_batch_s}
 
     def take(self, key: str, tokens: np.ndarray) -> tuple[list[np.ndarray], int]:
         """Every frame of a finished video (F, T): the ones decoded ahead whose tokens match, the rest

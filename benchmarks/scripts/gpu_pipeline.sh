@@ -18,9 +18,11 @@
 #          (the same GPU, one after the other), then `bench --env 64` (issue 42) and writer_parts.py;
 #          `await` collects it as above
 # On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff`:
-#   startab  start `runsab` in the background: staggered starts (TERRA_STAGGER_STARTS=1) against all at
-#          once (the default, =0), one GPU each, side by side: GPU 0/1 `bench --act-bench N1` (videos),
-#          GPU 2/3 `bench --scenarios N1 --frames 47` (tokens only); `await` collects it
+#   startab  start `runsab` in the background, one GPU each, side by side (NAB samples, 128 by default):
+#          GPU 0 `bench --act-bench NAB` (videos), GPU 1 `bench --scenarios NAB --frames 47` (tokens only,
+#          the same shape: the 90% ratio of one engine), GPU 2 the ACT-Bench run with staggered starts
+#          (TERRA_STAGGER_STARTS=1), GPU 3 gpu_single_stream.py (issue 41: plain, Jacobi K=8, K=8 with
+#          weight-major logits); `await` collects it
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEP_LOG=$OUT/summary.txt
@@ -29,6 +31,7 @@ export TERRA_INSTALLED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 R
   RAY_USAGE_STATS_ENABLED=0 TERRA_CACHE=/tmp/terra-cache
 N4=${N4:-512}
 N1=${N1:-256}
+NAB=${NAB:-128}  # startab: samples a run (one engine each, 600 s a run)
 terra() { python3 -m terra_cli "$@"; }
 case "${1:-}" in
   start|startfull)  # Ray from the two parts (gpu_ray.sh stage, this call's .gpu/ray2), terra, then the runs
@@ -95,9 +98,13 @@ case "${1:-}" in
       > "$OUT/ab-gpu.txt" 2>&1 &
     watch=$!
     pids=()
-    for run in "0 1 act" "1 0 act" "2 1 tokens" "3 0 tokens"; do
+    # GPU 3: issue 41's one-rollout variants (plain, Jacobi K=8, K=8 with weight-major logits) beside them
+    CUDA_VISIBLE_DEVICES=3 timeout 560 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
+      --variants 0,1,7 --budget-s 420 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1 &
+    pids+=($!)
+    for run in "0 0 act" "1 0 tokens" "2 1 act"; do
       set -- $run
-      if [ "$3" = act ]; then what=(--act-bench "$N1"); else what=(--scenarios "$N1" --frames 47); fi
+      if [ "$3" = act ]; then what=(--act-bench "$NAB"); else what=(--scenarios "$NAB" --frames 47); fi
       CUDA_VISIBLE_DEVICES=$1 TERRA_STAGGER_STARTS=$2 timeout 600 python3 -m terra_cli bench "${what[@]}" \
         --kv-cache-dtype fp8 --out "$OUT/$3-stagger$2.json" > "$OUT/$3-stagger$2.log" 2>&1 &
       pids+=($!)

@@ -54,6 +54,8 @@ VARIANTS = [
     ("plain, torch attention, compiled layers", 0, "jacobi", {"TERRA_SINGLE_STREAM_ATTENTION": "torch", "TERRA_SINGLE_STREAM_COMPILE": ""}),
     ("previous-frame K=4", 4, "previous-frame", NEW),
     ("jacobi K=8, logits weight-major (W @ h.T)", 8, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "weight-major"}),
+    ("jacobi K=8, logits by terra's few-rows kernel", 8, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "few-rows"}),
+    ("plain, logits by terra's few-rows kernel", 0, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "few-rows"}),
 ]
 TARGET_S_PER_FRAME = 0.5
 

@@ -49,10 +49,13 @@ ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 # lm_head (262,144 x 2,048), and 16 rows as well (padding them was tried and measured, 2026-11-27),
 # as one sm75 CUTLASS kernel at about 1 ms a step, 2.5x the one-row GEMV (benchmarks/README.md).
 # TERRA_SINGLE_STREAM_LOGITS=weight-major computes them as W @ h.T, one tall GEMM over the
-# vocabulary, which cuBLAS tiles differently: a candidate for the next GPU comparison. The default
-# stays `linear`, the measured one.
+# vocabulary, which cuBLAS tiles differently; =few-rows runs terra's Triton kernel that streams the
+# weight once for up to 16 rows (kernels/few_rows_matmul.py), on every decode step's rows, the
+# plain step's one row too. Candidates for the next GPU comparison; the default stays `linear`, the
+# measured one.
 LOGITS_ENV = "TERRA_SINGLE_STREAM_LOGITS"
-LOGITS_LAYOUTS = ("linear", "weight-major")
+FEW_ROWS = 16  # kernels.few_rows_matmul.MAX_ROWS (a decode step's K + 1 rows; a CPU keeps lm_head)
+LOGITS_LAYOUTS = ("linear", "weight-major", "few-rows")
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -204,9 +207,15 @@ class StaticKVDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over a decode step's rows (n, H) -> (n, V), in the layout `logits_layout` names."""
         head = self.model.lm_head
-        if hidden.shape[0] < 2 or self.logits_layout == "linear":
+        if self.logits_layout == "few-rows" and hidden.shape[0] <= FEW_ROWS and (
+                hidden.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):  # (the CPU tests)
+            from terra_cli.kernels.few_rows_matmul import few_rows_matmul
+
+            logits = few_rows_matmul(hidden.contiguous(), head.weight)
+        elif hidden.shape[0] < 2 or self.logits_layout != "weight-major":
             return head(hidden)
-        logits = (head.weight @ hidden.t()).t().contiguous()
+        else:
+            logits = (head.weight @ hidden.t()).t().contiguous()
         return logits if head.bias is None else logits + head.bias
 
     def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False) -> torch.Tensor:

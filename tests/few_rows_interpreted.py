@@ -1,0 +1,63 @@
+"""Runs terra's few-rows logits kernel (kernels/few_rows_matmul.py) under Triton's interpreter and
+prints what it computed as JSON, for tests/test_few_rows_matmul.py. A process of its own: the
+interpreter must be chosen before Triton is imported, and the test process may have imported it.
+
+    python tests/few_rows_interpreted.py CHECKPOINT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(checkpoint: str) -> dict:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TERRA_SINGLE_STREAM_LOGITS"] = "few-rows"
+    import numpy as np
+    import torch
+
+    from terra_cli.backends.base import Sampling
+    from terra_cli.backends.hf import HfBackend
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+    from terra_cli.kernels import few_rows_matmul as kernel
+    from terra_cli.models.modeling_hf import load_model
+
+    errors = {}
+    gen = torch.Generator().manual_seed(0)
+    # Rows 1..16; a vocabulary and a depth that are not multiples of the kernel's blocks.
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 9, 16):
+            hidden = torch.randn(rows, 200, generator=gen).to(dtype)
+            weight = torch.randn(300, 200, generator=gen).to(dtype)
+            out = kernel.few_rows_matmul(hidden, weight)
+            exact = hidden.double() @ weight.double().t()
+            errors[f"{dtype}-{rows}"] = {"shape": list(out.shape), "dtype": str(out.dtype),
+                                         "error": float((out.double() - exact).abs().max() / exact.abs().max())}
+    refused = []
+    for bad in (torch.zeros(17, 200), torch.zeros(2, 199)):
+        try:
+            kernel.few_rows_matmul(bad, torch.zeros(300, 200))
+        except ValueError as exc:
+            refused.append(str(exc))
+
+    # A greedy Jacobi rollout whose every decode step's logits come from the kernel: the reference's codes.
+    model = load_model(checkpoint, device="cpu", dtype=torch.float32)
+    layout = model.layout
+    rng = np.random.default_rng(6)
+    context = rng.integers(0, layout.image_vocab_size, size=(2, layout.image_tokens))
+    actions = rng.normal(scale=2.0, size=(layout.max_frames - 1, 6, 3)).astype(np.float32)
+    calls = []
+    original = kernel.few_rows_matmul
+    kernel.few_rows_matmul = lambda h, w: calls.append(h.shape[0]) or original(h, w)
+    decoder = SingleStreamDecoder(model, draft_tokens=3)
+    codes = decoder.rollout(context, actions, layout.max_frames, Sampling(temperature=0), 0)
+    reference = HfBackend(model=model, device="cpu").generate(context, actions, layout.max_frames,
+                                                             Sampling(temperature=0))[0]
+    return {"errors": errors, "refused": refused, "layout": decoder.core.logits_layout,
+            "kernel_rows": sorted(set(calls)), "codes_equal": bool(np.array_equal(codes, reference))}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

@@ -1,0 +1,34 @@
+"""terra's few-rows logits kernel (kernels/few_rows_matmul.py), run under Triton's interpreter in a
+process of its own (tests/few_rows_interpreted.py): its products against float64, its refusals, and
+a greedy Jacobi rollout of the single-stream decoder whose every step's logits it computed."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+
+pytest.importorskip("triton")
+HERE = Path(__file__).parent
+
+
+def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_path):
+    checkpoint = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_vocab=64, image_tokens=40, max_frames=5),
+                                       seed=1)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    done = subprocess.run([sys.executable, str(HERE / "few_rows_interpreted.py"), str(checkpoint)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, got in result["errors"].items():
+        rows = int(case.rsplit("-", 1)[1])
+        assert got["shape"] == [rows, 300], case
+        # float32: the sum's rounding; bfloat16: the output's own rounding (8 bits of mantissa)
+        assert got["error"] < (1e-5 if case.startswith("torch.float32") else 8e-3), (case, got)
+    assert len(result["refused"]) == 2 and "1 to 16 rows" in result["refused"][0]
+    assert result["layout"] == "few-rows"
+    assert result["kernel_rows"] == [4]  # every decode step of a K=3 Jacobi rollout has K + 1 rows
+    assert result["codes_equal"]

@@ -65,3 +65,35 @@ await_background() {  # NAME LIMIT_S: wait up to LIMIT_S for NAME, then pack /tm
   tail -25 "/tmp/bg/$name/summary.txt" 2>/dev/null | tee -a "$STEP_LOG"
   tar -C /tmp/bg -czf "$OUT/$name.tar.gz" "$name"
 }
+
+# Compile caches across leases (each lease is a fresh host): Triton's (terra's attention kernel, vLLM's
+# sampler) and Inductor's under TERRA_CACHE (the tokenizer's decoder). `save_warm_caches` packs them
+# into /tmp/bg/warm-caches.tar.xz (outside any run's folder, so a large pack never costs a run's
+# results) and `await_warm_caches` hands it back in $OUT when it is under the 16 MiB a file may
+# have; kept here as .gpu/warm/, a later lease carrying .gpu/warm runs `restore_warm_caches` first.
+# A run on restored caches is what a second run on the same machine sees: say which one a number is.
+save_warm_caches() {
+  local parts=()
+  [ -d "$HOME/.triton/cache" ] && parts+=("$HOME/.triton/cache")
+  [ -n "${TERRA_CACHE:-}" ] && [ -d "$TERRA_CACHE/inductor" ] && parts+=("$TERRA_CACHE/inductor")
+  [ ${#parts[@]} -gt 0 ] || return 0
+  tar -cJPf /tmp/bg/warm-caches.tar.xz "${parts[@]}" 2>/dev/null
+  echo "warm caches packed: $(du -h /tmp/bg/warm-caches.tar.xz | cut -f1) (${parts[*]})" >> "$STEP_LOG"
+}
+
+await_warm_caches() {
+  local pack=/tmp/bg/warm-caches.tar.xz
+  [ -f "$pack" ] || return 0
+  if [ "$(stat -c %s "$pack")" -lt $((16 * 1024 * 1024)) ]; then
+    cp "$pack" "$OUT/warm-caches.tar.xz"
+  else
+    echo "warm caches: $(du -h "$pack" | cut -f1), over the 16 MiB a file may have: not returned" | tee -a "$STEP_LOG"
+  fi
+}
+
+restore_warm_caches() {
+  if [ -f .gpu/warm/warm-caches.tar.xz ]; then
+    tar -xJPf .gpu/warm/warm-caches.tar.xz && echo "warm caches restored from an earlier lease" >> "$STEP_LOG"
+  fi
+}
+

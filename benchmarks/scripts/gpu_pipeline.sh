@@ -57,6 +57,7 @@ case "${1:-}" in
     echo "one-GPU runs done" >> "$STEP_LOG" ;;
   runsfull)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    restore_warm_caches  # (carried as .gpu/warm; a fresh host compiles everything otherwise)
     # The tokens-only baseline's first wave only (TOKENS_S, default 360 s): its per-minute rate lines
     # compare with the same minutes of the full run's first wave, and the budget keeps the full run whole.
     # TOKENS_S=0 skips it: a 30-minute lease holds setup (~150 s) and the whole full run (~1,300 s) only then.
@@ -75,6 +76,7 @@ case "${1:-}" in
     kill $watch
     grep -i "object store\|/dev/shm\|spill" /tmp/ray/session_latest/logs/raylet.out 2>/dev/null | head -5 >> "$STEP_LOG"
     cp /tmp/actfull/outputs/results.jsonl "$OUT/full-results.jsonl" 2>/dev/null
+    save_warm_caches
     # TOKENS_AFTER_S: the tokens-only baseline after the full run instead of before, so the full run is
     # whole in the lease and its ratio still comes from the same host; the last await takes what it reached.
     if [ "${TOKENS_AFTER_S:-0}" != 0 ]; then
@@ -91,6 +93,7 @@ case "${1:-}" in
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runsab ;;
   runsab)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    restore_warm_caches
     # One build of the random checkpoint before four processes would race to build it.
     python3 -c "from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint as r; r('cuda', 0)" \
       > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
@@ -111,7 +114,8 @@ case "${1:-}" in
     done
     wait "${pids[@]}"
     kill $watch
-    echo "a/b runs done" >> "$STEP_LOG" ;;
+    echo "a/b runs done" >> "$STEP_LOG"
+    save_warm_caches ;;
   runs1)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
@@ -129,6 +133,7 @@ case "${1:-}" in
       > "$OUT/writer_parts.log" 2>&1; echo "writer_parts exit $?" >> "$STEP_LOG" ;;
   await)
     await_background pipe "${AWAIT_S:-540}"
-    await_background top 0 ;;
+    await_background top 0
+    await_warm_caches ;;
   *) echo "usage: gpu_pipeline.sh start|runs|startfull|runsfull|start1|runs1|startab|runsab|await" >&2; exit 2 ;;
 esac

@@ -110,11 +110,10 @@ class StreamDriver:
         self.prefix_hashes = PrefixHashReuse(rollout_of_request)
         self.reuse_prefix_hashes = os.environ.get("TERRA_VLLM_REUSE_PREFIX_HASHES", "1") != "0"
         # Staggered starts: at most max_in_flight / image_tokens new rollouts a step, so a batch that
-        # starts empty spreads its rollouts over a frame's steps. Equal-length jobs (ACT-Bench)
-        # otherwise finish each frame in the same step (the engine idles while every next request
-        # goes in), each round and each video too (a wave of videos at once). A finished job's slot
-        # is refilled at once, so the spread lasts the run. Batch runs ask for it where
-        # runtime.stagger_starts_asked says so (off by default: measured slower, benchmarks/README.md).
+        # starts empty spreads its rollouts over a frame's steps, and equal-length jobs (ACT-Bench) do
+        # not finish each frame in the same step. Their rounds and videos still end within a frame's
+        # steps of each other (measured: videos finished in waves all the same). Batch runs ask for it
+        # where runtime.stagger_starts_asked says so (off by default: measured slower, benchmarks/README.md).
         self.starts_per_step = None
         if stagger_starts:
             self.starts_per_step = self.max_in_flight / self.layout.image_tokens

@@ -8,8 +8,8 @@ a kernel that streams the weight once at the card's bandwidth is the floor for a
 16. Here each program owns `BLOCK_N` vocabulary rows and walks K with the hidden rows (a few KB,
 from L2) as the left operand of one tensor-core tile of 16 rows, accumulating in float32.
 
-`TERRA_SINGLE_STREAM_LOGITS=few-rows` puts it on the single-stream decoder's draft rows
-(`backends/static_kv.py`); not measured yet, so not the default.
+`TERRA_SINGLE_STREAM_LOGITS=few-rows` puts it on the single-stream decoder's decode steps (one row,
+or a Jacobi step's K + 1; `backends/static_kv.py`); not measured yet, so not the default.
 """
 
 from __future__ import annotations

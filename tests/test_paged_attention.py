@@ -152,7 +152,7 @@ def test_attention_choice(monkeypatch):
 
 
 def test_attention_option_is_checked_before_a_model_loads():
-    from terra_cli.backends import engine_options
+    from terra_cli.pipeline.engine_request import engine_options
     from terra_cli.errors import InputError
 
     assert engine_options(attention="TERRA") == {"attention": "terra"}

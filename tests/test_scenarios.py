@@ -171,7 +171,7 @@ def test_act_bench_videos_are_what_its_scorer_reads(tmp_path, frame_tokenizer):
 
 
 def test_engine_options_are_checked_before_a_model_loads():
-    from terra_cli.backends import check_backend_options, engine_options
+    from terra_cli.pipeline.engine_request import check_backend_options, engine_options
     from terra_cli.errors import InputError
 
     assert engine_options() == engine_options("auto", "none", "none", 8) == {}

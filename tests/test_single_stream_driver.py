@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import invoke_terra
-from terra_cli.backends import check_backend_options, engine_options, load_backend
+from terra_cli.backends import load_backend
+from terra_cli.pipeline.engine_request import check_backend_options, engine_options
 from terra_cli.backends.base import Sampling
 from terra_cli.backends.driver import JobFeed, RolloutJob
 from terra_cli.backends.hf import HfBackend

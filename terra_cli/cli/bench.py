@@ -114,8 +114,8 @@ def bench(
     fork_from: int = typer.Option(20, "--fork-from", min=2, help="--env: frames of the forked state, context included."),
 ):
     """Measure generation speed: transformers reference vs vLLM, and vLLM with parallel rollouts."""
-    from terra_cli.backends import engine_options
     from terra_cli.backends.base import InputError, Sampling
+    from terra_cli.pipeline.engine_request import engine_options
     from terra_cli.bench.hf_vs_vllm import BenchPlan, plot_results, run_bench, save_results
     from terra_cli.pipeline.outputs import OutputPlan
 
@@ -156,6 +156,9 @@ def bench(
     if env:
         from terra_cli.bench.env import EnvBenchPlan
         from terra_cli.cli.bench_env import env_bench
+        from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
+
+        check_backend_options(resolve_backend_name(backend), vllm_options)  # the other measures check in their jobs
 
         return env_bench(model, EnvBenchPlan(env, steps, context_frames, branches, fork_from, backend, device, dtype,
                                              temperature, seed, vllm_options), out_json, overwrite)

@@ -61,7 +61,8 @@ def eval_command(
         speed_kmh=speed, ceiling_seeds=ceiling_seeds, temperature=temperature, top_k=top_k, top_p=top_p, sampling_seed=seed,
     )
     plan.validate()
-    from terra_cli.backends import Sampling, load_backend, resolve_backend_name
+    from terra_cli.backends import Sampling, load_backend
+    from terra_cli.pipeline.engine_request import resolve_backend_name
 
     Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # validates before any loading
     backend_name = resolve_backend_name(backend)

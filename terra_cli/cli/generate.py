@@ -90,7 +90,8 @@ def generate(
 ):
     """Generate future frames from context frames and a trajectory (out of the box: the embedded terra-mini)."""
     from terra_cli.actions import PRESETS, resolve_actions
-    from terra_cli.backends import Sampling, engine_options
+    from terra_cli.backends import Sampling
+    from terra_cli.pipeline.engine_request import engine_options
     from terra_cli.models.resolve import resolve_model
     from terra_cli.pipeline import inputs
     from terra_cli.pipeline.outputs import check_outputs

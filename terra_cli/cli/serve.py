@@ -69,7 +69,7 @@ def serve(
     """Serve a warm world model: video jobs, interactive sessions (HTTP and WebSocket) and a page to drive it at /."""
     import uvicorn
 
-    from terra_cli.backends import engine_options
+    from terra_cli.pipeline.engine_request import engine_options
     from terra_cli.server.app import Settings, create_app
     from terra_cli.server.loader import EngineConfig, check_engine_config, load_engine
     from terra_cli.server.requests import Limits

@@ -94,12 +94,14 @@ class TerraVectorEnv(VectorEnv):
              backend: str = "auto", device: str = "auto", dtype: str = "auto", threads: int = 0,
              max_in_flight: int | None = None, engine_options: dict | None = None, **kwargs) -> "TerraVectorEnv":
         """Load a world model (default: the embedded terra-mini) and its tokenizer, and build the env."""
-        from terra_cli.backends import load_backend, resolve_backend_name
+        from terra_cli.backends import load_backend
         from terra_cli.models.checkpoint import load_config
         from terra_cli.models.resolve import load_tokenizer, resolve_model
+        from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
         from terra_cli.runtime import configure_vllm_env, resolve_device
 
         name = resolve_backend_name(backend)
+        check_backend_options(name, engine_options or {})
         if name == "vllm":
             configure_vllm_env()  # before vLLM is imported, as the CLI does (settings the caller made stay)
         device = resolve_device(device)

@@ -143,7 +143,7 @@ def generate_video(
     the world model runs."""
     from dataclasses import replace
 
-    from terra_cli.backends import check_backend_options, resolve_backend_name
+    from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
 

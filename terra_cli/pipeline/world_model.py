@@ -21,7 +21,7 @@ from terra_cli.models.resolve import ModelChoice
 @dataclass(frozen=True)
 class Engine:
     """How to run the world model: backend (auto, hf, vllm), device, dtype, CPU threads (the
-    reference's), and the backend's own options (vLLM engine arguments, from `backends.engine_options`)."""
+    reference's), and the backend's own options (vLLM engine arguments, from `engine_request.engine_options`)."""
 
     backend: str = "auto"
     device: str = "auto"
@@ -71,9 +71,10 @@ def load_world_model(choice: ModelChoice, engine: Engine = Engine(), *, needs_to
     rollouts the engine runs at once; `gpu_share`: its share of the GPU's memory where something
     else shares the card; `between(tokenizer, options)` runs between the two loads (the refiner
     loads there and takes its share of the GPU first)."""
-    from terra_cli.backends import check_backend_options, load_backend, resolve_backend_name
+    from terra_cli.backends import load_backend
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import load_tokenizer
+    from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
     from terra_cli.runtime import resolve_device, resolve_dtype_name
 
     device = resolve_device(engine.device)

@@ -30,7 +30,7 @@ class ScenarioJob:
     rollouts: int = 1
     skip_invalid: bool = False
     model: ModelSpec = ModelSpec()
-    # backend, device, dtype, the reference's CPU threads, vLLM's options (backends.VllmOptions; a bench adds
+    # backend, device, dtype, the reference's CPU threads, vLLM's options (engine_request.VllmOptions; a bench adds
     # raw vLLM arguments)
     engine: Engine = Engine()
     # temperature, top_k, top_p; each scenario's own seed replaces `sampling.seed`
@@ -59,7 +59,7 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     contexts against the model's config), model and tokenizer found, and what the run would
     replace in --out-dir. Raises a one-line InputError or OutputError naming what is wrong; writes
     nothing (the run re-checks --out-dir once it holds it)."""
-    from terra_cli.backends import check_backend_options, resolve_backend_name
+    from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.runtime import resolve_device, resolve_dtype_name
     from terra_cli.media.frames import check_video_writer

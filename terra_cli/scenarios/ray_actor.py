@@ -107,7 +107,7 @@ class ScenarioEngine:
         from terra_cli.runtime import configure_vllm_env
 
         configure_vllm_env()  # before anything imports vLLM (a no-op for the reference backend's work)
-        from terra_cli.backends import resolve_backend_name
+        from terra_cli.pipeline.engine_request import resolve_backend_name
 
         job = spec.job
         self.spec = spec

@@ -18,7 +18,7 @@ class EngineConfig:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    options: Mapping = field(default_factory=dict)  # backends.VllmOptions from the CLI
+    options: Mapping = field(default_factory=dict)  # engine_request.VllmOptions from the CLI
     threads: int = 0
     max_in_flight: int = 128  # rollouts at once (sessions + video jobs); the reference batches lockstep ones
     session_slots: int = 32  # of those, kept for sessions
@@ -26,7 +26,7 @@ class EngineConfig:
 
 def check_engine_config(config: EngineConfig):
     """Every check that needs no model; returns (model choice, its config, backend name, device)."""
-    from terra_cli.backends import check_backend_options, resolve_backend_name
+    from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_model
     from terra_cli.runtime import resolve_device, resolve_dtype_name

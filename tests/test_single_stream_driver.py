@@ -113,6 +113,20 @@ def test_options_are_checked_for_the_backend_that_runs_them():
         engine_options(draft="lookahead")
 
 
+def test_load_backend_asserts_its_options_in_field_names_without_cli_flags(tmp_path):
+    """A library caller that skips the request layer still gets the backend's own check, before
+    anything loads (the folder holds no checkpoint), in the options' names, not the CLI's flags."""
+    missing = tmp_path / "no-checkpoint"
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: vLLM engine option\(s\), not for the hf backend$"):
+        load_backend("hf", missing, device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"^torch_compile: vLLM engine option\(s\), not for the single-stream backend$"):
+        load_backend("single-stream", missing, device="cpu", torch_compile=False)
+    with pytest.raises(ValueError, match=r"^draft='jacobi': the single-stream backend's draft, not for the hf backend$"):
+        load_backend("hf", missing, device="cpu", **engine_options(draft="jacobi"))
+    with pytest.raises(ValueError, match=r"^backend: auto, hf, vllm, single-stream; got 'nope'$"):
+        load_backend("nope", missing, device="cpu")
+
+
 def test_generate_refuses_jacobi_on_another_backend_before_loading(checkpoint, tmp_path):
     result = invoke_terra("generate", tmp_path / "out.mp4", "--model", checkpoint, "--actions", "straight",
                           "--frames", 4, "--draft", "jacobi", "--backend", "hf", "--device", "cpu")

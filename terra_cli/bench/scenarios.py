@@ -47,7 +47,7 @@ class ScenarioBenchPlan:
     dtype: str = "auto"
     temperature: float = 0.9
     seed: int = 0
-    vllm_options: dict = field(default_factory=dict)  # engine arguments (backends.engine_options and more)
+    vllm_options: dict = field(default_factory=dict)  # engine arguments (pipeline.engine_request.engine_options and more)
 
 
 class BusySampler:

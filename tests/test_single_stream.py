@@ -157,6 +157,27 @@ def test_compiled_layer_functions_give_the_eager_codes(model):
     np.testing.assert_array_equal(codes, reference)
 
 
+def test_the_layer_compile_mode_comes_from_the_environment_and_is_checked(model, monkeypatch):
+    """TERRA_SINGLE_STREAM_COMPILE_MODE reaches torch.compile of both layer functions (a GPU
+    comparison of Inductor's autotuned GEMMs); unset or `default` is torch.compile's default, and an
+    unknown mode is refused when the decoder is built."""
+    from terra_cli.backends import layer_ops
+
+    modes = []
+    monkeypatch.setattr(layer_ops.torch, "compile", lambda fn, **kwargs: modes.append(kwargs["mode"]) or fn)
+    for value, expected in ((None, None), ("default", None), ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs")):
+        if value is None:
+            monkeypatch.delenv(layer_ops.COMPILE_MODE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(layer_ops.COMPILE_MODE_ENV, value)
+        modes.clear()
+        ops = layer_ops.LayerOps(model, compile_layers=True)
+        assert isinstance(ops.decode.functions, layer_ops.CompiledOps) and modes == [expected, expected]
+    monkeypatch.setenv(layer_ops.COMPILE_MODE_ENV, "fastest")
+    with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_COMPILE_MODE"):
+        layer_ops.LayerOps(model, compile_layers=True)
+
+
 def paged_varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table,
                            softmax_scale, causal, fa_version):
     """FlashAttention's `flash_attn_varlen_func` contract for one sequence, written plainly: keys

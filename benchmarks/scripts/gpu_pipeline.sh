@@ -22,7 +22,7 @@
 #          GPU 0 `bench --act-bench NAB` (videos), GPU 1 `bench --scenarios NAB --frames 47` (tokens only,
 #          the same shape: the 90% ratio of one engine), GPU 2 the ACT-Bench run with staggered starts
 #          (TERRA_STAGGER_STARTS=1), GPU 3 gpu_single_stream.py (issue 41: plain, Jacobi K=8, K=8 with
-#          weight-major or few-rows logits, plain with few-rows logits); `await` collects it
+#          weight-major or few-rows logits, plain with few-rows logits or max-autotune layers); `await` collects it
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEP_LOG=$OUT/summary.txt
@@ -101,9 +101,9 @@ case "${1:-}" in
       > "$OUT/ab-gpu.txt" 2>&1 &
     watch=$!
     pids=()
-    # GPU 3: issue 41's one-rollout variants (plain, Jacobi K=8, K=8 with weight-major or few-rows logits, plain with few-rows) beside them
+    # GPU 3: issue 41's one-rollout variants (plain and Jacobi K=8 with few-rows or cuBLAS logits, plain with max-autotune layers, K=8 weight-major) beside them
     CUDA_VISIBLE_DEVICES=3 timeout 560 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
-      --variants 0,1,7,8,9 --budget-s 420 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1 &
+      --variants 0,9,1,8,10,7 --budget-s 420 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1 &
     pids+=($!)
     for run in "0 0 act" "1 0 tokens" "2 1 act"; do
       set -- $run

@@ -43,7 +43,8 @@ from terra_cli.backends.single_stream import SingleStreamBackend  # noqa: E402
 
 CONTEXT_FRAMES = 3
 # name, draft_tokens, draft, environment (attention / layer compile switches read at decoder start).
-NEW = {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": "", "TERRA_SINGLE_STREAM_LOGITS": ""}
+NEW = {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": "", "TERRA_SINGLE_STREAM_LOGITS": "",
+       "TERRA_SINGLE_STREAM_COMPILE_MODE": ""}
 VARIANTS = [
     ("plain", 0, "jacobi", NEW),
     ("jacobi K=8", 8, "jacobi", NEW),
@@ -56,6 +57,8 @@ VARIANTS = [
     ("jacobi K=8, logits weight-major (W @ h.T)", 8, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "weight-major"}),
     ("jacobi K=8, logits by terra's few-rows kernel", 8, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "few-rows"}),
     ("plain, logits by terra's few-rows kernel", 0, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "few-rows"}),
+    ("plain, layers compiled max-autotune (Inductor times its GEMMs)", 0, "jacobi",
+     {**NEW, "TERRA_SINGLE_STREAM_COMPILE_MODE": "max-autotune-no-cudagraphs"}),
 ]
 TARGET_S_PER_FRAME = 0.5
 

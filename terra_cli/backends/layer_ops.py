@@ -18,6 +18,8 @@ Terra's size); prompts keep the modules' own.
 from __future__ import annotations
 
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,21 @@ from terra_cli.runtime import switched_off
 # TERRA_SINGLE_STREAM_COMPILE=0 keeps the eager functions on CUDA too (to compare, or where
 # Inductor cannot build).
 COMPILE_ENV = "TERRA_SINGLE_STREAM_COMPILE"
+# TERRA_SINGLE_STREAM_COMPILE_MODE=max-autotune-no-cudagraphs lets Inductor time its GEMM choices for
+# the step's few rows against cuBLAS (whose small-M tiles read the layers' weights at about 2.1 TB/s
+# on the H100, 62% of the card: benchmarks/README.md, issue 41). Unset: torch.compile's default, the
+# measured one. The step is captured in a CUDA graph by single_stream.StepGraphs either way.
+COMPILE_MODE_ENV = "TERRA_SINGLE_STREAM_COMPILE_MODE"
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def compile_mode(environ=None) -> str | None:
+    """The torch.compile mode of the decode step's layer functions (None: the default)."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get(COMPILE_MODE_ENV, "").strip() or None
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"{COMPILE_MODE_ENV}={mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    return None if mode == "default" else mode
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,10 +123,10 @@ class CompiledOps:
     row count). If compiling fails on the first call (a warm-up step, before any CUDA graph
     capture), the eager functions take over and `error` says why."""
 
-    def __init__(self):
+    def __init__(self, mode: str | None = None):
         self.error: str | None = None
-        self._inputs = torch.compile(attention_inputs_fused, dynamic=False, fullgraph=True)
-        self._output = torch.compile(attention_output_and_mlp_fused, dynamic=False, fullgraph=True)
+        self._inputs = torch.compile(attention_inputs_fused, dynamic=False, fullgraph=True, mode=mode)
+        self._output = torch.compile(attention_output_and_mlp_fused, dynamic=False, fullgraph=True, mode=mode)
 
     def _call(self, compiled, eager, *args):
         if self.error is None:
@@ -152,7 +169,7 @@ class LayerOps:
         compiled = compile_wanted(compile_layers)
         # Fusing is what the compiled path runs; `fuse_projections` alone (eager) lets a CPU check it.
         if compiled or fuse_projections:
-            functions = CompiledOps() if compiled else FusedOps()
+            functions = CompiledOps(compile_mode()) if compiled else FusedOps()
             self.decode = BoundOps(functions, [self.fused_attention_weights(layer) for layer in layers],
                                    [self.fused_output_weights(layer) for layer in layers])
         else:

@@ -22,7 +22,8 @@
 #          GPU 0 `bench --act-bench NAB` (videos), GPU 1 `bench --scenarios NAB --frames 47` (tokens only,
 #          the same shape: the 90% ratio of one engine), GPU 2 the ACT-Bench run with staggered starts
 #          (TERRA_STAGGER_STARTS=1), GPU 3 gpu_single_stream.py (issue 41: plain, Jacobi K=8, K=8 with
-#          weight-major or few-rows logits, plain with few-rows logits or max-autotune layers); `await` collects it
+#          weight-major or few-rows logits, plain with few-rows logits or max-autotune layers), then
+#          issue 40's `bench --refiner --windows 4`; `await` collects it
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEP_LOG=$OUT/summary.txt
@@ -102,8 +103,12 @@ case "${1:-}" in
     watch=$!
     pids=()
     # GPU 3: issue 41's one-rollout variants (plain and Jacobi K=8 with few-rows or cuBLAS logits, plain with max-autotune layers, K=8 weight-major) beside them
-    CUDA_VISIBLE_DEVICES=3 timeout 560 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
-      --variants 0,9,1,8,10,7 --budget-s 420 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1 &
+    # then issue 40's refiner at 4 windows a call (its compile, ~100 s cold, outran a call before; here
+    # it runs in the background job)
+    ( CUDA_VISIBLE_DEVICES=3 timeout 320 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
+        --variants 0,9,1,8,10,7 --budget-s 250 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
+      CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows 4 --refiner-compile default \
+        --out "$OUT/refiner-compiled-w4.json" --overwrite > "$OUT/refiner-compiled-w4.log" 2>&1 ) &
     pids+=($!)
     for run in "0 0 act" "1 0 tokens" "2 1 act"; do
       set -- $run

@@ -516,7 +516,6 @@ def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(to
             time.sleep(0.02)  # a loop that decoded part batches would have started one by now
             assert len(calls) == sent // 4, (sent, calls)
     assert calls == [4, 4, 4] and not store.waiting  # 12 frames: three full batches, nothing padded
-    assert store.stats()["decode_ahead_batches"] == 3 and store.stats()["decode_ahead_frames"] == 12
     for key, tokens in videos.items():
         inbox.put(("finish", key, tokens))
     done = {}
@@ -528,6 +527,7 @@ def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(to
     loop.join(10)
     shutil.rmtree(folder)
     assert done["a"][3] == 0 and done["b"][3] == 0  # every frame was decoded ahead
+    assert store.stats()["decode_ahead_batches"] == 3 and store.stats()["decode_ahead_frames"] == 12
     assert calls == [4, 4, 4]
 
     store = FrameStore(tokenizer, held_frames=100)  # a part batch waits for its video's end

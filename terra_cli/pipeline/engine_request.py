@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from terra_cli.backends import BACKEND_NAMES, BACKEND_OPTIONS
 from terra_cli.errors import InputError
 
-BACKENDS = ("auto", "hf", "vllm", "single-stream")
+BACKENDS = ("auto", *BACKEND_NAMES)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("none", "fp8")
 DRAFTS = ("none", "previous-frame", "jacobi")
@@ -92,19 +93,12 @@ def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", dra
                        attention=None if attention == "auto" else attention, draft="jacobi" if draft == "jacobi" else None)
 
 
-SINGLE_STREAM_OPTIONS = ("draft", "draft_tokens")
-
-
 def check_backend_options(name: str, options: Mapping) -> None:
     """Engine options each backend takes, checked before anything loads: vLLM's for vllm, a draft
     (jacobi or previous-frame) for single-stream, none for hf."""
     if options.get("draft") == "jacobi" and name != "single-stream":
         raise InputError(f"--draft jacobi runs on --backend single-stream, not on {name}")
-    if name == "hf" and options:
-        flags = ", ".join(sorted(OPTION_FLAGS.get(option, option) for option in options))
-        raise InputError(f"{flags}: vLLM engine option(s), not for the hf backend; use --backend vllm")
-    if name == "single-stream":
-        other = sorted(OPTION_FLAGS.get(option, option) for option in options if option not in SINGLE_STREAM_OPTIONS)
-        if other:
-            raise InputError(f"{', '.join(other)}: vLLM engine option(s), not for the single-stream backend; "
-                             "use --backend vllm")
+    taken = BACKEND_OPTIONS.get(name)  # (vllm takes any engine argument)
+    other = sorted(OPTION_FLAGS.get(option, option) for option in options if taken is not None and option not in taken)
+    if other:
+        raise InputError(f"{', '.join(other)}: vLLM engine option(s), not for the {name} backend; use --backend vllm")

@@ -31,8 +31,13 @@ def stagger_starts_asked(environ=None) -> bool:
     steps (`backend.driver(..., stagger_starts=True)`): TERRA_STAGGER_STARTS=1. Off by default: the one
     run with it on (4 x H200, 2026-11-27, benchmarks/README.md) was slower than the runs before it, and
     its videos still finished in waves."""
+    return switched_on(STAGGER_STARTS_ENV, environ)
+
+
+def switched_on(variable: str, environ=None) -> bool:
+    """Whether an off-by-default lab switch (TERRA_STAGGER_STARTS) is set to 1/true/yes/on."""
     environ = os.environ if environ is None else environ
-    return environ.get(STAGGER_STARTS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def switched_off(variable: str, environ=None) -> bool:

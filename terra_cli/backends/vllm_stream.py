@@ -23,7 +23,6 @@ interface (backends/driver.py); the jobs, the feed and the loop times live there
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -36,6 +35,7 @@ from terra_cli.backends.vllm import VllmBackend, write_rows, interleave
 from terra_cli.backends.vllm_prefix_hashes import PrefixHashReuse
 from terra_cli.backends.vllm_slots import RoundPlan, SlotTable
 from terra_cli.pipeline.rounds import Round, plan_rounds
+from terra_cli.runtime import switched_off
 
 
 @dataclass
@@ -108,7 +108,7 @@ class StreamDriver:
         # A frame's request reuses its rollout's previous block hashes (vllm_prefix_hashes.py);
         # TERRA_VLLM_REUSE_PREFIX_HASHES=0 turns it off, for measuring what it saves.
         self.prefix_hashes = PrefixHashReuse(rollout_of_request)
-        self.reuse_prefix_hashes = os.environ.get("TERRA_VLLM_REUSE_PREFIX_HASHES", "1") != "0"
+        self.reuse_prefix_hashes = not switched_off("TERRA_VLLM_REUSE_PREFIX_HASHES")
         # Staggered starts: at most max_in_flight / image_tokens new rollouts a step, so a batch that
         # starts empty spreads its rollouts over a frame's steps, and equal-length jobs (ACT-Bench) do
         # not finish each frame in the same step. Their rounds and videos still end within a frame's

@@ -93,7 +93,7 @@ await_warm_caches() {
 
 restore_warm_caches() {
   if [ -f .gpu/warm/warm-caches.tar.xz ]; then
-    tar -xJPf .gpu/warm/warm-caches.tar.xz && echo "warm caches restored from an earlier lease" >> "$STEP_LOG"
+    tar --skip-old-files -xJPf .gpu/warm/warm-caches.tar.xz && echo "warm caches restored from an earlier lease" >> "$STEP_LOG"
   fi
 }
 

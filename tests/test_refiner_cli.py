@@ -119,6 +119,15 @@ def test_bench_refiner_reports_counted_flops_and_the_act_bench_projection(tmp_pa
     assert row["windows_per_call"] == 1 and row["seconds_per_window"] > 0 and row["peak_memory_gib"] is None
 
 
+def test_a_missing_diffusers_is_one_line_with_the_install_hint(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "diffusers", None)  # import diffusers raises ImportError
+    out = tmp_path / "bench.json"
+    result = run("bench", "--refiner", "--tiny", "--device", "cpu", "--windows", "1", "--out", out)
+    assert result.exit_code == 2, result.output
+    assert "terra-cli[refiner]" in result.output and "Traceback" not in result.output
+    assert not out.exists()
+
+
 def test_options_before_the_arguments_and_a_converted_file_follows_the_umask(tmp_path, parts):
     """Issue 38: `terra refine --refiner R TOKENS OUT` failed with "No such option"; a converted
     .safetensors got mode 0600 where every other output follows the umask."""

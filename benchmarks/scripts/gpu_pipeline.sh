@@ -17,7 +17,8 @@
 #   start1 start `runs1` in the background: N1 ACT-Bench-shaped samples tokens only, then with videos
 #          (the same GPU, one after the other), then `bench --env 64` (issue 42) and writer_parts.py;
 #          `await` collects it as above
-# On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff`:
+# On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (one call each: b and ff together pass
+# the 64 MiB a call carries) and `gpu_side4.sh ref` (carry .gpu/ref: diffusers, for the refiner step):
 #   startab  start `runsab` in the background, one GPU each, side by side (NAB samples, 128 by default):
 #          GPU 0 `bench --act-bench NAB` (videos), GPU 1 `bench --scenarios NAB --frames 47` (tokens only,
 #          the same shape: the 90% ratio of one engine), GPU 2 the ACT-Bench run with staggered starts
@@ -107,6 +108,7 @@ case "${1:-}" in
     # it runs in the background job)
     ( CUDA_VISIBLE_DEVICES=3 timeout 320 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
         --variants 0,9,1,8,10,7 --budget-s 250 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
+      python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
       CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows 4 --refiner-compile default \
         --out "$OUT/refiner-compiled-w4.json" --overwrite > "$OUT/refiner-compiled-w4.log" 2>&1 ) &
     pids+=($!)

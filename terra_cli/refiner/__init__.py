@@ -27,3 +27,16 @@ so the 1.5 -> 3.0 guidance changes nothing and one UNet call per step gives Terr
 This code has never run on Turing's released refiner weights (they could not be downloaded where
 it was written); the tests use small checkpoints written in Terra's exact names and layout.
 """
+
+REFINER_INSTALL_HINT = "pip install 'terra-cli[refiner]'"
+
+
+def require_diffusers() -> None:
+    """The refiner's networks are diffusers' classes, an optional dependency: say how to get it in
+    one line instead of a traceback from deep in a load."""
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        from terra_cli.errors import InputError
+
+        raise InputError(f"Terra's video refiner needs diffusers, which is not installed: {REFINER_INSTALL_HINT}") from None

@@ -29,6 +29,9 @@ from terra_cli.refiner.config import RefinerConfig
 
 
 def build_vae(config: RefinerConfig, device="meta", dtype=torch.float32):
+    from terra_cli.refiner import require_diffusers
+
+    require_diffusers()
     from diffusers import AutoencoderKLTemporalDecoder
 
     with torch.device(device):

@@ -45,6 +45,9 @@ class SingleTokenCrossAttention:
 
 def build_unet(config: RefinerConfig, device="meta", dtype=torch.float32, exact_cross_attention: bool = True):
     """The UNet with Terra's shapes; on the meta device its weights come from `load_weights`."""
+    from terra_cli.refiner import require_diffusers
+
+    require_diffusers()
     from diffusers import UNetSpatioTemporalConditionModel
 
     with torch.device(device):

@@ -84,3 +84,51 @@ def test_a_ray_driver_reads_contexts_at_the_tokenizers_frame_size_and_the_pixels
     for got, want in zip(again, expected):
         np.testing.assert_array_equal(got, want)
     assert not np.array_equal(resize_frames(originals, (FRAME_HEIGHT, FRAME_WIDTH - 16))[0][:, :-16], expected[0][:, :-16])
+
+
+def test_a_single_engines_intake_reads_contexts_side_by_side_and_encodes_what_one_reader_would(tmp_path, monkeypatch):
+    """`encoding.encoded` (EncodeAhead's thread) reads and resizes contexts in READ_THREADS threads
+    ahead of the batch it encodes; the tokens, and their order, are those of reading one at a time
+    at full size."""
+    import numpy as np
+    from PIL import Image
+
+    import terra_cli.pipeline.inputs as inputs
+    from terra_cli.scenarios import encoding
+    from terra_cli.scenarios.spec import Scenario
+    from tokenizer_decoder import ImageTokenizer, small_config
+
+    rng = np.random.default_rng(1)
+    scenarios = []
+    for i in range(2 * encoding.ENCODE_BATCH + 3):
+        paths = []
+        for k in range(2):
+            path = tmp_path / f"s{i}_{k}.jpg"
+            Image.fromarray(rng.integers(0, 256, (90, 160, 3), dtype=np.uint8)).save(path, quality=90)
+            paths.append(path)
+        scenarios.append(Scenario(id=f"s{i}", line=i + 1, actions=np.zeros((4, 6, 3), np.float32), frames=4,
+                                  seed=i, context_images=tuple(paths), context_frames=2))
+    tokenizer = ImageTokenizer.from_config(small_config(ch=32, num_res_blocks=1, ch_mult=(1,) * 5), device="cpu",
+                                           image_size=(64, 128))
+
+    lock, running, most = threading.Lock(), [0], [0]
+    read_frames = inputs.read_context_frames
+
+    def slow_read(sources, count):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)  # a JPEG being decoded
+        try:
+            return read_frames(sources, count)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(inputs, "read_context_frames", slow_read)
+    side_by_side = list(encoding.encoded(scenarios, tokenizer, threads=4))
+    assert most[0] > 1
+    assert [s.id for s, _ in side_by_side] == [s.id for s in scenarios]
+    for s, tokens in side_by_side:
+        originals = [np.asarray(Image.open(p).convert("RGB")) for p in s.context_images]
+        np.testing.assert_array_equal(tokens, tokenizer.tokenize(originals))

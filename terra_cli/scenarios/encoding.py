@@ -1,8 +1,9 @@
-"""The intake stage: scenario contexts to tokens, image contexts read and encoded in batches
-(`encoded`, `encode_batch`), token contexts loaded, all of it in a thread ahead of the engine
-(`EncodeAhead` for a single engine's run; a Ray engine actor's intake thread uses `encode_batch`),
-so the engine never waits on a JPEG or the encoder while it has work. A Ray run's driver reads the
-contexts it ships in threads, ahead of the hand-out (`ReadAhead`)."""
+"""The intake stage: scenario contexts to tokens. Contexts are read (and image contexts resized to
+the tokenizer's frame size) by READ_THREADS threads ahead (`read_context`, `ReadAhead`), then
+encoded in batches (`encode_batch`), all of it ahead of the engine (`encoded` in `EncodeAhead`'s
+thread for a single engine's run; a Ray engine actor's intake thread uses `encode_batch`), so the
+engine never waits on a JPEG or the encoder while it has work. A Ray run's driver reads the
+contexts it ships the same way, ahead of the hand-out."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from terra_cli.scenarios.spec import Scenario
 
 ENCODE_BATCH = 16  # scenarios whose contexts are encoded together
 STOP_WAIT_SECONDS = 1.0  # how long a finished run waits for the encoding thread to end
-READ_THREADS = 8  # a Ray driver's context readers (decoding a JPEG lets go of the interpreter)
+READ_THREADS = 8  # context readers (decoding and resizing a JPEG let go of the interpreter)
+READ_AHEAD_BATCHES = 2  # a single engine's intake reads this many batches beyond the one it encodes
 
 
 def encode_batch(contexts: list[tuple[np.ndarray | None, list[np.ndarray] | None]], tokenizer,
@@ -36,20 +38,37 @@ def encode_batch(contexts: list[tuple[np.ndarray | None, list[np.ndarray] | None
     return out
 
 
-def encoded(scenarios: list[Scenario], tokenizer) -> Iterator[tuple[Scenario, np.ndarray]]:
-    """(scenario, context tokens (K, T)) in order; image contexts encoded ENCODE_BATCH scenarios at a time."""
+def read_context(s: Scenario, image_size: tuple[int, int] | None = None
+                 ) -> tuple[np.ndarray | None, list[np.ndarray] | None]:
+    """A scenario's context as (tokens, None) or (None, RGB frames at `image_size`, the tokenizer's
+    frame size; default Terra's). Resized in the reading threads, the exact way the tokenizer would
+    (a frame at its size comes back unchanged): decoding and resizing ACT-Bench's three 1600x900
+    JPEGs costs ~100 ms of CPU a sample, which one thread paid for every sample before."""
+    from tokenizer_decoder.tokenizer import resize_frames
+
     from terra_cli.pipeline.inputs import load_context_tokens, read_context_frames
 
-    for start in range(0, len(scenarios), ENCODE_BATCH):
-        chunk = scenarios[start : start + ENCODE_BATCH]
-        contexts = []
-        for s in chunk:
-            if s.context_tokens is not None:
-                contexts.append((load_context_tokens(s.context_tokens, s.context_frames), None))
-            else:
-                contexts.append((None, read_context_frames(list(s.context_images), s.context_frames)
-                                 if s.context_images else _sample_road(s.context_frames)))
-        yield from zip(chunk, encode_batch(contexts, tokenizer))
+    if s.context_tokens is not None:
+        return load_context_tokens(s.context_tokens, s.context_frames), None
+    if s.context_images:
+        frames = read_context_frames(list(s.context_images), s.context_frames)
+        return None, resize_frames(frames, image_size) if image_size is not None else resize_frames(frames)
+    return None, _sample_road(s.context_frames)
+
+
+def encoded(scenarios: list[Scenario], tokenizer, threads: int = READ_THREADS) -> Iterator[tuple[Scenario, np.ndarray]]:
+    """(scenario, context tokens (K, T)) in order; contexts read by `threads` threads up to
+    READ_AHEAD_BATCHES batches ahead, image contexts encoded ENCODE_BATCH scenarios at a time."""
+    image_size = getattr(tokenizer, "image_size", None)
+    ahead = (READ_AHEAD_BATCHES + 1) * ENCODE_BATCH  # the batch to encode next and those read while it encodes
+    reader = ReadAhead(lambda s: read_context(s, image_size), ahead=ahead, threads=threads)
+    try:
+        for start in range(0, len(scenarios), ENCODE_BATCH):
+            reader.want(scenarios[start : start + ahead])
+            chunk = scenarios[start : start + ENCODE_BATCH]
+            yield from zip(chunk, encode_batch([reader.take(s) for s in chunk], tokenizer))
+    finally:
+        reader.close()
 
 
 class EncodeAhead:

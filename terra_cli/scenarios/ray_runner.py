@@ -344,23 +344,15 @@ def _last_engine_loops(engines: list[EngineState]) -> None:
 
 
 def read_work(s: Scenario):
-    """A scenario's context as data for an actor on any node: tokens, or RGB frames at the
-    tokenizer's frame size. Resized here, in the reading threads, the exact way the tokenizer
-    would: ACT-Bench's 1600x900 JPEGs are 10x the bytes of Terra's 288x512 frames, and the driver
-    held and shipped them whole (27 GB resident in a full run's first minute, 2026-11-27)."""
-    from tokenizer_decoder.tokenizer import resize_frames
-
-    from terra_cli.pipeline.inputs import load_context_tokens, read_context_frames
+    """A scenario's context as data for an actor on any node: tokens, or RGB frames at Terra's
+    frame size (`encoding.read_context`, in the reading threads): ACT-Bench's 1600x900 JPEGs are
+    10x the bytes of Terra's 288x512 frames, and the driver held and shipped them whole (27 GB
+    resident in a full run's first minute, 2026-11-27)."""
+    from terra_cli.scenarios.encoding import read_context
     from terra_cli.scenarios.ray_actor import ScenarioWork
 
-    if s.context_tokens is not None:
-        return ScenarioWork(s, context_tokens=load_context_tokens(s.context_tokens, s.context_frames))
-    if s.context_images:
-        frames = read_context_frames(list(s.context_images), s.context_frames)
-        return ScenarioWork(s, context_images=resize_frames(frames))
-    from terra_cli.models.default import sample_context_frames
-
-    return ScenarioWork(s, context_images=list(sample_context_frames(s.context_frames)))
+    tokens, frames = read_context(s)
+    return ScenarioWork(s, context_tokens=tokens) if tokens is not None else ScenarioWork(s, context_images=frames)
 
 
 def _short(exc: BaseException) -> str:

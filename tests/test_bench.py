@@ -267,7 +267,7 @@ def test_the_frame_rate_timeline_counts_each_new_frame_in_the_bucket_it_arrived(
 
 
 def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
-    from terra_cli.bench.scenarios import describe_engine_loop
+    from terra_cli.bench.scenarios import describe_engine_loop, loop_since
 
     loop = {"steps": 400, "seconds": 20.0, "in_engine_step_s": 9.0, "admitting_jobs_s": 1.0, "handling_frames_s": 6.0,
             "other_s": 4.0, "ms_per_step": 22.5}
@@ -277,6 +277,13 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
         "30% handling finished frames, 10% idle (nothing in flight, waiting for work)")
     assert describe_engine_loop({**loop, "decode_ahead_batches": 3, "decode_ahead_frames": 24}).endswith(
         "30% handling finished frames; the writer decoded 24 frames ahead in 3 batches")
+    assert describe_engine_loop({**loop, "rollout_steps": 1000, "mean_in_flight": 2.5, "full_after_s": 3.25}) == (
+        "engine loop: 45% in the engine's step (22.50 ms x 400 steps, 2 in flight on average, every slot held first "
+        "after 3.2 s), 5% taking in jobs, 30% handling finished frames")
+    # over the last minute: the mean of that minute's steps, not a difference of two means
+    later = {**loop, "steps": 600, "seconds": 30.0, "rollout_steps": 1800, "mean_in_flight": 3.0, "full_after_s": 3.25}
+    minute = loop_since(later, {**loop, "rollout_steps": 1000, "mean_in_flight": 2.5, "full_after_s": 3.25})
+    assert minute["steps"] == 200 and minute["mean_in_flight"] == 4.0 and minute["full_after_s"] == 3.25
     assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None
     idle_only = {"steps": 0, "seconds": 5.0, "in_engine_step_s": 0.0, "admitting_jobs_s": 0.0, "handling_frames_s": 0.0,
                  "idle_s": 5.0, "other_s": 0.0, "ms_per_step": None}  # an engine that got no job

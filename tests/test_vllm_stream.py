@@ -230,11 +230,21 @@ def test_staggered_starts_spread_a_batch_over_a_frames_steps_and_keep_every_toke
                    on_done=lambda j, t: tokens.__setitem__(j.key, t.copy()))
         return steps, tokens
 
-    staggered, spread_tokens = started_at_steps(StreamDriver(backend, 8, stagger_starts=True))
+    spreading = StreamDriver(backend, 8, stagger_starts=True)
+    staggered, spread_tokens = started_at_steps(spreading)
     every = ENGINE_IMAGE_TOKENS / 8  # steps between two starts
     assert staggered[0] == 0 and all(every - 1 <= b - a <= every + 1 for a, b in zip(staggered, staggered[1:]))
-    together, tokens = started_at_steps(StreamDriver(backend, 8))
+    at_once = StreamDriver(backend, 8)
+    together, tokens = started_at_steps(at_once)
     assert together == [0, 0, 0, 0]
+    # How full the batch ran: four equal jobs started at once hold four slots at every step; spread
+    # out they hold fewer on average; eight slots are never all held.
+    assert at_once.loop.as_dict()["mean_in_flight"] == 4.0
+    assert 1.0 < spreading.loop.as_dict()["mean_in_flight"] < 4.0
+    assert at_once.loop.as_dict()["full_after_s"] is None
+    two_slots = StreamDriver(backend, 2)
+    two_slots.run(jobs)
+    assert two_slots.loop.as_dict()["mean_in_flight"] == 2.0 and two_slots.loop.as_dict()["full_after_s"] >= 0
     for key in tokens:
         np.testing.assert_array_equal(spread_tokens[key], tokens[key])
     from terra_cli.runtime import stagger_starts_asked

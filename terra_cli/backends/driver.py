@@ -166,6 +166,11 @@ class LoopTimes:
     idle_s: float = 0.0
     run_s: float = 0.0  # of the runs that returned
     running_since: float | None = None  # the run in progress (a server's or a Ray actor's never returns)
+    # Continuous batching only: rollouts holding a slot, summed over steps (their mean says how
+    # full the batch ran: a run that fills its slots late makes more steps for the same frames),
+    # and when the slots were first all held, in seconds from the first run's start.
+    in_flight_sum: int = 0
+    full_after_s: float | None = None
 
     def as_dict(self) -> dict:
         run_s = self.run_s + (time.perf_counter() - self.running_since if self.running_since is not None else 0.0)
@@ -173,7 +178,10 @@ class LoopTimes:
         return {"steps": self.steps, "seconds": round(run_s, 3), "in_engine_step_s": round(self.step_s, 3),
                 "admitting_jobs_s": round(self.admit_s, 3), "handling_frames_s": round(self.frames_s, 3),
                 "idle_s": round(self.idle_s, 3), "other_s": round(other, 3),
-                "ms_per_step": round(1000 * self.step_s / self.steps, 3) if self.steps else None}
+                "ms_per_step": round(1000 * self.step_s / self.steps, 3) if self.steps else None,
+                **({"rollout_steps": self.in_flight_sum, "mean_in_flight": round(self.in_flight_sum / self.steps, 1),
+                    "full_after_s": None if self.full_after_s is None else round(self.full_after_s, 2)}
+                   if self.in_flight_sum and self.steps else {})}
 
 
 def take_cancelled(feed: "JobFeed | None", job: RolloutJob, on_cancelled: JobCancelled | None) -> bool:

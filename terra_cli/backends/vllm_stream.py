@@ -188,6 +188,10 @@ class StreamDriver:
                 handling = clock()
                 self.loop.step_s += handling - stepping
                 self.loop.steps += 1
+                held = self.max_in_flight - len(free)
+                self.loop.in_flight_sum += held
+                if held == self.max_in_flight and self.loop.full_after_s is None:
+                    self.loop.full_after_s = stepping - began
                 for out in outputs:
                     rollout = active.pop(out.request_id, None)
                     if rollout is None:  # aborted (cancelled) after it was stepped

@@ -109,8 +109,12 @@ def loop_since(loop: dict, earlier: dict | None) -> dict:
     """An engine loop's times between two of its cumulative snapshots (`LoopTimes.as_dict`)."""
     earlier = earlier or {}
     since = {k: v - earlier.get(k, 0) for k, v in loop.items()
-             if k not in ("ms_per_step", "decode_first_batch_s") and isinstance(v, (int, float))}
+             if k not in ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s")
+             and isinstance(v, (int, float))}
     since["ms_per_step"] = 1000 * since["in_engine_step_s"] / since["steps"] if since.get("steps") else None
+    if since.get("rollout_steps") and since.get("steps"):
+        since["mean_in_flight"] = since["rollout_steps"] / since["steps"]
+        since["full_after_s"] = loop.get("full_after_s")
     return since
 
 
@@ -122,6 +126,10 @@ def describe_engine_loop(loop: dict | None) -> str | None:
              for k in ("in_engine_step_s", "admitting_jobs_s", "handling_frames_s", "idle_s")}
     idle = f", {share['idle_s']:.0f}% idle (nothing in flight, waiting for work)" if loop.get("idle_s") else ""
     steps = f"{loop['ms_per_step']:.2f} ms x {loop['steps']} steps" if loop.get("ms_per_step") is not None else "no step"
+    if loop.get("mean_in_flight") is not None:  # continuous batching: how full the batch ran
+        full = loop.get("full_after_s")
+        steps += (f", {loop['mean_in_flight']:.0f} in flight on average, "
+                  + ("the slots were never all held" if full is None else f"every slot held first after {full:.1f} s"))
     waits = ""
     if loop.get("wakes"):  # a Ray actor's WakeProbe: a thread of the engine's process sleeping 5 ms at a time
         waits = (f"; its process's 5 ms timer woke {1000 * loop['wake_late_s'] / loop['wakes']:.2f} ms late on average, "

@@ -158,6 +158,8 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path, fr
     assert progress == [(1, 2), (2, 2)]  # one call per generated frame, against the total
     assert run["videos_written"] == run["results_lines_done"] == 1
     assert run["writers"] == 0  # on a CPU the writer thread makes the videos (scenarios.writers.default_writers)
+    intake = run["engine_loop"]  # the intake's times, beside the engine loop's
+    assert intake["intake_encode_s"] > 0 and 0 < intake["intake_done_after_s"] <= run["seconds_wall"]
     assert run["seconds_per_sample_wall"] >= run["seconds_per_sample_steady"] > 0
     phases = run["phases_s"]
     assert sum(phases[k] for k in ("startup", "ready_to_first_frame", "generating", "drain_writer")) == \
@@ -280,6 +282,9 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     assert describe_engine_loop({**loop, "rollout_steps": 1000, "mean_in_flight": 2.5, "full_after_s": 3.25}) == (
         "engine loop: 45% in the engine's step (22.50 ms x 400 steps, 2 in flight on average, every slot held first "
         "after 3.2 s), 5% taking in jobs, 30% handling finished frames")
+    assert describe_engine_loop({**loop, "intake_read_wait_s": 0.5, "intake_encode_s": 12.25,
+                                 "intake_done_after_s": 30.0}).endswith(
+        "30% handling finished frames; the intake waited 0.5 s for reads and encoded 12.2 s, all taken in after 30.0 s")
     # over the last minute: the mean of that minute's steps, not a difference of two means
     later = {**loop, "steps": 600, "seconds": 30.0, "rollout_steps": 1800, "mean_in_flight": 3.0, "full_after_s": 3.25}
     minute = loop_since(later, {**loop, "rollout_steps": 1000, "mean_in_flight": 2.5, "full_after_s": 3.25})

@@ -126,8 +126,10 @@ def test_a_single_engines_intake_reads_contexts_side_by_side_and_encodes_what_on
                 running[0] -= 1
 
     monkeypatch.setattr(inputs, "read_context_frames", slow_read)
-    side_by_side = list(encoding.encoded(scenarios, tokenizer, threads=4))
+    times = {}
+    side_by_side = list(encoding.encoded(scenarios, tokenizer, threads=4, times=times))
     assert most[0] > 1
+    assert times["intake_encode_s"] > 0 and times["intake_read_wait_s"] >= 0
     assert [s.id for s, _ in side_by_side] == [s.id for s in scenarios]
     for s, tokens in side_by_side:
         originals = [np.asarray(Image.open(p).convert("RGB")) for p in s.context_images]

@@ -109,7 +109,7 @@ def loop_since(loop: dict, earlier: dict | None) -> dict:
     """An engine loop's times between two of its cumulative snapshots (`LoopTimes.as_dict`)."""
     earlier = earlier or {}
     since = {k: v - earlier.get(k, 0) for k, v in loop.items()
-             if k not in ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s")
+             if k not in ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s", "intake_done_after_s")
              and isinstance(v, (int, float))}
     since["ms_per_step"] = 1000 * since["in_engine_step_s"] / since["steps"] if since.get("steps") else None
     if since.get("rollout_steps") and since.get("steps"):
@@ -138,6 +138,10 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     if loop.get("decode_ahead_batches"):  # the in-process writer's decode-ahead (scenarios.writer_process.FrameStore)
         decoded = (f"; the writer decoded {loop['decode_ahead_frames']} frames ahead in "
                    f"{loop['decode_ahead_batches']} batches")
+    if loop.get("intake_encode_s") is not None:  # a single engine's intake (scenarios.encoding.EncodeAhead)
+        done = loop.get("intake_done_after_s")
+        decoded += (f"; the intake waited {loop.get('intake_read_wait_s', 0.0):.1f} s for reads and encoded "
+                    f"{loop['intake_encode_s']:.1f} s" + ("" if done is None else f", all taken in after {done:.1f} s"))
     return (f"engine loop: {share['in_engine_step_s']:.0f}% in the engine's step ({steps}), "
             f"{share['admitting_jobs_s']:.0f}% taking in jobs, "
             f"{share['handling_frames_s']:.0f}% handling finished frames{idle}{waits}{decoded}")

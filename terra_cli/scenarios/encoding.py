@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
@@ -56,9 +57,12 @@ def read_context(s: Scenario, image_size: tuple[int, int] | None = None
     return None, _sample_road(s.context_frames)
 
 
-def encoded(scenarios: list[Scenario], tokenizer, threads: int = READ_THREADS) -> Iterator[tuple[Scenario, np.ndarray]]:
+def encoded(scenarios: list[Scenario], tokenizer, threads: int = READ_THREADS,
+            times: dict | None = None) -> Iterator[tuple[Scenario, np.ndarray]]:
     """(scenario, context tokens (K, T)) in order; contexts read by `threads` threads up to
-    READ_AHEAD_BATCHES batches ahead, image contexts encoded ENCODE_BATCH scenarios at a time."""
+    READ_AHEAD_BATCHES batches ahead, image contexts encoded ENCODE_BATCH scenarios at a time.
+    `times` (if given) sums `intake_read_wait_s` (waiting for reads) and `intake_encode_s`."""
+    times = times if times is not None else {}
     image_size = getattr(tokenizer, "image_size", None)
     ahead = (READ_AHEAD_BATCHES + 1) * ENCODE_BATCH  # the batch to encode next and those read while it encodes
     reader = ReadAhead(lambda s: read_context(s, image_size), ahead=ahead, threads=threads)
@@ -66,7 +70,13 @@ def encoded(scenarios: list[Scenario], tokenizer, threads: int = READ_THREADS) -
         for start in range(0, len(scenarios), ENCODE_BATCH):
             reader.want(scenarios[start : start + ahead])
             chunk = scenarios[start : start + ENCODE_BATCH]
-            yield from zip(chunk, encode_batch([reader.take(s) for s in chunk], tokenizer))
+            began = time.perf_counter()
+            contexts = [reader.take(s) for s in chunk]
+            read = time.perf_counter()
+            tokens = encode_batch(contexts, tokenizer)
+            times["intake_read_wait_s"] = times.get("intake_read_wait_s", 0.0) + read - began
+            times["intake_encode_s"] = times.get("intake_encode_s", 0.0) + time.perf_counter() - read
+            yield from zip(chunk, tokens)
     finally:
         reader.close()
 
@@ -87,6 +97,8 @@ class EncodeAhead:
 
         self.feed = JobFeed(capacity=ahead, hold=hold)
         self.error: BaseException | None = None
+        self.times: dict[str, float] = {}  # where the intake's time went (`encoded`), and when it was done
+        self._began = time.perf_counter()
         self._stopping = False
         self._thread = threading.Thread(target=self._work, args=(scenarios, tokenizer, make_job, cuda_device()),
                                         name="terra-encode-ahead", daemon=True)
@@ -98,8 +110,9 @@ class EncodeAhead:
                 import torch
 
                 torch.cuda.set_device(cuda_device)
-            for s, context in encoded(scenarios, tokenizer):
+            for s, context in encoded(scenarios, tokenizer, times=self.times):
                 self.feed.put(make_job(s, context))
+            self.times["intake_done_after_s"] = time.perf_counter() - self._began
         except BaseException as exc:
             if not self._stopping:  # (a put refused because the run stopped is no error)
                 self.error = exc

@@ -177,7 +177,7 @@ def run_scenarios(
                            on_start=start)
             finally:
                 ahead.stop()
-                run.engine_loop = driver.loop.as_dict()
+                run.engine_loop = {**driver.loop.as_dict(), **{k: round(v, 2) for k, v in ahead.times.items()}}
             ahead.check()
         except BaseException:
             writer.close(quiet=True)  # writes what is finished; the first error is the one reported

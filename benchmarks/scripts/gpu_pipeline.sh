@@ -24,7 +24,9 @@
 #          the same shape: the 90% ratio of one engine), GPU 2 the ACT-Bench run with staggered starts
 #          (TERRA_STAGGER_STARTS=1), GPU 3 gpu_single_stream.py (issue 41: plain, Jacobi K=8, K=8 with
 #          weight-major or few-rows logits, plain with few-rows logits or max-autotune layers), then
-#          issue 40's `bench --refiner --windows 4`; `await` collects it
+#          issue 40's `bench --refiner --windows 4`; `await` collects it. GPU2=writers1: GPU 2 runs the
+#          ACT-Bench run with one writer process (`--writers 1`) instead; GPU3=refiner: GPU 3 runs only the
+#          refiner (REFINER_W8=1: then 8 windows a call too); RUN_S: the runs' time limit (600 s)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEP_LOG=$OUT/summary.txt
@@ -103,20 +105,31 @@ case "${1:-}" in
       > "$OUT/ab-gpu.txt" 2>&1 &
     watch=$!
     pids=()
-    # GPU 3: issue 41's one-rollout variants (plain and Jacobi K=8 with few-rows or cuBLAS logits, plain with max-autotune layers, K=8 weight-major) beside them
-    # then issue 40's refiner at 4 windows a call (its compile, ~100 s cold, outran a call before; here
-    # it runs in the background job)
-    ( CUDA_VISIBLE_DEVICES=3 timeout 320 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
-        --variants 0,9,1,8,10,7 --budget-s 250 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
+    # GPU 3 (GPU3=single, the default): issue 41's one-rollout variants then issue 40's refiner at 4
+    # windows a call (its compile, ~100 s cold, outran a call before: here it runs in the background
+    # job); GPU3=refiner: the refiner alone, compiled, at 4 then 8 windows a call
+    (
+      if [ "${GPU3:-single}" = single ]; then
+        CUDA_VISIBLE_DEVICES=3 timeout 320 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
+          --variants 0,9,1,8,10,7 --budget-s 250 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
+      fi
       python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
-      CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows 4 --refiner-compile default \
-        --out "$OUT/refiner-compiled-w4.json" --overwrite > "$OUT/refiner-compiled-w4.log" 2>&1 ) &
+      for w in 4 ${REFINER_W8:+8}; do
+        CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows $w --refiner-compile default \
+          --out "$OUT/refiner-compiled-w$w.json" --overwrite > "$OUT/refiner-compiled-w$w.log" 2>&1
+      done ) &
     pids+=($!)
-    for run in "0 0 act" "1 0 tokens" "2 1 act"; do
+    # GPU 2: GPU2=stagger (the default) ACT-Bench with staggered starts; GPU2=writers1 with one writer process
+    gpu2=(TERRA_STAGGER_STARTS=1)
+    extra2=()
+    if [ "${GPU2:-stagger}" = writers1 ]; then gpu2=(TERRA_STAGGER_STARTS=0); extra2=(--writers 1); fi
+    for run in "0 act" "1 tokens" "2 act2"; do
       set -- $run
-      if [ "$3" = act ]; then what=(--act-bench "$NAB"); else what=(--scenarios "$NAB" --frames 47); fi
-      CUDA_VISIBLE_DEVICES=$1 TERRA_STAGGER_STARTS=$2 timeout 600 python3 -m terra_cli bench "${what[@]}" \
-        --kv-cache-dtype fp8 --out "$OUT/$3-stagger$2.json" > "$OUT/$3-stagger$2.log" 2>&1 &
+      what=(--act-bench "$NAB"); env=(TERRA_STAGGER_STARTS=0)
+      if [ "$2" = tokens ]; then what=(--scenarios "$NAB" --frames 47); fi
+      if [ "$2" = act2 ]; then what=(--act-bench "$NAB" "${extra2[@]}"); env=("${gpu2[@]}"); fi
+      env CUDA_VISIBLE_DEVICES=$1 "${env[@]}" timeout "${RUN_S:-600}" python3 -m terra_cli bench "${what[@]}" \
+        --kv-cache-dtype fp8 --out "$OUT/$2-gpu$1.json" > "$OUT/$2-gpu$1.log" 2>&1 &
       pids+=($!)
     done
     wait "${pids[@]}"

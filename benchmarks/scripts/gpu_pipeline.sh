@@ -105,10 +105,13 @@ case "${1:-}" in
       > "$OUT/ab-gpu.txt" 2>&1 &
     watch=$!
     pids=()
+    gpus=$(nvidia-smi -L | wc -l)  # on a two-GPU host: GPUs 0 and 1 alone (the 90% ratio)
+    runs=("0 act" "1 tokens")
+    [ "$gpus" -ge 3 ] && runs+=("2 act2")
+    [ "$gpus" -ge 4 ] && (
     # GPU 3 (GPU3=single, the default): issue 41's one-rollout variants then issue 40's refiner at 4
     # windows a call (its compile, ~100 s cold, outran a call before: here it runs in the background
     # job); GPU3=refiner: the refiner alone, compiled, at 4 then 8 windows a call
-    (
       if [ "${GPU3:-single}" = single ]; then
         CUDA_VISIBLE_DEVICES=3 timeout 320 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
           --variants 0,9,1,8,10,7 --budget-s 250 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
@@ -118,12 +121,12 @@ case "${1:-}" in
         CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows $w --refiner-compile default \
           --out "$OUT/refiner-compiled-w$w.json" --overwrite > "$OUT/refiner-compiled-w$w.log" 2>&1
       done ) &
-    pids+=($!)
+    [ "$gpus" -ge 4 ] && pids+=($!)
     # GPU 2: GPU2=stagger (the default) ACT-Bench with staggered starts; GPU2=writers1 with one writer process
     gpu2=(TERRA_STAGGER_STARTS=1)
     extra2=()
     if [ "${GPU2:-stagger}" = writers1 ]; then gpu2=(TERRA_STAGGER_STARTS=0); extra2=(--writers 1); fi
-    for run in "0 act" "1 tokens" "2 act2"; do
+    for run in "${runs[@]}"; do
       set -- $run
       what=(--act-bench "$NAB"); env=(TERRA_STAGGER_STARTS=0)
       if [ "$2" = tokens ]; then what=(--scenarios "$NAB" --frames 47); fi

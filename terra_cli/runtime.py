@@ -28,20 +28,18 @@ STAGGER_STARTS_ENV = "TERRA_STAGGER_STARTS"
 
 def stagger_starts_asked(environ=None) -> bool:
     """Whether batch runs (scenarios, ACT-Bench, Ray actors) spread their rollouts' starts over a frame's
-    steps (`backend.driver(..., stagger_starts=True)`): TERRA_STAGGER_STARTS=1. Off by default: the one
-    run with it on (4 x H200, 2026-11-27, benchmarks/README.md) was slower than the runs before it, and
-    its videos still finished in waves."""
-    return switched_on(STAGGER_STARTS_ENV, environ)
-
-
-def switched_on(variable: str, environ=None) -> bool:
-    """Whether an off-by-default lab switch (TERRA_STAGGER_STARTS) is set to 1/true/yes/on."""
-    environ = os.environ if environ is None else environ
-    return environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on")
+    steps (`backend.driver(..., stagger_starts=True)`); TERRA_STAGGER_STARTS=0 turns it off. On since
+    the intake reads contexts in threads: a batch then starts within seconds, its frames end in bursts
+    of a whole batch, and the in-process writer's decoding of each burst slowed the engine's steps by
+    11% (16.0 vs 14.5 ms, one H200, 2026-11-27); starts spread over a frame spread the frames' ends.
+    With the slow intake, which spread the starts itself, staggering changed nothing (25.06 vs 25.05
+    frames/s). benchmarks/README.md."""
+    return not switched_off(STAGGER_STARTS_ENV, environ)
 
 
 def switched_off(variable: str, environ=None) -> bool:
-    """Whether an on-by-default lab switch (TERRA_SINGLE_STREAM_COMPILE, TERRA_DECODER_COMPILE) is set to 0/false/no/off."""
+    """Whether an on-by-default lab switch (TERRA_STAGGER_STARTS, TERRA_SINGLE_STREAM_COMPILE,
+    TERRA_DECODER_COMPILE) is set to 0/false/no/off."""
     environ = os.environ if environ is None else environ
     return environ.get(variable, "").strip().lower() in ("0", "false", "no", "off")
 

@@ -219,7 +219,7 @@ def test_a_frames_request_takes_its_rollouts_earlier_hashes_and_they_equal_vllms
 def test_staggered_starts_spread_a_batch_over_a_frames_steps_and_keep_every_token(backend):
     """With staggered starts a batch run admits at most max_in_flight / image_tokens new rollouts a
     step, so equal-length jobs do not reach their frame ends together; the tokens are those of
-    jobs started all at once. Batch runs stagger only with TERRA_STAGGER_STARTS=1."""
+    jobs started all at once. Batch runs stagger unless TERRA_STAGGER_STARTS=0."""
     from terra_cli.backends.vllm_stream import StreamDriver
 
     jobs = [job(f"s{i}", 20 + i, frames=3) for i in range(4)]
@@ -249,8 +249,8 @@ def test_staggered_starts_spread_a_batch_over_a_frames_steps_and_keep_every_toke
         np.testing.assert_array_equal(spread_tokens[key], tokens[key])
     from terra_cli.runtime import stagger_starts_asked
 
-    assert not stagger_starts_asked({}) and not stagger_starts_asked({"TERRA_STAGGER_STARTS": "0"})
-    assert stagger_starts_asked({"TERRA_STAGGER_STARTS": "1"})
+    assert stagger_starts_asked({}) and stagger_starts_asked({"TERRA_STAGGER_STARTS": "1"})
+    assert not stagger_starts_asked({"TERRA_STAGGER_STARTS": "0"})
 
 
 class SlowTokenizer:

@@ -25,7 +25,8 @@
 #          (TERRA_STAGGER_STARTS=1), GPU 3 gpu_single_stream.py (issue 41: plain, Jacobi K=8, K=8 with
 #          weight-major or few-rows logits, plain with few-rows logits or max-autotune layers), then
 #          issue 40's `bench --refiner --windows 4`; `await` collects it. GPU2=writers1: GPU 2 runs the
-#          ACT-Bench run with one writer process (`--writers 1`) instead; GPU3=refiner: GPU 3 runs only the
+#          ACT-Bench run with one writer process (`--writers 1`) instead, GPU2=inflight tokens only at INFLIGHT
+#          (480) rollouts in flight (`--scenarios 480 --max-rollouts 480`); GPU3=refiner: GPU 3 runs only the
 #          refiner (REFINER_W8=1: then 8 windows a call too); RUN_S: the runs' time limit (600 s)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -126,11 +127,17 @@ case "${1:-}" in
     gpu2=(TERRA_STAGGER_STARTS=1)
     extra2=()
     if [ "${GPU2:-stagger}" = writers1 ]; then gpu2=(TERRA_STAGGER_STARTS=0); extra2=(--writers 1); fi
+    # GPU2=inflight: tokens only with INFLIGHT (480) rollouts in flight, against GPU 1's 256 (an H200's fp8 KV
+    # cache holds 511 of ACT-Bench's rounds; 128 -> 256 gave 25% more frames/s on an H100, 2026-11-25)
+    if [ "${GPU2:-stagger}" = inflight ] && [ "$gpus" -ge 3 ]; then
+      runs=("0 act" "1 tokens" "2 tokens-inflight")
+    fi
     for run in "${runs[@]}"; do
       set -- $run
       what=(--act-bench "$NAB"); env=(TERRA_STAGGER_STARTS=0)
       if [ "$2" = tokens ]; then what=(--scenarios "$NAB" --frames 47); fi
       if [ "$2" = act2 ]; then what=(--act-bench "$NAB" "${extra2[@]}"); env=("${gpu2[@]}"); fi
+      if [ "$2" = tokens-inflight ]; then what=(--scenarios "${INFLIGHT:-480}" --frames 47 --max-rollouts "${INFLIGHT:-480}"); fi
       env CUDA_VISIBLE_DEVICES=$1 "${env[@]}" timeout "${RUN_S:-600}" python3 -m terra_cli bench "${what[@]}" \
         --kv-cache-dtype fp8 --out "$OUT/$2-gpu$1.json" > "$OUT/$2-gpu$1.log" 2>&1 &
       pids+=($!)

@@ -19,7 +19,7 @@
 #          `await` collects it as above
 # On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (one call each: b and ff together pass
 # the 64 MiB a call carries) and `gpu_side4.sh ref` (carry .gpu/ref: diffusers, for the refiner step):
-#   startab  start `runsab` in the background, one GPU each, side by side (NAB samples, 128 by default):
+#   startab  start `runsab` in the background, one GPU each, side by side (NAB samples, 256 by default):
 #          GPU 0 `bench --act-bench NAB` (videos), GPU 1 `bench --scenarios NAB --frames 47` (tokens only,
 #          the same shape: the 90% ratio of one engine), GPU 2 the ACT-Bench run with staggered starts
 #          (TERRA_STAGGER_STARTS=1), GPU 3 gpu_single_stream.py (issue 41: plain, Jacobi K=8, K=8 with
@@ -36,7 +36,7 @@ export TERRA_INSTALLED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 R
   RAY_USAGE_STATS_ENABLED=0 TERRA_CACHE=/tmp/terra-cache
 N4=${N4:-512}
 N1=${N1:-256}
-NAB=${NAB:-128}  # startab: samples a run (one engine each, 600 s a run)
+NAB=${NAB:-256}  # startab: samples a run (one engine each; 256 fill its slots, ~470 s on an H200)
 terra() { python3 -m terra_cli "$@"; }
 case "${1:-}" in
   start|startfull)  # Ray from the two parts (gpu_ray.sh stage, this call's .gpu/ray2), terra, then the runs

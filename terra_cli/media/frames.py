@@ -203,6 +203,13 @@ def check_video_writer() -> None:
 # default (`medium`), and a smaller file at the same quality setting (benchmarks/README.md, issue 37).
 H264_PRESET = "veryfast"
 H264_CRF = 10  # what imageio's quality=8 gave: int((1 - 8 / 10) * 51)
+# x264's threads per video: a fixed count gives the same bytes on every host (x264's default, 1.5x
+# the host's cores, decides differently per core count), and several encoders beside an engine
+# then take a bounded share of the CPU instead of every core each.
+H264_THREADS = 2
+# ffmpeg runs at a lower CPU priority (`nice`, where the host has it): an engine's loop thread in the
+# same host, which the GPU waits on every step, goes first when the cores are busy.
+ENCODER_NICENESS = 10
 PIPE_BYTES = 1 << 20  # ffmpeg's stdin pipe, enlarged where Linux allows: fewer waits per frame
 
 
@@ -212,6 +219,7 @@ def _encode_h264(path: Path, frames: list[np.ndarray], fps: float) -> None:
     makes CPython fork the whole calling process instead of spawning. In a vLLM engine's process
     (the writer threads, `scenarios.local_writer`) that is a copy of gigabytes of page tables per
     video, with every thread of the engine stalled on the process's memory map while it runs."""
+    import shutil
     import subprocess
     import tempfile
     from fractions import Fraction
@@ -220,10 +228,12 @@ def _encode_h264(path: Path, frames: list[np.ndarray], fps: float) -> None:
 
     height, width = frames[0].shape[:2]
     scale = ["-vf", f"scale={width + width % 2}:{height + height % 2}"] if width % 2 or height % 2 else []
-    cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}",
+    nice = shutil.which("nice")
+    cmd = [*([nice, "-n", str(ENCODER_NICENESS)] if nice else []),
+           imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}",
            "-pix_fmt", "rgb24", "-r", str(Fraction(fps).limit_denominator()), "-i", "-", "-an",
            "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(H264_CRF), *scale, "-v", "error",
-           "-preset", H264_PRESET, str(path)]
+           "-preset", H264_PRESET, "-threads", str(H264_THREADS), str(path)]
     with tempfile.TemporaryFile() as errors:
         # process_group=0: Ctrl-C at the terminal reaches terra, which ends the run, not ffmpeg mid-file
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors,

@@ -77,7 +77,9 @@ save_warm_caches() {
   [ -d "$HOME/.triton/cache" ] && parts+=("$HOME/.triton/cache")
   [ -n "${TERRA_CACHE:-}" ] && [ -d "$TERRA_CACHE/inductor" ] && parts+=("$TERRA_CACHE/inductor")
   [ ${#parts[@]} -gt 0 ] || return 0
-  tar -cJPf /tmp/bg/warm-caches.tar.xz "${parts[@]}" 2>/dev/null
+  # packed under another name and renamed when whole: an `await` that ends while the pack is being
+  # written must find none, not a truncated one (the sixth lease's came back cut off)
+  tar -cJPf /tmp/bg/warm-caches.partial "${parts[@]}" 2>/dev/null && mv /tmp/bg/warm-caches.partial /tmp/bg/warm-caches.tar.xz
   echo "warm caches packed: $(du -h /tmp/bg/warm-caches.tar.xz | cut -f1) (${parts[*]})" >> "$STEP_LOG"
 }
 

@@ -219,8 +219,8 @@ class ImageTokenizer:
         for start in range(0, len(images), self.batch_size):
             batch = images[start:start + self.batch_size]
             pixels = self.preprocess(batch)
-            if self.full_encode_batches and len(batch) < self.batch_size:
-                pixels = torch.cat([pixels, pixels[-1:].expand(self.batch_size - len(batch), -1, -1, -1)])
+            if self.full_encode_batches:
+                pixels = pad_batch(pixels, self.batch_size)
             with self._autocast():
                 latents = self.model.encode(pixels.to(self.device))
             _, indices = self.model.quantize(latents)
@@ -265,8 +265,8 @@ class ImageTokenizer:
         for start in range(0, t.shape[0], self.batch_size):
             rows = t[start:start + self.batch_size]
             count = rows.shape[0]
-            if full_batches and count < self.batch_size:
-                rows = torch.cat([rows, rows[-1:].expand(self.batch_size - count, -1)])
+            if full_batches:
+                rows = pad_batch(rows, self.batch_size)
             codes = self.tokens_to_codes(rows).to(self.device)
             with self._autocast():
                 pixels = self._decode_batch(codes, full_batches)
@@ -329,6 +329,12 @@ def _to_pil(image, index: int):
     if not (arr.ndim == 2 or (arr.ndim == 3 and arr.shape[2] in (3, 4))):
         raise TokenizerInputError(f"frame {index}: expected an HxWx3 image array, got shape {arr.shape}")
     return Image.fromarray(arr)
+
+
+def pad_batch(x: torch.Tensor, size: int) -> torch.Tensor:
+    """`x` (B, ...) with B <= size, padded to `size` rows with copies of its last: kernels of one
+    batch shape for every call, so a row's result never depends on how many came with it."""
+    return x if x.shape[0] >= size else torch.cat([x, x[-1:].expand(size - x.shape[0], *x.shape[1:])])
 
 
 def _chunks(x: torch.Tensor, size: int) -> Iterable[torch.Tensor]:

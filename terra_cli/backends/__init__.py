@@ -18,7 +18,7 @@ BACKEND_NAMES = ("hf", "vllm", "single-stream")
 BACKEND_OPTIONS = {"hf": (), "single-stream": ("draft", "draft_tokens")}
 
 __all__ = ["BACKEND_NAMES", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
-           "choose_backend", "load_backend"]
+           "choose_backend", "load_backend", "options_not_taken"]
 
 
 def choose_backend(requested: str) -> str:
@@ -32,13 +32,18 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
+def options_not_taken(name: str, options: Mapping) -> list[str]:
+    """The engine options in `options` that the backend `name` does not take (vLLM takes any)."""
+    taken = BACKEND_OPTIONS.get(name)
+    return sorted(option for option in options if taken is not None and option not in taken)
+
+
 def assert_backend_options(name: str, options: Mapping) -> None:
     """The backend `name` takes `options` (the request layer, pipeline/engine_request.py, has
     told the user already; this guards library callers that skip it)."""
     if options.get("draft") == "jacobi" and name != "single-stream":
         raise ValueError(f"draft='jacobi': the single-stream backend's draft, not for the {name} backend")
-    taken = BACKEND_OPTIONS.get(name)
-    other = sorted(option for option in options if taken is not None and option not in taken)
+    other = options_not_taken(name, options)
     if other:
         raise ValueError(f"{', '.join(other)}: vLLM engine option(s), not for the {name} backend")
 

@@ -113,7 +113,7 @@ class StreamDriver:
         # starts empty spreads its rollouts over a frame's steps, and equal-length jobs (ACT-Bench) do
         # not finish each frame in the same step. Their rounds and videos still end within a frame's
         # steps of each other (measured: videos finished in waves all the same). Batch runs ask for it
-        # where runtime.stagger_starts_asked says so (off by default: measured slower, benchmarks/README.md).
+        # where runtime.stagger_starts_asked says so (on unless TERRA_STAGGER_STARTS=0: why, there).
         self.starts_per_step = None
         if stagger_starts:
             self.starts_per_step = self.max_in_flight / self.layout.image_tokens

@@ -134,17 +134,17 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     if loop.get("wakes"):  # a Ray actor's WakeProbe: a thread of the engine's process sleeping 5 ms at a time
         waits = (f"; its process's 5 ms timer woke {1000 * loop['wake_late_s'] / loop['wakes']:.2f} ms late on average, "
                  f"{100 * loop.get('wake_long_waits', 0) / loop['wakes']:.0f}% of wakes over 2 ms late")
-    decoded = ""
+    stages = ""  # what the writer's decode-ahead and the intake did beside the loop
     if loop.get("decode_ahead_batches"):  # the in-process writer's decode-ahead (scenarios.writer_process.FrameStore)
-        decoded = (f"; the writer decoded {loop['decode_ahead_frames']} frames ahead in "
+        stages = (f"; the writer decoded {loop['decode_ahead_frames']} frames ahead in "
                    f"{loop['decode_ahead_batches']} batches")
     if loop.get("intake_encode_s") is not None:  # a single engine's intake (scenarios.encoding.EncodeAhead)
         done = loop.get("intake_done_after_s")
-        decoded += (f"; the intake waited {loop.get('intake_read_wait_s', 0.0):.1f} s for reads and encoded "
+        stages += (f"; the intake waited {loop.get('intake_read_wait_s', 0.0):.1f} s for reads and encoded "
                     f"{loop['intake_encode_s']:.1f} s" + ("" if done is None else f", all taken in after {done:.1f} s"))
     return (f"engine loop: {share['in_engine_step_s']:.0f}% in the engine's step ({steps}), "
             f"{share['admitting_jobs_s']:.0f}% taking in jobs, "
-            f"{share['handling_frames_s']:.0f}% handling finished frames{idle}{waits}{decoded}")
+            f"{share['handling_frames_s']:.0f}% handling finished frames{idle}{waits}{stages}")
 
 
 def write_bench_scenarios(folder: Path, layout, plan: ScenarioBenchPlan) -> Path:

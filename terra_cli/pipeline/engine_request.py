@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from terra_cli.backends import BACKEND_NAMES, BACKEND_OPTIONS
+from terra_cli.backends import BACKEND_NAMES, options_not_taken
 from terra_cli.errors import InputError
 
 BACKENDS = ("auto", *BACKEND_NAMES)
@@ -98,7 +98,6 @@ def check_backend_options(name: str, options: Mapping) -> None:
     (jacobi or previous-frame) for single-stream, none for hf."""
     if options.get("draft") == "jacobi" and name != "single-stream":
         raise InputError(f"--draft jacobi runs on --backend single-stream, not on {name}")
-    taken = BACKEND_OPTIONS.get(name)  # (vllm takes any engine argument)
-    other = sorted(OPTION_FLAGS.get(option, option) for option in options if taken is not None and option not in taken)
+    other = sorted(OPTION_FLAGS.get(option, option) for option in options_not_taken(name, options))
     if other:
         raise InputError(f"{', '.join(other)}: vLLM engine option(s), not for the {name} backend; use --backend vllm")

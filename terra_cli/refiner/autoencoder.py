@@ -75,13 +75,15 @@ def decode_latents(vae, latents: torch.Tensor, config: RefinerConfig, chunk: int
     """(N, 4, h, w) sampled latents -> (N, 3, H, W) pixels clamped to [-1, 1], each frame decoded
     as its own one-frame clip (Terra's en_and_decode_n_samples_a_time = 1). `decoder`: a compiled
     `one_frame_clips` (static shapes): a last, shorter chunk is padded to `chunk` frames for it."""
+    from tokenizer_decoder.tokenizer import pad_batch
+
     dtype = vae.decoder.conv_in.weight.dtype
     decode = decoder if decoder is not None else one_frame_clips(vae)
     outs = []
     for part in (latents / config.scale_factor).split(chunk):
         count = part.shape[0]
-        if decoder is not None and count < chunk:
-            part = torch.cat([part, part[-1:].expand(chunk - count, -1, -1, -1)])
+        if decoder is not None:
+            part = pad_batch(part, chunk)
         outs.append(decode(part.to(vae.device, dtype))[:count].float().clamp(-1.0, 1.0))
         if on_frames is not None:
             on_frames(count)

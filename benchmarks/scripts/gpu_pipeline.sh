@@ -26,8 +26,10 @@
 #          weight-major or few-rows logits, plain with few-rows logits or max-autotune layers), then
 #          issue 40's `bench --refiner --windows 4`; `await` collects it. GPU2=writers1: GPU 2 runs the
 #          ACT-Bench run with one writer process (`--writers 1`) instead, GPU2=inflight tokens only at INFLIGHT
-#          (480) rollouts in flight (`--scenarios 480 --max-rollouts 480`); GPU3=refiner: GPU 3 runs only the
-#          refiner (REFINER_W8=1: then 8 windows a call too); RUN_S: the runs' time limit (600 s)
+#          (480) rollouts in flight (`--scenarios 480 --max-rollouts 480`), GPU2=gil staggered starts with a
+#          0.5 ms interpreter switch interval; GPU0_STAGGER=1: GPU 0 with staggered starts (the product's
+#          default); GPU3=refiner: GPU 3 runs only the refiner (REFINER_W8=1: then 8 windows a call too);
+#          RUN_S: the runs' time limit (600 s)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEP_LOG=$OUT/summary.txt
@@ -123,10 +125,19 @@ case "${1:-}" in
           --out "$OUT/refiner-compiled-w$w.json" --overwrite > "$OUT/refiner-compiled-w$w.log" 2>&1
       done ) &
     [ "$gpus" -ge 4 ] && pids+=($!)
-    # GPU 2: GPU2=stagger (the default) ACT-Bench with staggered starts; GPU2=writers1 with one writer process
+    # GPU 2: GPU2=stagger (the default) ACT-Bench with staggered starts; GPU2=writers1 with one writer process;
+    # GPU2=gil staggered starts with the interpreter's switch interval at GIL_SWITCH_S (0.0005 s, Python's
+    # default is 0.005) through a sitecustomize: do the decode-ahead threads hold the engine loop's lock?
     gpu2=(TERRA_STAGGER_STARTS=1)
     extra2=()
     if [ "${GPU2:-stagger}" = writers1 ]; then gpu2=(TERRA_STAGGER_STARTS=0); extra2=(--writers 1); fi
+    if [ "${GPU2:-stagger}" = gil ]; then
+      mkdir -p /tmp/gil-site
+      printf 'import os, sys\nsys.setswitchinterval(float(os.environ.get("GIL_SWITCH_S", "0.0005")))\n' \
+        > /tmp/gil-site/sitecustomize.py
+      gpu2=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH")
+      echo "GPU 2: switch interval ${GIL_SWITCH_S:-0.0005} s" >> "$STEP_LOG"
+    fi
     # GPU2=inflight: tokens only with INFLIGHT (480) rollouts in flight, against GPU 1's 256 (an H200's fp8 KV
     # cache holds 511 of ACT-Bench's rounds; 128 -> 256 gave 25% more frames/s on an H100, 2026-11-25)
     if [ "${GPU2:-stagger}" = inflight ] && [ "$gpus" -ge 3 ]; then
@@ -134,7 +145,7 @@ case "${1:-}" in
     fi
     for run in "${runs[@]}"; do
       set -- $run
-      what=(--act-bench "$NAB"); env=(TERRA_STAGGER_STARTS=0)
+      what=(--act-bench "$NAB"); env=(TERRA_STAGGER_STARTS="${GPU0_STAGGER:-0}")
       if [ "$2" = tokens ]; then what=(--scenarios "$NAB" --frames 47); fi
       if [ "$2" = act2 ]; then what=(--act-bench "$NAB" "${extra2[@]}"); env=("${gpu2[@]}"); fi
       if [ "$2" = tokens-inflight ]; then what=(--scenarios "${INFLIGHT:-480}" --frames 47 --max-rollouts "${INFLIGHT:-480}"); fi
@@ -145,7 +156,7 @@ case "${1:-}" in
     wait "${pids[@]}"
     kill $watch
     echo "a/b runs done" >> "$STEP_LOG"
-    save_warm_caches ;;
+    [ -f /tmp/bg/warm-caches.tar.xz ] || save_warm_caches ;;  # a second startab on the host: packed already
   runs1)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \

@@ -33,8 +33,35 @@ def stagger_starts_asked(environ=None) -> bool:
     of a whole batch, and the in-process writer's decoding of each burst slowed the engine's steps by
     11% (16.0 vs 14.5 ms, one H200, 2026-11-27); starts spread over a frame spread the frames' ends.
     With the slow intake, which spread the starts itself, staggering changed nothing (25.06 vs 25.05
-    frames/s). benchmarks/README.md."""
+    frames/s); at 128 in flight on one host, 19.48 against 19.27 off. With them on, the steps beside the
+    writer were still 17% slower than tokens only (4 x H200, evening of 2026-11-27). benchmarks/README.md."""
     return not switched_off(STAGGER_STARTS_ENV, environ)
+
+
+ENGINE_STREAM_ENV = "TERRA_ENGINE_STREAM_PRIORITY"
+
+
+def engine_stream_priority(on_gpu: bool, environ=None) -> str:
+    """Lab switch (issue 37; off by default, not measured yet): TERRA_ENGINE_STREAM_PRIORITY=high runs
+    the engine on a CUDA stream of the card's highest priority. Call it in the thread that builds vLLM,
+    before it does: vLLM's model runner keeps the current stream as its main one, and its steps return
+    to it. The writer's decode-ahead (a stream of its own, default priority, `local_writer`) then only
+    fills the SMs the engine's kernels leave; at one priority the engine's steps ran 17% slower beside
+    it (15.99 vs 13.62 ms, 4 x H200, 2026-11-27), while the decoder alone needs ~7% of the card.
+    Returns the engine stream's priority: "high" or "default"."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(ENGINE_STREAM_ENV, "").strip().lower()
+    if value in ("", "default"):
+        return "default"
+    if value != "high":
+        raise InputError(f"{ENGINE_STREAM_ENV}={value!r}: use high, or leave it unset")
+    if not on_gpu:
+        return "default"
+    import torch
+
+    # A priority past the card's range is clamped to its highest (torch.cuda.Stream's rule).
+    torch.cuda.set_stream(torch.cuda.Stream(priority=-(1 << 16)))
+    return "high"
 
 
 def switched_off(variable: str, environ=None) -> bool:
@@ -87,6 +114,13 @@ def resolve_dtype(dtype: str | None, device: str):
     import torch
 
     return getattr(torch, resolve_dtype_name(dtype, device))
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or Ray's CPU limit), else the host's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def generation_threads(requested: int, hidden_size: int, backend_name: str, device: str) -> int | None:

@@ -578,3 +578,50 @@ def test_a_writer_fed_frame_by_frame_makes_the_mp4_of_one_fed_at_the_end(tmp_pat
     path = tmp_path / "v2.mp4"
     path.write_bytes(made[True]["v2"])
     assert len(read_frames(path)) == 6
+
+
+def test_the_engine_process_encodes_a_batch_that_ends_together_on_as_many_encoders_as_the_host_allows(
+        tokenizer_dir, monkeypatch):
+    """A batch's videos end together; the threads of `--writers 0` then encode them on one ffmpeg per 4
+    cores of the host (4 at least, 16 at most), and write_in_order keeps enough of them open to use
+    every encoder (the end of a 256-rollout run waited 43 s on 4, benchmarks/README.md, issue 37)."""
+    import terra_cli.media.frames as frames_module
+    from terra_cli.scenarios.local_writer import InProcessWriter, encoders_for_host
+    from terra_cli.scenarios.writers import write_in_order
+
+    assert [encoders_for_host(cores) for cores in (2, 16, 32, 64, 256)] == [4, 4, 8, 16, 16]
+    monkeypatch.setattr("terra_cli.runtime.host_cores", lambda: 40)
+
+    lock, running, peak = threading.Lock(), [0], [0]
+
+    def slow_encode(frames, fps, folder=None):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.8)  # long beside the take of a video (its frames decoded on this CPU)
+        with lock:
+            running[0] -= 1
+        return b"mp4 of %d frames" % len(frames)
+
+    monkeypatch.setattr(frames_module, "video_bytes", slow_encode)
+    tokenizer = load(tokenizer_dir)
+    rng = np.random.default_rng(5)
+    pool = InProcessWriter(tokenizer, fps=10)  # 40 cores: 10 encoders
+    assert pool.encoders == 10
+    items: queue.Queue = queue.Queue()
+
+    class Scenario:
+        def __init__(self, i):
+            self.id, self.seed = f"s{i}", i
+
+    written = []
+    try:
+        for i in range(30):
+            items.put((Scenario(i), rng.integers(0, 512, size=(2, TOKENS)), 0.0))
+        items.put(None)
+        write_in_order(pool, items, lambda scenario, tokens, seconds, video: written.append((scenario.id, video)))
+    finally:
+        pool.close()
+    assert [key for key, _ in written] == [f"s{i}" for i in range(30)]  # in the order they finished
+    assert all(video == b"mp4 of 2 frames" for _, video in written)
+    assert peak[0] == 10

@@ -420,3 +420,27 @@ def test_a_bounded_feed_holds_its_producer_until_there_is_room_and_frees_it_on_c
     waiting.join(2)
     assert errors == ["this JobFeed is closed"]
     assert [feed.get(0).key, feed.get(0).key] == ["d", "e"] and feed.get(0) is None and feed.finished
+
+
+def test_the_engine_stream_priority_switch(monkeypatch):
+    """TERRA_ENGINE_STREAM_PRIORITY=high (a lab switch) makes a stream of the card's highest priority the
+    current one before vLLM is built; unset it changes nothing; on the CPU it is a no-op; a typo is one line."""
+    import torch
+
+    from terra_cli.errors import InputError
+    from terra_cli.runtime import engine_stream_priority
+
+    made, current = [], []
+
+    class FakeStream:
+        def __init__(self, priority=0):
+            made.append(priority)
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "set_stream", current.append)
+    assert engine_stream_priority(True, {}) == "default" and not made and not current
+    assert engine_stream_priority(False, {"TERRA_ENGINE_STREAM_PRIORITY": "high"}) == "default" and not made
+    assert engine_stream_priority(True, {"TERRA_ENGINE_STREAM_PRIORITY": "High "}) == "high"
+    assert len(made) == 1 and made[0] < -5 and len(current) == 1 and isinstance(current[0], FakeStream)
+    with pytest.raises(InputError, match="TERRA_ENGINE_STREAM_PRIORITY='hihg'"):
+        engine_stream_priority(True, {"TERRA_ENGINE_STREAM_PRIORITY": "hihg"})

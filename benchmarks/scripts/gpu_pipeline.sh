@@ -29,7 +29,9 @@
 #          (480) rollouts in flight (`--scenarios 480 --max-rollouts 480`), GPU2=gil staggered starts with a
 #          0.5 ms interpreter switch interval; GPU0_STAGGER=1: GPU 0 with staggered starts (the product's
 #          default); GPU3=refiner: GPU 3 runs only the refiner (REFINER_W8=1: then 8 windows a call too);
-#          GPU3=gil: GPU 3 runs GPU2=gil's ACT-Bench run at GIL3_S (0.0001 s);
+#          GPU3=gil: GPU 3 runs GPU2=gil's ACT-Bench run at GIL3_S (0.0001 s; it crashed vLLM, 2026-11-27);
+#          GPU2=stream: staggered starts, the engine on a high-priority CUDA stream (TERRA_ENGINE_STREAM_PRIORITY);
+#          GPU3=eagerdec: staggered starts with the eager tokenizer decoder (TERRA_DECODER_COMPILE=0);
 #          RUN_S: the runs' time limit (600 s)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -113,7 +115,10 @@ case "${1:-}" in
     runs=("0 act" "1 tokens")
     [ "$gpus" -ge 3 ] && runs+=("2 act2")
     [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" = gil ] && runs+=("3 act3")  # GPU3=gil: as GPU2=gil at GIL3_S (0.0001 s)
-    [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" != gil ] && (
+    # GPU3=eagerdec: staggered starts with the eager decoder (TERRA_DECODER_COMPILE=0: twice the compiled one's GPU
+    # time a frame); steps slower than GPU 0's say the decoder's kernels are what slows them
+    [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" = eagerdec ] && runs+=("3 act3")
+    [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" != gil ] && [ "${GPU3:-single}" != eagerdec ] && (
     # GPU 3 (GPU3=single, the default): issue 41's one-rollout variants then issue 40's refiner at 4
     # windows a call (its compile, ~100 s cold, outran a call before: here it runs in the background
     # job); GPU3=refiner: the refiner alone, compiled, at 4 then 8 windows a call
@@ -126,7 +131,7 @@ case "${1:-}" in
         CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows $w --refiner-compile default \
           --out "$OUT/refiner-compiled-w$w.json" --overwrite > "$OUT/refiner-compiled-w$w.log" 2>&1
       done ) &
-    [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" != gil ] && pids+=($!)
+    [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" != gil ] && [ "${GPU3:-single}" != eagerdec ] && pids+=($!)
     # GPU 2: GPU2=stagger (the default) ACT-Bench with staggered starts; GPU2=writers1 with one writer process;
     # GPU2=gil staggered starts with the interpreter's switch interval at GIL_SWITCH_S (0.0005 s, Python's
     # default is 0.005) through a sitecustomize: do the decode-ahead threads hold the engine loop's lock?
@@ -138,6 +143,9 @@ case "${1:-}" in
       printf 'import os, sys\nsys.setswitchinterval(float(os.environ.get("GIL_SWITCH_S", "0.0005")))\n' \
         > /tmp/gil-site/sitecustomize.py
     fi
+    # GPU2=stream: staggered starts with the engine on the card's highest-priority stream
+    # (TERRA_ENGINE_STREAM_PRIORITY=high): do the decode-ahead's kernels slow the engine's steps?
+    if [ "${GPU2:-stagger}" = stream ]; then gpu2=(TERRA_STAGGER_STARTS=1 TERRA_ENGINE_STREAM_PRIORITY=high); fi
     if [ "${GPU2:-stagger}" = gil ]; then
       gpu2=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH")
       echo "GPU 2: switch interval ${GIL_SWITCH_S:-0.0005} s" >> "$STEP_LOG"
@@ -152,7 +160,8 @@ case "${1:-}" in
       what=(--act-bench "$NAB"); env=(TERRA_STAGGER_STARTS="${GPU0_STAGGER:-0}")
       if [ "$2" = tokens ]; then what=(--scenarios "$NAB" --frames 47); fi
       if [ "$2" = act2 ]; then what=(--act-bench "$NAB" "${extra2[@]}"); env=("${gpu2[@]}"); fi
-      if [ "$2" = act3 ]; then env=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH" "GIL_SWITCH_S=${GIL3_S:-0.0001}"); fi
+      if [ "$2" = act3 ] && [ "${GPU3:-single}" = eagerdec ]; then env=(TERRA_STAGGER_STARTS=1 TERRA_DECODER_COMPILE=0)
+      elif [ "$2" = act3 ]; then env=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH" "GIL_SWITCH_S=${GIL3_S:-0.0001}"); fi
       if [ "$2" = tokens-inflight ]; then what=(--scenarios "${INFLIGHT:-480}" --frames 47 --max-rollouts "${INFLIGHT:-480}"); fi
       env CUDA_VISIBLE_DEVICES=$1 "${env[@]}" timeout "${RUN_S:-600}" python3 -m terra_cli bench "${what[@]}" \
         --kv-cache-dtype fp8 --out "$OUT/$2-gpu$1.json" --overwrite > "$OUT/$2-gpu$1.log" 2>&1 &

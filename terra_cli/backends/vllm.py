@@ -27,6 +27,7 @@ from terra_cli.models.checkpoint import check_state_dict, load_config, weight_fi
 from terra_cli.errors import TerraError
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
 from terra_cli.seeds import draw_seed, rollout_seed
+from terra_cli.runtime import engine_stream_priority
 
 
 class VllmUnavailable(TerraError):
@@ -246,6 +247,7 @@ class VllmBackend:
             kwargs["speculative_config"] = previous_frame_draft(self.checkpoint_dir, self.config, draft_tokens)
         kwargs.update(engine_kwargs)
         wall_started = time.time()
+        engine_stream = engine_stream_priority(on_gpu)
         self.llm = LLM(**kwargs)
         engine_ready = time.perf_counter()
         self.action_rows = ActionRows(self.llm, layout)
@@ -253,6 +255,7 @@ class VllmBackend:
         self.startup = {
             "torch_compile": torch_compile,
             "attention": self.attention,
+            "engine_stream": engine_stream,
             "import_vllm_s": round(imported - import_started, 3),
             "engine_s": round(engine_ready - imported, 3),
             **read_phases(_startup_log(), wall_started, time.time()),

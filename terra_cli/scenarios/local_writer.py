@@ -31,14 +31,32 @@ import numpy as np
 from terra_cli.scenarios.writer_process import HELD_FRAMES, FrameStore, drive
 from terra_cli.scenarios.writers import CLOSE_SECONDS, ENCODERS_PER_PROCESS, WriterDied
 
-ENCODERS_IN_PROCESS = 2 * ENCODERS_PER_PROCESS  # the mp4s two writer processes would encode at once
+ENCODERS_IN_PROCESS = 2 * ENCODERS_PER_PROCESS  # the mp4s two writer processes would encode at once: the fewest
+MAX_ENCODERS_IN_PROCESS = 4 * ENCODERS_IN_PROCESS
+CORES_PER_ENCODER = 4  # host cores for each mp4 encoded at once (x264 on 2 threads, niced)
+
+
+def encoders_for_host(cores: int | None = None) -> int:
+    """The mp4s an engine's process encodes at once: 4, more on a host with cores to spare (one per
+    CORES_PER_ENCODER cores, at most 16).
+
+    Why more than a steady run needs: a batch's videos end together (its rollouts started together),
+    and then every one waits for an encoder. On 4 x H200 (64 cores) the last 256 videos of a run took
+    43 s to encode on 4 threads after the last token, 9% of the run (benchmarks/README.md, issue 37).
+    The encoders are ffmpeg processes at a lower CPU priority, so at the end of a batch, with a few
+    engines on the host, they take the idle cores and not the engines' loop threads."""
+    from terra_cli.runtime import host_cores
+
+    cores = host_cores() if cores is None else cores
+    return min(MAX_ENCODERS_IN_PROCESS, max(ENCODERS_IN_PROCESS, cores // CORES_PER_ENCODER))
 
 
 class InProcessWriter:
-    size = 2  # write_in_order keeps OPEN_PER_PROCESS * size finished videos open: one per encoder thread, twice
-
-    def __init__(self, decoder, fps: float, encoders: int = ENCODERS_IN_PROCESS, held_frames: int = HELD_FRAMES):
+    def __init__(self, decoder, fps: float, encoders: int | None = None, held_frames: int = HELD_FRAMES):
+        encoders = encoders_for_host() if encoders is None else encoders
         self.decoder, self.fps, self.encoders = decoder, fps, encoders
+        # write_in_order keeps OPEN_PER_PROCESS * size finished videos open: one per encoder thread, twice
+        self.size = max(1, encoders // ENCODERS_PER_PROCESS)
         self.folder = tempfile.mkdtemp(prefix="terra-writers-")
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()

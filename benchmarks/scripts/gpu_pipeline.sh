@@ -32,6 +32,7 @@
 #          GPU3=gil: GPU 3 runs GPU2=gil's ACT-Bench run at GIL3_S (0.0001 s; it crashed vLLM, 2026-11-27);
 #          GPU2=stream: staggered starts, the engine on a high-priority CUDA stream (TERRA_ENGINE_STREAM_PRIORITY);
 #          GPU3=eagerdec: staggered starts with the eager tokenizer decoder (TERRA_DECODER_COMPILE=0);
+#          REFINER_PROFILE=1 (with GPU3=refiner or single): then gpu_refiner_profile.py (issue 40);
 #          RUN_S: the runs' time limit (600 s)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -130,7 +131,12 @@ case "${1:-}" in
       for w in 4 ${REFINER_W8:+8}; do
         CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows $w --refiner-compile default \
           --out "$OUT/refiner-compiled-w$w.json" --overwrite > "$OUT/refiner-compiled-w$w.log" 2>&1
-      done ) &
+      done
+      # REFINER_PROFILE=1: where a window's GPU time goes, by kernel group, with each group's TFLOP/s
+      if [ -n "${REFINER_PROFILE:-}" ]; then
+        CUDA_VISIBLE_DEVICES=3 timeout 240 python3 benchmarks/scripts/gpu_refiner_profile.py --windows 4 \
+          --out "$OUT/refiner_profile.json" > "$OUT/refiner_profile.log" 2>&1
+      fi ) &
     [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" != gil ] && [ "${GPU3:-single}" != eagerdec ] && pids+=($!)
     # GPU 2: GPU2=stagger (the default) ACT-Bench with staggered starts; GPU2=writers1 with one writer process;
     # GPU2=gil staggered starts with the interpreter's switch interval at GIL_SWITCH_S (0.0005 s, Python's

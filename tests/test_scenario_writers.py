@@ -580,8 +580,7 @@ def test_a_writer_fed_frame_by_frame_makes_the_mp4_of_one_fed_at_the_end(tmp_pat
     assert len(read_frames(path)) == 6
 
 
-def test_the_engine_process_encodes_a_batch_that_ends_together_on_as_many_encoders_as_the_host_allows(
-        tokenizer_dir, monkeypatch):
+def test_the_engine_process_encodes_a_batch_that_ends_together_on_as_many_encoders_as_the_host_allows(monkeypatch):
     """A batch's videos end together; the threads of `--writers 0` then encode them on one ffmpeg per 4
     cores of the host (4 at least, 16 at most), and write_in_order keeps enough of them open to use
     every encoder (the end of a 256-rollout run waited 43 s on 4, benchmarks/README.md, issue 37)."""
@@ -598,15 +597,21 @@ def test_the_engine_process_encodes_a_batch_that_ends_together_on_as_many_encode
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
-        time.sleep(0.8)  # long beside the take of a video (its frames decoded on this CPU)
+        time.sleep(0.5)
         with lock:
             running[0] -= 1
         return b"mp4 of %d frames" % len(frames)
 
     monkeypatch.setattr(frames_module, "video_bytes", slow_encode)
-    tokenizer = load(tokenizer_dir)
+
+    class InstantDecoder:  # the encoders are what is counted: decoding takes no time here
+        batch_size = 4
+
+        def decode_tokens(self, tokens, full_batches=False):
+            return np.zeros((len(tokens), 8, 8, 3), dtype=np.uint8)
+
     rng = np.random.default_rng(5)
-    pool = InProcessWriter(tokenizer, fps=10)  # 40 cores: 10 encoders
+    pool = InProcessWriter(InstantDecoder(), fps=10)  # 40 cores: 10 encoders
     assert pool.encoders == 10
     items: queue.Queue = queue.Queue()
 
@@ -625,3 +630,23 @@ def test_the_engine_process_encodes_a_batch_that_ends_together_on_as_many_encode
     assert [key for key, _ in written] == [f"s{i}" for i in range(30)]  # in the order they finished
     assert all(video == b"mp4 of 2 frames" for _, video in written)
     assert peak[0] == 10
+
+
+def test_the_decode_stream_switch_is_checked_when_the_writer_starts(tokenizer_dir, monkeypatch):
+    """TERRA_DECODE_STREAM (a lab switch: the decode-ahead's kernels on a stream of their own, or behind the
+    engine's): a typo is one InputError when the writer is made, not a failed thread in the middle of a run."""
+    from terra_cli.errors import InputError
+    from terra_cli.scenarios.local_writer import InProcessWriter, decode_stream_asked
+
+    assert decode_stream_asked({}) == "own" and decode_stream_asked({"TERRA_DECODE_STREAM": " Engine"}) == "engine"
+    monkeypatch.setenv("TERRA_DECODE_STREAM", "engnie")
+    with pytest.raises(InputError, match="TERRA_DECODE_STREAM='engnie'"):
+        InProcessWriter(load(tokenizer_dir), fps=10)
+    monkeypatch.setenv("TERRA_DECODE_STREAM", "engine")
+    pool = InProcessWriter(load(tokenizer_dir), fps=10)  # on the CPU there is no stream: it decodes as ever
+    try:
+        tokens = np.random.default_rng(6).integers(0, 512, size=(3, TOKENS))
+        video = pool.submit("v", tokens).result(timeout=60)
+    finally:
+        pool.close()
+    assert video.startswith(b"\x00\x00\x00") and b"ftyp" in video[:16]

@@ -32,6 +32,7 @@
 #          GPU3=gil: GPU 3 runs GPU2=gil's ACT-Bench run at GIL3_S (0.0001 s; it crashed vLLM, 2026-11-27);
 #          GPU2=stream: staggered starts, the engine on a high-priority CUDA stream (TERRA_ENGINE_STREAM_PRIORITY);
 #          GPU3=eagerdec: staggered starts with the eager tokenizer decoder (TERRA_DECODER_COMPILE=0);
+#          GPU3=engdec: staggered starts, the decoder's kernels behind the engine's (TERRA_DECODE_STREAM=engine);
 #          REFINER_PROFILE=1 (with GPU3=refiner or single): then gpu_refiner_profile.py (issue 40);
 #          RUN_S: the runs' time limit (600 s)
 set -uo pipefail
@@ -118,8 +119,10 @@ case "${1:-}" in
     [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" = gil ] && runs+=("3 act3")  # GPU3=gil: as GPU2=gil at GIL3_S (0.0001 s)
     # GPU3=eagerdec: staggered starts with the eager decoder (TERRA_DECODER_COMPILE=0: twice the compiled one's GPU
     # time a frame); steps slower than GPU 0's say the decoder's kernels are what slows them
-    [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" = eagerdec ] && runs+=("3 act3")
-    [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" != gil ] && [ "${GPU3:-single}" != eagerdec ] && (
+    # GPU3=engdec: staggered starts, the decoder's kernels queued behind the engine's (TERRA_DECODE_STREAM=engine)
+    case "${GPU3:-single}" in gil|eagerdec|engdec) act3=1 ;; *) act3= ;; esac
+    [ "$gpus" -ge 4 ] && [ -n "$act3" ] && [ "${GPU3}" != gil ] && runs+=("3 act3")
+    [ "$gpus" -ge 4 ] && [ -z "$act3" ] && (
     # GPU 3 (GPU3=single, the default): issue 41's one-rollout variants then issue 40's refiner at 4
     # windows a call (its compile, ~100 s cold, outran a call before: here it runs in the background
     # job); GPU3=refiner: the refiner alone, compiled, at 4 then 8 windows a call
@@ -137,7 +140,7 @@ case "${1:-}" in
         CUDA_VISIBLE_DEVICES=3 timeout 240 python3 benchmarks/scripts/gpu_refiner_profile.py --windows 4 \
           --out "$OUT/refiner_profile.json" > "$OUT/refiner_profile.log" 2>&1
       fi ) &
-    [ "$gpus" -ge 4 ] && [ "${GPU3:-single}" != gil ] && [ "${GPU3:-single}" != eagerdec ] && pids+=($!)
+    [ "$gpus" -ge 4 ] && [ -z "$act3" ] && pids+=($!)
     # GPU 2: GPU2=stagger (the default) ACT-Bench with staggered starts; GPU2=writers1 with one writer process;
     # GPU2=gil staggered starts with the interpreter's switch interval at GIL_SWITCH_S (0.0005 s, Python's
     # default is 0.005) through a sitecustomize: do the decode-ahead threads hold the engine loop's lock?
@@ -167,6 +170,7 @@ case "${1:-}" in
       if [ "$2" = tokens ]; then what=(--scenarios "$NAB" --frames 47); fi
       if [ "$2" = act2 ]; then what=(--act-bench "$NAB" "${extra2[@]}"); env=("${gpu2[@]}"); fi
       if [ "$2" = act3 ] && [ "${GPU3:-single}" = eagerdec ]; then env=(TERRA_STAGGER_STARTS=1 TERRA_DECODER_COMPILE=0)
+      elif [ "$2" = act3 ] && [ "${GPU3:-single}" = engdec ]; then env=(TERRA_STAGGER_STARTS=1 TERRA_DECODE_STREAM=engine)
       elif [ "$2" = act3 ]; then env=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH" "GIL_SWITCH_S=${GIL3_S:-0.0001}"); fi
       if [ "$2" = tokens-inflight ]; then what=(--scenarios "${INFLIGHT:-480}" --frames 47 --max-rollouts "${INFLIGHT:-480}"); fi
       env CUDA_VISIBLE_DEVICES=$1 "${env[@]}" timeout "${RUN_S:-600}" python3 -m terra_cli bench "${what[@]}" \

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import queue
 import shutil
 import tempfile
@@ -28,12 +29,26 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from terra_cli.errors import InputError
 from terra_cli.scenarios.writer_process import HELD_FRAMES, FrameStore, drive
 from terra_cli.scenarios.writers import CLOSE_SECONDS, ENCODERS_PER_PROCESS, WriterDied
 
 ENCODERS_IN_PROCESS = 2 * ENCODERS_PER_PROCESS  # the mp4s two writer processes would encode at once: the fewest
 MAX_ENCODERS_IN_PROCESS = 4 * ENCODERS_IN_PROCESS
 CORES_PER_ENCODER = 4  # host cores for each mp4 encoded at once (x264 on 2 threads, niced)
+
+
+DECODE_STREAM_ENV = "TERRA_DECODE_STREAM"
+
+
+def decode_stream_asked(environ=None) -> str:
+    """Where the decode-ahead's kernels go: "own" (a stream of the writer thread's, the default) or
+    "engine" (TERRA_DECODE_STREAM=engine: behind the engine's, see `InProcessWriter._own_stream`)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(DECODE_STREAM_ENV, "").strip().lower() or "own"
+    if value not in ("own", "engine"):
+        raise InputError(f"{DECODE_STREAM_ENV}={value!r}: use own or engine, or leave it unset")
+    return value
 
 
 def encoders_for_host(cores: int | None = None) -> int:
@@ -54,6 +69,7 @@ def encoders_for_host(cores: int | None = None) -> int:
 class InProcessWriter:
     def __init__(self, decoder, fps: float, encoders: int | None = None, held_frames: int = HELD_FRAMES):
         encoders = encoders_for_host() if encoders is None else encoders
+        self.decode_stream = decode_stream_asked()  # a bad value is one line now, not a failed thread later
         self.decoder, self.fps, self.encoders = decoder, fps, encoders
         # write_in_order keeps OPEN_PER_PROCESS * size finished videos open: one per encoder thread, twice
         self.size = max(1, encoders // ENCODERS_PER_PROCESS)
@@ -119,12 +135,18 @@ class InProcessWriter:
                 self._fail_open(self.failure)
 
     def _own_stream(self):
-        """A CUDA stream of this thread's own, so its kernels can run between the engine's."""
+        """A CUDA stream of this thread's own, so its kernels can run beside the engine's; with
+        TERRA_DECODE_STREAM=engine (a lab switch), the device's default stream, the one vLLM steps on
+        unless TERRA_ENGINE_STREAM_PRIORITY moved it: the decoder's kernels then wait in line behind
+        the engine's instead of sharing the SMs with them. Beside them, the engine's steps ran 17%
+        slower (4 x H200, 2026-11-27), more than the decoder's own ~7% of the card."""
         device = getattr(self.decoder, "device", None)
         if getattr(device, "type", None) != "cuda":
             return contextlib.nullcontext()
         import torch
 
+        if self.decode_stream == "engine":
+            return torch.cuda.stream(torch.cuda.default_stream(device))
         return torch.cuda.stream(torch.cuda.Stream(device))
 
     def _answer(self, message: tuple) -> None:

@@ -64,6 +64,20 @@ def engine_stream_priority(on_gpu: bool, environ=None) -> str:
     return "high"
 
 
+DECODE_STREAM_ENV = "TERRA_DECODE_STREAM"
+
+
+def decode_stream_asked(environ=None) -> str:
+    """Where the in-process writer's decode-ahead runs its kernels: "own" (a stream of its own, the
+    default) or "engine" (TERRA_DECODE_STREAM=engine, a lab switch: the device's default stream, in line
+    behind the engine's kernels; `local_writer.InProcessWriter`)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(DECODE_STREAM_ENV, "").strip().lower() or "own"
+    if value not in ("own", "engine"):
+        raise InputError(f"{DECODE_STREAM_ENV}={value!r}: use own or engine, or leave it unset")
+    return value
+
+
 def switched_off(variable: str, environ=None) -> bool:
     """Whether an on-by-default lab switch (TERRA_STAGGER_STARTS, TERRA_SINGLE_STREAM_COMPILE,
     TERRA_DECODER_COMPILE) is set to 0/false/no/off."""

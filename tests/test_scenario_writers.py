@@ -589,7 +589,7 @@ def test_the_engine_process_encodes_a_batch_that_ends_together_on_as_many_encode
     from terra_cli.scenarios.writers import write_in_order
 
     assert [encoders_for_host(cores) for cores in (2, 16, 32, 64, 256)] == [4, 4, 8, 16, 16]
-    monkeypatch.setattr("terra_cli.runtime.host_cores", lambda: 40)
+    monkeypatch.setattr("terra_cli.scenarios.local_writer.host_cores", lambda: 40)
 
     lock, running, peak = threading.Lock(), [0], [0]
 
@@ -636,7 +636,8 @@ def test_the_decode_stream_switch_is_checked_when_the_writer_starts(tokenizer_di
     """TERRA_DECODE_STREAM (a lab switch: the decode-ahead's kernels on a stream of their own, or behind the
     engine's): a typo is one InputError when the writer is made, not a failed thread in the middle of a run."""
     from terra_cli.errors import InputError
-    from terra_cli.scenarios.local_writer import InProcessWriter, decode_stream_asked
+    from terra_cli.runtime import decode_stream_asked
+    from terra_cli.scenarios.local_writer import InProcessWriter
 
     assert decode_stream_asked({}) == "own" and decode_stream_asked({"TERRA_DECODE_STREAM": " Engine"}) == "engine"
     monkeypatch.setenv("TERRA_DECODE_STREAM", "engnie")

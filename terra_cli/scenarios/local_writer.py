@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import queue
 import shutil
 import tempfile
@@ -29,26 +28,13 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from terra_cli.errors import InputError
+from terra_cli.runtime import decode_stream_asked, host_cores
 from terra_cli.scenarios.writer_process import HELD_FRAMES, FrameStore, drive
 from terra_cli.scenarios.writers import CLOSE_SECONDS, ENCODERS_PER_PROCESS, WriterDied
 
 ENCODERS_IN_PROCESS = 2 * ENCODERS_PER_PROCESS  # the mp4s two writer processes would encode at once: the fewest
 MAX_ENCODERS_IN_PROCESS = 4 * ENCODERS_IN_PROCESS
 CORES_PER_ENCODER = 4  # host cores for each mp4 encoded at once (x264 on 2 threads, niced)
-
-
-DECODE_STREAM_ENV = "TERRA_DECODE_STREAM"
-
-
-def decode_stream_asked(environ=None) -> str:
-    """Where the decode-ahead's kernels go: "own" (a stream of the writer thread's, the default) or
-    "engine" (TERRA_DECODE_STREAM=engine: behind the engine's, see `InProcessWriter._own_stream`)."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(DECODE_STREAM_ENV, "").strip().lower() or "own"
-    if value not in ("own", "engine"):
-        raise InputError(f"{DECODE_STREAM_ENV}={value!r}: use own or engine, or leave it unset")
-    return value
 
 
 def encoders_for_host(cores: int | None = None) -> int:
@@ -60,8 +46,6 @@ def encoders_for_host(cores: int | None = None) -> int:
     43 s to encode on 4 threads after the last token, 9% of the run (benchmarks/README.md, issue 37).
     The encoders are ffmpeg processes at a lower CPU priority, so at the end of a batch, with a few
     engines on the host, they take the idle cores and not the engines' loop threads."""
-    from terra_cli.runtime import host_cores
-
     cores = host_cores() if cores is None else cores
     return min(MAX_ENCODERS_IN_PROCESS, max(ENCODERS_IN_PROCESS, cores // CORES_PER_ENCODER))
 

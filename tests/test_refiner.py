@@ -404,12 +404,9 @@ def test_refine_stage_batches_videos_and_fails_one_video_or_the_whole_stage(tiny
         stage.close()
 
 
-def test_a_compiled_vae_decoder_gets_full_chunks_and_the_probe_reports_its_agreement(tiny_pt, monkeypatch):
+def test_a_static_vae_decoder_gets_full_chunks_and_eagers_pixels(tiny_pt):
     """`decode_latents(decoder=...)` hands a static-shape decoder full chunks only (a short last one
-    padded, the padding dropped) and gives eager's pixels for the same decoder; the bench's probe
-    times it and measures its agreement with eager (here the 'compiled' decoder is eager itself)."""
-    from terra_cli.bench import refiner as bench_refiner
-    from terra_cli.refiner import compiled
+    padded, the padding dropped) and gives eager's pixels for the same decoder."""
     from terra_cli.refiner.autoencoder import decode_latents, one_frame_clips
 
     refiner = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu")
@@ -428,6 +425,159 @@ def test_a_compiled_vae_decoder_gets_full_chunks_and_the_probe_reports_its_agree
     assert seen == [3, 3, 3] and padded.shape == eager.shape  # 3 + 3 + 1 padded to 3
     torch.testing.assert_close(padded, eager)
 
-    monkeypatch.setattr(compiled, "compile_vae_decoder", lambda vae, mode="default": static)
-    probe = bench_refiner.compiled_vae_probe(refiner, latents, "cpu", repeats=1)
-    assert probe["max_abs_diff"] == 0.0 and probe["psnr_db"] is None and probe["ms_per_frame"] > 0
+
+class StandInCompile:
+    """Stands in for `compiled.compile_vae_decoder` where refiner.py calls it: records each compile
+    and each call of the decoder it returns (eager's one-frame clips, or one that raises)."""
+
+    def __init__(self, error: Exception | None = None):
+        self.compiled, self.calls, self.error = [], [], error
+
+    def __call__(self, vae, mode="default"):
+        from terra_cli.refiner.autoencoder import one_frame_clips
+
+        self.compiled.append((vae, mode))
+        eager = one_frame_clips(vae)
+
+        def decoder(latents):
+            self.calls.append(latents.shape[0])
+            if self.error is not None:
+                raise self.error
+            return eager(latents)
+
+        return decoder
+
+
+def force_compiled_run(monkeypatch, error: Exception | None = None) -> StandInCompile:
+    """A compiled run on the CPU: `--refiner-compile` resolves to `default`, the UNet stays eager
+    (compiling it here costs minutes) and the VAE decoder is the stand-in."""
+    from terra_cli.refiner import refiner as refiner_module
+
+    stand_in = StandInCompile(error)
+    monkeypatch.setattr(refiner_module, "resolve_compile_mode", lambda mode, device: "default")
+    monkeypatch.setattr(refiner_module, "compile_unet", lambda unet, mode: unet)
+    monkeypatch.setattr(refiner_module, "compile_vae_decoder", stand_in)
+    return stand_in
+
+
+@pytest.fixture
+def refiner_lines():
+    """terra.refiner's lines, read from the logger itself (the CLI stops it propagating to caplog's root)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(f"{record.levelname}: {record.getMessage()}")
+
+    logger = logging.getLogger("terra.refiner")
+    handler, level = Lines(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def same_weights(refiner, **options) -> VideoRefiner:
+    return VideoRefiner(refiner.unet, refiner.vae, refiner.config, device="cpu", dtype=torch.float32, source="x",
+                        options=RefinerOptions(**options))
+
+
+def tiny_latents(config, frames: int = 7) -> torch.Tensor:
+    h, w = config.latent_hw
+    return torch.randn(frames, config.latent_channels, h, w, generator=torch.Generator().manual_seed(0))
+
+
+def test_an_eager_run_decodes_eagerly_and_never_compiles_the_vae_decoder(tiny_pt, monkeypatch):
+    from terra_cli.refiner import refiner as refiner_module
+    from terra_cli.refiner.autoencoder import decode_latents
+
+    stand_in = StandInCompile()
+    monkeypatch.setattr(refiner_module, "compile_vae_decoder", stand_in)
+    refiner = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu", options=RefinerOptions(vae_chunk=3))
+    latents = tiny_latents(refiner.config)
+    pixels = refiner.decode_pixels(latents)  # `auto` on a CPU: eager
+    assert stand_in.compiled == [] and stand_in.calls == [] and refiner.vae_decoder is None
+    assert torch.equal(pixels, decode_latents(refiner.vae, latents, refiner.config, 3))  # no padding, as before
+    none_on_a_gpu = same_weights(refiner, compile="none", vae_chunk=3)
+    monkeypatch.setattr(none_on_a_gpu, "device", "cuda")  # `none` stays eager on a GPU too (nothing runs there)
+    none_on_a_gpu.prepare_vae_decoder()
+    assert stand_in.compiled == [] and none_on_a_gpu.vae_decoder is None
+
+
+def test_a_compiled_run_decodes_with_the_compiled_vae_decoder(tiny_pt, monkeypatch, refiner_lines):
+    """Issue 40: with the UNet compiled, `decode` goes through `compile_vae_decoder`'s decoder,
+    compiled once (a first call on zeros, logged), full chunks only, eager's pixels."""
+    eager = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu", options=RefinerOptions(vae_chunk=3))
+    latents = tiny_latents(eager.config)
+    expected = eager.decode_pixels(latents)
+    stand_in = force_compiled_run(monkeypatch)
+    refiner = same_weights(eager, vae_chunk=3)
+    frames_done = []
+    pixels = refiner.decode_pixels(latents, on_frames=frames_done.append)
+    assert stand_in.compiled == [(refiner.vae, "default")]
+    assert stand_in.calls == [3, 3, 3, 3]  # the compiling call on zeros, then 3 + 3 + 1 padded to 3
+    assert frames_done == [3, 3, 1]
+    torch.testing.assert_close(pixels, expected)
+    assert refiner.vae_decoder is not None and refiner.vae_decoder_error is None
+    assert refiner.vae_decoder_compile_seconds > 0
+    seconds = refiner.vae_decoder_compile_seconds
+    assert [line for line in refiner_lines if "VAE decoder" in line] == [
+        f"INFO: refiner: VAE decoder compiled (default, 3 frame(s) per call) in {seconds:.1f} s"]
+    frames = refiner.decode(latents[:4])  # the next video: no second compile
+    assert stand_in.compiled == [(refiner.vae, "default")] and stand_in.calls == [3, 3, 3, 3, 3, 3]
+    assert frames.shape == (4, refiner.config.height, refiner.config.width, 3) and frames.dtype == np.uint8
+    # the refined video end to end goes through it too
+    gen = torch.Generator().manual_seed(1)
+    video = torch.rand(25, 3, 36, 64, generator=gen) * 2 - 1
+    before = len(stand_in.calls)
+    refined = refiner.refine_pixels([video], [3])[0]
+    assert len(stand_in.calls) == before + 9  # 25 frames, 3 a call
+    assert np.abs(refined.astype(int) - eager.refine_pixels([video], [3])[0].astype(int)).max() <= 1
+
+
+def test_a_compiled_vae_decoder_that_fails_its_first_call_leaves_eager_for_the_run(tiny_pt, monkeypatch,
+                                                                                 refiner_lines):
+    """No compiler or Triton: the first call fails, one line says why, and every frame is eager's."""
+    eager = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu", options=RefinerOptions(vae_chunk=3))
+    latents = tiny_latents(eager.config)
+    expected = eager.decode(latents)
+    stand_in = force_compiled_run(monkeypatch, RuntimeError("no Triton here\nmore"))
+    refiner = same_weights(eager, vae_chunk=3)
+    frames_done = []
+    assert np.array_equal(refiner.decode(latents, on_frames=frames_done.append), expected)
+    assert frames_done == [3, 3, 1]  # eager's unpadded chunks
+    assert refiner.vae_decoder is None and refiner.vae_decoder_error == "RuntimeError: no Triton here"
+    assert refiner_lines == ["WARNING: refiner: the compiled VAE decoder failed on its first call (RuntimeError: "
+                             "no Triton here); the eager decoder decodes for the rest of the run"]
+    assert np.array_equal(refiner.decode(latents), expected)
+    assert stand_in.compiled == [(refiner.vae, "default")] and stand_in.calls == [3]  # tried once in the run
+    assert len(refiner_lines) == 1
+
+
+def test_the_bench_times_the_products_decoder_beside_eager(tiny_pt, monkeypatch):
+    """`vae_seconds_per_frame.decode` is the product's decode (compiled in a compiled run); the
+    compiled decoder's report sets eager beside it, and says when the product fell back to eager."""
+    from terra_cli.bench import refiner as bench_refiner
+
+    eager = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu")
+    latents = tiny_latents(eager.config)
+    seconds, report = bench_refiner.time_vae_decode(eager, latents, "cpu", repeats=1)
+    assert seconds > 0 and report is None  # an eager run: its decoder is the eager one
+
+    stand_in = force_compiled_run(monkeypatch)
+    refiner = same_weights(eager)
+    seconds, report = bench_refiner.time_vae_decode(refiner, latents, "cpu", repeats=1)
+    assert stand_in.calls == [4, 4, 4, 4, 4, 4, 4]  # compiling call, then (4 + 3 padded) x (warm-up, timed, agreement)
+    assert report["ms_per_frame"] == round(1e3 * seconds, 3) and report["eager_ms_per_frame"] > 0
+    assert report["compile_s"] == round(refiner.vae_decoder_compile_seconds, 2) and report["error"] is None
+    assert report["max_abs_diff"] < 1e-5  # the stand-in is eager itself, on padded chunks
+
+    broken = force_compiled_run(monkeypatch, RuntimeError("no Triton here"))
+    refiner = same_weights(eager)
+    seconds, report = bench_refiner.time_vae_decode(refiner, latents, "cpu", repeats=1)
+    assert broken.calls == [4] and seconds > 0
+    assert report["error"] == "RuntimeError: no Triton here" and report["eager_ms_per_frame"] > 0
+    assert report["ms_per_frame"] is None and report["compile_s"] is None and report["max_abs_diff"] is None

@@ -117,6 +117,35 @@ def test_bench_refiner_reports_counted_flops_and_the_act_bench_projection(tmp_pa
     assert data["act_bench"]["windows_per_sample"] == 2 and data["act_bench"]["samples"] == 2286
     row = data["rows"][0]
     assert row["windows_per_call"] == 1 and row["seconds_per_window"] > 0 and row["peak_memory_gib"] is None
+    assert data["compile_mode"] == "none" and data["vae_decode_compiled"] is None  # eager on a CPU
+    assert "per call, eager)" in result.output and "VAE decode compiled" not in result.output
+
+
+def test_bench_refiner_in_a_compiled_run_times_the_products_compiled_vae_decoder(tmp_path, monkeypatch):
+    """Issue 40: `vae_seconds_per_frame.decode` (and the projection) is the product's decoder, the
+    compiled one in a compiled run (here a stand-in: compiling on a CPU costs minutes), with eager beside it."""
+    from terra_cli.refiner import refiner as refiner_module
+    from terra_cli.refiner.autoencoder import one_frame_clips
+
+    calls = []
+
+    def stand_in(vae, mode="default"):
+        eager = one_frame_clips(vae)
+        return lambda latents: calls.append(latents.shape[0]) or eager(latents)
+
+    monkeypatch.setattr(refiner_module, "resolve_compile_mode", lambda mode, device: "default")
+    monkeypatch.setattr(refiner_module, "compile_unet", lambda unet, mode: unet)
+    monkeypatch.setattr(refiner_module, "compile_vae_decoder", stand_in)
+    out = tmp_path / "bench.json"
+    result = run("bench", "--refiner", "--tiny", "--device", "cpu", "--windows", "1", "--out", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    compiled, decode = data["vae_decode_compiled"], data["vae_seconds_per_frame"]["decode"]
+    assert data["compile_mode"] == "default" and len(calls) > 1
+    assert compiled["ms_per_frame"] == pytest.approx(1e3 * decode, abs=0.01) and compiled["eager_ms_per_frame"] > 0
+    assert compiled["error"] is None and compiled["compile_s"] >= 0 and compiled["max_abs_diff"] < 1e-5
+    assert "per call, compiled)" in result.output
+    assert "VAE decode compiled (the product's in a compiled run)" in result.output
 
 
 def test_a_missing_diffusers_is_one_line_with_the_install_hint(tmp_path, monkeypatch):

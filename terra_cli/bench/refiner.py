@@ -6,6 +6,16 @@ utilisation from FLOPs counted with torch.utils.flop_counter, and peak GPU memor
 (condition encoding and frame-by-frame decoding, per frame) and an ACT-Bench projection
 (2,286 samples x 47 frames = 2 windows each). The token decoder's frames (the refiner's input)
 are not timed here: that is the frame-wise decoder `terra bench` measures elsewhere.
+
+The decode timed (`vae_seconds_per_frame.decode`, and the projection's) is the product's:
+`VideoRefiner.decode`, with the compiled VAE decoder in a compiled run (`--refiner-compile` other
+than none, on a GPU), else eager. In a compiled run `vae_decode_compiled` reports it beside eager:
+`ms_per_frame` (the compiled decoder: the same timing as `decode`), `eager_ms_per_frame` (the
+eager decoder on the same latents), `compile_s` (its first call,
+`VideoRefiner.vae_decoder_compile_seconds`), `max_abs_diff` and `psnr_db` (its pixels against
+eager's; psnr None: the same bytes), `error` (None, or why its first call failed: the product then
+decoded eagerly, and the compiled decoder's keys are None). An eager run has
+`vae_decode_compiled` None.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from typing import Callable
 import torch
 
 from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
-from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner
+from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner, pixels_to_uint8
 from terra_cli.refiner.windows import count_windows
 from terra_cli.scenarios.spec import ACT_BENCH_FRAMES, ACT_BENCH_SAMPLES
 
@@ -131,14 +141,17 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
     pixels = torch.rand(frames, 3, config.height, config.width, generator=gen).mul(2).sub(1)
     latents = torch.randn(frames, config.latent_channels, h, w, generator=gen)
     encode = min(_timed(lambda: refiner.condition_latents(pixels), device, plan.repeats)) / frames
-    decode = min(_timed(lambda: refiner.decode(latents), device, plan.repeats)) / frames
+    decode, vae_compiled = time_vae_decode(refiner, latents, device, plan.repeats)
+    decoder = ("eager" if vae_compiled is None else "eager: the compiled decoder failed" if vae_compiled["error"]
+               else "compiled")
     say(f"VAE per frame: encode {encode * 1e3:.1f} ms ({enc_flops / 1e12:.2f} TFLOP), decode {decode * 1e3:.1f} ms "
-        f"({dec_flops / 1e12:.2f} TFLOP, one-frame clips, {options.vae_chunk} per call)")
-    vae_compiled = compiled_vae_probe(refiner, latents, device, plan.repeats) if refiner.compile_mode != "none" else None
-    if vae_compiled is not None:
-        say(f"VAE decode compiled (lab probe, not the product's yet): {vae_compiled['ms_per_frame']:.1f} ms a frame "
-            f"against {decode * 1e3:.1f} eager, compiled in {vae_compiled['compile_s']:.1f} s; pixels against eager: "
-            f"max difference {vae_compiled['max_abs_diff']:.2e}, "
+        f"({dec_flops / 1e12:.2f} TFLOP, one-frame clips, {options.vae_chunk} per call, {decoder})")
+    if vae_compiled is not None and vae_compiled["error"]:
+        say(f"VAE decode compiled: its first call failed ({vae_compiled['error']}); the product decoded eagerly")
+    elif vae_compiled is not None:
+        say(f"VAE decode compiled (the product's in a compiled run): {vae_compiled['ms_per_frame']:.1f} ms a frame "
+            f"against {vae_compiled['eager_ms_per_frame']:.1f} eager, compiled in {vae_compiled['compile_s']:.1f} s; "
+            f"pixels against eager: max difference {vae_compiled['max_abs_diff']:.2e}, "
             + ("the same bytes" if vae_compiled["psnr_db"] is None else f"PSNR {vae_compiled['psnr_db']:.1f} dB"))
     best_window = min(r["seconds_per_window"] for r in rows)
     windows = count_windows(frames, config.window, config.min_overlap)
@@ -166,30 +179,35 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
             "act_bench": projection}
 
 
-def compiled_vae_probe(refiner: VideoRefiner, latents: torch.Tensor, device: str, repeats: int) -> dict:
-    """The VAE's decoder under torch.compile (Inductor's default mode, static chunks), timed on the
-    same latents as the eager decoder, with its pixels' agreement with eager (float32 both)."""
+def time_vae_decode(refiner: VideoRefiner, latents: torch.Tensor, device: str,
+                    repeats: int) -> tuple[float, dict | None]:
+    """Seconds a frame of the product's decode (`refiner.decode`: its first call, not timed, picks
+    and compiles the decoder), and in a compiled run the compiled decoder beside eager, timed on the
+    same latents with the same uint8 output, and its pixels' agreement with eager's (float32 both);
+    None in an eager run. The keys: this module's docstring."""
     from tokenizer_decoder.tokenizer import psnr
 
     from terra_cli.refiner.autoencoder import decode_latents
-    from terra_cli.refiner.compiled import compile_vae_decoder, tracing_quietly
 
-    chunk = refiner.options.vae_chunk
-    decoder = compile_vae_decoder(refiner.vae)
-    started = time.perf_counter()
-    with tracing_quietly():
-        decode_latents(refiner.vae, latents[:chunk], refiner.config, chunk, decoder=decoder)
-    _sync(device)
-    compile_s = time.perf_counter() - started
-    seconds = min(_timed(lambda: decode_latents(refiner.vae, latents, refiner.config, chunk, decoder=decoder),
-                         device, repeats))
-    eager = decode_latents(refiner.vae, latents, refiner.config, chunk)
-    compiled = decode_latents(refiner.vae, latents, refiner.config, chunk, decoder=decoder)
-    to_bytes = lambda x: ((x + 1.0) / 2.0 * 255).clamp(0, 255).to(torch.uint8).cpu().numpy()  # noqa: E731
-    agreement = psnr(to_bytes(eager), to_bytes(compiled))
-    return {"ms_per_frame": round(1e3 * seconds / latents.shape[0], 3), "compile_s": round(compile_s, 2),
-            "max_abs_diff": float((eager - compiled).abs().max()),
-            "psnr_db": None if agreement == float("inf") else round(agreement, 2)}  # None: the same bytes
+    frames, chunk = latents.shape[0], refiner.options.vae_chunk
+    decode = min(_timed(lambda: refiner.decode(latents), device, repeats)) / frames
+    if refiner.vae_decoder is None and refiner.vae_decoder_error is None:
+        return decode, None
+
+    def eager_pixels() -> torch.Tensor:
+        return decode_latents(refiner.vae, latents, refiner.config, chunk)
+
+    eager = min(_timed(lambda: pixels_to_uint8(eager_pixels()), device, repeats)) / frames
+    report = {"ms_per_frame": None, "eager_ms_per_frame": round(1e3 * eager, 3), "compile_s": None,
+              "max_abs_diff": None, "psnr_db": None, "error": refiner.vae_decoder_error}
+    if report["error"] is not None:
+        return decode, report
+    reference, compiled = eager_pixels(), refiner.decode_pixels(latents)
+    agreement = psnr(pixels_to_uint8(reference), pixels_to_uint8(compiled))
+    report.update(ms_per_frame=round(1e3 * decode, 3), compile_s=round(refiner.vae_decoder_compile_seconds, 2),
+                  max_abs_diff=float((reference - compiled).abs().max()),
+                  psnr_db=None if agreement == float("inf") else round(agreement, 2))  # None: the same bytes
+    return decode, report
 
 
 def fp8_agreement(plan: RefinerBenchPlan, refiner: VideoRefiner, seed: int = 0) -> dict:

@@ -1,4 +1,5 @@
-"""The refiner's UNet under torch.compile: which mode a run gets, where Inductor keeps its cache.
+"""The refiner's UNet and VAE decoder under torch.compile: which mode a run gets, where Inductor
+keeps its cache.
 
 `--refiner-compile auto` (the default) compiles on a GPU with Inductor's default mode and runs
 eager on a CPU, where compiling a UNet costs minutes that a tiny smoke test never earns back;
@@ -8,9 +9,11 @@ without them.
 
 Shapes stay static: the UNet is compiled with `dynamic=False` and every call gets the run's
 windows per call (a short last group is padded, `VideoRefiner.sample_windows`), so a run compiles
-once. The compiled code is cached on disk by Inductor (its FX graph and autotuning caches):
-under terra's cache folder (`runtime.terra_cache_dir()`/inductor) unless TORCHINDUCTOR_CACHE_DIR
-is set, so only the first run on a machine pays the full compile.
+once. A compiled run also compiles the VAE's decoder (`compile_vae_decoder`), always in
+Inductor's default mode (`VAE_DECODER_MODE`) whatever the UNet's, on chunks of `vae_chunk`
+frames (a short last chunk padded). The compiled code is cached on disk by Inductor (its FX
+graph and autotuning caches): under terra's cache folder (`runtime.terra_cache_dir()`/inductor)
+unless TORCHINDUCTOR_CACHE_DIR is set, so only the first run on a machine pays the full compile.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from terra_cli.errors import InputError
 
 COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+# The VAE decoder's mode in every compiled run: the one measured (bench probe, H200, 2026-11-27:
+# 21.4 ms a frame against 34.7 eager). CUDA graphs would need their own step marks between its
+# calls and the UNet's, and autotuning its convolutions is not measured: neither is taken.
+VAE_DECODER_MODE = "default"
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
@@ -96,10 +103,11 @@ def compile_unet(unet, mode: str):
     return torch.compile(unet, mode=mode, dynamic=False)
 
 
-def compile_vae_decoder(vae, mode: str = "default"):
+def compile_vae_decoder(vae, mode: str = VAE_DECODER_MODE):
     """torch.compile of the VAE's one-frame-clip decoder (static shapes: `decode_latents` pads a
-    short last chunk for it). A lab probe for now (`terra bench --refiner` times it beside the
-    eager decoder): the decoder runs in float32, and its share of a refined sample is ~40%."""
+    short last chunk for it), in float32 as the eager decoder. A compiled run decodes with it
+    (`VideoRefiner.prepare_vae_decoder`): eager, decoding is ~40% of a refined sample's time.
+    `terra bench --refiner` times it beside the eager decoder."""
     import torch
 
     from terra_cli.refiner.autoencoder import one_frame_clips

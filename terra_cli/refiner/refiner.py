@@ -9,9 +9,12 @@ Speed: windows of several videos (and, with `same_uncond=False`, both halves of 
 pair) go through the UNet in one call (`batch_windows`, fixed per run); `compile` hands the UNet
 to torch.compile (`compiled.py`: `auto` compiles on a GPU; "reduce-overhead" and "max-autotune"
 add CUDA graphs); a compiled run pads a short group to `batch_windows` so every call has the
-same shapes. Each window's noise comes from its own CPU generator, seeded
-`seeds.draw_seed(video seed, window index)`, so a video's result does not depend on which videos
-share its UNet calls, nor on how many windows a call takes.
+same shapes. A compiled run also decodes with the VAE decoder under torch.compile
+(`compiled.compile_vae_decoder`, `vae_chunk` frames per call, a short last chunk padded); if
+that decoder's first call fails, the eager decoder decodes for the rest of the run. Each
+window's noise comes from its own CPU generator, seeded `seeds.draw_seed(video seed, window
+index)`, so a video's result does not depend on which videos share its UNet calls, nor on how
+many windows a call takes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import torch
 from terra_cli.errors import InputError
 from terra_cli.refiner import sampler
 from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_latents, encode_condition
-from terra_cli.refiner.compiled import COMPILE_MODES, compile_unet, resolve_compile_mode, tracing_quietly, uses_cuda_graphs
+from terra_cli.refiner.compiled import (COMPILE_MODES, VAE_DECODER_MODE, compile_unet, compile_vae_decoder,
+                                        resolve_compile_mode, tracing_quietly, uses_cuda_graphs)
 from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
 from terra_cli.refiner.fp8 import check_refiner_dtype, quantize_unet_linears
 from terra_cli.refiner.unet import added_time_ids, build_unet, zero_context
@@ -89,6 +93,10 @@ class VideoRefiner:
         self.forward = None  # the UNet, eager or compiled: chosen at the first call, on the device it runs on
         self.compile_mode = "none"  # what the first call resolved `options.compile` to
         self.compile_seconds = 0.0  # the first (compiling) call's time, 0 when eager
+        self.vae_decoder = None  # the compiled VAE decoder; None: eager
+        self.vae_decoder_chosen = False  # eager or compiled chosen for the device the weights are on
+        self.vae_decoder_compile_seconds = 0.0  # its first (compiling) call's time, 0 when eager
+        self.vae_decoder_error: str | None = None  # why its first call failed; the eager decoder then decodes
         self.unet_calls = 0
         self.sigmas = sampler.edm_sigmas(config.steps, config.sigma_min, config.sigma_max, config.rho)
         self.scales = sampler.guidance_scales(config.window, config.min_scale, config.max_scale)
@@ -100,6 +108,7 @@ class VideoRefiner:
         self.vae.to(device)
         if device != self.device:
             self.forward = None  # eager or compiled is chosen again for the new device
+            self.vae_decoder, self.vae_decoder_chosen = None, False
         self.device = device
         return self
 
@@ -174,12 +183,46 @@ class VideoRefiner:
         with tracing_quietly():
             self._call_unet(torch.zeros(batch, config.window, config.in_channels, h, w),
                             torch.zeros(batch, dtype=torch.float32))
-        if str(self.device).startswith("cuda"):
-            torch.cuda.synchronize(self.device)
+        self._synchronize()
         self.compile_seconds = time.perf_counter() - started
         LOG.info(f"refiner: UNet compiled ({self.compile_mode}, {batch} window(s) per call) in "
                  f"{self.compile_seconds:.1f} s; Inductor cache {inductor_cache_dir()}")
         return self.compile_seconds
+
+    @torch.inference_mode()
+    def prepare_vae_decoder(self) -> None:
+        """Eager or compiled, as the UNet (`resolve_compile_mode`), for the device the weights are
+        on. A compiled decoder is compiled here by one call on zeros (`vae_chunk` frames), timed and
+        logged; if that call fails (no compiler, no Triton), the eager decoder decodes for the rest
+        of the run and one line says why. Failing before any real frame keeps every frame eager's."""
+        if self.vae_decoder_chosen:
+            return
+        self.vae_decoder_chosen = True
+        if self.vae_decoder_error is not None or resolve_compile_mode(self.options.compile, self.device) == "none":
+            return
+        config, chunk = self.config, self.options.vae_chunk
+        h, w = config.latent_hw
+        decoder = compile_vae_decoder(self.vae)
+        started = time.perf_counter()
+        try:
+            with tracing_quietly():
+                decoder(torch.zeros(chunk, config.latent_channels, h, w, device=self.device,
+                                    dtype=self.vae.decoder.conv_in.weight.dtype))
+            self._synchronize()
+        except Exception as error:  # noqa: BLE001 - no compiler or Triton here: the eager decoder is correct too
+            lines = str(error).splitlines()
+            self.vae_decoder_error = f"{type(error).__name__}: {lines[0] if lines else ''}"
+            LOG.warning(f"refiner: the compiled VAE decoder failed on its first call ({self.vae_decoder_error}); "
+                        f"the eager decoder decodes for the rest of the run")
+            return
+        self.vae_decoder = decoder
+        self.vae_decoder_compile_seconds = time.perf_counter() - started
+        LOG.info(f"refiner: VAE decoder compiled ({VAE_DECODER_MODE}, {chunk} frame(s) per call) in "
+                 f"{self.vae_decoder_compile_seconds:.1f} s")
+
+    def _synchronize(self) -> None:
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize(self.device)
 
     # -- videos -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -230,9 +273,17 @@ class VideoRefiner:
         return [torch.cat(kept[video]) for video in range(len(conditions))]
 
     @torch.inference_mode()
+    def decode_pixels(self, latents: torch.Tensor, on_frames: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Sampled latents (N, 4, h, w) -> pixels (N, 3, H, W) in [-1, 1], by the compiled decoder in
+        a compiled run (`prepare_vae_decoder`), else eager."""
+        self.prepare_vae_decoder()
+        return decode_latents(self.vae, latents, self.config, self.options.vae_chunk, on_frames,
+                              decoder=self.vae_decoder)
+
+    @torch.inference_mode()
     def decode(self, latents: torch.Tensor, on_frames: Callable[[int], None] | None = None) -> np.ndarray:
-        pixels = decode_latents(self.vae, latents, self.config, self.options.vae_chunk, on_frames)
-        return ((pixels + 1.0) / 2.0 * 255).permute(0, 2, 3, 1).cpu().numpy().astype(np.uint8)
+        """Sampled latents (N, 4, h, w) -> uint8 frames (N, H, W, 3)."""
+        return pixels_to_uint8(self.decode_pixels(latents, on_frames))
 
     def refine_pixels(self, videos: list[torch.Tensor], seeds: list[int],
                       on_frames: Callable[[int], None] | None = None) -> list[np.ndarray]:
@@ -248,6 +299,11 @@ class Window:
     concat: torch.Tensor  # (window, 4, h, w) condition latents
     noise: torch.Tensor  # (window, 4, h, w) float32, CPU
     keep: tuple[int, int]  # the frames of the window that stay (after the previous window's overlap)
+
+
+def pixels_to_uint8(pixels: torch.Tensor) -> np.ndarray:
+    """Decoded pixels (N, 3, H, W) in [-1, 1] -> frames (N, H, W, 3) uint8."""
+    return ((pixels + 1.0) / 2.0 * 255).permute(0, 2, 3, 1).cpu().numpy().astype(np.uint8)
 
 
 def window_noise(seed: int, window: int, shape: tuple[int, ...]) -> torch.Tensor:

@@ -161,32 +161,19 @@ def invoke_terra(*args):
     return SimpleNamespace(returncode=result.exit_code, stderr=result.output, stdout=result.output)
 
 
-# The other modules that take longest (seconds on a 2-core host, 2026-11-27: test_ray 303, test_refiner_cli 170,
-# test_exactness 95, test_generate 63, test_scenario_writers 59, test_paged_attention 44, test_eval 31), longest
-# first: under xdist each module is one unit of work, and one of them started last keeps the other worker idle.
-LONG_MODULES = ("test_ray", "test_refiner_cli", "test_exactness", "test_generate", "test_scenario_writers",
-                "test_paged_attention", "test_eval")
-
-
 def pytest_collection_modifyitems(config, items):
-    """Modules that start a vLLM engine run first, and in them the tests on the shared engine; then the
-    other long modules (LONG_MODULES), longest first; in a module, the tests on `local_ray` last, so that
-    its cluster is up only while they run.
+    """Modules that start a vLLM engine run first, and in them the tests on the shared engine; in a
+    module, the tests on `local_ray` last, so that its cluster is up only while they run.
 
-    Under `pytest -n N` (xdist, scheduled by pytest_xdist_make_scheduler below) the long modules must
-    not be what the last idle worker waits on."""
+    Under `pytest -n N` (xdist, scheduled by pytest_xdist_make_scheduler below) the long engine
+    modules must not be what the last idle worker waits on."""
     starts_engine = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
     starts_engine.add("test_wheel")  # not an engine, but minutes long too (build, install, run)
     module_order = {}
     for item in items:
         module_order.setdefault(item.module.__name__, len(module_order))
-
-    def long_rank(module: str) -> int:
-        return LONG_MODULES.index(module) if module in LONG_MODULES else len(LONG_MODULES)
-
     items.sort(key=lambda item: (item.module.__name__ not in starts_engine,  # stable sort: files
                                  "vllm_engine" not in item.fixturenames,  # keep their order
-                                 long_rank(item.module.__name__),
                                  module_order[item.module.__name__],
                                  "local_ray" in item.fixturenames))  # a module's Ray runs last, together
 

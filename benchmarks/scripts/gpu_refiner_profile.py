@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny refiner config (a CPU dry run)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args()
+    if args.out is not None and args.out.exists():  # before minutes of work: a file it did not make stays
+        parser.error(f"{args.out} exists; remove it or name another --out")
 
     import torch
 
@@ -175,7 +177,8 @@ def main() -> None:
     print(f"{result['seconds_per_window']:.3f} s a window ({args.windows} a call, {refiner.compile_mode}); GPU busy "
           f"{result['busy_share']}; first call {result['first_call_s']} s")
     if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        with open(args.out, "x") as f:  # "x": never replaces a file that appeared meanwhile
+            f.write(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def generation_threads(requested: int, hidden_size: int, backend_name: str, devi
     CPU with the hf backend, else None (torch's default)."""
     if requested < 0:
         raise InputError(f"--threads must be >= 0 (0: auto), got {requested}")
-    limit = os.cpu_count() or 1
+    limit = host_cores()
     if requested > 4 * limit:
         raise InputError(f"--threads {requested} is more than 4x the {limit} CPU cores here; use at most {4 * limit}")
     if requested:

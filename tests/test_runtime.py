@@ -1,0 +1,15 @@
+"""runtime.py: the host's share of cores bounds what a run may ask for."""
+
+import pytest
+
+from terra_cli import runtime
+from terra_cli.errors import InputError
+
+
+def test_threads_are_bounded_by_the_cores_this_process_may_use_not_the_hosts(monkeypatch):
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 64)
+    assert runtime.host_cores() == 2
+    assert runtime.generation_threads(8, 2048, "vllm", "cuda") == 8
+    with pytest.raises(InputError, match="more than 4x the 2 CPU cores here; use at most 8"):
+        runtime.generation_threads(9, 2048, "vllm", "cuda")

@@ -45,16 +45,9 @@ def group_of(name: str, table=GROUPS) -> str:
 
 def flops_by_group(config, exact_cross_attention: bool) -> dict[str, float]:
     """One UNet evaluation of one window, by group (meta device, as `terra bench --refiner` counts it)."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
+    from terra_cli.bench.refiner import unet_flop_counter
 
-    from terra_cli.refiner.unet import added_time_ids, build_unet, zero_context
-
-    unet = build_unet(config, "meta", exact_cross_attention=exact_cross_attention)
-    h, w = config.latent_hw
-    with torch.device("meta"), FlopCounterMode(display=False) as counter:
-        unet(torch.zeros(1, config.window, config.in_channels, h, w), torch.zeros(1),
-             zero_context(1, config, "meta", torch.float32), added_time_ids(1, config, "meta", torch.float32))
+    counter = unet_flop_counter(config, exact_cross_attention)
     groups: dict[str, float] = defaultdict(float)
     for op, flops in counter.get_flop_counts().get("Global", {}).items():
         groups[group_of(str(op), FLOP_GROUPS)] += float(flops)

@@ -46,8 +46,9 @@ class RefinerBenchPlan:
     peak_flops: float = H100_BF16_DENSE
 
 
-def count_unet_flops(config: RefinerConfig, exact_cross_attention: bool = True) -> float:
-    """FLOPs of one window (window frames) through the UNet, counted on the meta device."""
+def unet_flop_counter(config: RefinerConfig, exact_cross_attention: bool = True):
+    """torch's FlopCounterMode after one UNet evaluation of one window (window frames), on the meta
+    device: no weights, no memory."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from terra_cli.refiner.unet import added_time_ids, build_unet, zero_context
@@ -57,7 +58,12 @@ def count_unet_flops(config: RefinerConfig, exact_cross_attention: bool = True) 
     with torch.device("meta"), FlopCounterMode(display=False) as counter:
         unet(torch.zeros(1, config.window, config.in_channels, h, w), torch.zeros(1),
              zero_context(1, config, "meta", torch.float32), added_time_ids(1, config, "meta", torch.float32))
-    return float(counter.get_total_flops())
+    return counter
+
+
+def count_unet_flops(config: RefinerConfig, exact_cross_attention: bool = True) -> float:
+    """FLOPs of one window (window frames) through the UNet."""
+    return float(unet_flop_counter(config, exact_cross_attention).get_total_flops())
 
 
 def count_vae_flops(config: RefinerConfig) -> tuple[float, float]:

@@ -78,6 +78,24 @@ def decode_stream_asked(environ=None) -> str:
     return value
 
 
+TOKENIZER_BATCH_ENV = "TERRA_TOKENIZER_BATCH"
+
+
+def tokenizer_batch_asked(environ=None) -> int | None:
+    """Frames per tokenizer call for a run's loaded tokenizer (encoding and the decode-ahead), from
+    TERRA_TOKENIZER_BATCH (a lab switch: the compiled decoder takes 1.63 ms a frame in batches of 16
+    against 2.17 in 8 on an H200, and a run's decoding shares the card with the engine); None: the
+    tokenizer's default. Pixels depend on it (kernels of another shape round differently), so a
+    run's videos are deterministic for a seed at one batch size, not across them."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(TOKENIZER_BATCH_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= 256:
+        raise InputError(f"{TOKENIZER_BATCH_ENV}={value!r}: use a whole number of frames from 1 to 256, or leave it unset")
+    return int(value)
+
+
 def switched_off(variable: str, environ=None) -> bool:
     """Whether an on-by-default lab switch (TERRA_STAGGER_STARTS, TERRA_SINGLE_STREAM_COMPILE,
     TERRA_DECODER_COMPILE) is set to 0/false/no/off."""

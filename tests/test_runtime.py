@@ -13,3 +13,18 @@ def test_threads_are_bounded_by_the_cores_this_process_may_use_not_the_hosts(mon
     assert runtime.generation_threads(8, 2048, "vllm", "cuda") == 8
     with pytest.raises(InputError, match="more than 4x the 2 CPU cores here; use at most 8"):
         runtime.generation_threads(9, 2048, "vllm", "cuda")
+
+
+def test_a_runs_tokenizer_takes_its_batch_size_from_the_lab_switch_and_refuses_a_bad_one(monkeypatch):
+    from terra_cli.models.default import default_tokenizer_dir
+    from terra_cli.models.resolve import TokenizerSpec, load_tokenizer
+
+    spec = TokenizerSpec(str(default_tokenizer_dir()), None)
+    monkeypatch.delenv(runtime.TOKENIZER_BATCH_ENV, raising=False)
+    default = load_tokenizer(spec, "cpu").batch_size
+    monkeypatch.setenv(runtime.TOKENIZER_BATCH_ENV, str(2 * default))
+    assert load_tokenizer(spec, "cpu").batch_size == 2 * default
+    for bad in ("0", "sixteen", "-4", "1000"):
+        monkeypatch.setenv(runtime.TOKENIZER_BATCH_ENV, bad)
+        with pytest.raises(InputError, match="TERRA_TOKENIZER_BATCH"):
+            load_tokenizer(spec, "cpu")

@@ -31,6 +31,7 @@
 #          default); GPU3=refiner: GPU 3 runs only the refiner (REFINER_W8=1: then 8 windows a call too);
 #          GPU3=gil: GPU 3 runs GPU2=gil's ACT-Bench run at GIL3_S (0.0001 s; it crashed vLLM, 2026-11-27);
 #          GPU2=stream: staggered starts, the engine on a high-priority CUDA stream (TERRA_ENGINE_STREAM_PRIORITY);
+#          GPU2=batch16: staggered starts, the tokenizer encoding and decoding 16 frames a call (TERRA_TOKENIZER_BATCH);
 #          GPU3=eagerdec: staggered starts with the eager tokenizer decoder (TERRA_DECODER_COMPILE=0);
 #          GPU3=engdec: staggered starts, the decoder's kernels behind the engine's (TERRA_DECODE_STREAM=engine);
 #          REFINER_PROFILE=1 (with GPU3=refiner or single): then gpu_refiner_profile.py (issue 40);
@@ -155,6 +156,8 @@ case "${1:-}" in
     # GPU2=stream: staggered starts with the engine on the card's highest-priority stream
     # (TERRA_ENGINE_STREAM_PRIORITY=high): do the decode-ahead's kernels slow the engine's steps?
     if [ "${GPU2:-stagger}" = stream ]; then gpu2=(TERRA_STAGGER_STARTS=1 TERRA_ENGINE_STREAM_PRIORITY=high); fi
+    # GPU2=batch16: staggered starts, the run's tokenizer in batches of 16 frames (TERRA_TOKENIZER_BATCH)
+    if [ "${GPU2:-stagger}" = batch16 ]; then gpu2=(TERRA_STAGGER_STARTS=1 TERRA_TOKENIZER_BATCH=16); fi
     if [ "${GPU2:-stagger}" = gil ]; then
       gpu2=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH")
       echo "GPU 2: switch interval ${GIL_SWITCH_S:-0.0005} s" >> "$STEP_LOG"

@@ -99,9 +99,12 @@ def split_tokenizer_spec(spec: str, terra_subfolder: str = DEFAULT_TOKENIZER_SUB
 
 def load_tokenizer(spec: TokenizerSpec, device: str, matching=None):
     """The image tokenizer; with `matching` (a world model's config), checked against its codes."""
-    from tokenizer_decoder import ImageTokenizer
+    from tokenizer_decoder import DEFAULT_BATCH_SIZE, ImageTokenizer
 
-    tokenizer = ImageTokenizer.from_pretrained(spec.source, spec.subfolder, device=device)
+    from terra_cli.runtime import tokenizer_batch_asked
+
+    batch_size = tokenizer_batch_asked() or DEFAULT_BATCH_SIZE
+    tokenizer = ImageTokenizer.from_pretrained(spec.source, spec.subfolder, device=device, batch_size=batch_size)
     if matching is not None:
         check_tokenizer_matches(tokenizer, matching)
     return tokenizer

@@ -473,6 +473,30 @@ def test_the_pipelined_projection_takes_the_slower_of_engine_and_writer_per_samp
     assert measured == pytest.approx(40 + 10 + 1000 * 4.0 + 50)
 
 
+def test_the_refiner_report_takes_each_ray_engines_stage_and_one_engines_own():
+    """--act-bench --decoder refiner --data-parallel N: each engine's refiner stage reports with its
+    engine loop (RefineStage.decode_stats); an engine that never reported (lost before its last
+    stats) has none, and is not counted as a refiner."""
+    from terra_cli.bench.act_bench import refiner_plan, refiner_stages
+    from terra_cli.refiner.decoder import RefinerChoice
+    from terra_cli.refiner.refiner import RefinerOptions
+
+    def stage(videos, busy, compile_s):
+        return {"seconds": 100.0, "refined_videos": videos, "refiner_busy_s": busy, "refiner_unet_batches": videos,
+                "refiner_compile_mode": "default", "refiner_compile_s": compile_s, "refiner_vae_compile_s": 3.0}
+
+    engines = [{"engine": 0, "engine_loop": stage(10, 50.0, 90.0)}, {"engine": 1, "engine_loop": None},
+               {"engine": 2, "engine_loop": stage(6, 30.0, 20.0)}]
+    stages = refiner_stages(None, engines, on_ray=True)
+    assert [s["refined_videos"] for s in stages] == [10, 6]
+    assert refiner_stages(stage(4, 8.0, 0.0), [{"engine": 0, "startup_s": 1.0}], on_ray=False)[0]["refined_videos"] == 4
+    assert refiner_stages({"seconds": 5.0}, [{"engine": 0}], on_ray=False) == []  # the frame-wise decoder's loop
+    choice = RefinerChoice("w", options=RefinerOptions(batch_windows=4, compile="auto"))
+    assert refiner_plan(choice, stages) == {"weights": "w", "windows_per_call": 4, "compile": "auto", "dtype": "auto",
+                                            "compile_mode": ["default"], "compile_s": [90.0, 20.0],
+                                            "vae_decoder_compile_s": [3.0, 3.0]}
+
+
 def test_two_runs_building_one_cache_entry_at_once_both_use_it(tmp_path):
     """Issue 38: two benches building the random model together: the second rename met the first's
     folder and the run died with 'Directory not empty'. Both now build, one places, both use it."""

@@ -184,6 +184,87 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path, fr
 
 
 @pytest.mark.slow
+def test_act_bench_with_the_refiner_writes_refined_videos_from_a_random_checkpoint(tmp_path, monkeypatch):
+    """Issue 40: `terra bench --act-bench 1 --decoder refiner --tiny` on the reference backend: the
+    random refiner is written once into terra's cache as a converted Terra checkpoint and loaded by
+    the product's strict loader; the sample ends as a refined mp4 of the refiner's size, and the
+    JSON says refiner, with its rate beside the frames'. 24 context images and one generated frame
+    make the 25 frames of one window at the least cost (a generated frame costs 576 reference steps).
+    The same seed gives the same video at any --refiner-windows through the same scenario path:
+    tests/test_refiner_cli.py (test_scenarios_give_the_same_videos_whatever_the_windows_per_call)."""
+    from terra_cli.bench.refiner import random_refiner_folder
+    from terra_cli.media.frames import read_frames
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+    from terra_cli.refiner.checkpoint import CONVERTED_FILE
+    from terra_cli.refiner.config import tiny_refiner_config
+    from terra_cli.refiner.refiner import VideoRefiner
+
+    monkeypatch.setenv("TERRA_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "snapshot"
+    write_tiny_checkpoint(model / "world_model", tiny_config(image_vocab=1024, layers=1, hidden_size=32, heads=1))
+    save_frame_tokenizer(model / "lfq_tokenizer_B_256")  # 1024 codes, 576 a frame
+    out_json, keep = tmp_path / "act.json", tmp_path / "kept"
+    result = invoke_terra("bench", "--act-bench", 1, "--frames", 25, "--context-frames", 24, "--model", model,
+                          "--backend", "hf", "--device", "cpu", "--decoder", "refiner", "--tiny", "--refiner-windows", 1,
+                          "--out", out_json, "--keep-outputs", keep)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    weights = random_refiner_folder(tiny_refiner_config(), 0)
+    assert weights.parent == tmp_path / "cache" and sorted(p.name for p in weights.iterdir()) == \
+        ["config.json", CONVERTED_FILE]  # safetensors: no pickle
+    loaded = VideoRefiner.from_checkpoint(str(weights), device="cpu")  # the strict loader, as for Terra's file
+    assert loaded.config == tiny_refiner_config() and loaded.ignored == []
+    plan = report["plan"]
+    assert plan["decoder"] == "refiner" and plan["writers"] is None and plan["data_parallel"] == 1
+    assert plan["refiner"] == {"weights": str(weights), "windows_per_call": 1, "compile": "auto", "dtype": "auto",
+                               "compile_mode": ["none"], "compile_s": [0.0], "vae_decoder_compile_s": [0.0],
+                               "random_weights": True}  # auto: eager on a CPU
+    run = report["run"]
+    assert run["videos_written"] == run["results_lines_done"] == 1 and run["generated_frames"] == 1
+    steady = run["seconds_per_sample_steady"]  # one sample: its seconds after start-up
+    assert run["refined_videos_per_s"] == pytest.approx(1 / steady, rel=0.01)
+    assert 0 < run["refiner_s_per_sample"] <= run["seconds_wall"]
+    assert run["engine_loop"]["refined_videos"] == 1 and run["writers"] == 0  # refined in the engine's process
+    for key in ("generated_frames_per_s", "writer_s_per_video", "projected_act_bench_hours",
+                "projected_act_bench_hours_pipelined", "phases_s", "gpu_busy"):
+        assert key in run, key
+    assert "refined videos/s after start-up" in result.stdout and "refiner s/sample" in result.stdout
+    frames = np.stack(read_frames(keep / "outputs" / "NUSCENES_ACTION_000000.mp4"))
+    assert frames.shape == (25, 32, 64, 3)  # the tiny refiner's 64x32, not the token decoder's 512x288
+    assert np.load(keep / "outputs" / "NUSCENES_ACTION_000000.npy").shape == (25, 576)
+
+
+def test_act_bench_refiner_options_are_refused_in_one_line_before_anything_is_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("TERRA_CACHE", str(tmp_path / "cache"))
+    act = ["bench", "--act-bench", 1]
+    cases = [
+        (["bench", "--scenarios", 2, "--refiner-windows", 2], "--refiner-windows goes with --act-bench --decoder refiner"),
+        (["bench", "--hf-vs-vllm", "--decoder", "refiner"], "--decoder goes with --act-bench"),
+        (["bench", "--scenarios", 2, "--tiny"], "--tiny goes with --refiner or --act-bench --decoder refiner"),
+        ([*act, "--refiner-windows", 2], "--refiner-compile and --refiner-windows work with --decoder refiner"),
+        ([*act, "--refiner-compile", "default"], "--refiner-compile and --refiner-windows work with --decoder refiner"),
+        ([*act, "--refiner-weights", tmp_path / "r.pt"], "--refiner-weights works with --decoder refiner"),
+        ([*act, "--decoder", "refined"], "--decoder must be frames or refiner"),
+        ([*act, "--tiny"], "--tiny and --allow-slow go with --decoder refiner"),
+        ([*act, "--decoder", "refiner", "--tiny", "--refiner-weights", tmp_path / "r.pt"],
+         "--tiny is a refiner of random weights"),
+        ([*act, "--decoder", "refiner", "--windows", 4], "--windows, --full-cfg and --plain-cross-attention go with --refiner"),
+        ([*act, "--decoder", "refiner", "--refiner-compile", "fast"], "--refiner-compile must be one of"),
+        # a --model that brings no refiner (not turing-motors/Terra) needs its weights named
+        ([*act, "--decoder", "refiner", "--model", tmp_path / "model"],
+         "--decoder refiner has no weights: pass --refiner-weights PATH_OR_HUB_ID"),
+        # the product's checks on the random Terra-size refiner, before its 3 GB (or the world model) are built
+        ([*act, "--decoder", "refiner", "--frames", 24], "the refiner needs at least 25 frames"),
+        ([*act, "--decoder", "refiner", "--device", "cpu"], "use a GPU (--device cuda), or pass --allow-slow"),
+    ]
+    for args, message in cases:
+        result = invoke_terra(*args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
 def test_act_bench_on_two_ray_engines_writes_what_one_engine_writes(tmp_path, local_ray):
     """`terra bench --act-bench 2 --data-parallel 2 --writers 1` (reference backend on CPU, a local
     Ray cluster): the samples are handed to both engines, each engine's writer process makes its
@@ -390,6 +471,30 @@ def test_the_pipelined_projection_takes_the_slower_of_engine_and_writer_per_samp
     measured = pipelined_projection_s({**once, "generating": 300.0, "drain_writer": 50.0}, 100, 128, target=1000,
                                       writer_s_per_sample=4.0)
     assert measured == pytest.approx(40 + 10 + 1000 * 4.0 + 50)
+
+
+def test_the_refiner_report_takes_each_ray_engines_stage_and_one_engines_own():
+    """--act-bench --decoder refiner --data-parallel N: each engine's refiner stage reports with its
+    engine loop (RefineStage.decode_stats); an engine that never reported (lost before its last
+    stats) has none, and is not counted as a refiner."""
+    from terra_cli.bench.act_bench import refiner_plan, refiner_stages
+    from terra_cli.refiner.decoder import RefinerChoice
+    from terra_cli.refiner.refiner import RefinerOptions
+
+    def stage(videos, busy, compile_s):
+        return {"seconds": 100.0, "refined_videos": videos, "refiner_busy_s": busy, "refiner_unet_batches": videos,
+                "refiner_compile_mode": "default", "refiner_compile_s": compile_s, "refiner_vae_compile_s": 3.0}
+
+    engines = [{"engine": 0, "engine_loop": stage(10, 50.0, 90.0)}, {"engine": 1, "engine_loop": None},
+               {"engine": 2, "engine_loop": stage(6, 30.0, 20.0)}]
+    stages = refiner_stages(None, engines, on_ray=True)
+    assert [s["refined_videos"] for s in stages] == [10, 6]
+    assert refiner_stages(stage(4, 8.0, 0.0), [{"engine": 0, "startup_s": 1.0}], on_ray=False)[0]["refined_videos"] == 4
+    assert refiner_stages({"seconds": 5.0}, [{"engine": 0}], on_ray=False) == []  # the frame-wise decoder's loop
+    choice = RefinerChoice("w", options=RefinerOptions(batch_windows=4, compile="auto"))
+    assert refiner_plan(choice, stages) == {"weights": "w", "windows_per_call": 4, "compile": "auto", "dtype": "auto",
+                                            "compile_mode": ["default"], "compile_s": [90.0, 20.0],
+                                            "vae_decoder_compile_s": [3.0, 3.0]}
 
 
 def test_two_runs_building_one_cache_entry_at_once_both_use_it(tmp_path):

@@ -19,6 +19,7 @@ SHARED = {
     "draft": ["generate", "bench"],
     "draft_tokens": ["generate", "bench"],
     "torch_compile": ["generate", "bench"],
+    "refiner_windows": ["generate", "bench"],
 }
 
 

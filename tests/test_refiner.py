@@ -381,6 +381,10 @@ def test_refine_stage_batches_videos_and_fails_one_video_or_the_whole_stage(tiny
             futures[1].result(timeout=600)
         got_a, got_b = futures[0].result(timeout=600), futures[2].result(timeout=600)
         assert stage.videos == 2 and 2 <= stage.unet_batches <= 3
+        stats = stage.decode_stats()  # what a bench reports per engine (an eager run: no compiling)
+        assert stats["refined_videos"] == 2 and stats["refiner_unet_batches"] == stage.unet_batches
+        assert 0 < stats["refiner_busy_s"] and stats["refiner_compile_mode"] == "none"
+        assert stats["refiner_compile_s"] == stats["refiner_vae_compile_s"] == 0
     finally:
         stage.close()
     alone = VideoRefiner(refiner.unet, refiner.vae, refiner.config, device="cpu", dtype=torch.float32, source="x")

@@ -13,6 +13,12 @@ to first frame, generating, draining the writer: the videos still being made aft
 frame, by the writer processes or thread), and two projections for ACT-Bench's 2,286 samples:
 start-up once plus the measured steady time per sample, and `pipelined_projection_s`, where
 encoding and writing run beside generation as they do once a run is longer than its batch.
+
+With `--decoder refiner` (`ActBenchPlan.refiner`, a `refiner.decoder.RefinerChoice`) the videos are
+Terra's video refiner's, made as `generate --scenarios --decoder refiner` makes them: each engine
+loads the refiner before itself and refines its own videos in a thread beside generation
+(`refiner.stage`). Then also reported: refined videos/s after start-up, the refiner thread's busy
+seconds per sample, and per engine the refiner's compile (`plan.refiner`).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class ActBenchPlan:
     writers: int | None = None  # video writer processes; None: the scenario job's default for the device
     data_parallel: int = 1  # engines, one per GPU
     ray: str | None = None  # run the engines as Ray actors: local, or a cluster's address (several engines: local)
+    refiner: object = None  # refiner.decoder.RefinerChoice: --decoder refiner; None: the frame-wise decoder
 
 
 def pipelined_projection_s(phases: dict, samples: int, in_flight: int, target: int = ACT_BENCH_SAMPLES,
@@ -158,15 +165,17 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                           model=ModelSpec(str(checkpoint), tokenizer=tokenizer),
                           engine=Engine(plan.backend, plan.device, plan.dtype, options=dict(plan.vllm_options)),
                           sampling=Sampling(temperature=plan.temperature), max_rollouts=plan.max_rollouts,
-                          decode=True, writers=plan.writers)
+                          decode=True, writers=plan.writers, refiner=plan.refiner)
         prepared = prepare_job(job)
         first = prepared.file.scenarios[0]
         rounds = len(plan_rounds(first.context_frames, first.frames, load_config(checkpoint).layout.max_frames))
         timed = TimedRun(prepared, plan.data_parallel, plan.ray, log, progress)
         where = f" on {plan.data_parallel} engine(s) on Ray ({plan.ray or 'local'})" \
             if uses_ray(plan.data_parallel, plan.ray) else ""
+        decoder_note = "" if plan.refiner is None else \
+            f", refined by Terra's video refiner ({plan.refiner.options.batch_windows} window(s) per UNet call)"
         log(f"{plan.samples} ACT-Bench samples of {plan.frames} frames ({timed.total} frames to generate){where}, "
-            f"KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
+            f"KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}{decoder_note}")
         run = timed.run()
         marks, end = timed.marks, timed.marks["end"]
         if run.errors or run.done != plan.samples:
@@ -176,8 +185,14 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
         steady = end - marks["ready"]
         startup = marks["ready"] - marks["start"]  # the first engine's: from then on, work is done
         engines = timed.engine_rows()
+        stages = refiner_stages(timed.engine_loop, engines, uses_ray(plan.data_parallel, plan.ray))
+        refined_count = sum(stage["refined_videos"] for stage in stages)
+        refiner_s_per_sample = round(sum(stage["refiner_busy_s"] for stage in stages) / refined_count, 3) \
+            if refined_count else None
         results = {
-            "plan": {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.__dict__.items()},
+            "plan": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.__dict__.items() if k != "refiner"},
+                     "decoder": "frames" if plan.refiner is None else "refiner",
+                     "refiner": None if plan.refiner is None else refiner_plan(plan.refiner, stages)},
             "tokenizer": tokenizer,
             "engine": engines[0],
             "engines": engines,
@@ -192,6 +207,10 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                 "seconds_per_sample_wall": round((end - marks["start"]) / plan.samples, 3),
                 "seconds_per_sample_steady": round(steady / plan.samples, 3),
                 "generated_frames_per_s": round(run.generated_frames / max(steady, 1e-9), 3),
+                # --decoder refiner (None otherwise): videos written per second after start-up, and the
+                # refiner thread's busy seconds per video summed over the engines that reported them
+                "refined_videos_per_s": None if plan.refiner is None else round(len(videos) / max(steady, 1e-9), 4),
+                "refiner_s_per_sample": refiner_s_per_sample,
                 **timed.measures(),
                 "phases_s": {
                     "write_samples": round(written_s, 2),
@@ -205,14 +224,38 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
             },
         }
         in_flight = sum(e.get("in_flight") or 0 for e in engines) or plan.samples
-        per_video = results["run"]["writer_s_per_video"]  # None on Ray: the engines make the videos
+        if plan.refiner is not None:
+            # each engine's refiner thread makes its videos one UNet batch at a time: its busy time per
+            # video is the pace (writer_s_per_video is a refined video's wait in the queue as well)
+            pace = refiner_s_per_sample / len(stages) if refiner_s_per_sample is not None else None
+        else:
+            per_video = results["run"]["writer_s_per_video"]  # None on Ray: the engines make the videos
+            pace = per_video / max(1, run.writers) if per_video is not None else None
         results["run"]["projected_act_bench_hours_pipelined"] = round(pipelined_projection_s(
-            results["run"]["phases_s"], plan.samples, in_flight,
-            writer_s_per_sample=per_video / max(1, run.writers) if per_video is not None else None) / 3600, 3)
+            results["run"]["phases_s"], plan.samples, in_flight, writer_s_per_sample=pace) / 3600, 3)
         if run.generated_frames != timed.total:
             raise RuntimeError(f"{run.generated_frames} frames written, {timed.total} expected")
     r = results["run"]
+    rate = "" if r["refined_videos_per_s"] is None else f", {r['refined_videos_per_s']:.3f} refined videos/s"
     log(f"{r['seconds_per_sample_wall']:.2f} s/sample wall ({r['seconds_per_sample_steady']:.2f} after start-up), "
-        f"{r['generated_frames_per_s']:.2f} generated frames/s, ACT-Bench projected {r['projected_act_bench_hours']:.2f} h "
-        f"({r['projected_act_bench_hours_pipelined']:.2f} h with encoding and writing beside generation)")
+        f"{r['generated_frames_per_s']:.2f} generated frames/s{rate}, ACT-Bench projected "
+        f"{r['projected_act_bench_hours']:.2f} h ({r['projected_act_bench_hours_pipelined']:.2f} h with encoding and "
+        f"writing beside generation)")
     return results
+
+
+def refiner_stages(engine_loop: dict | None, engines: list[dict], on_ray: bool) -> list[dict]:
+    """The refiner stages' reports (`RefineStage.decode_stats`, in each engine's loop times): one
+    engine's in this process, else each Ray engine's last (one that never reported has none)."""
+    loops = [e.get("engine_loop") for e in engines] if on_ray else [engine_loop]
+    return [loop for loop in loops if loop and loop.get("refined_videos") is not None]
+
+
+def refiner_plan(choice, stages: list[dict]) -> dict:
+    """`plan.refiner` of the results: the weights and options asked for, and per engine the compile
+    mode it resolved to and the seconds its UNet and VAE decoder took to compile (0: eager)."""
+    options = choice.options
+    return {"weights": choice.spec, "windows_per_call": options.batch_windows, "compile": options.compile,
+            "dtype": options.dtype, "compile_mode": sorted({stage["refiner_compile_mode"] for stage in stages}),
+            "compile_s": [stage["refiner_compile_s"] for stage in stages],
+            "vae_decoder_compile_s": [stage["refiner_vae_compile_s"] for stage in stages]}

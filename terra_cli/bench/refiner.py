@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -44,6 +45,46 @@ class RefinerBenchPlan:
     config: RefinerConfig = TERRA_REFINER
     repeats: int = 3
     peak_flops: float = H100_BF16_DENSE
+
+
+def random_refiner_folder(config: RefinerConfig, seed: int) -> Path:
+    """Where `random_refiner_checkpoint` keeps random weights of `config` (terra's cache folder)."""
+    import hashlib
+    import json
+
+    from terra_cli.bench.hf_vs_vllm import random_model_cache
+
+    shapes = "terra" if config == TERRA_REFINER else \
+        "config-" + hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    return random_model_cache() / f"random-{shapes}-refiner-seed{seed}"
+
+
+def random_refiner_checkpoint(config: RefinerConfig, seed: int, device: str = "cpu",
+                              log: Callable[[str], None] = print) -> Path:
+    """A folder holding `config`'s shapes with random weights (`VideoRefiner.random`, bf16) as Terra's
+    checkpoint converted to safetensors: sgm names, the shapes in its metadata, what `terra refine
+    convert` writes, so it loads through the same strict loader as Terra's file. Written once per
+    config and seed and reused (`bench.cache.cached_folder`: its config.json says the shapes)."""
+    import gc
+    import json
+
+    from terra_cli.bench.cache import COMPLETE_MARKER, cached_folder
+    from terra_cli.refiner.checkpoint import CONVERTED_FILE, save_safetensors, sgm_state_dict
+
+    def build(folder: Path) -> None:
+        folder.mkdir(parents=True)
+        refiner = VideoRefiner.random(config, device, torch.bfloat16, seed=seed)
+        save_safetensors(sgm_state_dict(refiner.unet, refiner.vae, config, torch.bfloat16), config,
+                         folder / CONVERTED_FILE)
+        (folder / COMPLETE_MARKER).write_text(json.dumps(config.to_dict(), indent=1) + "\n")
+        del refiner
+        if str(device).startswith("cuda"):  # built in the process that then starts an engine (as the world model)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    what = "random refiner (Terra's shapes, 1.52B-parameter UNet, bf16)" if config == TERRA_REFINER else \
+        "random refiner (a small config)"
+    return cached_folder(random_refiner_folder(config, seed), build, log, what)
 
 
 def unet_flop_counter(config: RefinerConfig, exact_cross_attention: bool = True):

@@ -28,6 +28,8 @@ EPILOG = (
     "  terra bench --act-bench 512 --data-parallel 2 --kv-cache-dtype fp8 --out act2.json   # ACT-Bench-shaped on 2 GPUs\n\n"
     "  terra bench --act-bench 256 --kv-cache-dtype fp8 --out act.json   # ACT-Bench-shaped, end to end, videos included\n\n"
     "  terra bench --act-bench 256 --kv-cache-dtype fp8 --writers 2 --out act-w2.json   # videos made in two processes\n\n"
+    "  terra bench --act-bench 512 --data-parallel 4 --kv-cache-dtype fp8 --decoder refiner --refiner-windows 4\n"
+    "      # ACT-Bench-shaped with Terra's video refiner on 4 GPUs, each engine refining its own videos\n\n"
     "  terra bench --refiner --windows 1,2 --refiner-compile default --out refiner.json   # Terra's refiner (GPU)\n\n"
     "  terra bench --env 64 --branches 8 --fork-from 20 --out env.json   # the closed-loop simulator (GPU; docs/simulator.md)\n\n"
     "Docs: docs/performance.md"
@@ -103,11 +105,15 @@ def bench(
     overwrite: bool = opts.overwrite_option(),
     refiner: bool = typer.Option(False, "--refiner", help="Terra's video refiner, random weights in its exact shapes: s/window, UNet evaluations/s, MFU, peak memory, ACT-Bench projection."),
     windows: str = typer.Option("1,2", "--windows", help="--refiner: windows per UNet call to measure, comma-separated."),
-    refiner_compile: str = typer.Option("none", "--refiner-compile", help="--refiner: torch.compile mode for the UNet: none, auto (default on a GPU), default, reduce-overhead or max-autotune (CUDA graphs), max-autotune-no-cudagraphs; compiled once at the largest --windows, then again per other size."),
-    refiner_dtype: str = typer.Option("auto", "--refiner-dtype", help="--refiner: auto (--dtype throughout) or fp8 (the UNet's attention and feed-forward Linear layers in float8; also reports the PSNR of one refined window against the same weights unquantized)."),
+    refiner_compile: Optional[str] = typer.Option(None, "--refiner-compile", show_default="none with --refiner, auto with --decoder refiner", help="--refiner or --act-bench --decoder refiner: torch.compile mode for the UNet: none, auto (default on a GPU, none on a CPU), default, reduce-overhead or max-autotune (CUDA graphs), max-autotune-no-cudagraphs; --refiner compiles once at the largest --windows, then again per other size."),
+    refiner_dtype: str = typer.Option("auto", "--refiner-dtype", help="--refiner or --act-bench --decoder refiner: auto (--dtype throughout) or fp8 (the UNet's attention and feed-forward Linear layers in float8; --refiner also reports the PSNR of one refined window against the same weights unquantized)."),
     full_cfg: bool = typer.Option(False, "--full-cfg", help="--refiner: run the guidance pair (two UNet evaluations per step, as Terra computes them) instead of one (same result: Terra's uc equals c)."),
     plain_cross_attention: bool = typer.Option(False, "--plain-cross-attention", help="--refiner: compute cross-attention over the zero context token instead of its closed form."),
-    tiny: bool = typer.Option(False, "--tiny", help="--refiner: a tiny refiner config (a CPU smoke test; its times mean nothing)."),
+    tiny: bool = typer.Option(False, "--tiny", help="--refiner, or --act-bench --decoder refiner without --refiner-weights: a tiny refiner config with random weights (a CPU smoke test; its times mean nothing)."),
+    decoder: str = typer.Option("frames", "--decoder", help="--act-bench: frames (the frame-wise token decoder, 512x288) or refiner (Terra's video refiner, 640x384, as `generate --scenarios --decoder refiner`: each engine refines its own videos; at least 25 frames, a GPU)."),
+    refiner_weights: Optional[str] = typer.Option(None, "--refiner-weights", metavar="PATH_OR_HUB_ID", help="--act-bench --decoder refiner: the refiner's weights, as `generate --refiner` takes them (here --refiner is a measure). Default: --model's own (turing-motors/Terra or a snapshot of it); with no --model, random weights in Terra's shapes and checkpoint format, written once into terra's cache folder."),
+    refiner_windows: Optional[int] = opts.refiner_windows_option(),
+    allow_slow: bool = typer.Option(False, "--allow-slow", help="--act-bench --decoder refiner on a CPU: run even when the refiner is estimated to take over an hour."),
     env: int = typer.Option(0, "--env", min=0, help="The closed-loop simulator: N environments stepping one frame each against the engine's frames/s at N rollouts in flight, and a fork's first step against its branches' next (docs/simulator.md)."),
     steps: int = typer.Option(8, "--steps", min=1, help="--env: steps the N environments take (within one round)."),
     branches: int = typer.Option(8, "--branches", min=1, help="--env: branches of the fork."),
@@ -138,6 +144,14 @@ def bench(
         raise InputError("--writers goes with --act-bench (the other measures write no videos)")
     if (data_parallel != 1 or ray_address is not None) and not (scenarios or act_bench):
         raise InputError("--data-parallel and --ray go with --scenarios or --act-bench")
+    for name, given in (("--decoder", decoder.strip().lower() != "frames"), ("--refiner-weights", refiner_weights is not None),
+                        ("--refiner-windows", refiner_windows is not None), ("--allow-slow", allow_slow)):
+        if given and not act_bench:
+            raise InputError(f"{name} goes with --act-bench" + ("" if name == "--decoder" else " --decoder refiner"))
+    for name, given in (("--refiner-compile", refiner_compile is not None), ("--refiner-dtype", refiner_dtype != "auto"),
+                        ("--tiny", tiny)):
+        if given and not (refiner or act_bench):
+            raise InputError(f"{name} goes with --refiner or --act-bench --decoder refiner")
     outputs = OutputPlan(overwrite)
     outputs.input("--model", Path(model) if model and os.path.lexists(model) else None)
     for name, path, used in (("--out", out_json, True), ("--plot", plot, hf_vs_vllm),
@@ -163,8 +177,8 @@ def bench(
         return env_bench(model, EnvBenchPlan(env, steps, context_frames, branches, fork_from, backend, device, dtype,
                                              temperature, seed, vllm_options), out_json, overwrite)
     if refiner:
-        return _refiner_bench(windows, refiner_compile, refiner_dtype, full_cfg, plain_cross_attention, tiny, device,
-                              dtype, seed, out_json, overwrite)
+        return _refiner_bench(windows, refiner_compile or "none", refiner_dtype, full_cfg, plain_cross_attention, tiny,
+                              device, dtype, seed, out_json, overwrite)
     if act_bench:
         from terra_cli.bench.act_bench import ActBenchPlan
         from terra_cli.cli.bench_act import act_bench as run_act_bench
@@ -172,10 +186,15 @@ def bench(
 
         if lockstep:
             raise InputError("--lockstep goes with --scenarios")
+        if windows != "1,2" or full_cfg or plain_cross_attention:
+            raise InputError("--windows, --full-cfg and --plain-cross-attention go with --refiner (with --act-bench "
+                             "--decoder refiner: --refiner-windows N)")
+        refine, random_refiner = _act_bench_refiner(decoder, refiner_weights, model, tiny, seed, device, dtype,
+                                                    allow_slow, refiner_windows, refiner_compile, refiner_dtype)
         plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
                             dtype, temperature, seed, vllm_options=vllm_options, writers=writers,
-                            data_parallel=data_parallel, ray=ray_address)
-        return run_act_bench(model, plan, keep_outputs, out_json, overwrite)
+                            data_parallel=data_parallel, ray=ray_address, refiner=refine)
+        return run_act_bench(model, plan, keep_outputs, out_json, overwrite, random_refiner)
     frames = 25 if frames is None else frames
     if draft_acceptance:
         return _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heatmap, overwrite)
@@ -331,6 +350,31 @@ def engine_shares(engines: list[dict]) -> str:
     shares = [f"{e['share']:.0f}%" + (f" ({e['restarts']} restart)" if e.get("restarts") else "")
               for e in engines if e.get("share") is not None]
     return f"{len(engines)}" + (f": {', '.join(shares)}" if shares else "")
+
+
+def _act_bench_refiner(decoder: str, weights: Optional[str], model: Optional[str], tiny: bool, seed: int, device: str,
+                       dtype: str, allow_slow: bool, windows: Optional[int], compile_mode: Optional[str], refiner_dtype: str):
+    """--decoder and the refiner's options of --act-bench, checked as `generate --scenarios` checks
+    them -> (RefinerChoice or None, the config of random weights to write or None). Without
+    --refiner-weights the refiner is --model's own; with no --model (the bench's random Terra-size
+    world model), or with --tiny, random weights (bench.refiner.random_refiner_checkpoint)."""
+    from terra_cli.bench.refiner import random_refiner_folder
+    from terra_cli.errors import InputError
+    from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config
+    from terra_cli.refiner.decoder import refiner_choice, refiner_options
+
+    random_config = None
+    if decoder.strip().lower() == "refiner" and weights is None and (model is None or tiny):
+        random_config = tiny_refiner_config() if tiny else TERRA_REFINER
+    spec = str(random_refiner_folder(random_config, seed)) if random_config is not None else weights
+    choice = refiner_choice(decoder, spec, model, device, dtype, allow_slow,
+                            refiner_options(decoder, windows, compile_mode or "auto", refiner_dtype),
+                            flag="--refiner-weights")
+    if choice is None and (tiny or allow_slow):
+        raise InputError("--tiny and --allow-slow go with --decoder refiner")
+    if tiny and weights is not None:
+        raise InputError("--tiny is a refiner of random weights: drop it or --refiner-weights")
+    return choice, random_config
 
 
 def _refiner_bench(windows: str, compile_mode: str, refiner_dtype: str, full_cfg: bool, plain_cross_attention: bool,

@@ -11,7 +11,10 @@ from rich.table import Table
 from terra_cli.cli.app import console, out
 
 
-def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path | None, overwrite: bool) -> None:
+def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path | None, overwrite: bool,
+              random_refiner=None) -> None:
+    """`random_refiner`: with --decoder refiner, the refiner config (refiner.config.RefinerConfig) whose
+    random weights go into the folder `plan.refiner` names (bench.refiner.random_refiner_folder)."""
     from terra_cli.bench.act_bench import bench_tokenizer, run_act_bench
     from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
     from terra_cli.cli.bench import engine_shares
@@ -25,15 +28,28 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     if plan.context_frames < 1 or plan.frames <= plan.context_frames:
         raise InputError(f"--frames ({plan.frames}) must be more than --context-frames ({plan.context_frames}), which must be >= 1")
     device = resolve_device(plan.device)
+    if random_refiner is not None:
+        from terra_cli.refiner.refiner import check_cpu_time
+        from terra_cli.refiner.windows import check_frames
+
+        # the product's own checks (refiner.decoder.load_refiner), before any random weights are built
+        check_frames(plan.frames, random_refiner.window)
+        check_cpu_time(random_refiner, [plan.frames] * plan.samples, device, plan.refiner.allow_slow)
     log = lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)  # noqa: E731
     checkpoint = resolve_world_model_dir(model) if model else random_terra_checkpoint(device, plan.seed, log)
     tokenizer = bench_tokenizer(checkpoint, model, plan.seed, log)
+    if random_refiner is not None:
+        from terra_cli.bench.refiner import random_refiner_checkpoint
+
+        random_refiner_checkpoint(random_refiner, plan.seed, device, log)
     bar = LazyFrameBar(console, "ACT-Bench")
     try:
         results = run_act_bench(checkpoint, tokenizer, plan, keep_outputs, log, bar)
     finally:
         bar.close()
     results["model"] = str(model or checkpoint)
+    if results["plan"]["refiner"] is not None:
+        results["plan"]["refiner"]["random_weights"] = random_refiner is not None
     results["command"] = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     results["environment"] = environment()
     run, phases = results["run"], results["run"]["phases_s"]
@@ -41,12 +57,23 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     table = Table(title=f"terra bench --act-bench: {results['model']}")
     table.add_column("measure")
     table.add_column("value", justify="right")
+    refiner = results["plan"]["refiner"]
+    if refiner is None:
+        videos = (("decoder", "frames"), ("video writer processes", str(run["writers"])),
+                  ("s/video in a writer", "-" if run["writer_s_per_video"] is None else f"{run['writer_s_per_video']:.2f}"))
+    else:
+        compiled = ", ".join(f"{u:.0f}+{v:.0f}" for u, v in zip(refiner["compile_s"], refiner["vae_decoder_compile_s"]))
+        videos = (("decoder", f"refiner, {refiner['windows_per_call']} window(s) per UNet call"),
+                  ("refiner compile (per engine: UNet+VAE decoder s)",
+                   f"{'/'.join(refiner['compile_mode']) or refiner['compile']}" + (f" ({compiled})" if compiled else "")),
+                  ("refined videos/s after start-up", f"{run['refined_videos_per_s']:.3f}"),
+                  ("refiner s/sample (its thread's work)",
+                   "-" if run["refiner_s_per_sample"] is None else f"{run['refiner_s_per_sample']:.2f}"))
     for name, value in (
         ("samples x frames (rounds)", f"{plan.samples} x {plan.frames} ({run['rounds_per_sample']})"),
         ("engines (share of samples)", engine_shares(results["engines"])),
         ("rollouts in flight per engine", ", ".join(str(e.get("in_flight") or "-") for e in results["engines"])),
-        ("video writer processes", str(run["writers"])),
-        ("s/video in a writer", "-" if run["writer_s_per_video"] is None else f"{run['writer_s_per_video']:.2f}"),
+        *videos,
         ("s/sample, wall", f"{run['seconds_per_sample_wall']:.3f}"),
         ("s/sample after start-up", f"{run['seconds_per_sample_steady']:.3f}"),
         ("generated frames/s after start-up", f"{run['generated_frames_per_s']:.2f}"),

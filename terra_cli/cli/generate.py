@@ -101,15 +101,11 @@ def generate(
     refine = None
     if decoder != "frames" or refiner is not None or allow_slow or refiner_compile != "auto" or refiner_windows is not None \
             or refiner_dtype != "auto":
-        from terra_cli.refiner.decoder import refiner_choice
-        from terra_cli.refiner.refiner import RefinerOptions, windows_per_call
+        from terra_cli.refiner.decoder import refiner_choice, refiner_options
 
-        if refiner_windows is None and decoder.strip().lower() == "refiner":
-            one_video = ONE_VIDEO_FRAMES if frames is None else frames
-            refiner_windows = windows_per_call(None, None if scenarios is not None else one_video)
+        one_video = None if scenarios is not None else ONE_VIDEO_FRAMES if frames is None else frames
         refine = refiner_choice(decoder, refiner, model, device, dtype, allow_slow,
-                                RefinerOptions(batch_windows=refiner_windows or 1, compile=refiner_compile.strip().lower(),
-                                               dtype=refiner_dtype.strip().lower()))
+                                refiner_options(decoder, refiner_windows, refiner_compile, refiner_dtype, one_video))
 
     if scenarios is not None:
         from terra_cli.models.resolve import ModelSpec

@@ -67,17 +67,13 @@ def refine_video(
     from terra_cli.models.resolve import PAIRED_TOKENIZER, load_tokenizer, resolve_model, split_tokenizer_spec
     from terra_cli.pipeline.inputs import load_context_tokens
     from terra_cli.pipeline.outputs import check_outputs
-    from terra_cli.refiner.decoder import RefinerDecoder, load_refiner, refiner_choice
+    from terra_cli.refiner.decoder import RefinerDecoder, load_refiner, refiner_choice, refiner_options
     from terra_cli.runtime import resolve_device
 
     outputs = check_outputs(output, None, None, no_decode=False, overwrite=overwrite)
     ids = load_context_tokens(tokens, None)
-    from terra_cli.refiner.refiner import RefinerOptions, windows_per_call
-
     choice = refiner_choice("refiner", refiner, model, device, dtype, allow_slow,
-                            RefinerOptions(batch_windows=windows_per_call(refiner_windows, len(ids)),
-                                           compile=refiner_compile.strip().lower(),
-                                           dtype=refiner_dtype.strip().lower()))
+                            refiner_options("refiner", refiner_windows, refiner_compile, refiner_dtype, len(ids)))
     if variant not in PAIRED_TOKENIZER:
         raise InputError(f"--variant must be one of {', '.join(PAIRED_TOKENIZER)}, got {variant!r}")
     # Only the tokenizer is needed here, not the world model --model names.

@@ -159,6 +159,29 @@ def load_weights(unet, vae, state: dict[str, torch.Tensor], config: RefinerConfi
     return ignored
 
 
+def sgm_state_dict(unet, vae, config: RefinerConfig, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Our modules' weights under Terra's (sgm) names and shapes: what `load_weights` reads back.
+    `dtype`: floating-point tensors cast to it, on the CPU."""
+    state = {}
+    for module, name_of in ((unet, lambda key: keymap.UNET + keymap.unet_name(key, config)),
+                            (vae, lambda key: keymap.vae_name(key, config))):
+        for key, value in module.state_dict().items():
+            name = name_of(key)
+            if keymap.is_conv_attention(name):  # Terra's VAE attention projections are 1x1 convolutions
+                value = value[:, :, None, None]
+            cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+            state[name] = value.to("cpu", cast, copy=True).contiguous()
+    return state
+
+
+def save_safetensors(state: dict[str, torch.Tensor], config: RefinerConfig, path: Path) -> None:
+    """sgm-named tensors as the safetensors file `terra refine convert` makes, its shapes in the metadata."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path),
+              metadata={"format": "pt", CONFIG_KEY: json.dumps(config.to_dict())})
+
+
 def _some(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
@@ -176,8 +199,6 @@ def ignored_summary(ignored: list[str]) -> str:
 def convert_checkpoint(src: Path, dst: Path, *, trust: bool, overwrite: bool = False) -> int:
     """Run the full unpickler on `src` (only with trust=True) and write its tensors as safetensors.
     Returns the number of tensors written."""
-    from safetensors.torch import save_file
-
     from terra_cli.media.atomic import atomic_path
 
     if not trust:
@@ -190,9 +211,8 @@ def convert_checkpoint(src: Path, dst: Path, *, trust: bool, overwrite: bool = F
     except Exception as exc:
         raise CheckpointError(f"cannot read {src}: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from exc
     state, config = _unwrap(raw, Path(src))
-    tensors = {k: v.contiguous() for k, v in state.items()}
     with atomic_path(Path(dst), overwrite) as tmp:
         mode = tmp.stat().st_mode & 0o777  # what the umask gives: safetensors writes a new 0600 file
-        save_file(tensors, str(tmp), metadata={"format": "pt", CONFIG_KEY: json.dumps(config.to_dict())})
+        save_safetensors(state, config, tmp)
         tmp.chmod(mode)
-    return len(tensors)
+    return len(state)

@@ -70,11 +70,25 @@ class RefinerDecoder:
 DECODERS = ("frames", "refiner")
 
 
+def refiner_options(decoder: str, windows: int | None, compile: str, dtype: str,
+                    frames: int | None = None) -> RefinerOptions:
+    """--refiner-windows, --refiner-compile and --refiner-dtype as a command gives them (checked by
+    `refiner_choice`). Windows per call by default: `windows_per_call` for the refiner, given the one
+    video's `frames` when only one is refined."""
+    from terra_cli.refiner.refiner import windows_per_call
+
+    if windows is None and decoder.strip().lower() == "refiner":
+        windows = windows_per_call(None, frames)
+    return RefinerOptions(batch_windows=windows or 1, compile=compile.strip().lower(), dtype=dtype.strip().lower())
+
+
 def refiner_choice(decoder: str, refiner: str | None, model: str | None, device: str = "auto", dtype: str = "auto",
-                   allow_slow: bool = False, options: RefinerOptions = RefinerOptions()) -> RefinerChoice | None:
+                   allow_slow: bool = False, options: RefinerOptions = RefinerOptions(),
+                   flag: str = "--refiner") -> RefinerChoice | None:
     """--decoder / --refiner as the CLI gives them -> a RefinerChoice (None for the frame-wise decoder).
     Without --refiner, a --model that is turing-motors/Terra (or a local snapshot of it) brings its own.
-    `options` (--refiner-compile, --refiner-windows, --refiner-dtype) are checked here, before anything loads."""
+    `options` (--refiner-compile, --refiner-windows, --refiner-dtype) are checked here, before anything loads.
+    `flag`: what the command calls --refiner (`terra bench`, whose --refiner is a measure: --refiner-weights)."""
     from pathlib import Path
 
     from terra_cli.errors import InputError
@@ -93,7 +107,7 @@ def refiner_choice(decoder: str, refiner: str | None, model: str | None, device:
         raise InputError(f"--decoder must be frames or refiner, got {decoder!r}")
     if decoder == "frames":
         if refiner is not None:
-            raise InputError("--refiner works with --decoder refiner")
+            raise InputError(f"{flag} works with --decoder refiner")
         if options.dtype != RefinerOptions().dtype:
             raise InputError("--refiner-dtype works with --decoder refiner")
         if options != RefinerOptions():
@@ -103,7 +117,7 @@ def refiner_choice(decoder: str, refiner: str | None, model: str | None, device:
         if model.strip("/") == TERRA_HUB_ID or (Path(model).expanduser() / REFINER_SUBFOLDER).is_dir():
             refiner = model
     if refiner is None:
-        raise InputError(f"--decoder refiner has no weights: pass --refiner PATH_OR_HUB_ID (Terra's is "
+        raise InputError(f"--decoder refiner has no weights: pass {flag} PATH_OR_HUB_ID (Terra's is "
                          f"{TERRA_HUB_ID}, file {REFINER_SUBFOLDER}/{REFINER_FILE})")
     return RefinerChoice(refiner, device, dtype, allow_slow, options)
 

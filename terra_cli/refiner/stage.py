@@ -66,6 +66,7 @@ class RefineStage:
         self.stopping = threading.Event()
         self.videos, self.video_seconds = 0, 0.0  # made, and their time from submission to the mp4
         self.unet_batches = 0
+        self.busy_s = 0.0  # the thread's time on videos (decoding tokens, UNet batches, VAE, mp4), compiling not included
         self._count = 0
         self.thread = threading.Thread(target=self._run, name="terra-refiner", daemon=True)
         self.thread.start()
@@ -90,6 +91,16 @@ class RefineStage:
         if self.failure is not None:
             raise self.failure
 
+    def decode_stats(self) -> dict:
+        """What the stage did so far, reported with its engine loop's times (as a writer's
+        decode-ahead is): videos refined, the thread's busy seconds on them, UNet batches, and the
+        compile mode and seconds of the UNet and the VAE decoder (0 when eager)."""
+        refiner = self.refiner
+        return {"refined_videos": self.videos, "refiner_busy_s": round(self.busy_s, 3),
+                "refiner_unet_batches": self.unet_batches, "refiner_compile_mode": refiner.compile_mode,
+                "refiner_compile_s": round(refiner.compile_seconds, 2),
+                "refiner_vae_compile_s": round(refiner.vae_decoder_compile_seconds, 2)}
+
     def close(self) -> None:
         """Stop after the UNet batch in progress; videos still open fail. Safe to call twice."""
         with self.lock:
@@ -111,7 +122,9 @@ class RefineStage:
                     continue
                 group = [self.waiting.popleft() for _ in range(min(self.windows_per_call, len(self.waiting)))]
                 if group:
+                    started = time.perf_counter()
                     self._sample(group)
+                    self.busy_s += time.perf_counter() - started
         except BaseException as exc:  # the stage cannot go on: every open and later video fails
             with self.lock:
                 self.failure = RefinerStopped(f"the refiner stopped: {type(exc).__name__}: {' '.join(str(exc).split())}")
@@ -119,13 +132,14 @@ class RefineStage:
 
     def _on_device(self) -> None:
         """This thread uses the refiner's GPU (a new thread starts on GPU 0), and compiles the UNet
-        first, while the engine generates the first videos' tokens."""
+        and the VAE decoder first, while the engine generates the first videos' tokens."""
         device = str(self.refiner.device)
         if device.startswith("cuda"):
             import torch
 
             torch.cuda.set_device(torch.device(device))
         self.refiner.prepare()
+        self.refiner.prepare_vae_decoder()
 
     def _take_in(self, block: bool) -> bool:
         """Turn what came in into windows; False once told to stop."""
@@ -138,12 +152,15 @@ class RefineStage:
                 return False
             block = False
             number, video, tokens, seed = item
+            started = time.perf_counter()
             try:
                 pixels = self.decoder.token_frames(tokens)
                 windows = self.refiner.windows(self.refiner.condition_latents(pixels), seed, number)
             except Exception as exc:  # this video's own failure (tokens its decoder cannot take)
                 video.future.set_exception(VideoFailed(" ".join(f"{type(exc).__name__}: {exc}".split())))
                 continue
+            finally:
+                self.busy_s += time.perf_counter() - started
             video.windows_left = len(windows)
             with self.lock:
                 self.open[number] = video

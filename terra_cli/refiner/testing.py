@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from terra_cli.refiner import keymap
-from terra_cli.refiner.checkpoint import CONFIG_KEY, PREFIX
+from terra_cli.refiner.checkpoint import CONFIG_KEY, PREFIX, save_safetensors, sgm_state_dict
 from terra_cli.refiner.config import RefinerConfig, tiny_refiner_config
 
 
@@ -26,12 +26,7 @@ def terra_state_dict(config: RefinerConfig, seed: int = 0) -> dict[str, torch.Te
         for p in unet.parameters():
             if not p.any():
                 p.normal_(0.0, 0.02)
-    state = {}
-    for key, value in unet.state_dict().items():
-        state[keymap.UNET + keymap.unet_name(key, config)] = value.clone()
-    for key, value in vae.state_dict().items():
-        name = keymap.vae_name(key, config)
-        state[name] = value[:, :, None, None].clone() if keymap.is_conv_attention(name) else value.clone()
+    state = sgm_state_dict(unet, vae, config)
     width = config.model_channels
     extras = {
         keymap.UNET + "cond_time_stack_embed.0.weight": torch.randn(4 * width, width),
@@ -53,9 +48,7 @@ def write_tiny_refiner(path: Path, config: RefinerConfig | None = None, seed: in
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        save_file(state, str(path), metadata={"format": "pt", CONFIG_KEY: json.dumps(config.to_dict())})
+        save_safetensors(state, config, path)
     else:
         torch.save({"module": {PREFIX + k: v for k, v in state.items()}, CONFIG_KEY: json.dumps(config.to_dict())},
                    path)

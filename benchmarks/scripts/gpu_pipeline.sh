@@ -31,10 +31,11 @@
 #          default); GPU3=refiner: GPU 3 runs only the refiner (REFINER_W8=1: then 8 windows a call too);
 #          GPU3=gil: GPU 3 runs GPU2=gil's ACT-Bench run at GIL3_S (0.0001 s; it crashed vLLM, 2026-11-27);
 #          GPU2=stream: staggered starts, the engine on a high-priority CUDA stream (TERRA_ENGINE_STREAM_PRIORITY);
-#          GPU2=batch16: staggered starts, the tokenizer encoding and decoding 16 frames a call (TERRA_TOKENIZER_BATCH);
+#          GPU2=batchN: staggered starts, the tokenizer encoding and decoding N frames a call (TERRA_TOKENIZER_BATCH);
 #          GPU3=eagerdec: staggered starts with the eager tokenizer decoder (TERRA_DECODER_COMPILE=0);
 #          GPU3=engdec: staggered starts, the decoder's kernels behind the engine's (TERRA_DECODE_STREAM=engine);
 #          REFINER_PROFILE=1 (with GPU3=refiner or single): then gpu_refiner_profile.py (issue 40);
+#          REFINER_COMPILE: the refiner's --refiner-compile there (default; max-autotune-no-cudagraphs to compare);
 #          RUN_S: the runs' time limit (600 s)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -133,12 +134,12 @@ case "${1:-}" in
       fi
       python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
       for w in 4 ${REFINER_W8:+8}; do
-        CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows $w --refiner-compile default \
+        CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows $w --refiner-compile "${REFINER_COMPILE:-default}" \
           --out "$OUT/refiner-compiled-w$w.json" --overwrite > "$OUT/refiner-compiled-w$w.log" 2>&1
       done
       # REFINER_PROFILE=1: where a window's GPU time goes, by kernel group, with each group's TFLOP/s
       if [ -n "${REFINER_PROFILE:-}" ]; then
-        CUDA_VISIBLE_DEVICES=3 timeout 240 python3 benchmarks/scripts/gpu_refiner_profile.py --windows 4 \
+        CUDA_VISIBLE_DEVICES=3 timeout 240 python3 benchmarks/scripts/gpu_refiner_profile.py --windows 4 --compile "${REFINER_COMPILE:-default}" \
           --out "$OUT/refiner_profile.json" > "$OUT/refiner_profile.log" 2>&1
       fi ) &
     [ "$gpus" -ge 4 ] && [ -z "$act3" ] && pids+=($!)
@@ -156,8 +157,9 @@ case "${1:-}" in
     # GPU2=stream: staggered starts with the engine on the card's highest-priority stream
     # (TERRA_ENGINE_STREAM_PRIORITY=high): do the decode-ahead's kernels slow the engine's steps?
     if [ "${GPU2:-stagger}" = stream ]; then gpu2=(TERRA_STAGGER_STARTS=1 TERRA_ENGINE_STREAM_PRIORITY=high); fi
-    # GPU2=batch16: staggered starts, the run's tokenizer in batches of 16 frames (TERRA_TOKENIZER_BATCH)
-    if [ "${GPU2:-stagger}" = batch16 ]; then gpu2=(TERRA_STAGGER_STARTS=1 TERRA_TOKENIZER_BATCH=16); fi
+    # GPU2=batchN (batch16, batch4): staggered starts, the run's tokenizer in batches of N frames
+    # (TERRA_TOKENIZER_BATCH; 16 slowed the steps more than 8, 2026-11-27 night: 4 is the next probe)
+    case "${GPU2:-stagger}" in batch[0-9]*) gpu2=(TERRA_STAGGER_STARTS=1 "TERRA_TOKENIZER_BATCH=${GPU2#batch}") ;; esac
     if [ "${GPU2:-stagger}" = gil ]; then
       gpu2=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH")
       echo "GPU 2: switch interval ${GIL_SWITCH_S:-0.0005} s" >> "$STEP_LOG"

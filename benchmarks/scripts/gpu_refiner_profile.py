@@ -98,7 +98,7 @@ def top_level(ops: list[dict]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=4, help="windows per UNet call (the product's batch)")
-    parser.add_argument("--compile", default="default", help="--refiner-compile: default, reduce-overhead, none")
+    parser.add_argument("--compile", default="default", help="--refiner-compile: default, reduce-overhead, max-autotune-no-cudagraphs, none, ...")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny refiner config (a CPU dry run)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")

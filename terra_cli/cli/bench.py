@@ -181,7 +181,7 @@ def bench(
                               device, dtype, seed, out_json, overwrite)
     if act_bench:
         from terra_cli.bench.act_bench import ActBenchPlan
-        from terra_cli.cli.bench_act import act_bench as run_act_bench
+        from terra_cli.cli.bench_act import act_bench as run_act_bench, act_bench_refiner
         from terra_cli.scenarios.job import parse_max_rollouts
 
         if lockstep:
@@ -189,8 +189,8 @@ def bench(
         if windows != "1,2" or full_cfg or plain_cross_attention:
             raise InputError("--windows, --full-cfg and --plain-cross-attention go with --refiner (with --act-bench "
                              "--decoder refiner: --refiner-windows N)")
-        refine, random_refiner = _act_bench_refiner(decoder, refiner_weights, model, tiny, seed, device, dtype,
-                                                    allow_slow, refiner_windows, refiner_compile, refiner_dtype)
+        refine, random_refiner = act_bench_refiner(decoder, refiner_weights, model, tiny, seed, device, dtype,
+                                                   allow_slow, refiner_windows, refiner_compile, refiner_dtype)
         plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
                             dtype, temperature, seed, vllm_options=vllm_options, writers=writers,
                             data_parallel=data_parallel, ray=ray_address, refiner=refine)
@@ -350,31 +350,6 @@ def engine_shares(engines: list[dict]) -> str:
     shares = [f"{e['share']:.0f}%" + (f" ({e['restarts']} restart)" if e.get("restarts") else "")
               for e in engines if e.get("share") is not None]
     return f"{len(engines)}" + (f": {', '.join(shares)}" if shares else "")
-
-
-def _act_bench_refiner(decoder: str, weights: Optional[str], model: Optional[str], tiny: bool, seed: int, device: str,
-                       dtype: str, allow_slow: bool, windows: Optional[int], compile_mode: Optional[str], refiner_dtype: str):
-    """--decoder and the refiner's options of --act-bench, checked as `generate --scenarios` checks
-    them -> (RefinerChoice or None, the config of random weights to write or None). Without
-    --refiner-weights the refiner is --model's own; with no --model (the bench's random Terra-size
-    world model), or with --tiny, random weights (bench.refiner.random_refiner_checkpoint)."""
-    from terra_cli.bench.refiner import random_refiner_folder
-    from terra_cli.errors import InputError
-    from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config
-    from terra_cli.refiner.decoder import refiner_choice, refiner_options
-
-    random_config = None
-    if decoder.strip().lower() == "refiner" and weights is None and (model is None or tiny):
-        random_config = tiny_refiner_config() if tiny else TERRA_REFINER
-    spec = str(random_refiner_folder(random_config, seed)) if random_config is not None else weights
-    choice = refiner_choice(decoder, spec, model, device, dtype, allow_slow,
-                            refiner_options(decoder, windows, compile_mode or "auto", refiner_dtype),
-                            flag="--refiner-weights")
-    if choice is None and (tiny or allow_slow):
-        raise InputError("--tiny and --allow-slow go with --decoder refiner")
-    if tiny and weights is not None:
-        raise InputError("--tiny is a refiner of random weights: drop it or --refiner-weights")
-    return choice, random_config
 
 
 def _refiner_bench(windows: str, compile_mode: str, refiner_dtype: str, full_cfg: bool, plain_cross_attention: bool,

@@ -1,4 +1,4 @@
-"""`terra bench --act-bench N`: checks, the run (terra_cli/bench/act_bench.py), its table and JSON."""
+"""`terra bench --act-bench N`: checks, the run (terra_cli/bench/act_bench.py), its table and JSON, and its `--decoder refiner` options."""
 
 from __future__ import annotations
 
@@ -87,3 +87,28 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     if out_json:
         atomic_write_json(out_json, results, overwrite=overwrite)
         console.print(f"results -> {out_json}")
+
+
+def act_bench_refiner(decoder: str, weights: str | None, model: str | None, tiny: bool, seed: int, device: str,
+                       dtype: str, allow_slow: bool, windows: int | None, compile_mode: str | None, refiner_dtype: str):
+    """--decoder and the refiner's options of --act-bench, checked as `generate --scenarios` checks
+    them -> (RefinerChoice or None, the config of random weights to write or None). Without
+    --refiner-weights the refiner is --model's own; with no --model (the bench's random Terra-size
+    world model), or with --tiny, random weights (bench.refiner.random_refiner_checkpoint)."""
+    from terra_cli.bench.refiner import random_refiner_folder
+    from terra_cli.errors import InputError
+    from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config
+    from terra_cli.refiner.decoder import refiner_choice, refiner_options
+
+    random_config = None
+    if decoder.strip().lower() == "refiner" and weights is None and (model is None or tiny):
+        random_config = tiny_refiner_config() if tiny else TERRA_REFINER
+    spec = str(random_refiner_folder(random_config, seed)) if random_config is not None else weights
+    choice = refiner_choice(decoder, spec, model, device, dtype, allow_slow,
+                            refiner_options(decoder, windows, compile_mode or "auto", refiner_dtype),
+                            flag="--refiner-weights")
+    if choice is None and (tiny or allow_slow):
+        raise InputError("--tiny and --allow-slow go with --decoder refiner")
+    if tiny and weights is not None:
+        raise InputError("--tiny is a refiner of random weights: drop it or --refiner-weights")
+    return choice, random_config

@@ -11,6 +11,9 @@
 #          the generated frames/s every minute; TOKENS_S=0 skips it, TOKENS_AFTER_S=N runs it after), then the full ACT-Bench-shaped
 #          run on four engines, videos included: `bench --act-bench 2286 --data-parallel 4` (a watcher logs
 #          done videos and GPU use every 30 s; the bench logs each engine's loop every minute)
+#   startref / runsref  (carry .gpu/ray2; `gpu_side4.sh ref` before, for diffusers) issue 40 end to end:
+#          `bench --act-bench NREF (512) --data-parallel 4 --decoder refiner --refiner-windows REF_W (4)` within
+#          REF_S (900 s), then the same samples tokens only within TOKENS_AFTER_S (240 s); collect with awaits
 #   await  wait up to AWAIT_S (default 540) for `runs`, then pack its folder into $OUT/pipe.tar.gz
 #          (the last await of a lease: AWAIT_S at least 40 s under the budget left, or its output is lost)
 # On one GPU (nvidia-h100-x1), after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (no Ray):
@@ -48,7 +51,7 @@ N1=${N1:-256}
 NAB=${NAB:-256}  # startab: samples a run (one engine each; 256 fill its slots, ~470 s on an H200)
 terra() { python3 -m terra_cli "$@"; }
 case "${1:-}" in
-  start|startfull)  # Ray from the two parts (gpu_ray.sh stage, this call's .gpu/ray2), terra, then the runs
+  start|startfull|startref)  # Ray from the two parts (gpu_ray.sh stage, this call's .gpu/ray2), terra, then the runs
     if [ ! -d /tmp/site/ray ]; then
       cat /tmp/dl/ray.tar.xz.aa .gpu/ray2/ray.tar.xz.ab | tar -C /tmp/site -xJf - || { echo "ray bundle missing"; exit 1; }
     fi
@@ -69,6 +72,20 @@ case "${1:-}" in
       > "$OUT/writer_parts.log" 2>&1 &
     wait
     echo "one-GPU runs done" >> "$STEP_LOG" ;;
+  runsref)
+    # Issue 40's end-to-end target: ACT-Bench-shaped samples refined by the video refiner on four engines
+    # (random Terra-size weights for both models, built once into terra's cache), then the same samples tokens
+    # only for the ratio, in what is left of REF_S.
+    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    restore_warm_caches
+    python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
+    timeout "${REF_S:-900}" terra bench --act-bench "${NREF:-512}" --data-parallel 4 --kv-cache-dtype fp8 \
+      --decoder refiner --refiner-windows "${REF_W:-4}" --out "$OUT/dp4-act-refiner.json" > "$OUT/dp4-act-refiner.log" 2>&1
+    echo "dp4-act-refiner exit $?" >> "$STEP_LOG"
+    save_warm_caches
+    timeout "${TOKENS_AFTER_S:-240}" terra bench --scenarios "${NREF:-512}" --frames 47 --data-parallel 4 \
+      --kv-cache-dtype fp8 --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1
+    echo "dp4-tokens exit $?" >> "$STEP_LOG" ;;
   runsfull)
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     restore_warm_caches  # (carried as .gpu/warm; a fresh host compiles everything otherwise)
@@ -205,5 +222,5 @@ case "${1:-}" in
     await_background pipe "${AWAIT_S:-540}"
     await_background top 0
     await_warm_caches ;;
-  *) echo "usage: gpu_pipeline.sh start|runs|startfull|runsfull|start1|runs1|startab|runsab|await" >&2; exit 2 ;;
+  *) echo "usage: gpu_pipeline.sh start|runs|startfull|runsfull|startref|runsref|start1|runs1|startab|runsab|await" >&2; exit 2 ;;
 esac

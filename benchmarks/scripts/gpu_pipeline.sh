@@ -75,7 +75,7 @@ case "${1:-}" in
   runsref)
     # Issue 40's end-to-end target: ACT-Bench-shaped samples refined by the video refiner on four engines
     # (random Terra-size weights for both models, built once into terra's cache), then the same samples tokens
-    # only for the ratio, in what is left of REF_S.
+    # only (TOKENS_AFTER_S) for the same host's rate without the refiner.
     git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
     restore_warm_caches
     python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"

@@ -99,3 +99,11 @@ restore_warm_caches() {
   fi
 }
 
+
+source_stamp() {  # FILE: what code ran. The host's .git can lag the tree a call carries (its HEAD then names an
+  # older commit than the files), so beside HEAD goes a hash of the Python sources as they are on disk; here,
+  # `bash -c 'source benchmarks/scripts/gpu_common.sh; source_stamp /dev/stdout'` at a commit gives the same hash.
+  { git log --oneline -1 2>/dev/null || echo "no git"
+    echo "sources $(find terra_cli tokenizer_decoder -name '*.py' -print0 | LC_ALL=C sort -z | xargs -0 cat | sha1sum | cut -c1-12)"
+  } > "$1"
+}

@@ -34,7 +34,7 @@ case "${1:-}" in
     in_background top bash -c 'top -b -c -d 20 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
     in_background probes bash benchmarks/scripts/gpu_issue_probes.sh steps ;;
   steps)
-    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    source_stamp "$OUT/commit.txt"
     run_step env 240 terra bench --env 64 --steps 8 --branches 8 --fork-from 20 --kv-cache-dtype fp8 --out "$OUT/env.json"
     run_step single_stream 330 python3 benchmarks/scripts/gpu_single_stream.py --budget-s 240 --out "$OUT/single_stream.json"
     run_step tokens 450 terra bench --scenarios "$N" --frames 47 --kv-cache-dtype fp8 --out "$OUT/tokens.json"
@@ -45,7 +45,7 @@ case "${1:-}" in
     run_step refiner-w1 300 terra bench --refiner --windows 1 --refiner-compile default --out "$OUT/refiner-w1.json"
     run_step refiner-w2 150 terra bench --refiner --windows 2 --refiner-compile default --out "$OUT/refiner-w2.json" ;;
   ab)  # issue 37: where the decode-ahead runs, one after the other on the one GPU (started like `steps`)
-    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    source_stamp "$OUT/commit.txt"
     for writers in 0 2; do
       ( while sleep 15; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done ) \
         > "$OUT/act-w$writers-gpu.txt" 2>&1 &
@@ -55,7 +55,7 @@ case "${1:-}" in
       kill $watch
     done ;;
   steps4)
-    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    source_stamp "$OUT/commit.txt"
     run_step writer_parts 240 python3 benchmarks/scripts/writer_parts.py --device cuda --out "$OUT/writer_parts.json"
     run_step single_stream 360 python3 benchmarks/scripts/gpu_single_stream.py --budget-s 270 --variants 0,1,7,4 \
       --out "$OUT/single_stream.json"

@@ -59,7 +59,7 @@ case "${1:-}" in
     in_background top bash -c 'top -b -c -d 30 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh "${1/start/runs}" ;;
   runs)
-    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    source_stamp "$OUT/commit.txt"
     timeout 600 terra bench --scenarios "$N4" --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
       --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1; echo "dp4-tokens exit $?" >> "$STEP_LOG"
     timeout 900 terra bench --act-bench "$N4" --data-parallel 4 --kv-cache-dtype fp8 \
@@ -76,7 +76,7 @@ case "${1:-}" in
     # Issue 40's end-to-end target: ACT-Bench-shaped samples refined by the video refiner on four engines
     # (random Terra-size weights for both models, built once into terra's cache), then the same samples tokens
     # only (TOKENS_AFTER_S) for the same host's rate without the refiner.
-    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    source_stamp "$OUT/commit.txt"
     restore_warm_caches
     python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
     timeout "${REF_S:-900}" terra bench --act-bench "${NREF:-512}" --data-parallel 4 --kv-cache-dtype fp8 \
@@ -87,7 +87,7 @@ case "${1:-}" in
       --kv-cache-dtype fp8 --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1
     echo "dp4-tokens exit $?" >> "$STEP_LOG" ;;
   runsfull)
-    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    source_stamp "$OUT/commit.txt"
     restore_warm_caches  # (carried as .gpu/warm; a fresh host compiles everything otherwise)
     # The tokens-only baseline's first wave only (TOKENS_S, default 360 s): its per-minute rate lines
     # compare with the same minutes of the full run's first wave, and the budget keeps the full run whole.
@@ -123,7 +123,7 @@ case "${1:-}" in
     TERRA_INSTALLED= gpu_setup || exit 1  # install terra here; the runs it starts keep TERRA_INSTALLED
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runsab ;;
   runsab)
-    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    source_stamp "$OUT/commit.txt"
     restore_warm_caches
     # One build of the random checkpoint before four processes would race to build it.
     python3 -c "from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint as r; r('cuda', 0)" \
@@ -204,7 +204,7 @@ case "${1:-}" in
     echo "a/b runs done" >> "$STEP_LOG"
     [ -f /tmp/bg/warm-caches.tar.xz ] || save_warm_caches ;;  # a second startab on the host: packed already
   runs1)
-    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    source_stamp "$OUT/commit.txt"
     timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
       --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1; echo "one-tokens exit $?" >> "$STEP_LOG"
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$STEP_LOG"

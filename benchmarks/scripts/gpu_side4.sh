@@ -22,7 +22,7 @@ case "${1:-}" in
     nvidia-smi -L | tee -a "$STEP_LOG"
     in_background side4 bash benchmarks/scripts/gpu_side4.sh chains ;;
   chains)
-    git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
+    source_stamp "$OUT/commit.txt"
     CHAIN_S=${CHAIN_S:-900}  # each GPU's chain stops after this many seconds
     refiner() {  # GPU VARIANTS WINDOWS: gpu_refiner_product.sh bench into $OUT/gpuN
       mkdir -p "$OUT/gpu$1"

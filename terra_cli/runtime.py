@@ -83,9 +83,10 @@ TOKENIZER_BATCH_ENV = "TERRA_TOKENIZER_BATCH"
 
 def tokenizer_batch_asked(environ=None) -> int | None:
     """Frames per tokenizer call for a run's loaded tokenizer (encoding and the decode-ahead), from
-    TERRA_TOKENIZER_BATCH (a lab switch: the compiled decoder takes 1.63 ms a frame in batches of 16
-    against 2.17 in 8 on an H200, and a run's decoding shares the card with the engine); None: the
-    tokenizer's default. Pixels depend on it (kernels of another shape round differently), so a
+    TERRA_TOKENIZER_BATCH (a lab switch; None: the tokenizer's default, 8). Alone the compiled decoder
+    is cheaper a frame in batches of 16 (1.63 ms against 2.17 on an H200), yet beside the engine 16
+    slowed its steps more than 8 (+21.6% against +14.7%, benchmarks/README.md, 2026-11-27 night): what
+    the engine loses follows how much of the card one decoder call holds. Pixels depend on it (kernels of another shape round differently), so a
     run's videos are deterministic for a seed at one batch size, not across them."""
     environ = os.environ if environ is None else environ
     value = environ.get(TOKENIZER_BATCH_ENV, "").strip()

@@ -78,6 +78,24 @@ def decode_stream_asked(environ=None) -> str:
     return value
 
 
+DECODE_SMS_ENV = "TERRA_DECODE_SMS"
+
+
+def decode_sms_asked(environ=None) -> int | None:
+    """How many of the card's SMs the in-process writer's decode-ahead may use, from TERRA_DECODE_SMS
+    (a lab switch: its kernels on a CUDA green context of that many SMs, `local_writer.InProcessWriter`);
+    None: all of them, as any stream. Why: beside the decoder the engine's steps ran 13-15% slower, and
+    larger decoder calls slowed them more (benchmarks/README.md, 2026-11-27 night), so what costs the
+    engine is how much of the card the decoder holds at once; a bounded share leaves the rest to it."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(DECODE_SMS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= 1024:
+        raise InputError(f"{DECODE_SMS_ENV}={value!r}: use a whole number of SMs (e.g. 16 of an H100's 132), or leave it unset")
+    return int(value)
+
+
 TOKENIZER_BATCH_ENV = "TERRA_TOKENIZER_BATCH"
 
 

@@ -651,3 +651,49 @@ def test_the_decode_stream_switch_is_checked_when_the_writer_starts(tokenizer_di
     finally:
         pool.close()
     assert video.startswith(b"\x00\x00\x00") and b"ftyp" in video[:16]
+
+
+def test_the_decoders_sm_share_is_checked_at_start_and_falls_back_to_an_own_stream_in_one_line(tokenizer_dir,
+                                                                                                 monkeypatch):
+    """TERRA_DECODE_SMS (a lab switch: the decode-ahead's kernels on a CUDA green context of N SMs): a bad
+    value, or a clash with TERRA_DECODE_STREAM=engine, is one InputError when the writer is made; on a
+    card the writer's stream is the green context's, and where torch or the driver has none the run goes
+    on with a stream of its own and says why (here on the CPU with the CUDA calls stood in for)."""
+    import types
+
+    import torch
+
+    from terra_cli.errors import InputError
+    from terra_cli.runtime import decode_sms_asked
+    from terra_cli.scenarios import local_writer
+    from terra_cli.scenarios.local_writer import InProcessWriter
+
+    assert decode_sms_asked({}) is None and decode_sms_asked({"TERRA_DECODE_SMS": " 16 "}) == 16
+    for bad in ("0", "all", "-4", "16.5", "2000"):
+        with pytest.raises(InputError, match="TERRA_DECODE_SMS="):
+            decode_sms_asked({"TERRA_DECODE_SMS": bad})
+    monkeypatch.setenv("TERRA_DECODE_SMS", "16")
+    monkeypatch.setenv("TERRA_DECODE_STREAM", "engine")
+    with pytest.raises(InputError, match="leave TERRA_DECODE_STREAM unset"):
+        InProcessWriter(load(tokenizer_dir), fps=10)
+    monkeypatch.delenv("TERRA_DECODE_STREAM")
+
+    # The stream choice alone, on a decoder that says it is on a card (no writer thread started).
+    writer = InProcessWriter.__new__(InProcessWriter)
+    writer.decoder = types.SimpleNamespace(device=torch.device("cuda", 0))
+    writer.decode_stream, writer.decode_sms, writer.decode_sms_error = "own", 16, None
+    writer.store = types.SimpleNamespace(stats=lambda: {"decode_ahead_batches": 0})
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: ("current", stream))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "a stream of its own")
+    asked = []
+    monkeypatch.setattr(local_writer, "green_context_stream",
+                        lambda device, sms: asked.append((device.index, sms)) or "the green context's stream")
+    assert writer._own_stream() == ("current", "the green context's stream") and asked == [(0, 16)]
+    assert writer.decode_stats() == {"decode_ahead_batches": 0, "decode_sms": 16, "decode_sms_error": None}
+
+    def no_green_contexts(device, sms):
+        raise RuntimeError("PyTorch was not built with Green Context support!")
+
+    monkeypatch.setattr(local_writer, "green_context_stream", no_green_contexts)
+    assert writer._own_stream() == ("current", "a stream of its own")
+    assert writer.decode_stats()["decode_sms_error"] == "RuntimeError: PyTorch was not built with Green Context support!"

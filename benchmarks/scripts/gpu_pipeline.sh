@@ -35,6 +35,7 @@
 #          GPU3=gil: GPU 3 runs GPU2=gil's ACT-Bench run at GIL3_S (0.0001 s; it crashed vLLM, 2026-11-27);
 #          GPU2=stream: staggered starts, the engine on a high-priority CUDA stream (TERRA_ENGINE_STREAM_PRIORITY);
 #          GPU2=batchN: staggered starts, the tokenizer encoding and decoding N frames a call (TERRA_TOKENIZER_BATCH);
+#          GPU2=smsN: staggered starts, the decoder bounded to N SMs by a CUDA green context (TERRA_DECODE_SMS);
 #          GPU3=eagerdec: staggered starts with the eager tokenizer decoder (TERRA_DECODER_COMPILE=0);
 #          GPU3=engdec: staggered starts, the decoder's kernels behind the engine's (TERRA_DECODE_STREAM=engine);
 #          REFINER_PROFILE=1 (with GPU3=refiner or single): then gpu_refiner_profile.py (issue 40);
@@ -177,6 +178,9 @@ case "${1:-}" in
     # GPU2=batchN (batch16, batch4): staggered starts, the run's tokenizer in batches of N frames
     # (TERRA_TOKENIZER_BATCH; 16 slowed the steps more than 8, 2026-11-27 night: 4 is the next probe)
     case "${GPU2:-stagger}" in batch[0-9]*) gpu2=(TERRA_STAGGER_STARTS=1 "TERRA_TOKENIZER_BATCH=${GPU2#batch}") ;; esac
+    # GPU2=smsN (sms16): staggered starts, the decoder's kernels on a green context of N SMs (TERRA_DECODE_SMS;
+    # the run's engine_loop says decode_sms_error where torch or the driver has none)
+    case "${GPU2:-stagger}" in sms[0-9]*) gpu2=(TERRA_STAGGER_STARTS=1 "TERRA_DECODE_SMS=${GPU2#sms}") ;; esac
     if [ "${GPU2:-stagger}" = gil ]; then
       gpu2=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH")
       echo "GPU 2: switch interval ${GIL_SWITCH_S:-0.0005} s" >> "$STEP_LOG"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import queue
 import shutil
 import tempfile
@@ -28,12 +29,14 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from terra_cli.runtime import decode_stream_asked, host_cores
+from terra_cli.errors import InputError
+from terra_cli.runtime import decode_sms_asked, decode_stream_asked, host_cores
 from terra_cli.scenarios.writer_process import HELD_FRAMES, FrameStore, drive
 from terra_cli.scenarios.writers import CLOSE_SECONDS, ENCODERS_PER_PROCESS, WriterDied
 
 ENCODERS_IN_PROCESS = 2 * ENCODERS_PER_PROCESS  # the mp4s two writer processes would encode at once: the fewest
 MAX_ENCODERS_IN_PROCESS = 4 * ENCODERS_IN_PROCESS
+LOG = logging.getLogger("terra.writer")  # a lab switch's fallback: one line on stderr
 CORES_PER_ENCODER = 4  # host cores for each mp4 encoded at once (x264 on 2 threads, niced)
 
 
@@ -54,6 +57,10 @@ class InProcessWriter:
     def __init__(self, decoder, fps: float, encoders: int | None = None, held_frames: int = HELD_FRAMES):
         encoders = encoders_for_host() if encoders is None else encoders
         self.decode_stream = decode_stream_asked()  # a bad value is one line now, not a failed thread later
+        self.decode_sms = decode_sms_asked()
+        if self.decode_sms is not None and self.decode_stream == "engine":
+            raise InputError("TERRA_DECODE_SMS bounds the decoder's own stream: leave TERRA_DECODE_STREAM unset with it")
+        self.decode_sms_error: str | None = None  # why the green context could not be made (then: an own stream)
         self.decoder, self.fps, self.encoders = decoder, fps, encoders
         # write_in_order keeps OPEN_PER_PROCESS * size finished videos open: one per encoder thread, twice
         self.size = max(1, encoders // ENCODERS_PER_PROCESS)
@@ -74,8 +81,12 @@ class InProcessWriter:
             raise self.failure
 
     def decode_stats(self) -> dict:
-        """The decode-ahead's batches and frames so far (`FrameStore.stats`)."""
-        return self.store.stats()
+        """The decode-ahead's batches and frames so far (`FrameStore.stats`), and with TERRA_DECODE_SMS
+        the SMs it was bounded to (or why it could not be)."""
+        stats = self.store.stats()
+        if self.decode_sms is not None:
+            stats.update(decode_sms=self.decode_sms, decode_sms_error=self.decode_sms_error)
+        return stats
 
     def open(self, key: str, context: np.ndarray) -> None:
         self.frame(key, 0, context)
@@ -131,6 +142,13 @@ class InProcessWriter:
 
         if self.decode_stream == "engine":
             return torch.cuda.stream(torch.cuda.default_stream(device))
+        if self.decode_sms is not None:
+            try:
+                return torch.cuda.stream(green_context_stream(device, self.decode_sms))
+            except Exception as error:  # noqa: BLE001 - no green contexts in this torch or driver: the plain stream is correct too
+                self.decode_sms_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                LOG.warning(f"TERRA_DECODE_SMS={self.decode_sms}: no green context ({self.decode_sms_error}); "
+                            "the decoder uses a stream of its own on every SM")
         return torch.cuda.stream(torch.cuda.Stream(device))
 
     def _answer(self, message: tuple) -> None:
@@ -155,3 +173,14 @@ class InProcessWriter:
             if not future.done():
                 future.set_exception(error)
         self.unanswered.clear()
+
+
+def green_context_stream(device, sms: int):
+    """A stream whose kernels run on `sms` of the card's SMs only: a CUDA green context's
+    (torch.cuda.green_contexts, beta; CUDA 12.4 or later). Tensors stay usable across it and the
+    engine's streams (one device, one address space). Raises where torch or the driver has none."""
+    from torch.cuda.green_contexts import GreenContext
+
+    index = device.index if getattr(device, "index", None) is not None else None
+    context = GreenContext.create(num_sms=sms, device_id=index)
+    return context.Stream()

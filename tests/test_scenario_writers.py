@@ -668,6 +668,7 @@ def test_the_decoders_sm_share_is_checked_at_start_and_falls_back_to_an_own_stre
     from terra_cli.scenarios import local_writer
     from terra_cli.scenarios.local_writer import InProcessWriter
 
+    real_green_context_stream = local_writer.green_context_stream
     assert decode_sms_asked({}) is None and decode_sms_asked({"TERRA_DECODE_SMS": " 16 "}) == 16
     for bad in ("0", "all", "-4", "16.5", "2000"):
         with pytest.raises(InputError, match="TERRA_DECODE_SMS="):
@@ -694,6 +695,9 @@ def test_the_decoders_sm_share_is_checked_at_start_and_falls_back_to_an_own_stre
     def no_green_contexts(device, sms):
         raise RuntimeError("PyTorch was not built with Green Context support!")
 
-    monkeypatch.setattr(local_writer, "green_context_stream", no_green_contexts)
+    from torch.cuda import green_contexts  # a CPU build of torch has none: the real call fails as a card's would
+
+    monkeypatch.setattr(local_writer, "green_context_stream",
+                        real_green_context_stream if not green_contexts.SUPPORTED else no_green_contexts)
     assert writer._own_stream() == ("current", "a stream of its own")
     assert writer.decode_stats()["decode_sms_error"] == "RuntimeError: PyTorch was not built with Green Context support!"

@@ -178,9 +178,18 @@ class InProcessWriter:
 def green_context_stream(device, sms: int):
     """A stream whose kernels run on `sms` of the card's SMs only: a CUDA green context's
     (torch.cuda.green_contexts, beta; CUDA 12.4 or later). Tensors stay usable across it and the
-    engine's streams (one device, one address space). Raises where torch or the driver has none."""
+    engine's streams (one device, one address space). torch 2.12 on hands out the context's stream
+    (`Stream()`); before (2.10, 2.11) a stream made while the context is current belongs to it.
+    Raises where torch or the driver has none."""
+    import torch
     from torch.cuda.green_contexts import GreenContext
 
-    index = device.index if getattr(device, "index", None) is not None else None
+    index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
     context = GreenContext.create(num_sms=sms, device_id=index)
-    return context.Stream()
+    if hasattr(context, "Stream"):
+        return context.Stream()
+    context.set_context()
+    try:
+        return torch.cuda.Stream(index)
+    finally:
+        context.pop_context()

@@ -87,13 +87,7 @@ def decode_sms_asked(environ=None) -> int | None:
     None: all of them, as any stream. Why: beside the decoder the engine's steps ran 13-15% slower, and
     larger decoder calls slowed them more (benchmarks/README.md, 2026-11-27 night), so what costs the
     engine is how much of the card the decoder holds at once; a bounded share leaves the rest to it."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(DECODE_SMS_ENV, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or not 1 <= int(value) <= 1024:
-        raise InputError(f"{DECODE_SMS_ENV}={value!r}: use a whole number of SMs (e.g. 16 of an H100's 132), or leave it unset")
-    return int(value)
+    return _whole_number_switch(DECODE_SMS_ENV, 1024, "a whole number of SMs (e.g. 16 of an H100's 132)", environ)
 
 
 TOKENIZER_BATCH_ENV = "TERRA_TOKENIZER_BATCH"
@@ -104,14 +98,21 @@ def tokenizer_batch_asked(environ=None) -> int | None:
     TERRA_TOKENIZER_BATCH (a lab switch; None: the tokenizer's default, 8). Alone the compiled decoder
     is cheaper a frame in batches of 16 (1.63 ms against 2.17 on an H200), yet beside the engine 16
     slowed its steps more than 8 (+21.6% against +14.7%, benchmarks/README.md, 2026-11-27 night): what
-    the engine loses follows how much of the card one decoder call holds. Pixels depend on it (kernels of another shape round differently), so a
-    run's videos are deterministic for a seed at one batch size, not across them."""
+    the engine loses follows how much of the card one decoder call holds. Pixels depend on it (kernels
+    of another shape round differently), so a run's videos are deterministic for a seed at one batch
+    size, not across them."""
+    return _whole_number_switch(TOKENIZER_BATCH_ENV, 256, "a whole number of frames from 1 to 256", environ)
+
+
+def _whole_number_switch(variable: str, largest: int, what: str, environ=None) -> int | None:
+    """A lab switch holding a count from 1 to `largest`; None when unset. A bad value is one InputError
+    saying `what` to use."""
     environ = os.environ if environ is None else environ
-    value = environ.get(TOKENIZER_BATCH_ENV, "").strip()
+    value = environ.get(variable, "").strip()
     if not value:
         return None
-    if not value.isdigit() or not 1 <= int(value) <= 256:
-        raise InputError(f"{TOKENIZER_BATCH_ENV}={value!r}: use a whole number of frames from 1 to 256, or leave it unset")
+    if not value.isdigit() or not 1 <= int(value) <= largest:
+        raise InputError(f"{variable}={value!r}: use {what}, or leave it unset")
     return int(value)
 
 

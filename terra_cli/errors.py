@@ -4,7 +4,7 @@
 into one line) covers both packages.
 """
 
-from tokenizer_decoder.errors import CheckpointError, TokenizerInputError, UserError  # noqa: F401
+from tokenizer_decoder.errors import CheckpointError, TokenizerInputError, UserError, error_summary  # noqa: F401
 
 
 class TerraError(UserError):

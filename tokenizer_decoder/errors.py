@@ -15,3 +15,10 @@ class CheckpointError(UserError, ValueError):
 
 class TokenizerInputError(UserError, ValueError):
     """Frames or tokens the tokenizer cannot take."""
+
+
+def error_summary(error: BaseException) -> str:
+    """`Type: first line of the message`: why an optional speed-up (a compiled kernel, a green
+    context) fell back, in one line of a log or a results file."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"

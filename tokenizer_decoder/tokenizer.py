@@ -25,7 +25,7 @@ from .checkpoint import (
 )
 
 from .config import TokenizerConfig
-from .errors import CheckpointError, TokenizerInputError
+from .errors import CheckpointError, TokenizerInputError, error_summary
 from .modules import LFQTokenizerModel, build_model, expected_shapes, indices_to_codes
 
 FRAME_HEIGHT = 288
@@ -246,7 +246,7 @@ class ImageTokenizer:
             try:
                 return self._compiled_decode(codes)
             except Exception as error:  # noqa: BLE001 - no compiler or Triton here: the eager decoder is correct too
-                self.decoder_compile_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                self.decoder_compile_error = error_summary(error)
         return self.model.decode(codes)
 
     @torch.inference_mode()

@@ -23,6 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from terra_cli.errors import error_summary
 from terra_cli.runtime import switched_off
 
 # TERRA_SINGLE_STREAM_COMPILE=0 keeps the eager functions on CUDA too (to compare, or where
@@ -133,7 +134,7 @@ class CompiledOps:
             try:
                 return compiled(*args)
             except Exception as error:  # noqa: BLE001 - no Triton or no compiler: eager is correct too
-                self.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                self.error = error_summary(error)
         return eager(*args)
 
     def attention_inputs(self, *args):

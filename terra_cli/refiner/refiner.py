@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from terra_cli.errors import InputError
+from terra_cli.errors import InputError, error_summary
 from terra_cli.refiner import sampler
 from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_latents, encode_condition
 from terra_cli.refiner.compiled import (COMPILE_MODES, VAE_DECODER_MODE, compile_unet, compile_vae_decoder,
@@ -210,8 +210,7 @@ class VideoRefiner:
                                     dtype=self.vae.decoder.conv_in.weight.dtype))
             self._synchronize()
         except Exception as error:  # noqa: BLE001 - no compiler or Triton here: the eager decoder is correct too
-            lines = str(error).splitlines()
-            self.vae_decoder_error = f"{type(error).__name__}: {lines[0] if lines else ''}"
+            self.vae_decoder_error = error_summary(error)
             LOG.warning(f"refiner: the compiled VAE decoder failed on its first call ({self.vae_decoder_error}); "
                         f"the eager decoder decodes for the rest of the run")
             return

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from terra_cli.errors import InputError
+from terra_cli.errors import InputError, error_summary
 from terra_cli.runtime import decode_sms_asked, decode_stream_asked, host_cores
 from terra_cli.scenarios.writer_process import HELD_FRAMES, FrameStore, drive
 from terra_cli.scenarios.writers import CLOSE_SECONDS, ENCODERS_PER_PROCESS, WriterDied
@@ -146,7 +146,7 @@ class InProcessWriter:
             try:
                 return torch.cuda.stream(green_context_stream(device, self.decode_sms))
             except Exception as error:  # noqa: BLE001 - no green contexts in this torch or driver: the plain stream is correct too
-                self.decode_sms_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                self.decode_sms_error = error_summary(error)
                 LOG.warning(f"TERRA_DECODE_SMS={self.decode_sms}: no green context ({self.decode_sms_error}); "
                             "the decoder uses a stream of its own on every SM")
         return torch.cuda.stream(torch.cuda.Stream(device))

@@ -534,6 +534,19 @@ def test_two_runs_building_one_cache_entry_at_once_both_use_it(tmp_path):
     assert "(reused)" in reused[0]
 
 
+def test_a_cache_entry_holding_someone_elses_files_is_refused_in_one_line_and_kept(tmp_path):
+    from terra_cli.bench.cache import cached_folder
+    from terra_cli.errors import InputError
+
+    target = tmp_path / "cache" / "random-terra-seed0"
+    target.mkdir(parents=True)
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match=r"random-terra-seed0 holds files terra did not write"):
+        cached_folder(target, lambda folder: pytest.fail("built over foreign files"), lambda message: None, "random model")
+    assert (target / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["random-terra-seed0"]
+
+
 def test_the_random_model_cache_accepts_an_entry_placed_while_it_built(tmp_path, monkeypatch):
     import os
 

@@ -48,6 +48,12 @@ stop_gpu_memory() {  # the peak per GPU into $STEP_LOG (writer processes beside 
 in_background() {  # NAME COMMAND...: COMMAND runs with OUT=/tmp/bg/NAME; returns at once
   local name=$1
   shift
+  # A second run of NAME on the same host (a second round): the first one's folder, rc included, moves
+  # aside, or the await would find the old rc at once and pack the old files.
+  if [ -d "/tmp/bg/$name" ]; then
+    [ -e "/tmp/bg/$name/rc" ] || { echo "== $name: still running, not started again" | tee -a "$STEP_LOG"; return 1; }
+    mv "/tmp/bg/$name" "/tmp/bg/$name.$(date +%s)"
+  fi
   mkdir -p "/tmp/bg/$name"
   OUT=/tmp/bg/$name STEP_LOG=/tmp/bg/$name/summary.txt setsid bash -c '"$@" > "$OUT/background.log" 2>&1; echo $? > "$OUT/rc"' \
     background "$@" < /dev/null > /dev/null 2>&1 &

@@ -668,7 +668,7 @@ def test_the_decoders_sm_share_is_checked_at_start_and_falls_back_to_an_own_stre
     from terra_cli.scenarios import local_writer
     from terra_cli.scenarios.local_writer import InProcessWriter
 
-    real_green_context_stream = local_writer.green_context_stream
+    real_green_context_scope = local_writer.GreenContextScope
     assert decode_sms_asked({}) is None and decode_sms_asked({"TERRA_DECODE_SMS": " 16 "}) == 16
     for bad in ("0", "all", "-4", "16.5", "2000"):
         with pytest.raises(InputError, match="TERRA_DECODE_SMS="):
@@ -687,9 +687,9 @@ def test_the_decoders_sm_share_is_checked_at_start_and_falls_back_to_an_own_stre
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: ("current", stream))
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "a stream of its own")
     asked = []
-    monkeypatch.setattr(local_writer, "green_context_stream",
-                        lambda device, sms: asked.append((device.index, sms)) or "the green context's stream")
-    assert writer._own_stream() == ("current", "the green context's stream") and asked == [(0, 16)]
+    monkeypatch.setattr(local_writer, "GreenContextScope",
+                        lambda device, sms: asked.append((device.index, sms)) or "the green context's scope")
+    assert writer._own_stream() == "the green context's scope" and asked == [(0, 16)]
     assert writer.decode_stats() == {"decode_ahead_batches": 0, "decode_sms": 16, "decode_sms_error": None}
 
     def no_green_contexts(device, sms):
@@ -697,7 +697,57 @@ def test_the_decoders_sm_share_is_checked_at_start_and_falls_back_to_an_own_stre
 
     from torch.cuda import green_contexts  # a CPU build of torch has none: the real call fails as a card's would
 
-    monkeypatch.setattr(local_writer, "green_context_stream",
-                        real_green_context_stream if not green_contexts.SUPPORTED else no_green_contexts)
+    monkeypatch.setattr(local_writer, "GreenContextScope",
+                        real_green_context_scope if not green_contexts.SUPPORTED else no_green_contexts)
     assert writer._own_stream() == ("current", "a stream of its own")
     assert writer.decode_stats()["decode_sms_error"] == "RuntimeError: PyTorch was not built with Green Context support!"
+
+
+@pytest.mark.parametrize("has_stream_api", [True, False])
+def test_a_green_context_scope_bounds_the_thread_by_the_contexts_stream_or_by_the_context_itself(monkeypatch,
+                                                                                                 has_stream_api):
+    """GreenContextScope (TERRA_DECODE_SMS's writer thread): with torch 2.12's `Stream()` the block runs on
+    the context's own stream; with torch 2.10/2.11 (none) the context stays current on the thread for the
+    block and is popped after, since a pooled stream made while it is current is not the context's.
+    Either way the context object lives as long as the scope (destroying it would end its stream)."""
+    import torch
+    from torch.cuda import green_contexts
+
+    from terra_cli.scenarios import local_writer
+
+    calls = []
+
+    class StoodInContext:
+        def set_context(self):
+            calls.append("set_context")
+
+        def pop_context(self):
+            calls.append("pop_context")
+
+    if has_stream_api:
+        StoodInContext.Stream = lambda self: calls.append("Stream") or "the context's stream"
+
+    class Block:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            calls.append(("enter", self.stream))
+            return self.stream
+
+        def __exit__(self, *exc_info):
+            calls.append(("exit", self.stream))
+            return False
+
+    created = []
+    monkeypatch.setattr(green_contexts.GreenContext, "create",
+                        staticmethod(lambda num_sms, device_id: created.append((num_sms, device_id)) or StoodInContext()))
+    monkeypatch.setattr(torch.cuda, "stream", Block)
+    scope = local_writer.GreenContextScope(torch.device("cuda", 1), 16)
+    assert created == [(16, 1)] and isinstance(scope.context, StoodInContext)
+    with scope:
+        calls.append("decoding")
+    if has_stream_api:
+        assert calls == ["Stream", ("enter", "the context's stream"), "decoding", ("exit", "the context's stream")]
+    else:
+        assert calls == ["set_context", "decoding", "pop_context"]

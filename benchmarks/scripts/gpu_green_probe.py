@@ -2,7 +2,7 @@
 
 Issue 37's last gap is the engine's decode steps running 13-15% slower beside the tokenizer's
 decoder, whose kernels take only ~7% of the card's time (benchmarks/README.md, 2026-11-27 night).
-TERRA_DECODE_SMS=N puts the decoder on a green context of N SMs (`local_writer.green_context_stream`).
+TERRA_DECODE_SMS=N puts the decoder on a green context of N SMs (`local_writer.GreenContextScope`).
 This probe checks that mechanism apart from terra, in well under a minute:
 
 1. kernels of every kind the decoder runs (cuDNN convolution, cuBLAS GEMM, a Triton kernel from
@@ -50,10 +50,11 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def green_stream(sms: int):
-    from terra_cli.scenarios.local_writer import green_context_stream
+def green_scope(sms: int):
+    """What the writer's thread enters (`local_writer.GreenContextScope`): its work on `sms` SMs."""
+    from terra_cli.scenarios.local_writer import GreenContextScope
 
-    return green_context_stream(torch.device("cuda", 0), sms)
+    return GreenContextScope(torch.device("cuda", 0), sms)
 
 
 def main() -> None:
@@ -65,7 +66,9 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(device)
-    report: dict = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__}
+    native = getattr(torch._C, "_CUDAGreenContext", None)  # what GreenContext.create returns
+    report: dict = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                    "green_context_stream_api": native is not None and hasattr(native, "Stream")}
 
     x = torch.randn(8, 256, 72, 128, device=device, dtype=torch.bfloat16)
     conv_weights = [torch.randn(256, 256, 3, 3, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(6)]
@@ -79,10 +82,9 @@ def main() -> None:
         checks = {}
         for sms in sizes:
             try:
-                stream = green_stream(sms)
-                with torch.cuda.stream(stream):
+                with green_scope(sms):
                     got = (compiled(x, conv_weights), F.conv2d(x, conv_weights[0], padding=1), a @ a)
-                stream.synchronize()
+                    torch.cuda.synchronize()
                 checks[sms] = {"ok": all(torch.equal(g, r) for g, r in zip(got, reference)),
                                "max_diff": max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, reference))}
             except Exception as error:  # noqa: BLE001 - the point of the probe is to say which fails
@@ -95,8 +97,7 @@ def main() -> None:
         for sms in sizes:
             if "error" in checks[sms]:
                 continue
-            stream = green_stream(sms)
-            with torch.cuda.stream(stream):
+            with green_scope(sms):
                 alone[sms] = timed(lambda: compiled(x, conv_weights), 10)
         report["decoder_alone_ms"] = {str(k): v * 1e3 for k, v in alone.items()}
         print("decoder alone, ms:", report["decoder_alone_ms"], flush=True)
@@ -108,17 +109,16 @@ def main() -> None:
         engine_alone = timed(engine, 50)
         beside = {}
 
-        def run_beside(make_stream, label):
+        def run_beside(make_scope, label):
             stop = threading.Event()
             launched = [0]
 
             def decoder_loop():
-                stream = make_stream()
-                with torch.inference_mode(), torch.cuda.stream(stream):
+                with torch.inference_mode(), make_scope():
                     while not stop.is_set():
                         compiled(x, conv_weights)
                         launched[0] += 1
-                        stream.synchronize()  # like the writer: one batch at a time
+                        torch.cuda.current_stream().synchronize()  # like the writer: one batch at a time
             thread = threading.Thread(target=decoder_loop, daemon=True)
             thread.start()
             time.sleep(0.5)
@@ -130,10 +130,10 @@ def main() -> None:
             beside[label] = {"engine_ms": t * 1e3, "slowdown": t / engine_alone - 1,
                              "decoder_batches_during": after - before}
 
-        run_beside(lambda: torch.cuda.Stream(device), "plain stream")
+        run_beside(lambda: torch.cuda.stream(torch.cuda.Stream(device)), "plain stream")
         for sms in sizes:
             if "error" not in checks[sms]:
-                run_beside(lambda sms=sms: green_stream(sms), f"green {sms} SMs")
+                run_beside(lambda sms=sms: green_scope(sms), f"green {sms} SMs")
         report["engine_alone_ms"] = engine_alone * 1e3
         report["engine_beside_decoder"] = beside
         print(f"engine chain alone: {engine_alone * 1e3:.3f} ms", flush=True)

@@ -144,7 +144,7 @@ class InProcessWriter:
             return torch.cuda.stream(torch.cuda.default_stream(device))
         if self.decode_sms is not None:
             try:
-                return torch.cuda.stream(green_context_stream(device, self.decode_sms))
+                return GreenContextScope(device, self.decode_sms)
             except Exception as error:  # noqa: BLE001 - no green contexts in this torch or driver: the plain stream is correct too
                 self.decode_sms_error = error_summary(error)
                 LOG.warning(f"TERRA_DECODE_SMS={self.decode_sms}: no green context ({self.decode_sms_error}); "
@@ -175,21 +175,37 @@ class InProcessWriter:
         self.unanswered.clear()
 
 
-def green_context_stream(device, sms: int):
-    """A stream whose kernels run on `sms` of the card's SMs only: a CUDA green context's
-    (torch.cuda.green_contexts, beta; CUDA 12.4 or later). Tensors stay usable across it and the
-    engine's streams (one device, one address space). torch 2.12 on hands out the context's stream
-    (`Stream()`); before (2.10, 2.11) a stream made while the context is current belongs to it.
-    Raises where torch or the driver has none."""
-    import torch
-    from torch.cuda.green_contexts import GreenContext
+class GreenContextScope:
+    """The calling thread's CUDA work bounded to `sms` of the card's SMs, inside `with`: a CUDA
+    green context's (torch.cuda.green_contexts, beta; CUDA 12.4 or later). Tensors stay usable
+    across it and the engine's streams (one device, one address space). torch 2.12 on hands out the
+    context's own stream (`Stream()`), made current for the block. torch 2.10 and 2.11 have none: a
+    stream made from torch's pool while the context is current is not the context's (the pool's
+    streams were made once, in the primary context), so there the context itself stays current on
+    this thread for the block (`set_context`: its launches then go to the context's default stream).
+    The context lives as long as this object: destroying it would take its stream with it.
+    Made eagerly: where torch or the driver has no green contexts, the constructor raises."""
 
-    index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
-    context = GreenContext.create(num_sms=sms, device_id=index)
-    if hasattr(context, "Stream"):
-        return context.Stream()
-    context.set_context()
-    try:
-        return torch.cuda.Stream(index)
-    finally:
-        context.pop_context()
+    def __init__(self, device, sms: int):
+        import torch
+        from torch.cuda.green_contexts import GreenContext
+
+        index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
+        self.context = GreenContext.create(num_sms=sms, device_id=index)
+        self._stream_block = None
+
+    def __enter__(self):
+        import torch
+
+        if hasattr(self.context, "Stream"):
+            self._stream_block = torch.cuda.stream(self.context.Stream())
+            return self._stream_block.__enter__()
+        self.context.set_context()
+        return None
+
+    def __exit__(self, *exc_info):
+        if self._stream_block is not None:
+            block, self._stream_block = self._stream_block, None
+            return block.__exit__(*exc_info)
+        self.context.pop_context()
+        return False

@@ -704,12 +704,11 @@ def test_the_decoders_sm_share_is_checked_at_start_and_falls_back_to_an_own_stre
 
 
 @pytest.mark.parametrize("has_stream_api", [True, False])
-def test_a_green_context_scope_bounds_the_thread_by_the_contexts_stream_or_by_the_context_itself(monkeypatch,
-                                                                                                 has_stream_api):
+def test_a_green_context_scope_runs_the_block_on_a_stream_of_the_context(monkeypatch, has_stream_api):
     """GreenContextScope (TERRA_DECODE_SMS's writer thread): with torch 2.12's `Stream()` the block runs on
-    the context's own stream; with torch 2.10/2.11 (none) the context stays current on the thread for the
-    block and is popped after, since a pooled stream made while it is current is not the context's.
-    Either way the context object lives as long as the scope (destroying it would end its stream)."""
+    the context's own stream; with torch 2.10/2.11 (none) on a stream the driver makes while the context
+    is current (pooled torch streams are the primary context's), the context popped right after. The
+    context object lives as long as the scope (destroying it would end its stream)."""
     import torch
     from torch.cuda import green_contexts
 
@@ -742,12 +741,13 @@ def test_a_green_context_scope_bounds_the_thread_by_the_contexts_stream_or_by_th
     created = []
     monkeypatch.setattr(green_contexts.GreenContext, "create",
                         staticmethod(lambda num_sms, device_id: created.append((num_sms, device_id)) or StoodInContext()))
+    monkeypatch.setattr(local_writer, "driver_stream_of_current_context",
+                        lambda index: calls.append(("driver stream", index)) or "a driver stream")
     monkeypatch.setattr(torch.cuda, "stream", Block)
     scope = local_writer.GreenContextScope(torch.device("cuda", 1), 16)
     assert created == [(16, 1)] and isinstance(scope.context, StoodInContext)
     with scope:
         calls.append("decoding")
-    if has_stream_api:
-        assert calls == ["Stream", ("enter", "the context's stream"), "decoding", ("exit", "the context's stream")]
-    else:
-        assert calls == ["set_context", "decoding", "pop_context"]
+    stream = "the context's stream" if has_stream_api else "a driver stream"
+    made = ["Stream"] if has_stream_api else ["set_context", ("driver stream", 1), "pop_context"]
+    assert calls == made + [("enter", stream), "decoding", ("exit", stream)]

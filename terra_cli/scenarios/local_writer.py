@@ -176,15 +176,16 @@ class InProcessWriter:
 
 
 class GreenContextScope:
-    """The calling thread's CUDA work bounded to `sms` of the card's SMs, inside `with`: a CUDA
-    green context's (torch.cuda.green_contexts, beta; CUDA 12.4 or later). Tensors stay usable
-    across it and the engine's streams (one device, one address space). torch 2.12 on hands out the
-    context's own stream (`Stream()`), made current for the block. torch 2.10 and 2.11 have none: a
-    stream made from torch's pool while the context is current is not the context's (the pool's
-    streams were made once, in the primary context), so there the context itself stays current on
-    this thread for the block (`set_context`: its launches then go to the context's default stream).
-    The context lives as long as this object: destroying it would take its stream with it.
-    Made eagerly: where torch or the driver has no green contexts, the constructor raises."""
+    """Inside `with`, the calling thread's CUDA work runs on a stream bounded to `sms` of the card's
+    SMs: a CUDA green context's (torch.cuda.green_contexts, beta; CUDA 12.4 or later). Tensors stay
+    usable across it and the engine's streams (one device, one address space). torch 2.12 on hands
+    out the context's own stream (`Stream()`). torch 2.10 and 2.11 have none, and a stream from
+    torch's pool made while the context is current is not the context's (the pool's streams were made
+    once, in the primary context), nor is the context's default stream safe (a blocking stream would
+    wait for the engine's work on the legacy default stream): there the driver makes a non-blocking
+    stream while the context is current, which belongs to it. The context lives as long as this
+    object: destroying it would end its stream. Made eagerly: where torch or the driver has no green
+    contexts, the constructor raises."""
 
     def __init__(self, device, sms: int):
         import torch
@@ -192,20 +193,38 @@ class GreenContextScope:
 
         index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
         self.context = GreenContext.create(num_sms=sms, device_id=index)
-        self._stream_block = None
+        if hasattr(self.context, "Stream"):
+            self.stream = self.context.Stream()
+        else:
+            self.context.set_context()
+            try:
+                self.stream = driver_stream_of_current_context(index)
+            finally:
+                self.context.pop_context()
+        self._block = None
 
     def __enter__(self):
         import torch
 
-        if hasattr(self.context, "Stream"):
-            self._stream_block = torch.cuda.stream(self.context.Stream())
-            return self._stream_block.__enter__()
-        self.context.set_context()
-        return None
+        self._block = torch.cuda.stream(self.stream)
+        return self._block.__enter__()
 
     def __exit__(self, *exc_info):
-        if self._stream_block is not None:
-            block, self._stream_block = self._stream_block, None
-            return block.__exit__(*exc_info)
-        self.context.pop_context()
-        return False
+        block, self._block = self._block, None
+        return block.__exit__(*exc_info)
+
+
+CU_STREAM_NON_BLOCKING = 1  # cuda.h: no implicit wait for the legacy default stream
+
+
+def driver_stream_of_current_context(index: int):
+    """A non-blocking stream of the thread's current CUDA context (cuStreamCreate), as a torch stream."""
+    import ctypes
+
+    import torch
+
+    handle = ctypes.c_void_p()
+    result = ctypes.CDLL("libcuda.so.1").cuStreamCreate(ctypes.byref(handle), CU_STREAM_NON_BLOCKING)
+    if result != 0:
+        raise RuntimeError(f"cuStreamCreate returned CUresult {result}")
+    return torch.cuda.ExternalStream(handle.value, device=index)

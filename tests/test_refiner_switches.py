@@ -66,8 +66,9 @@ def test_switches_are_off_by_default_and_bad_values_are_one_line(monkeypatch):
     assert runtime.refiner_switches_asked({"TERRA_REFINER_CHANNELS_LAST": "1", "TERRA_REFINER_ATTENTION": " Flash "}) \
         == runtime.RefinerSwitches(channels_last=True, attention="flash")
     assert runtime.refiner_switches_asked({"TERRA_REFINER_CHANNELS_LAST": "0"}).channels_last is False
-    for variable, bad, allowed in ((runtime.REFINER_CHANNELS_LAST_ENV, "yes", "use 1 (on) or 0"),
-                                   (runtime.REFINER_ATTENTION_ENV, "fa4", "use default, flash, efficient, cudnn, math")):
+    refusals = ((runtime.REFINER_CHANNELS_LAST_ENV, "yes", "use 1 (on) or 0"),
+                (runtime.REFINER_ATTENTION_ENV, "fa4", "use default, flash, efficient, cudnn, math"))
+    for variable, bad, allowed in refusals:
         with pytest.raises(InputError) as refused:
             runtime.refiner_switches_asked({variable: bad})
         message = str(refused.value)
@@ -152,6 +153,7 @@ def test_the_bench_refuses_a_bad_switch_before_building_anything(monkeypatch, tm
     monkeypatch.setattr(bench_refiner, "count_unet_flops", lambda *a: pytest.fail("built before refusing"))
     with_switches(monkeypatch, channels_last="2")
     out = tmp_path / "refused.json"
-    refused = CliRunner().invoke(app, ["bench", "--refiner", "--tiny", "--device", "cpu", "--windows", "1", "--out", out])
+    args = ["bench", "--refiner", "--tiny", "--device", "cpu", "--windows", "1", "--out", out]
+    refused = CliRunner().invoke(app, [str(a) for a in args])
     assert refused.exit_code == 2 and "TERRA_REFINER_CHANNELS_LAST='2': use 1 (on) or 0" in refused.output
     assert "Traceback" not in refused.output and not out.exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 from terra_cli.errors import InputError
 
@@ -102,6 +103,42 @@ def tokenizer_batch_asked(environ=None) -> int | None:
     of another shape round differently), so a run's videos are deterministic for a seed at one batch
     size, not across them."""
     return _whole_number_switch(TOKENIZER_BATCH_ENV, 256, "a whole number of frames from 1 to 256", environ)
+
+
+REFINER_CHANNELS_LAST_ENV = "TERRA_REFINER_CHANNELS_LAST"
+REFINER_ATTENTION_ENV = "TERRA_REFINER_ATTENTION"
+# torch SDPA backends the refiner's UNet attention may be held to (`refiner.unet.SDPA_BACKENDS`);
+# default: torch's own choice per call
+REFINER_ATTENTION_BACKENDS = ("default", "flash", "efficient", "cudnn", "math")
+
+
+@dataclass(frozen=True)
+class RefinerSwitches:
+    channels_last: bool = False  # the UNet's convolution weights and its input frames channels-last
+    attention: str = "default"  # REFINER_ATTENTION_BACKENDS: the torch SDPA backend of its self-attention
+
+    def as_env(self) -> dict:
+        """As a run's JSON records them: the variables' resolved values."""
+        return {REFINER_CHANNELS_LAST_ENV: int(self.channels_last), REFINER_ATTENTION_ENV: self.attention}
+
+
+def refiner_switches_asked(environ=None) -> RefinerSwitches:
+    """Two lab switches for the refiner's UNet (issue 40; off by default, not measured yet), read where
+    the refiner is built (`VideoRefiner`). TERRA_REFINER_CHANNELS_LAST=1: its convolution weights and
+    input frames in channels-last memory order; a GPU profile of the compiled 25-frame window spent
+    40 ms of 1.15 s in cuDNN's NCHW<->NHWC copies around the convolutions (H200, 2026-11-27).
+    TERRA_REFINER_ATTENTION=flash|efficient|cudnn|math: its self-attention held to that torch SDPA
+    backend (torch chose cuDNN's there, 313 TFLOP/s at head dim 64); a backend that cannot run the
+    call fails it rather than falling back."""
+    environ = os.environ if environ is None else environ
+    layout = environ.get(REFINER_CHANNELS_LAST_ENV, "").strip().lower()
+    if layout not in ("", "0", "1"):
+        raise InputError(f"{REFINER_CHANNELS_LAST_ENV}={layout!r}: use 1 (on) or 0, or leave it unset")
+    attention = environ.get(REFINER_ATTENTION_ENV, "").strip().lower() or "default"
+    if attention not in REFINER_ATTENTION_BACKENDS:
+        raise InputError(f"{REFINER_ATTENTION_ENV}={attention!r}: use {', '.join(REFINER_ATTENTION_BACKENDS)}, "
+                         f"or leave it unset")
+    return RefinerSwitches(channels_last=layout == "1", attention=attention)
 
 
 def _whole_number_switch(variable: str, largest: int, what: str, environ=None) -> int | None:

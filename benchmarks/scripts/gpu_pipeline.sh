@@ -32,6 +32,9 @@
 #          (480) rollouts in flight (`--scenarios 480 --max-rollouts 480`), GPU2=gil staggered starts with a
 #          0.5 ms interpreter switch interval; GPU0_STAGGER=1: GPU 0 with staggered starts (the product's
 #          default); GPU3=refiner: GPU 3 runs only the refiner (REFINER_W8=1: then 8 windows a call too);
+#          GPU3=reflayout: GPU 3 runs only the refiner at 4 windows a call, once per lab switch variant (issue 40:
+#          REFLAYOUT, default "default cl flash clflash": TERRA_REFINER_CHANNELS_LAST=1, TERRA_REFINER_ATTENTION=flash,
+#          both), into reflayout.json and reflayout.log;
 #          GPU3=gil: GPU 3 runs GPU2=gil's ACT-Bench run at GIL3_S (0.0001 s; it crashed vLLM, 2026-11-27);
 #          GPU2=stream: staggered starts, the engine on a high-priority CUDA stream (TERRA_ENGINE_STREAM_PRIORITY);
 #          GPU2=batchN: staggered starts, the tokenizer encoding and decoding N frames a call (TERRA_TOKENIZER_BATCH);
@@ -151,7 +154,33 @@ case "${1:-}" in
           --variants 0,9,1,8,10,7 --budget-s 250 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
       fi
       python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
-      for w in 4 ${REFINER_W8:+8}; do
+      # GPU3=reflayout: the compiled refiner at 4 windows a call, variant after variant (REFLAYOUT picks): as is;
+      # its UNet channels-last (TERRA_REFINER_CHANNELS_LAST=1: the profile's 40 ms a window of cuDNN's layout
+      # copies); its self-attention on SDPA's flash kernel (TERRA_REFINER_ATTENTION=flash; torch chose cuDNN's,
+      # 313 TFLOP/s); both. Each variant compiles its own graph (~100 s cold). Two files for all of them:
+      # reflayout.log (every run's log, in turn) and reflayout.json ({variant: its bench JSON, null if none})
+      if [ "${GPU3:-single}" = reflayout ]; then
+        variants=${REFLAYOUT:-default cl flash clflash}
+        for v in $variants; do
+          case $v in
+            default) sw=() ;;
+            cl) sw=(TERRA_REFINER_CHANNELS_LAST=1) ;;
+            flash) sw=(TERRA_REFINER_ATTENTION=flash) ;;
+            clflash) sw=(TERRA_REFINER_CHANNELS_LAST=1 TERRA_REFINER_ATTENTION=flash) ;;
+            *) echo "reflayout: no variant $v (default cl flash clflash)" >> "$STEP_LOG"; continue ;;
+          esac
+          rm -f "/tmp/reflayout-$v.json"
+          echo "== reflayout $v: ${sw[*]:-no switches}" >> "$OUT/reflayout.log"
+          env CUDA_VISIBLE_DEVICES=3 "${sw[@]}" timeout 200 python3 -m terra_cli bench --refiner --windows 4 \
+            --refiner-compile default --out "/tmp/reflayout-$v.json" --overwrite >> "$OUT/reflayout.log" 2>&1
+          echo "reflayout $v exit $?" >> "$STEP_LOG"
+        done
+        python3 -c 'import json, os, sys
+runs = {v: f"/tmp/reflayout-{v}.json" for v in sys.argv[2:]}
+merged = {v: json.load(open(f)) if os.path.exists(f) else None for v, f in runs.items()}
+open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayout.json" $variants
+      fi
+      [ "${GPU3:-single}" = reflayout ] || for w in 4 ${REFINER_W8:+8}; do
         CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows $w --refiner-compile "${REFINER_COMPILE:-default}" \
           --out "$OUT/refiner-compiled-w$w.json" --overwrite > "$OUT/refiner-compiled-w$w.log" 2>&1
       done

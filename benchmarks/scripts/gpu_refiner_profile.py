@@ -158,6 +158,7 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "config": "tiny" if args.tiny else "terra",
         "windows_per_call": args.windows, "compile": refiner.compile_mode, "first_call_s": round(first_s, 2),
+        "lab_switches": refiner.switches.as_env(),  # TERRA_REFINER_CHANNELS_LAST / _ATTENTION, as the refiner read them
         "seconds_per_window": round(plain_s / args.windows, 4),
         "profiled_seconds_per_window": round(profiled_s / args.windows, 4),
         "busy_share": round(busy / profiled_s, 4) if on_gpu else None,
@@ -167,7 +168,8 @@ def main() -> None:
     for group, row in groups.items():
         extra = f", {row['tflop_per_window']} TFLOP, {row['achieved_tflops']} TFLOP/s" if "tflop_per_window" in row else ""
         print(f"{group:12s} {row['seconds_per_window'] * 1e3:9.1f} ms a window ({row['share']:.0%}){extra}")
-    print(f"{result['seconds_per_window']:.3f} s a window ({args.windows} a call, {refiner.compile_mode}); GPU busy "
+    print(f"{result['seconds_per_window']:.3f} s a window ({args.windows} a call, {refiner.compile_mode}, "
+          f"{refiner.switches.as_env()}); GPU busy "
           f"{result['busy_share']}; first call {result['first_call_s']} s")
     if args.out is not None:
         with open(args.out, "x") as f:  # "x": never replaces a file that appeared meanwhile

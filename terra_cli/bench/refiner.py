@@ -15,7 +15,8 @@ eager decoder on the same latents), `compile_s` (its first call,
 `VideoRefiner.vae_decoder_compile_seconds`), `max_abs_diff` and `psnr_db` (its pixels against
 eager's; psnr None: the same bytes), `error` (None, or why its first call failed: the product then
 decoded eagerly, and the compiled decoder's keys are None). An eager run has
-`vae_decode_compiled` None.
+`vae_decode_compiled` None. `lab_switches`: the refiner's TERRA_REFINER_CHANNELS_LAST and
+TERRA_REFINER_ATTENTION as it read them (`runtime.refiner_switches_asked`), so a file says what it measured.
 """
 
 from __future__ import annotations
@@ -146,8 +147,10 @@ def _timed(fn: Callable[[], object], device: str, repeats: int, warmup: list | N
 
 def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambda line: None) -> dict:
     from terra_cli.refiner import sampler
+    from terra_cli.runtime import refiner_switches_asked
 
     config, options, device = plan.config, plan.options, plan.device
+    refiner_switches_asked()  # a bad TERRA_REFINER_* value fails here, before anything is built
     started = time.perf_counter()
     unet_flops = count_unet_flops(config, options.exact_cross_attention)
     enc_flops, dec_flops = count_vae_flops(config)
@@ -158,7 +161,7 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
         f"{plan.peak_flops / 1e12:.0f} TFLOP/s: {window_flops / plan.peak_flops:.2f} s per window")
     refiner = VideoRefiner.random(config, device, plan.dtype, options=options)
     say(f"refiner built in {time.perf_counter() - started:.1f} s ({sum(p.numel() for p in refiner.unet.parameters()) / 1e9:.3f}B "
-        f"UNet parameters, {plan.dtype}, compile {options.compile})")
+        f"UNet parameters, {plan.dtype}, compile {options.compile}, lab switches {refiner.switches.as_env()})")
     h, w = config.latent_hw
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -215,7 +218,8 @@ def run_refiner_bench(plan: RefinerBenchPlan, say: Callable[[str], None] = lambd
     if fp8 is not None:
         say(f"fp8: {fp8['layers']} UNet Linear layers; one refined window against the same weights unquantized "
             f"({plan.dtype}): PSNR {fp8['psnr_db']:.1f} dB (random weights: real weights may differ)")
-    return {"config": config.to_dict(), "options": options.__dict__, "fp8": fp8, "device": device, "dtype": str(plan.dtype),
+    return {"config": config.to_dict(), "options": options.__dict__, "lab_switches": refiner.switches.as_env(),
+            "fp8": fp8, "device": device, "dtype": str(plan.dtype),
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
             "flops": {"unet_eval": unet_flops, "window": window_flops, "evals_per_window": evals_per_window,
                       "vae_encode_per_frame": enc_flops, "vae_decode_per_frame": dec_flops,

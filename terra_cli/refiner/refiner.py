@@ -35,8 +35,10 @@ from terra_cli.refiner.compiled import (COMPILE_MODES, VAE_DECODER_MODE, compile
                                         resolve_compile_mode, tracing_quietly, uses_cuda_graphs)
 from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
 from terra_cli.refiner.fp8 import check_refiner_dtype, quantize_unet_linears
-from terra_cli.refiner.unet import added_time_ids, build_unet, zero_context
+from terra_cli.refiner.unet import (added_time_ids, build_unet, channels_last_frames, use_channels_last,
+                                    use_sdpa_backend, zero_context)
 from terra_cli.refiner.windows import check_frames, kept_frames, start_end_indices
+from terra_cli.runtime import refiner_switches_asked
 
 LOG = logging.getLogger("terra.refiner")  # the CLI prints it (cli/app.py)
 # Counted with torch.utils.flop_counter for TERRA_REFINER (one 25-frame UNet call, single-token
@@ -89,6 +91,7 @@ class VideoRefiner:
             LOG.info(f"refiner: {self.fp8_layers} UNet Linear layers in fp8 (--refiner-dtype fp8: opt-in; on an H100 "
                      f"it measured slower than bf16, docs/refiner.md)")
         self.ignored = ignored or []
+        self.switches = refiner_switches_asked()  # lab switches (TERRA_REFINER_*), applied in `prepare`
         self.target_device = device  # where refining runs (load_refiner loads on the CPU first)
         self.forward = None  # the UNet, eager or compiled: chosen at the first call, on the device it runs on
         self.compile_mode = "none"  # what the first call resolved `options.compile` to
@@ -158,7 +161,10 @@ class VideoRefiner:
             # each call starts a new step for CUDA graph trees: the previous call's output (read
             # by the sampler before this call) may then be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        out = self.forward(sample.to(self.device, self.dtype), c_noise.to(self.device),
+        sample = sample.to(self.device, self.dtype)
+        if self.switches.channels_last:
+            sample = channels_last_frames(sample)
+        out = self.forward(sample, c_noise.to(self.device),
                            zero_context(batch, self.config, self.device, self.dtype),
                            added_time_ids(batch, self.config, self.device, torch.float32), return_dict=False)[0]
         return out.clone() if uses_cuda_graphs(self.compile_mode) else out
@@ -170,6 +176,7 @@ class VideoRefiner:
         Returns the compile's seconds (0 when eager or already prepared)."""
         if self.forward is not None:
             return 0.0
+        self.apply_switches()
         self.compile_mode = resolve_compile_mode(self.options.compile, self.device)
         if self.compile_mode == "none":
             self.forward = self.unet
@@ -188,6 +195,20 @@ class VideoRefiner:
         LOG.info(f"refiner: UNet compiled ({self.compile_mode}, {batch} window(s) per call) in "
                  f"{self.compile_seconds:.1f} s; Inductor cache {inductor_cache_dir()}")
         return self.compile_seconds
+
+    def apply_switches(self) -> None:
+        """The lab switches (`runtime.refiner_switches_asked`) on the UNet, before it is compiled: its
+        convolution weights channels-last (its inputs follow in `_call_unet`), its self-attention's SDPA
+        backend. Either way the UNet computes the same values, up to float rounding: only its kernels and memory
+        order change."""
+        done = []
+        if self.switches.channels_last:
+            done.append(f"{use_channels_last(self.unet)} convolution weights channels-last")
+        if self.switches.attention != "default":
+            done.append(f"{use_sdpa_backend(self.unet, self.switches.attention)} attention layers on SDPA's "
+                        f"{self.switches.attention} backend")
+        if done:
+            LOG.info(f"refiner: lab switches: {', '.join(done)}")
 
     @torch.inference_mode()
     def prepare_vae_decoder(self) -> None:

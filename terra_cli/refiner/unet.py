@@ -68,6 +68,71 @@ def use_single_token_cross_attention(unet) -> None:
     unet.set_attn_processor(processors)
 
 
+def sdpa_backend(name: str):
+    """A `runtime.REFINER_ATTENTION_BACKENDS` name -> torch's SDPBackend; None for default (torch's choice)."""
+    from torch.nn.attention import SDPBackend
+
+    backends = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    return backends[name]
+
+
+class PinnedSdpaAttention:
+    """diffusers attention processor: its AttnProcessor2_0 (torch SDPA) with SDPA held to one backend
+    (an SDPBackend) for the call. `sdpa_kernel` sets process-wide flags for the span of the `with` and
+    restores them after: eager, that is this attention call; under torch.compile Dynamo traces the
+    `with` into the graph (torch's SDPAKernelVariable), the backend is fixed when the graph is traced
+    and the flags restored there, so the compiled UNet's calls change no flags at all."""
+
+    def __init__(self, backend):
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        self.backend, self.sdpa = backend, AttnProcessor2_0()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kwargs):
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel([self.backend]):
+            return self.sdpa(attn, hidden_states, encoder_hidden_states, attention_mask, temb, **kwargs)
+
+
+def use_sdpa_backend(unet, name: str) -> int:
+    """Hold every SDPA attention of the UNet (not `SingleTokenCrossAttention`, which runs none) to the
+    backend `name` (`sdpa_backend`); "default" puts back torch's choice. Returns how many it holds."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    backend = sdpa_backend(name)
+    processors = {}
+    for key, processor in unet.attn_processors.items():
+        if isinstance(processor, (AttnProcessor2_0, PinnedSdpaAttention)):
+            processor = AttnProcessor2_0() if backend is None else PinnedSdpaAttention(backend)
+        processors[key] = processor
+    unet.set_attn_processor(processors)
+    return sum(isinstance(p, PinnedSdpaAttention) for p in processors.values())
+
+
+def use_channels_last(unet) -> int:
+    """The UNet's convolution weights in channels-last order (4D: channels_last; the temporal blocks'
+    [3, 1, 1] Conv3d: channels_last_3d), the order cuDNN's fast convolutions read, so that with
+    channels-last inputs (`channels_last_frames`) no layout copies surround them. Same values; returns
+    how many weights it reordered."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    moved = 0
+    with torch.inference_mode(False), torch.no_grad():
+        for module in unet.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)) and weight is not None:
+                module.weight.data = weight.data.contiguous(memory_format=formats[weight.dim()])
+                moved += 1
+    return moved
+
+
+def channels_last_frames(sample: torch.Tensor) -> torch.Tensor:
+    """Windows (B, F, C, H, W) stored with channels innermost, so that the (B*F, C, H, W) the UNet
+    flattens them to (a view) is channels_last. Same values."""
+    return sample.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
+
+
 def zero_context(batch: int, config: RefinerConfig, device, dtype) -> torch.Tensor:
     """What Terra's wrapper hands the UNet as cross-attention context: one zero token per video."""
     return torch.zeros(batch, 1, config.context_dim, device=device, dtype=dtype)

@@ -106,3 +106,56 @@ def test_the_progress_count_stays_within_the_open_scenarios_and_the_total():
     assert run.progress_frames == 22 * 256  # never past the total
     one.status = "restarting"
     assert run.progress_frames == 22 * 256
+
+
+def test_an_engine_lost_after_its_refiner_stopped_is_named_with_that_cause(monkeypatch):
+    """4 x H200, 2026-11-27: four Ray engines refining their own videos all ended their processes at
+    the first refinement, and the run said only "engine N lost (The actor is unavailable ...)". An
+    actor whose writer or refiner stops fails the call waiting for that video, then exits: the line
+    for its loss now names that call's error too (and only one just before it, not an old one)."""
+    import collections
+
+    import ray
+    from ray.exceptions import RayTaskError
+
+    from terra_cli.refiner.stage import RefinerStopped
+    from terra_cli.scenarios import ray_runner
+    from terra_cli.scenarios.ray_runner import RayDriver, RayRun
+
+    class Actor:
+        class ready:
+            @staticmethod
+            def remote():
+                return "a readiness probe"
+
+    class Scenario:
+        id, frames, context_frames, seed, line = "s1", 47, 3, 0, 1
+
+    events = []
+    driver = RayDriver.__new__(RayDriver)
+    driver.state, driver.attempts, driver.avoid, driver.works = RayRun(), {}, {}, {}
+    driver.pending = collections.deque()
+    driver.on_event = lambda kind, engine, payload: events.append((kind, payload))
+    stopped = RayTaskError("video", "Traceback (most recent call last): ...",
+                           RefinerStopped("the refiner stopped: OutOfMemoryError: CUDA out of memory"))
+
+    def failing_get(ref):
+        raise stopped
+
+    monkeypatch.setattr(ray, "get", failing_get)
+    lost = EngineState(1, actor=Actor())
+    lost.videos = {"ref": (Scenario(), None)}
+    assert driver._settle_call(lost, lost.videos, "ref", Scenario()) == []
+    assert list(driver.pending) and driver.attempts["s1"] == [
+        "engine 1: RefinerStopped: the refiner stopped: OutOfMemoryError: CUDA out of memory"]
+    driver.lost(lost, "The actor is unavailable")
+    assert events[-1] == ("lost", "The actor is unavailable; just before, a call failed with RefinerStopped: "
+                                  "the refiner stopped: OutOfMemoryError: CUDA out of memory")
+    assert lost.last_error is None and lost.status == "restarting"
+
+    # A failure long before the loss is not named as its cause.
+    old = EngineState(2, actor=Actor(), status="alive")
+    old.last_error = (0.0, "VideoFailed: one bad video")
+    monkeypatch.setattr(ray_runner.time, "perf_counter", lambda: ray_runner.CAUSE_WINDOW_S + 1.0)
+    driver.lost(old, "The actor is unavailable")
+    assert events[-1] == ("lost", "The actor is unavailable")

@@ -102,6 +102,11 @@ class ScenarioEngine:
     """The actor's class (wrapped with `ray.remote` by the driver; plain Python to test)."""
 
     def __init__(self, spec: EngineSpec):
+        import faulthandler
+
+        # A native crash (a kernel library's segfault) then leaves every thread's Python stack in
+        # the worker's log (Ray's worker-*.err) instead of an actor gone without a word.
+        faulthandler.enable()
         if spec.fails_to_start:
             raise RuntimeError(f"engine {spec.index} cannot start (TERRA_RAY_TEST_START_FAIL)")
         from terra_cli.runtime import configure_vllm_env

@@ -44,6 +44,9 @@ class EngineState:
     first_ready: float | None = None
     since: float = field(default_factory=time.perf_counter)  # when it began starting, or restarting
     engine_loop: dict | None = None  # vLLM: its engine loop's times as of its last stats (this incarnation)
+    # Its latest call that failed with an error of its own, and when (this incarnation): an engine whose
+    # writer or refiner stops fails that call, then ends its process; the line for its loss names it.
+    last_error: tuple[float, str] | None = None
 
     def open_frames(self) -> int:
         """Generated frames its open scenarios hold when finished."""

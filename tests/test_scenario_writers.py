@@ -746,10 +746,12 @@ def test_a_green_context_scope_runs_the_block_on_a_stream_of_the_context(monkeyp
     monkeypatch.setattr(local_writer, "driver_stream_of_current_context",
                         lambda index: calls.append(("driver stream", index)) or "a driver stream")
     monkeypatch.setattr(torch.cuda, "stream", Block)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     scope = local_writer.GreenContextScope(torch.device("cuda", 1), 16)
     assert created == [(16, 1)] and isinstance(scope.context, StoodInContext)
     with scope:
         calls.append("decoding")
     stream = "the context's stream" if has_stream_api else "a driver stream"
-    made = ["Stream"] if has_stream_api else ["set_context", ("driver stream", 1), "pop_context"]
+    made = [("set_device", 1)] + (["Stream"] if has_stream_api else ["set_context", ("driver stream", 1), "pop_context"])
     assert calls == made + [("enter", stream), "decoding", ("exit", stream)]

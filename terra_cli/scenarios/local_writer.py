@@ -192,6 +192,8 @@ class GreenContextScope:
         from torch.cuda.green_contexts import GreenContext
 
         index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
+        if torch.cuda.is_available():  # a new thread has no current context: torch would warn and make one
+            torch.cuda.set_device(index)
         self.context = GreenContext.create(num_sms=sms, device_id=index)
         if hasattr(self.context, "Stream"):
             self.stream = self.context.Stream()

@@ -1,7 +1,12 @@
 """How the Ray driver hands out scenarios when the work left is less than the engines can hold
 (scenarios/ray_runner.fair_share, may_queue): no engine holds more than its share of it, and an
 engine with a full batch takes a call to hold queued only while the other engines' free places
-would still find work. Plain data, no Ray needed."""
+would still find work. Plain data; the last tests stand in for Ray's `ray.get` to check how an engine
+lost to its refiner is named (refiner stage failures, scenarios/ray_actor.py)."""
+
+import time
+
+import pytest
 
 from terra_cli.scenarios.ray_runner import EngineState, fair_share, may_queue
 
@@ -159,3 +164,42 @@ def test_an_engine_lost_after_its_refiner_stopped_is_named_with_that_cause(monke
     monkeypatch.setattr(ray_runner.time, "perf_counter", lambda: ray_runner.CAUSE_WINDOW_S + 1.0)
     driver.lost(old, "The actor is unavailable")
     assert events[-1] == ("lost", "The actor is unavailable")
+
+
+def test_an_actor_whose_refiner_stopped_says_so_at_the_next_tick_and_ends(monkeypatch):
+    """A refiner stage that stops on its own (its compile failed at start, say) ends the actor at the
+    driver's next stats tick with that error, not at its first video minutes of tokens later; the
+    driver keeps that error to name the loss."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    from terra_cli.refiner.stage import RefinerStopped
+    from terra_cli.scenarios.ray_actor import ScenarioEngine
+    from terra_cli.scenarios.ray_runner import RayDriver
+
+    stopped = RefinerStopped("the refiner stopped: RuntimeError: compile failed")
+
+    class StoppedStage:
+        def check(self):
+            raise stopped
+
+    died = []
+    actor = ScenarioEngine.__new__(ScenarioEngine)
+    actor.pool = StoppedStage()
+    monkeypatch.setattr(actor, "_die", lambda exc: died.append(exc))
+    with pytest.raises(RefinerStopped):
+        actor.stats()
+    for _ in range(100):  # _die runs in a thread of its own (it sleeps before ending the process)
+        if died:
+            break
+        time.sleep(0.01)
+    assert died == [stopped]
+
+    def failing_get(ref):
+        raise RayTaskError("stats", "Traceback (most recent call last): ...", stopped)
+
+    monkeypatch.setattr(ray, "get", failing_get)
+    driver = RayDriver.__new__(RayDriver)
+    engine = EngineState(0, actor=None, status="alive")
+    driver._settle_stats(engine, "a stats call")
+    assert engine.last_error[1] == "RefinerStopped: the refiner stopped: RuntimeError: compile failed"

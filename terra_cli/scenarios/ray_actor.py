@@ -178,6 +178,10 @@ class ScenarioEngine:
                 "in_flight": self.in_flight, "writers": self.pool.size if isinstance(self.pool, WriterPool) else 0}
 
     def stats(self) -> dict:
+        """Its counts and loop times, asked every tick by the driver; also where a writer or refiner
+        stage that stopped on its own (a refiner whose compile failed at start, say) ends the actor
+        at once, with that error, instead of at its first video minutes of tokens later."""
+        self._fail_if_output_stopped()
         loop = {**self.driver.loop.as_dict(), **(self.wake_probe.as_dict() if self.wake_probe is not None else {})}
         if hasattr(self.pool, "decode_stats"):  # the in-process writer: its decode-ahead shares this process and GPU
             loop.update(self.pool.decode_stats())
@@ -208,6 +212,16 @@ class ScenarioEngine:
         if video_follows:
             self._start_video(s.id, waiter.tokens, s.seed)
         return Generated(s.id, waiter.tokens, seconds, video_follows)
+
+    def _fail_if_output_stopped(self) -> None:
+        from terra_cli.scenarios.writers import WriterDied
+
+        try:
+            if hasattr(self.pool, "check"):
+                self.pool.check()
+        except WriterDied as exc:  # every later video would fail too
+            threading.Thread(target=self._die, args=(exc,), daemon=True).start()
+            raise
 
     def video(self, key: str) -> bytes:
         """The encoded video of a scenario `generate` returned with `video_follows`; waits for the

@@ -302,8 +302,13 @@ class RayDriver:
         import ray
 
         engine.stats_ref, engine.stats_at = None, time.perf_counter()
+        from ray.exceptions import RayTaskError
+
         try:
             stats = ray.get(ref)
+        except RayTaskError as exc:  # its writer or refiner stopped: the actor ends; its loss names this
+            engine.last_error = (time.perf_counter(), _short(exc))
+            return
         except Exception:  # a dying actor: its generate calls say so
             return
         engine.live, engine.pending_frames = stats["frames"], stats["pending_frames"]

@@ -105,6 +105,24 @@ def tokenizer_batch_asked(environ=None) -> int | None:
     return _whole_number_switch(TOKENIZER_BATCH_ENV, 256, "a whole number of frames from 1 to 256", environ)
 
 
+DECODER_COMPILE_MODE_ENV = "TERRA_DECODER_COMPILE_MODE"
+DECODER_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def decoder_compile_mode_asked(environ=None) -> str | None:
+    """torch.compile's mode for the run's compiled tokenizer decoder (the decode-ahead), from
+    TERRA_DECODER_COMPILE_MODE (a lab switch; None: Inductor's default, the measured one).
+    `max-autotune-no-cudagraphs` lets Inductor time Triton templates against cuDNN for its
+    convolutions: beside the engine, what slows its steps follows how much of the card the decoder
+    holds (benchmarks/README.md, 2026-11-27), so a cheaper decoder a frame may cost the engine less.
+    Pixels depend on it (other kernels round differently): deterministic for a seed at one mode."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get(DECODER_COMPILE_MODE_ENV, "").strip().lower() or None
+    if mode is not None and mode not in DECODER_COMPILE_MODES:
+        raise InputError(f"{DECODER_COMPILE_MODE_ENV}={mode!r}: use {' or '.join(DECODER_COMPILE_MODES)}, or leave it unset")
+    return None if mode == "default" else mode
+
+
 REFINER_CHANNELS_LAST_ENV = "TERRA_REFINER_CHANNELS_LAST"
 REFINER_ATTENTION_ENV = "TERRA_REFINER_ATTENTION"
 # torch SDPA backends the refiner's UNet attention may be held to (`refiner.unet.SDPA_BACKENDS`);

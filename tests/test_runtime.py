@@ -28,3 +28,31 @@ def test_a_runs_tokenizer_takes_its_batch_size_from_the_lab_switch_and_refuses_a
         monkeypatch.setenv(runtime.TOKENIZER_BATCH_ENV, bad)
         with pytest.raises(InputError, match="TERRA_TOKENIZER_BATCH"):
             load_tokenizer(spec, "cpu")
+
+
+def test_the_decode_aheads_compile_mode_comes_from_its_lab_switch_and_reaches_torch_compile(monkeypatch):
+    """TERRA_DECODER_COMPILE_MODE: unset or `default` is torch.compile's default; the autotuning mode
+    reaches the compiled tokenizer decoder; a bad value is one line (exit 2)."""
+    import types
+
+    import torch
+
+    from terra_cli.scenarios import writer_process
+    from tokenizer_decoder.tokenizer import ImageTokenizer
+
+    assert runtime.decoder_compile_mode_asked({}) is None
+    assert runtime.decoder_compile_mode_asked({"TERRA_DECODER_COMPILE_MODE": " default "}) is None
+    assert runtime.decoder_compile_mode_asked(
+        {"TERRA_DECODER_COMPILE_MODE": "max-autotune-no-cudagraphs"}) == "max-autotune-no-cudagraphs"
+    with pytest.raises(InputError, match=r"TERRA_DECODER_COMPILE_MODE='max-autotune': use default or "
+                                         r"max-autotune-no-cudagraphs"):
+        runtime.decoder_compile_mode_asked({"TERRA_DECODER_COMPILE_MODE": "max-autotune"})
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic, mode: compiled.append((dynamic, mode)) or fn)
+    decoder = ImageTokenizer.__new__(ImageTokenizer)  # a decoder that says it is on a card; nothing runs
+    decoder.device, decoder._compiled_decode = torch.device("cuda", 0), None
+    decoder.model = types.SimpleNamespace(decode=lambda codes: codes)
+    monkeypatch.setenv("TERRA_DECODER_COMPILE_MODE", "max-autotune-no-cudagraphs")
+    assert writer_process.compile_decoder(decoder) is True
+    assert compiled == [(False, "max-autotune-no-cudagraphs")]

@@ -229,16 +229,16 @@ class ImageTokenizer:
                 on_batch(len(batch))
         return out
 
-    def compile_decoder(self) -> bool:
+    def compile_decoder(self, mode: str | None = None) -> bool:
         """Run full batches (`decode_tokens(full_batches=True)`) through `torch.compile` of the
-        decoder: static shapes, since a full batch always has `batch_size` frames. Only on CUDA,
-        where Inductor fuses the GroupNorm/SiLU passes that dominate its memory traffic; if the
-        first compiled call fails, the eager decoder takes over and `decoder_compile_error` says
-        why. Returns whether a compiled decoder is set."""
+        decoder (in torch.compile's `mode`, None: its default): static shapes, since a full batch
+        always has `batch_size` frames. Only on CUDA, where Inductor fuses the GroupNorm/SiLU passes
+        that dominate its memory traffic; if the first compiled call fails, the eager decoder takes
+        over and `decoder_compile_error` says why. Returns whether a compiled decoder is set."""
         if self.device.type != "cuda" or not hasattr(torch, "compile"):
             return False
         if self._compiled_decode is None:  # every writer of a run shares one tokenizer: compile once
-            self._compiled_decode = torch.compile(self.model.decode, dynamic=False)
+            self._compiled_decode = torch.compile(self.model.decode, dynamic=False, mode=mode)
         return True
 
     def _decode_batch(self, codes: torch.Tensor, full: bool) -> torch.Tensor:

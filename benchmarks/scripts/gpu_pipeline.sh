@@ -39,6 +39,8 @@
 #          GPU2=stream: staggered starts, the engine on a high-priority CUDA stream (TERRA_ENGINE_STREAM_PRIORITY);
 #          GPU2=batchN: staggered starts, the tokenizer encoding and decoding N frames a call (TERRA_TOKENIZER_BATCH);
 #          GPU2=smsN: staggered starts, the decoder bounded to N SMs by a CUDA green context (TERRA_DECODE_SMS);
+#          GPU2=decmax (or GPU3=decmax): staggered starts, the decoder compiled with Inductor's autotuning
+#          (TERRA_DECODER_COMPILE_MODE=max-autotune-no-cudagraphs); GPU3=batchN: GPU2=batchN's run on GPU 3;
 #          GPU3=eagerdec: staggered starts with the eager tokenizer decoder (TERRA_DECODER_COMPILE=0);
 #          GPU3=engdec: staggered starts, the decoder's kernels behind the engine's (TERRA_DECODE_STREAM=engine);
 #          REFINER_PROFILE=1 (with GPU3=refiner or single): then gpu_refiner_profile.py (issue 40);
@@ -143,7 +145,8 @@ case "${1:-}" in
     # GPU3=eagerdec: staggered starts with the eager decoder (TERRA_DECODER_COMPILE=0: twice the compiled one's GPU
     # time a frame); steps slower than GPU 0's say the decoder's kernels are what slows them
     # GPU3=engdec: staggered starts, the decoder's kernels queued behind the engine's (TERRA_DECODE_STREAM=engine)
-    case "${GPU3:-single}" in gil|eagerdec|engdec) act3=1 ;; *) act3= ;; esac
+    # GPU3=batchN / GPU3=decmax: GPU2's variants of those names on GPU 3, so one round measures two of them
+    case "${GPU3:-single}" in gil|eagerdec|engdec|batch[0-9]*|decmax) act3=1 ;; *) act3= ;; esac
     [ "$gpus" -ge 4 ] && [ -n "$act3" ] && [ "${GPU3}" != gil ] && runs+=("3 act3")
     [ "$gpus" -ge 4 ] && [ -z "$act3" ] && (
     # GPU 3 (GPU3=single, the default): issue 41's one-rollout variants then issue 40's refiner at 4
@@ -210,6 +213,9 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     # GPU2=smsN (sms16): staggered starts, the decoder's kernels on a green context of N SMs (TERRA_DECODE_SMS;
     # the run's engine_loop says decode_sms_error where torch or the driver has none)
     case "${GPU2:-stagger}" in sms[0-9]*) gpu2=(TERRA_STAGGER_STARTS=1 "TERRA_DECODE_SMS=${GPU2#sms}") ;; esac
+    # GPU2=decmax: staggered starts, the decode-ahead's decoder compiled with Inductor's autotuning
+    # (TERRA_DECODER_COMPILE_MODE=max-autotune-no-cudagraphs): a cheaper decoder a frame, less of the card held?
+    if [ "${GPU2:-stagger}" = decmax ]; then gpu2=(TERRA_STAGGER_STARTS=1 TERRA_DECODER_COMPILE_MODE=max-autotune-no-cudagraphs); fi
     if [ "${GPU2:-stagger}" = gil ]; then
       gpu2=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH")
       echo "GPU 2: switch interval ${GIL_SWITCH_S:-0.0005} s" >> "$STEP_LOG"
@@ -226,6 +232,10 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       if [ "$2" = act2 ]; then what=(--act-bench "$NAB" "${extra2[@]}"); env=("${gpu2[@]}"); fi
       if [ "$2" = act3 ] && [ "${GPU3:-single}" = eagerdec ]; then env=(TERRA_STAGGER_STARTS=1 TERRA_DECODER_COMPILE=0)
       elif [ "$2" = act3 ] && [ "${GPU3:-single}" = engdec ]; then env=(TERRA_STAGGER_STARTS=1 TERRA_DECODE_STREAM=engine)
+      elif [ "$2" = act3 ] && [ "${GPU3:-single}" = decmax ]; then
+        env=(TERRA_STAGGER_STARTS=1 TERRA_DECODER_COMPILE_MODE=max-autotune-no-cudagraphs)
+      elif [ "$2" = act3 ] && [[ "${GPU3:-single}" == batch[0-9]* ]]; then
+        env=(TERRA_STAGGER_STARTS=1 "TERRA_TOKENIZER_BATCH=${GPU3#batch}")
       elif [ "$2" = act3 ]; then env=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH" "GIL_SWITCH_S=${GIL3_S:-0.0001}"); fi
       if [ "$2" = tokens-inflight ]; then what=(--scenarios "${INFLIGHT:-480}" --frames 47 --max-rollouts "${INFLIGHT:-480}"); fi
       env CUDA_VISIBLE_DEVICES=$1 "${env[@]}" timeout "${RUN_S:-600}" python3 -m terra_cli bench "${what[@]}" \

@@ -80,9 +80,10 @@ def compile_decoder(decoder) -> bool:
     if not hasattr(decoder, "compile_decoder") or getattr(getattr(decoder, "device", None), "type", None) != "cuda":
         return False
     from terra_cli.refiner.compiled import use_inductor_cache
+    from terra_cli.runtime import decoder_compile_mode_asked
 
     use_inductor_cache()
-    return decoder.compile_decoder()
+    return decoder.compile_decoder(mode=decoder_compile_mode_asked())
 
 
 class FrameStore:

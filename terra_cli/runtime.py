@@ -50,12 +50,8 @@ def engine_stream_priority(on_gpu: bool, environ=None) -> str:
     fills the SMs the engine's kernels leave; at one priority the engine's steps ran 17% slower beside
     it (15.99 vs 13.62 ms, 4 x H200, 2026-11-27), while the decoder alone needs ~7% of the card.
     Returns the engine stream's priority: "high" or "default"."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(ENGINE_STREAM_ENV, "").strip().lower()
-    if value in ("", "default"):
+    if _choice_switch(ENGINE_STREAM_ENV, ("default", "high"), "high", environ) in (None, "default"):
         return "default"
-    if value != "high":
-        raise InputError(f"{ENGINE_STREAM_ENV}={value!r}: use high, or leave it unset")
     if not on_gpu:
         return "default"
     import torch
@@ -72,11 +68,7 @@ def decode_stream_asked(environ=None) -> str:
     """Where the in-process writer's decode-ahead runs its kernels: "own" (a stream of its own, the
     default) or "engine" (TERRA_DECODE_STREAM=engine, a lab switch: the device's default stream, in line
     behind the engine's kernels; `local_writer.InProcessWriter`)."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(DECODE_STREAM_ENV, "").strip().lower() or "own"
-    if value not in ("own", "engine"):
-        raise InputError(f"{DECODE_STREAM_ENV}={value!r}: use own or engine, or leave it unset")
-    return value
+    return _choice_switch(DECODE_STREAM_ENV, ("own", "engine"), "own or engine", environ) or "own"
 
 
 DECODE_SMS_ENV = "TERRA_DECODE_SMS"
@@ -116,16 +108,13 @@ def decoder_compile_mode_asked(environ=None) -> str | None:
     convolutions: beside the engine, what slows its steps follows how much of the card the decoder
     holds (benchmarks/README.md, 2026-11-27), so a cheaper decoder a frame may cost the engine less.
     Pixels depend on it (other kernels round differently): deterministic for a seed at one mode."""
-    environ = os.environ if environ is None else environ
-    mode = environ.get(DECODER_COMPILE_MODE_ENV, "").strip().lower() or None
-    if mode is not None and mode not in DECODER_COMPILE_MODES:
-        raise InputError(f"{DECODER_COMPILE_MODE_ENV}={mode!r}: use {' or '.join(DECODER_COMPILE_MODES)}, or leave it unset")
+    mode = _choice_switch(DECODER_COMPILE_MODE_ENV, DECODER_COMPILE_MODES, " or ".join(DECODER_COMPILE_MODES), environ)
     return None if mode == "default" else mode
 
 
 REFINER_CHANNELS_LAST_ENV = "TERRA_REFINER_CHANNELS_LAST"
 REFINER_ATTENTION_ENV = "TERRA_REFINER_ATTENTION"
-# torch SDPA backends the refiner's UNet attention may be held to (`refiner.unet.SDPA_BACKENDS`);
+# torch SDPA backends the refiner's UNet attention may be held to (`refiner.unet.sdpa_backend`);
 # default: torch's own choice per call
 REFINER_ATTENTION_BACKENDS = ("default", "flash", "efficient", "cudnn", "math")
 
@@ -141,22 +130,30 @@ class RefinerSwitches:
 
 
 def refiner_switches_asked(environ=None) -> RefinerSwitches:
-    """Two lab switches for the refiner's UNet (issue 40; off by default, not measured yet), read where
+    """Two lab switches for the refiner's UNet (issue 40; off by default: on an H200, 2026-11-27 late,
+    channels-last made a window 1.5% faster and `flash` 5.5% slower, benchmarks/README.md), read where
     the refiner is built (`VideoRefiner`). TERRA_REFINER_CHANNELS_LAST=1: its convolution weights and
     input frames in channels-last memory order; a GPU profile of the compiled 25-frame window spent
     40 ms of 1.15 s in cuDNN's NCHW<->NHWC copies around the convolutions (H200, 2026-11-27).
     TERRA_REFINER_ATTENTION=flash|efficient|cudnn|math: its self-attention held to that torch SDPA
     backend (torch chose cuDNN's there, 313 TFLOP/s at head dim 64); a backend that cannot run the
     call fails it rather than falling back."""
-    environ = os.environ if environ is None else environ
-    layout = environ.get(REFINER_CHANNELS_LAST_ENV, "").strip().lower()
-    if layout not in ("", "0", "1"):
-        raise InputError(f"{REFINER_CHANNELS_LAST_ENV}={layout!r}: use 1 (on) or 0, or leave it unset")
-    attention = environ.get(REFINER_ATTENTION_ENV, "").strip().lower() or "default"
-    if attention not in REFINER_ATTENTION_BACKENDS:
-        raise InputError(f"{REFINER_ATTENTION_ENV}={attention!r}: use {', '.join(REFINER_ATTENTION_BACKENDS)}, "
-                         f"or leave it unset")
+    layout = _choice_switch(REFINER_CHANNELS_LAST_ENV, ("0", "1"), "1 (on) or 0", environ)
+    attention = _choice_switch(REFINER_ATTENTION_ENV, REFINER_ATTENTION_BACKENDS, ", ".join(REFINER_ATTENTION_BACKENDS),
+                               environ) or "default"
     return RefinerSwitches(channels_last=layout == "1", attention=attention)
+
+
+def _choice_switch(variable: str, choices: tuple, what: str, environ=None) -> str | None:
+    """A lab switch holding one of `choices` (case and spaces ignored); None when unset. A bad value
+    is one InputError saying `what` to use."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(variable, "").strip().lower()
+    if not value:
+        return None
+    if value not in choices:
+        raise InputError(f"{variable}={value!r}: use {what}, or leave it unset")
+    return value
 
 
 def _whole_number_switch(variable: str, largest: int, what: str, environ=None) -> int | None:

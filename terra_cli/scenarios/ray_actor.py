@@ -220,8 +220,12 @@ class ScenarioEngine:
             if hasattr(self.pool, "check"):
                 self.pool.check()
         except WriterDied as exc:  # every later video would fail too
-            threading.Thread(target=self._die, args=(exc,), daemon=True).start()
+            self._die_after_this_call(exc)
             raise
+
+    def _die_after_this_call(self, exc: BaseException) -> None:
+        """`_die` in a thread of its own: the call that found `exc` raises it to the driver first."""
+        threading.Thread(target=self._die, args=(exc,), daemon=True).start()
 
     def video(self, key: str) -> bytes:
         """The encoded video of a scenario `generate` returned with `video_follows`; waits for the
@@ -242,7 +246,7 @@ class ScenarioEngine:
         try:
             return pending.result()
         except WriterDied as exc:  # every later video would fail too
-            threading.Thread(target=self._die, args=(exc,), daemon=True).start()
+            self._die_after_this_call(exc)
             raise
 
     # -- the intake and engine threads ----------------------------------------------------

@@ -300,10 +300,9 @@ class RayDriver:
 
     def _settle_stats(self, engine: EngineState, ref) -> None:
         import ray
-
-        engine.stats_ref, engine.stats_at = None, time.perf_counter()
         from ray.exceptions import RayTaskError
 
+        engine.stats_ref, engine.stats_at = None, time.perf_counter()
         try:
             stats = ray.get(ref)
         except RayTaskError as exc:  # its writer or refiner stopped: the actor ends; its loss names this

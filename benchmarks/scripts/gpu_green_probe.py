@@ -19,12 +19,14 @@ Run: `python3 benchmarks/scripts/gpu_green_probe.py --out probe.json` (a CUDA GP
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import threading
 import time
 
 import torch
 import torch.nn.functional as F
+
+from terra_cli.media.atomic import atomic_write_json
 
 
 def decoder_like(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -62,6 +64,8 @@ def main() -> None:
     parser.add_argument("--sms", default="8,16,32", help="green context sizes to try")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.out and os.path.exists(args.out):
+        parser.error(f"{args.out} exists: name another --out")
     sizes = [int(s) for s in args.sms.split(",")]
     torch.manual_seed(0)
     device = torch.device("cuda", 0)
@@ -141,8 +145,7 @@ def main() -> None:
             print(f"  beside the decoder on a {label}: {row['engine_ms']:.3f} ms ({row['slowdown']:+.1%}), "
                   f"{row['decoder_batches_during']} decoder batches meanwhile", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        atomic_write_json(args.out, report)  # never over an existing file
 
 
 if __name__ == "__main__":

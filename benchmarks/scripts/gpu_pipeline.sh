@@ -88,6 +88,9 @@ case "${1:-}" in
     timeout "${REF_S:-900}" terra bench --act-bench "${NREF:-512}" --data-parallel 4 --kv-cache-dtype fp8 \
       --decoder refiner --refiner-windows "${REF_W:-4}" --out "$OUT/dp4-act-refiner.json" > "$OUT/dp4-act-refiner.log" 2>&1
     echo "dp4-act-refiner exit $?" >> "$STEP_LOG"
+    # An engine that ends leaves its Python stacks (faulthandler) and tracebacks in Ray's worker logs
+    for f in $(grep -l "Traceback\|Fatal Python\|RefinerStopped\|Error" /tmp/ray/session_latest/logs/worker-*.err \
+               2>/dev/null | head -4); do echo "== $f"; tail -60 "$f"; done > "$OUT/worker-errors.txt" 2>&1
     save_warm_caches
     timeout "${TOKENS_AFTER_S:-240}" terra bench --scenarios "${NREF:-512}" --frames 47 --data-parallel 4 \
       --kv-cache-dtype fp8 --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1

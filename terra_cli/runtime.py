@@ -181,6 +181,19 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def cuda_index(device) -> int | None:
+    """The GPU a resolved device names, as the index `torch.cuda.set_device` needs: 'cuda:N' -> N,
+    'cuda' -> the calling thread's current GPU; None for the CPU. A thread that works for another
+    (a refiner's stage, a writer's decoder) resolves it in the thread that made it: a new thread
+    starts on GPU 0, and `set_device` refuses a device without an index (on a Ray actor, 'cuda')."""
+    import torch
+
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def resolve_device(device: str | None) -> str:
     """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; 'cpu', 'cuda', 'cuda:N' are checked."""
     if device in (None, "", "auto"):

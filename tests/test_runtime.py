@@ -56,3 +56,38 @@ def test_the_decode_aheads_compile_mode_comes_from_its_lab_switch_and_reaches_to
     monkeypatch.setenv("TERRA_DECODER_COMPILE_MODE", "max-autotune-no-cudagraphs")
     assert writer_process.compile_decoder(decoder) is True
     assert compiled == [(False, "max-autotune-no-cudagraphs")]
+
+
+def test_cuda_index_gives_set_device_an_index_even_for_a_bare_cuda(monkeypatch):
+    """The Ray refiner run of 2026-11-28 stopped every engine's refiner with "Expected a torch.device
+    with a specified index": an actor's device is a bare 'cuda', and torch.cuda.set_device refuses it."""
+    import threading
+
+    import torch
+
+    from terra_cli.refiner.stage import RefineStage
+    from terra_cli.runtime import cuda_index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # the making thread's GPU
+    assert cuda_index("cuda") == 3 and cuda_index("cuda:1") == 1 and cuda_index(torch.device("cuda", 2)) == 2
+    assert cuda_index("cpu") is None and cuda_index(torch.device("cpu")) is None
+
+    class OnCuda:  # what the stage needs of a refiner, on a GPU that is not there
+        device = torch.device("cuda")
+        options = type("Options", (), {"batch_windows": 1})()
+        prepared = threading.Event()
+
+        def prepare(self):
+            self.prepared.set()
+
+        def prepare_vae_decoder(self):
+            pass
+
+    refiner, set_to = OnCuda(), []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: set_to.append((index, threading.current_thread().name)))
+    stage = RefineStage(type("Decoder", (), {"refiner": refiner})())
+    try:
+        assert refiner.prepared.wait(30) and stage.failure is None
+        assert set_to == [(3, "terra-refiner")]  # the making thread's GPU, set in the stage's own thread
+    finally:
+        stage.close()

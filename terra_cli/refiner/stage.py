@@ -68,6 +68,9 @@ class RefineStage:
         self.unet_batches = 0
         self.busy_s = 0.0  # the thread's time on videos (decoding tokens, UNet batches, VAE, mp4), compiling not included
         self._count = 0
+        from terra_cli.runtime import cuda_index
+
+        self.cuda_index = cuda_index(self.refiner.device)  # here: the stage's thread starts on GPU 0
         self.thread = threading.Thread(target=self._run, name="terra-refiner", daemon=True)
         self.thread.start()
 
@@ -131,13 +134,12 @@ class RefineStage:
                 self._fail_open(self.failure)
 
     def _on_device(self) -> None:
-        """This thread uses the refiner's GPU (a new thread starts on GPU 0), and compiles the UNet
-        and the VAE decoder first, while the engine generates the first videos' tokens."""
-        device = str(self.refiner.device)
-        if device.startswith("cuda"):
+        """This thread uses the refiner's GPU, and compiles the UNet and the VAE decoder first, while
+        the engine generates the first videos' tokens."""
+        if self.cuda_index is not None:
             import torch
 
-            torch.cuda.set_device(torch.device(device))
+            torch.cuda.set_device(self.cuda_index)
         self.refiner.prepare()
         self.refiner.prepare_vae_decoder()
 

@@ -191,7 +191,9 @@ class GreenContextScope:
         import torch
         from torch.cuda.green_contexts import GreenContext
 
-        index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
+        from terra_cli.runtime import cuda_index
+
+        index = cuda_index(device)
         if torch.cuda.is_available():  # a new thread has no current context: torch would warn and make one
             torch.cuda.set_device(index)
         self.context = GreenContext.create(num_sms=sms, device_id=index)

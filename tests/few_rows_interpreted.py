@@ -1,5 +1,6 @@
-"""Runs terra's few-rows logits kernel (kernels/few_rows_matmul.py) under Triton's interpreter and
-prints what it computed as JSON, for tests/test_few_rows_matmul.py. A process of its own: the
+"""Runs terra's few-rows kernel (kernels/few_rows_matmul.py) under Triton's interpreter, on the logits
+and on the layers' projections (split-K), and prints what it computed as JSON, for
+tests/test_few_rows_matmul.py. A process of its own: the
 interpreter must be chosen before Triton is imported, and the test process may have imported it.
 
     python tests/few_rows_interpreted.py CHECKPOINT_DIR
@@ -15,6 +16,7 @@ import sys
 def main(checkpoint: str) -> dict:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["TERRA_SINGLE_STREAM_LOGITS"] = "few-rows"
+    os.environ["TERRA_SINGLE_STREAM_LAYERS"] = "few-rows"
     import numpy as np
     import torch
 
@@ -35,10 +37,26 @@ def main(checkpoint: str) -> dict:
             exact = hidden.double() @ weight.double().t()
             errors[f"{dtype}-{rows}"] = {"shape": list(out.shape), "dtype": str(out.dtype),
                                          "error": float((out.double() - exact).abs().max() / exact.abs().max())}
+    # Split-K: a depth of 700 is 6 blocks of 128 (the last one short); 1, 2, 4 and 6 slices (4 gives 3
+    # slices of 2 blocks: none may be empty), against float64, and each the same on a second call.
+    hidden = torch.randn(5, 700, generator=gen)
+    weight = torch.randn(300, 700, generator=gen)
+    exact = hidden.double() @ weight.double().t()
+    split_errors, split_repeatable, slices = {}, {}, {}
+    for splits in (1, 2, 4, 6):
+        out = kernel.few_rows_matmul(hidden, weight, splits)
+        split_errors[splits] = float((out.double() - exact).abs().max() / exact.abs().max())
+        split_repeatable[splits] = bool(torch.equal(out, kernel.few_rows_matmul(hidden, weight, splits)))
+        slices[splits] = kernel.few_rows_partials(hidden, weight, splits).shape[0]
     refused = []
     for bad in (torch.zeros(17, 200), torch.zeros(2, 199)):
         try:
             kernel.few_rows_matmul(bad, torch.zeros(300, 200))
+        except ValueError as exc:
+            refused.append(str(exc))
+    for splits in (0, 7):
+        try:
+            kernel.few_rows_matmul(hidden, weight, splits)
         except ValueError as exc:
             refused.append(str(exc))
 
@@ -48,14 +66,18 @@ def main(checkpoint: str) -> dict:
     rng = np.random.default_rng(6)
     context = rng.integers(0, layout.image_vocab_size, size=(2, layout.image_tokens))
     actions = rng.normal(scale=2.0, size=(layout.max_frames - 1, 6, 3)).astype(np.float32)
-    calls = []
-    original = kernel.few_rows_matmul
+    calls, layer_calls = [], []
+    original, original_partials = kernel.few_rows_matmul, kernel.few_rows_partials
     kernel.few_rows_matmul = lambda h, w: calls.append(h.shape[0]) or original(h, w)
+    kernel.few_rows_partials = lambda h, w: layer_calls.append(h.shape[0]) or original_partials(h, w)
     decoder = SingleStreamDecoder(model, draft_tokens=3)
     codes = decoder.rollout(context, actions, layout.max_frames, Sampling(temperature=0), 0)
     reference = HfBackend(model=model, device="cpu").generate(context, actions, layout.max_frames,
                                                              Sampling(temperature=0))[0]
     return {"errors": errors, "refused": refused, "layout": decoder.core.logits_layout,
+            "split_errors": split_errors, "split_repeatable": split_repeatable, "slices": slices,
+            "layers": decoder.core.ops.projections, "layer_calls": len(layer_calls),
+            "layer_rows": sorted(set(layer_calls)), "logits_calls": len(calls), "model_layers": len(model.model.layers),
             "kernel_rows": sorted(set(calls)), "codes_equal": bool(np.array_equal(codes, reference))}
 
 

@@ -1,6 +1,7 @@
-"""terra's few-rows logits kernel (kernels/few_rows_matmul.py), run under Triton's interpreter in a
-process of its own (tests/few_rows_interpreted.py): its products against float64, its refusals, and
-a greedy Jacobi rollout of the single-stream decoder whose every step's logits it computed."""
+"""terra's few-rows kernel (kernels/few_rows_matmul.py), run under Triton's interpreter in a process of
+its own (tests/few_rows_interpreted.py): its products against float64, split-K's too, its refusals,
+and a greedy Jacobi rollout of the single-stream decoder whose every decode step's logits and layer
+projections it computed."""
 import json
 import os
 import subprocess
@@ -28,7 +29,14 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
         assert got["shape"] == [rows, 300], case
         # float32: the sum's rounding; bfloat16: the output's own rounding (8 bits of mantissa)
         assert got["error"] < (1e-5 if case.startswith("torch.float32") else 8e-3), (case, got)
-    assert len(result["refused"]) == 2 and "1 to 16 rows" in result["refused"][0]
-    assert result["layout"] == "few-rows"
+    assert len(result["refused"]) == 4 and "1 to 16 rows" in result["refused"][0]
+    assert "0 slices" in result["refused"][2] and "7 slices" in result["refused"][3]
+    assert result["slices"] == {"1": 1, "2": 2, "4": 3, "6": 6}
+    for splits, error in result["split_errors"].items():
+        assert error < 1e-5 and result["split_repeatable"][splits], (splits, error)
+    assert result["layout"] == "few-rows" and result["layers"] == "few-rows"
     assert result["kernel_rows"] == [4]  # every decode step of a K=3 Jacobi rollout has K + 1 rows
+    assert result["layer_rows"] == [4]
+    # four projections a layer (q, k and v as one; o; gate and up as one; down) on every decode step
+    assert result["layer_calls"] == 4 * result["model_layers"] * result["logits_calls"]
     assert result["codes_equal"]

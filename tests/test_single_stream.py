@@ -178,6 +178,29 @@ def test_the_layer_compile_mode_comes_from_the_environment_and_is_checked(model,
         layer_ops.LayerOps(model, compile_layers=True)
 
 
+def test_the_layer_projections_switch_is_checked_and_needs_a_device_that_runs_the_kernel(model, monkeypatch):
+    """TERRA_SINGLE_STREAM_LAYERS=few-rows puts the decode step's projections on terra's kernel where
+    it runs (CUDA, Triton's interpreter: tests/test_few_rows_matmul.py runs it there); on a plain CPU
+    it is ignored like the logits' switch, and a value it does not know is refused."""
+    import torch.nn.functional as F
+
+    from terra_cli.backends import layer_ops
+    from terra_cli.kernels.few_rows_matmul import few_rows_linear
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert layer_ops.layer_projections(cuda, {}) == "linear"
+    assert layer_ops.layer_projections(cuda, {layer_ops.LAYERS_ENV: "few-rows"}) == "few-rows"
+    assert layer_ops.layer_projections(cpu, {layer_ops.LAYERS_ENV: "few-rows"}) == "linear"
+    assert layer_ops.layer_projections(cpu, {layer_ops.LAYERS_ENV: "few-rows", "TRITON_INTERPRET": "1"}) == "few-rows"
+    assert layer_ops.projection("few-rows") is few_rows_linear and layer_ops.projection("linear") is F.linear
+    with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_LAYERS='cutlass'"):
+        layer_ops.layer_projections(cuda, {layer_ops.LAYERS_ENV: "cutlass"})
+    monkeypatch.setenv(layer_ops.LAYERS_ENV, "few-rows")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ops = layer_ops.LayerOps(model, compile_layers=False)  # this CPU: the modules' own weights, F.linear
+    assert ops.projections == "linear" and ops.decode is ops.eager
+
+
 def paged_varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table,
                            softmax_scale, causal, fa_version):
     """FlashAttention's `flash_attn_varlen_func` contract for one sequence, written plainly: keys

@@ -27,7 +27,8 @@
 #          the same shape: the 90% ratio of one engine), GPU 2 the ACT-Bench run with staggered starts
 #          (TERRA_STAGGER_STARTS=1), GPU 3 gpu_single_stream.py (issue 41: plain, Jacobi K=8, K=8 with
 #          weight-major or few-rows logits, plain with few-rows logits or max-autotune layers), then
-#          issue 40's `bench --refiner --windows 4`; `await` collects it. GPU2=writers1: GPU 2 runs the
+#          issue 40's `bench --refiner --windows 4`; `await` collects it (SINGLE_VARIANTS: gpu_single_stream.py's
+#          --variants, default 0,9,1,8,10,7; 0,9,11,8,12 compares the split-K layer projections, issue 41). GPU2=writers1: GPU 2 runs the
 #          ACT-Bench run with one writer process (`--writers 1`) instead, GPU2=inflight tokens only at INFLIGHT
 #          (480) rollouts in flight (`--scenarios 480 --max-rollouts 480`), GPU2=gil staggered starts with a
 #          0.5 ms interpreter switch interval; GPU0_STAGGER=1: GPU 0 with staggered starts (the product's
@@ -157,7 +158,7 @@ case "${1:-}" in
     # job); GPU3=refiner: the refiner alone, compiled, at 4 then 8 windows a call
       if [ "${GPU3:-single}" = single ]; then
         CUDA_VISIBLE_DEVICES=3 timeout 320 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
-          --variants 0,9,1,8,10,7 --budget-s 250 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
+          --variants "${SINGLE_VARIANTS:-0,9,1,8,10,7}" --budget-s 250 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
       fi
       python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
       # GPU3=reflayout: the compiled refiner at 4 windows a call, variant after variant (REFLAYOUT picks): as is;

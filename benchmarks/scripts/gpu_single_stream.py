@@ -44,7 +44,8 @@ from terra_cli.backends.single_stream import SingleStreamBackend  # noqa: E402
 CONTEXT_FRAMES = 3
 # name, draft_tokens, draft, environment (attention / layer compile switches read at decoder start).
 NEW = {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": "", "TERRA_SINGLE_STREAM_LOGITS": "",
-       "TERRA_SINGLE_STREAM_COMPILE_MODE": ""}
+       "TERRA_SINGLE_STREAM_COMPILE_MODE": "", "TERRA_SINGLE_STREAM_LAYERS": ""}
+FEW_ROWS = {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "few-rows", "TERRA_SINGLE_STREAM_LAYERS": "few-rows"}
 VARIANTS = [
     ("plain", 0, "jacobi", NEW),
     ("jacobi K=8", 8, "jacobi", NEW),
@@ -59,6 +60,9 @@ VARIANTS = [
     ("plain, logits by terra's few-rows kernel", 0, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "few-rows"}),
     ("plain, layers compiled max-autotune (Inductor times its GEMMs)", 0, "jacobi",
      {**NEW, "TERRA_SINGLE_STREAM_COMPILE_MODE": "max-autotune-no-cudagraphs"}),
+    # 11, 12: the layers' projections by terra's split-K kernel too (kernels/few_rows_matmul.py)
+    ("plain, layers and logits by terra's few-rows kernel (split-K)", 0, "jacobi", FEW_ROWS),
+    ("jacobi K=8, layers and logits by terra's few-rows kernel (split-K)", 8, "jacobi", FEW_ROWS),
 ]
 TARGET_S_PER_FRAME = 0.5
 
@@ -182,7 +186,8 @@ def run_variant(model, context, frames, sampling, draft_tokens, draft, device, v
         seconds = stats["frame_seconds"]
         row = {
             "attention": stats["attention"], "compiled_layers": stats["compiled_layers"],
-            "compile_error": decoder.core.ops.compile_error,
+            "compile_error": decoder.core.ops.compile_error, "layer_projections": decoder.core.ops.projections,
+            "logits_layout": decoder.core.logits_layout,
             "frames_generated": len(seconds),
             "s_per_frame_mean": round(statistics.fmean(seconds), 4),
             "s_per_frame_after_first": round(statistics.fmean(seconds[1:]), 4) if len(seconds) > 1 else None,

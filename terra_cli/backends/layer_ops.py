@@ -17,7 +17,7 @@ Terra's size); prompts keep the modules' own.
 
 from __future__ import annotations
 
-
+import functools
 import os
 
 import torch
@@ -35,6 +35,31 @@ COMPILE_ENV = "TERRA_SINGLE_STREAM_COMPILE"
 # measured one. The step is captured in a CUDA graph by single_stream.StepGraphs either way.
 COMPILE_MODE_ENV = "TERRA_SINGLE_STREAM_COMPILE_MODE"
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# TERRA_SINGLE_STREAM_LAYERS=few-rows runs the decode step's four projections a layer through terra's
+# split-K kernel for a few rows (kernels/few_rows_matmul.py) instead of cuBLAS, on CUDA (or under
+# Triton's interpreter: the CPU tests); a lab switch until a GPU measures it. Unset: `linear`.
+LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
+LAYER_PROJECTIONS = ("linear", "few-rows")
+
+
+def layer_projections(device: torch.device, environ=None) -> str:
+    """How the decode step's projections are computed: `linear` (cuBLAS), or `few-rows` where the
+    kernel can run (CUDA, or Triton's interpreter); elsewhere the switch is ignored, as the logits' is."""
+    environ = os.environ if environ is None else environ
+    choice = environ.get(LAYERS_ENV, "").strip() or "linear"
+    if choice not in LAYER_PROJECTIONS:
+        raise ValueError(f"{LAYERS_ENV}={choice!r}: expected one of {', '.join(LAYER_PROJECTIONS)}")
+    runs_here = device.type == "cuda" or environ.get("TRITON_INTERPRET") == "1"
+    return choice if runs_here else "linear"
+
+
+def projection(name: str):
+    """The F.linear-like function `layer_projections` names."""
+    if name == "few-rows":
+        from terra_cli.kernels.few_rows_matmul import few_rows_linear
+
+        return few_rows_linear
+    return F.linear
 
 
 def compile_mode(environ=None) -> str | None:
@@ -83,21 +108,22 @@ def attention_output_and_mlp(x, attended, wo, bo, norm_weight, eps: float, wg, b
     return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
 
 
-def attention_inputs_fused(x, cos, sin, norm_weight, eps: float, wqkv, bqkv, heads: int, kv_heads: int, head_dim: int):
+def attention_inputs_fused(x, cos, sin, norm_weight, eps: float, wqkv, bqkv, heads: int, kv_heads: int, head_dim: int,
+                           linear=F.linear):
     """`attention_inputs` with q, k and v projected by one GEMM (their weights stacked in that order)."""
     n = x.shape[1]
     h = rms_norm(x, norm_weight, eps)
-    q, k, v = F.linear(h, wqkv, bqkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = linear(h, wqkv, bqkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q.reshape(1, n, heads, head_dim), k.reshape(1, n, kv_heads, head_dim), v.reshape(1, n, kv_heads, head_dim)
     return (*rotated(q, k, cos, sin), v)
 
 
-def attention_output_and_mlp_fused(x, attended, wo, bo, norm_weight, eps: float, wgu, bgu, wd, bd):
+def attention_output_and_mlp_fused(x, attended, wo, bo, norm_weight, eps: float, wgu, bgu, wd, bd, linear=F.linear):
     """`attention_output_and_mlp` with gate and up projected by one GEMM (gate's rows first)."""
-    x = x + F.linear(attended, wo, bo)
+    x = x + linear(attended, wo, bo)
     h = rms_norm(x, norm_weight, eps)
-    gate, up = F.linear(h, wgu, bgu).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, wd, bd)
+    gate, up = linear(h, wgu, bgu).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, wd, bd)
 
 
 def stacked(*tensors):
@@ -113,10 +139,14 @@ class EagerOps:
 
 
 class FusedOps:
-    """The fused-projection functions run eagerly (what CompiledOps compiles)."""
+    """The fused-projection functions run eagerly (what CompiledOps compiles), their projections by
+    `linear`."""
     error = None
-    attention_inputs = staticmethod(attention_inputs_fused)
-    attention_output_and_mlp = staticmethod(attention_output_and_mlp_fused)
+
+    def __init__(self, linear=F.linear):
+        self.linear = linear
+        self.attention_inputs = functools.partial(attention_inputs_fused, linear=linear)
+        self.attention_output_and_mlp = functools.partial(attention_output_and_mlp_fused, linear=linear)
 
 
 class CompiledOps:
@@ -124,10 +154,12 @@ class CompiledOps:
     row count). If compiling fails on the first call (a warm-up step, before any CUDA graph
     capture), the eager functions take over and `error` says why."""
 
-    def __init__(self, mode: str | None = None):
+    def __init__(self, mode: str | None = None, linear=F.linear):
         self.error: str | None = None
-        self._inputs = torch.compile(attention_inputs_fused, dynamic=False, fullgraph=True, mode=mode)
-        self._output = torch.compile(attention_output_and_mlp_fused, dynamic=False, fullgraph=True, mode=mode)
+        self.linear = linear
+        self._eager = FusedOps(linear)
+        self._inputs = torch.compile(self._eager.attention_inputs, dynamic=False, fullgraph=True, mode=mode)
+        self._output = torch.compile(self._eager.attention_output_and_mlp, dynamic=False, fullgraph=True, mode=mode)
 
     def _call(self, compiled, eager, *args):
         if self.error is None:
@@ -138,10 +170,10 @@ class CompiledOps:
         return eager(*args)
 
     def attention_inputs(self, *args):
-        return self._call(self._inputs, attention_inputs_fused, *args)
+        return self._call(self._inputs, self._eager.attention_inputs, *args)
 
     def attention_output_and_mlp(self, *args):
-        return self._call(self._output, attention_output_and_mlp_fused, *args)
+        return self._call(self._output, self._eager.attention_output_and_mlp, *args)
 
 
 def compile_wanted(requested: bool) -> bool:
@@ -168,9 +200,12 @@ class LayerOps:
         self.eager = BoundOps(EagerOps(), [self.attention_weights(layer) for layer in layers],
                               [self.output_weights(layer) for layer in layers])
         compiled = compile_wanted(compile_layers)
-        # Fusing is what the compiled path runs; `fuse_projections` alone (eager) lets a CPU check it.
-        if compiled or fuse_projections:
-            functions = CompiledOps(compile_mode()) if compiled else FusedOps()
+        self.projections = layer_projections(next(model.parameters()).device)
+        linear = projection(self.projections)
+        # Fusing is what the compiled path runs; `fuse_projections` alone (eager) lets a CPU check it,
+        # and so does the few-rows kernel under Triton's interpreter.
+        if compiled or fuse_projections or self.projections != "linear":
+            functions = CompiledOps(compile_mode(), linear) if compiled else FusedOps(linear)
             self.decode = BoundOps(functions, [self.fused_attention_weights(layer) for layer in layers],
                                    [self.fused_output_weights(layer) for layer in layers])
         else:

@@ -9,7 +9,16 @@ a kernel that streams the weight once at the card's bandwidth is the floor for a
 from L2) as the left operand of one tensor-core tile of 16 rows, accumulating in float32.
 
 `TERRA_SINGLE_STREAM_LOGITS=few-rows` puts it on the single-stream decoder's decode steps (one row,
-or a Jacobi step's K + 1; `backends/static_kv.py`); not measured yet, so not the default.
+or a Jacobi step's K + 1; `backends/static_kv.py`): 3.5% off a plain step, 25% off a K=8 Jacobi step
+on an H200 (benchmarks/README.md, 2026-11-27); not yet the default.
+
+The layers' projections are short by comparison (Terra's: 2,560 to 11,264 outputs over 2,048 or
+5,632 inputs), so `BLOCK_N` columns a program would give 16 to 88 programs, too few to keep an H100's
+132 SMs streaming; cuBLAS's small-M tiles read them at ~2.1 TB/s (62% of the card). Split-K: each
+program also takes one of `splits` slices of K, writing float32 partial sums that one reduction over
+the slices adds in a fixed order (the same sum on every call: no atomics). `splits_for` picks the
+fewest slices that give every SM a few programs. `TERRA_SINGLE_STREAM_LAYERS=few-rows` runs the
+decode step's projections through it (`backends/layer_ops.py`); a lab switch until measured.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch
 MAX_ROWS = 16  # a tensor-core tile's rows: every call computes 16, the rows past M masked off
 BLOCK_N = 128
 BLOCK_K = 128
+PROGRAMS_PER_SM = 4  # split-K's aim: enough programs in flight per SM to hide the weight's latency
 
 _kernel = None
 
@@ -30,43 +40,113 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def few_rows_kernel(h_ptr, w_ptr, out_ptr, M, N, K, stride_hm, stride_wn, stride_om,
+    def few_rows_kernel(h_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_hm, stride_wn, stride_os, stride_om,
                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        k_from = split * k_per_split
+        k_to = tl.minimum(K, k_from + k_per_split)
         rows = tl.arange(0, ROWS)
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
+        for start in range(k_from, k_to, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
             h = tl.load(h_ptr + rows[:, None] * stride_hm + ks[None, :],
-                        mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+                        mask=(rows[:, None] < M) & (ks[None, :] < k_to), other=0.0)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
-                        mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+                        mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
             if UPCAST:  # Triton's interpreter (the CPU tests) gets bf16 dots wrong; tf32 holds bf16 exactly
                 acc += tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)))
             else:
                 acc += tl.dot(h, tl.trans(w))
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     return few_rows_kernel
 
 
-def few_rows_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden (M, K) @ weight (N, K).T -> (M, N) in hidden's dtype, for 1 <= M <= 16. Both contiguous
-    in K; on CUDA (or under Triton's interpreter, which the tests use)."""
-    global _kernel
-    import triton
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
+
+def splits_for(outputs: int, depth: int, programs_wanted: int) -> int:
+    """How many slices of K a product of `outputs` columns over `depth` is cut into: the fewest that
+    give `programs_wanted` programs, each slice at least one BLOCK_K, none empty. 1 for a tall weight
+    (Terra's lm_head has 2,048 column blocks already)."""
+    columns, k_blocks = _cdiv(outputs, BLOCK_N), _cdiv(depth, BLOCK_K)
+    wanted = max(1, min(k_blocks, _cdiv(programs_wanted, columns)))
+    return _cdiv(k_blocks, _cdiv(k_blocks, wanted))  # equal slices of whole blocks: no empty last one
+
+
+def programs_wanted(device: torch.device) -> int:
+    if device.type == "cuda":
+        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # Triton's interpreter (the CPU tests): split only when asked
+
+
+def _checked_splits(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None) -> int:
     rows, depth = hidden.shape
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"few_rows_matmul takes 1 to {MAX_ROWS} rows, got {rows}")
     if weight.shape[1] != depth or hidden.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"shapes/strides do not fit: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}")
+    if splits is None:
+        splits = splits_for(weight.shape[0], depth, programs_wanted(hidden.device))
+    k_blocks = _cdiv(depth, BLOCK_K)
+    if not 1 <= splits <= k_blocks:
+        raise ValueError(f"few_rows_matmul: {splits} slices of a depth of {depth} (1 to {k_blocks})")
+    return _cdiv(depth, _cdiv(k_blocks, splits) * BLOCK_K)  # slices of whole blocks, none empty
+
+
+def _launch(hidden: torch.Tensor, weight: torch.Tensor, splits: int, out: torch.Tensor) -> torch.Tensor:
+    global _kernel
     if _kernel is None:
         _kernel = _build()
-    out = torch.empty((rows, weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
-    grid = (triton.cdiv(weight.shape[0], BLOCK_N),)
-    _kernel[grid](hidden, weight, out, rows, weight.shape[0], depth, hidden.stride(0), weight.stride(0), out.stride(0),
-                  ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-                  num_warps=4, num_stages=4)
+    depth, outputs = hidden.shape[1], weight.shape[0]
+    k_per_split = _cdiv(_cdiv(depth, BLOCK_K), splits) * BLOCK_K
+    _kernel[(_cdiv(outputs, BLOCK_N), splits)](
+        hidden, weight, out, hidden.shape[0], outputs, depth, k_per_split, hidden.stride(0), weight.stride(0),
+        out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, num_stages=4)
     return out
+
+
+def few_rows_partials(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """hidden (M, K) @ weight (N, K).T as float32 partial sums over slices of K, (slices, M, N): their
+    sum over the first dimension is the product. Left to the caller so that a compiled function adds
+    them inside the elementwise kernel that follows, not in kernels of their own."""
+    splits = _checked_splits(hidden, weight, splits)
+    out = torch.empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32, device=hidden.device)
+    return _launch(hidden, weight, splits, out)
+
+
+def few_rows_matmul(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """hidden (M, K) @ weight (N, K).T -> (M, N) in hidden's dtype, for 1 <= M <= 16. Both contiguous
+    in K; on CUDA (or under Triton's interpreter, which the tests use). `splits`: slices of K (None:
+    `splits_for` this device; one slice writes the result directly)."""
+    splits = _checked_splits(hidden, weight, splits)
+    if splits > 1:
+        return few_rows_partials(hidden, weight, splits).sum(0).to(hidden.dtype)
+    out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+    return _launch(hidden, weight, 1, out)
+
+
+@torch.library.custom_op("terra::few_rows_partials", mutates_args=())
+def few_rows_partials_op(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`few_rows_partials` (slices for this device) as an operator torch.compile keeps whole; the
+    decode step's compiled layer functions fuse the slices' sum into their next kernel."""
+    return few_rows_partials(hidden, weight)
+
+
+@few_rows_partials_op.register_fake
+def _(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    splits = _checked_splits(hidden, weight, None)
+    return hidden.new_empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for a decode step's few rows (x (..., K), at most 16 rows in all) by the kernel: the
+    slices' sum and the bias in float32, then x's dtype (F.linear rounds once too, at its output)."""
+    out = few_rows_partials_op(x.reshape(-1, x.shape[-1]).contiguous(), weight).sum(0)
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -37,7 +37,8 @@ COMPILE_MODE_ENV = "TERRA_SINGLE_STREAM_COMPILE_MODE"
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # TERRA_SINGLE_STREAM_LAYERS=few-rows runs the decode step's four projections a layer through terra's
 # split-K kernel for a few rows (kernels/few_rows_matmul.py) instead of cuBLAS, on CUDA (or under
-# Triton's interpreter: the CPU tests); a lab switch until a GPU measures it. Unset: `linear`.
+# Triton's interpreter: the CPU tests). Measured on an H100: no faster than cuBLAS (benchmarks/README.md,
+# 2026-11-28), so a lab switch. Unset: `linear`.
 LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
 LAYER_PROJECTIONS = ("linear", "few-rows")
 

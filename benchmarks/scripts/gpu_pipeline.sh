@@ -42,6 +42,9 @@
 #          GPU2=smsN: staggered starts, the decoder bounded to N SMs by a CUDA green context (TERRA_DECODE_SMS);
 #          GPU2=decmax (or GPU3=decmax): staggered starts, the decoder compiled with Inductor's autotuning
 #          (TERRA_DECODER_COMPILE_MODE=max-autotune-no-cudagraphs); GPU3=batchN: GPU2=batchN's run on GPU 3;
+#          GPU2=refiner1 (issue 40, overlap against two stages): GPU 2 refines NREF1 (64) ACT-Bench samples beside
+#          vLLM in one engine (`--act-bench NREF1 --decoder refiner --refiner-windows 4`); GPU3=twostage: GPU 3
+#          runs the same samples tokens only, then `bench --refiner --windows 4` (the second stage's parts);
 #          GPU3=eagerdec: staggered starts with the eager tokenizer decoder (TERRA_DECODER_COMPILE=0);
 #          GPU3=engdec: staggered starts, the decoder's kernels behind the engine's (TERRA_DECODE_STREAM=engine);
 #          REFINER_PROFILE=1 (with GPU3=refiner or single): then gpu_refiner_profile.py (issue 40);
@@ -152,6 +155,7 @@ case "${1:-}" in
     # GPU3=batchN / GPU3=decmax: GPU2's variants of those names on GPU 3, so one round measures two of them
     case "${GPU3:-single}" in gil|eagerdec|engdec|batch[0-9]*|decmax) act3=1 ;; *) act3= ;; esac
     [ "$gpus" -ge 4 ] && [ -n "$act3" ] && [ "${GPU3}" != gil ] && runs+=("3 act3")
+    [ "${GPU3:-single}" = twostage ] && act3=twostage  # (started with the runs below)
     [ "$gpus" -ge 4 ] && [ -z "$act3" ] && (
     # GPU 3 (GPU3=single, the default): issue 41's one-rollout variants then issue 40's refiner at 4
     # windows a call (its compile, ~100 s cold, outran a call before: here it runs in the background
@@ -229,6 +233,23 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     if [ "${GPU2:-stagger}" = inflight ] && [ "$gpus" -ge 3 ]; then
       runs=("0 act" "1 tokens" "2 tokens-inflight")
     fi
+    # GPU2=refiner1 (issue 40, overlap against two stages): GPU 2 runs NREF1 (64) ACT-Bench samples refined
+    # beside vLLM in one engine's process (`--decoder refiner --refiner-windows 4`, staggered starts); GPU3=twostage
+    # runs the two stages' parts: the same samples tokens only (`--scenarios NREF1 --frames 47`), then the
+    # refiner alone (`bench --refiner --windows 4`: s a window, the VAE a frame) for the second stage's time
+    if [ "${GPU2:-stagger}" = refiner1 ] && [ "$gpus" -ge 3 ]; then
+      runs=("0 act" "1 tokens" "2 refiner1")
+      python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
+    fi
+    if [ "${GPU3:-single}" = twostage ] && [ "$gpus" -ge 4 ]; then
+      ( CUDA_VISIBLE_DEVICES=3 TERRA_STAGGER_STARTS=1 timeout "${RUN_S:-600}" python3 -m terra_cli bench \
+          --scenarios "${NREF1:-64}" --frames 47 --kv-cache-dtype fp8 --out "$OUT/twostage-tokens-gpu3.json" --overwrite \
+          > "$OUT/twostage-tokens-gpu3.log" 2>&1; echo "twostage tokens exit $?" >> "$STEP_LOG"
+        CUDA_VISIBLE_DEVICES=3 timeout 270 python3 -m terra_cli bench --refiner --windows 4 --refiner-compile default \
+          --out "$OUT/twostage-refiner-gpu3.json" --overwrite > "$OUT/twostage-refiner-gpu3.log" 2>&1
+        echo "twostage refiner exit $?" >> "$STEP_LOG" ) &
+      pids+=($!)
+    fi
     for run in "${runs[@]}"; do
       set -- $run
       what=(--act-bench "$NAB"); env=(TERRA_STAGGER_STARTS="${GPU0_STAGGER:-0}")
@@ -241,6 +262,9 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       elif [ "$2" = act3 ] && [[ "${GPU3:-single}" == batch[0-9]* ]]; then
         env=(TERRA_STAGGER_STARTS=1 "TERRA_TOKENIZER_BATCH=${GPU3#batch}")
       elif [ "$2" = act3 ]; then env=(TERRA_STAGGER_STARTS=1 "PYTHONPATH=/tmp/gil-site:$PYTHONPATH" "GIL_SWITCH_S=${GIL3_S:-0.0001}"); fi
+      if [ "$2" = refiner1 ]; then
+        what=(--act-bench "${NREF1:-64}" --decoder refiner --refiner-windows 4); env=(TERRA_STAGGER_STARTS=1)
+      fi
       if [ "$2" = tokens-inflight ]; then what=(--scenarios "${INFLIGHT:-480}" --frames 47 --max-rollouts "${INFLIGHT:-480}"); fi
       env CUDA_VISIBLE_DEVICES=$1 "${env[@]}" timeout "${RUN_S:-600}" python3 -m terra_cli bench "${what[@]}" \
         --kv-cache-dtype fp8 --out "$OUT/$2-gpu$1.json" --overwrite > "$OUT/$2-gpu$1.log" 2>&1 &

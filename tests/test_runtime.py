@@ -91,3 +91,18 @@ def test_cuda_index_gives_set_device_an_index_even_for_a_bare_cuda(monkeypatch):
         assert set_to == [(3, "terra-refiner")]  # the making thread's GPU, set in the stage's own thread
     finally:
         stage.close()
+
+
+def test_the_light_parts_of_backends_do_not_import_transformers():
+    """Every command imports backends.vllm_startup first (configure_vllm_env) and builds a Sampling
+    before it checks its inputs; transformers' import is seconds on a small CPU, so a refused input
+    (a named pipe, a bad flag) must not wait for it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nimport terra_cli.backends.vllm_startup\nfrom terra_cli.backends import Sampling\n"
+             "Sampling(temperature=1.0)\nprint('transformers' in sys.modules)\n"
+             "from terra_cli.backends import WorldModelBackend, check_generation_inputs\nprint(callable(check_generation_inputs))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True"]

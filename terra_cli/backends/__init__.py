@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from terra_cli.backends.base import FrameCallback, Sampling, WorldModelBackend, check_generation_inputs
-
 BACKEND_NAMES = ("hf", "vllm", "single-stream")
 
 # The engine options each backend takes; vLLM takes its engine arguments, any of them.
@@ -19,6 +17,17 @@ BACKEND_OPTIONS = {"hf": (), "single-stream": ("draft", "draft_tokens")}
 
 __all__ = ["BACKEND_NAMES", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
            "choose_backend", "load_backend", "options_not_taken"]
+_FROM_BASE = ("FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs")
+
+
+def __getattr__(name: str):
+    # base.py imports transformers (~6 s on a small CPU): importing a light submodule such as
+    # vllm_startup, which every command does first, must not pay it before the inputs are checked
+    if name in _FROM_BASE:
+        from terra_cli.backends import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def choose_backend(requested: str) -> str:

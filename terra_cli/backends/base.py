@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
-from terra_cli.models.config import FrameLayout, LlamaActionConfig
+if TYPE_CHECKING:  # annotations only: models.config imports transformers, seconds that a command's
+    # input checks (which build a Sampling first) must not wait for
+    from terra_cli.models.config import FrameLayout, LlamaActionConfig
 from terra_cli.errors import InputError  # noqa: F401  (part of the backend interface)
 
 MAX_TEMPERATURE = 100.0  # far above any useful value; sampling at higher ones is uniform noise

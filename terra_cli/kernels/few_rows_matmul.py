@@ -79,13 +79,21 @@ def splits_for(outputs: int, depth: int, programs_wanted: int) -> int:
     return _cdiv(k_blocks, _cdiv(k_blocks, wanted))  # equal slices of whole blocks: no empty last one
 
 
+def runs_on(device: torch.device, environ=None) -> bool:
+    """Where the kernel runs: CUDA, or anywhere under Triton's interpreter (the CPU tests)."""
+    environ = os.environ if environ is None else environ
+    return device.type == "cuda" or environ.get("TRITON_INTERPRET") == "1"
+
+
 def programs_wanted(device: torch.device) -> int:
     if device.type == "cuda":
         return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # Triton's interpreter (the CPU tests): split only when asked
 
 
-def _checked_splits(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None) -> int:
+def _checked_slices(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None) -> tuple[int, int]:
+    """(slices, depth of each): `splits` (None: `splits_for` this device) made slices of whole blocks,
+    none empty."""
     rows, depth = hidden.shape
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"few_rows_matmul takes 1 to {MAX_ROWS} rows, got {rows}")
@@ -96,15 +104,16 @@ def _checked_splits(hidden: torch.Tensor, weight: torch.Tensor, splits: int | No
     k_blocks = _cdiv(depth, BLOCK_K)
     if not 1 <= splits <= k_blocks:
         raise ValueError(f"few_rows_matmul: {splits} slices of a depth of {depth} (1 to {k_blocks})")
-    return _cdiv(depth, _cdiv(k_blocks, splits) * BLOCK_K)  # slices of whole blocks, none empty
+    k_per_split = _cdiv(k_blocks, splits) * BLOCK_K
+    return _cdiv(depth, k_per_split), k_per_split
 
 
-def _launch(hidden: torch.Tensor, weight: torch.Tensor, splits: int, out: torch.Tensor) -> torch.Tensor:
+def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int], out: torch.Tensor) -> torch.Tensor:
     global _kernel
     if _kernel is None:
         _kernel = _build()
     depth, outputs = hidden.shape[1], weight.shape[0]
-    k_per_split = _cdiv(_cdiv(depth, BLOCK_K), splits) * BLOCK_K
+    splits, k_per_split = slices
     _kernel[(_cdiv(outputs, BLOCK_N), splits)](
         hidden, weight, out, hidden.shape[0], outputs, depth, k_per_split, hidden.stride(0), weight.stride(0),
         out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
@@ -116,20 +125,23 @@ def few_rows_partials(hidden: torch.Tensor, weight: torch.Tensor, splits: int | 
     """hidden (M, K) @ weight (N, K).T as float32 partial sums over slices of K, (slices, M, N): their
     sum over the first dimension is the product. Left to the caller so that a compiled function adds
     them inside the elementwise kernel that follows, not in kernels of their own."""
-    splits = _checked_splits(hidden, weight, splits)
-    out = torch.empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32, device=hidden.device)
-    return _launch(hidden, weight, splits, out)
+    return _partials(hidden, weight, _checked_slices(hidden, weight, splits))
+
+
+def _partials(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int]) -> torch.Tensor:
+    out = torch.empty((slices[0], hidden.shape[0], weight.shape[0]), dtype=torch.float32, device=hidden.device)
+    return _launch(hidden, weight, slices, out)
 
 
 def few_rows_matmul(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """hidden (M, K) @ weight (N, K).T -> (M, N) in hidden's dtype, for 1 <= M <= 16. Both contiguous
     in K; on CUDA (or under Triton's interpreter, which the tests use). `splits`: slices of K (None:
     `splits_for` this device; one slice writes the result directly)."""
-    splits = _checked_splits(hidden, weight, splits)
-    if splits > 1:
-        return few_rows_partials(hidden, weight, splits).sum(0).to(hidden.dtype)
+    slices = _checked_slices(hidden, weight, splits)
+    if slices[0] > 1:  # float32 partials, added in one fixed order
+        return _partials(hidden, weight, slices).sum(0).to(hidden.dtype)
     out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
-    return _launch(hidden, weight, 1, out)
+    return _launch(hidden, weight, slices, out)
 
 
 @torch.library.custom_op("terra::few_rows_partials", mutates_args=())
@@ -141,7 +153,7 @@ def few_rows_partials_op(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Te
 
 @few_rows_partials_op.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    splits = _checked_splits(hidden, weight, None)
+    splits, _ = _checked_slices(hidden, weight, None)
     return hidden.new_empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
 
 

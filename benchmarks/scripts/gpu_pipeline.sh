@@ -60,6 +60,9 @@ N4=${N4:-512}
 N1=${N1:-256}
 NAB=${NAB:-256}  # startab: samples a run (one engine each; 256 fill its slots, ~470 s on an H200)
 terra() { python3 -m terra_cli "$@"; }
+say_if_no_diffusers() {  # the refiner runs need diffusers, which `gpu_side4.sh ref` brings
+  python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
+}
 case "${1:-}" in
   start|startfull|startref)  # Ray from the two parts (gpu_ray.sh stage, this call's .gpu/ray2), terra, then the runs
     if [ ! -d /tmp/site/ray ]; then
@@ -88,7 +91,7 @@ case "${1:-}" in
     # only (TOKENS_AFTER_S) for the same host's rate without the refiner.
     source_stamp "$OUT/commit.txt"
     restore_warm_caches
-    python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
+    say_if_no_diffusers
     timeout "${REF_S:-900}" terra bench --act-bench "${NREF:-512}" --data-parallel 4 --kv-cache-dtype fp8 \
       --decoder refiner --refiner-windows "${REF_W:-4}" --out "$OUT/dp4-act-refiner.json" > "$OUT/dp4-act-refiner.log" 2>&1
     echo "dp4-act-refiner exit $?" >> "$STEP_LOG"
@@ -164,7 +167,7 @@ case "${1:-}" in
         CUDA_VISIBLE_DEVICES=3 timeout 320 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini \
           --variants "${SINGLE_VARIANTS:-0,9,1,8,10,7}" --budget-s 250 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
       fi
-      python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
+      say_if_no_diffusers
       # GPU3=reflayout: the compiled refiner at 4 windows a call, variant after variant (REFLAYOUT picks): as is;
       # its UNet channels-last (TERRA_REFINER_CHANNELS_LAST=1: the profile's 40 ms a window of cuDNN's layout
       # copies); its self-attention on SDPA's flash kernel (TERRA_REFINER_ATTENTION=flash; torch chose cuDNN's,
@@ -239,7 +242,7 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     # refiner alone (`bench --refiner --windows 4`: s a window, the VAE a frame) for the second stage's time
     if [ "${GPU2:-stagger}" = refiner1 ] && [ "$gpus" -ge 3 ]; then
       runs=("0 act" "1 tokens" "2 refiner1")
-      python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
+      say_if_no_diffusers
     fi
     if [ "${GPU3:-single}" = twostage ] && [ "$gpus" -ge 4 ]; then
       ( CUDA_VISIBLE_DEVICES=3 TERRA_STAGGER_STARTS=1 timeout "${RUN_S:-600}" python3 -m terra_cli bench \

@@ -246,8 +246,11 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip variants not started within this many seconds")
     args = parser.parse_args()
+    if args.out.exists():  # it is rewritten after every variant: only ever this run's own file
+        parser.error(f"{args.out} exists: name another --out")
 
     from terra_cli.bench.hf_vs_vllm import environment
+    from terra_cli.media.atomic import atomic_write_json
     from terra_cli.runtime import resolve_dtype
 
     started = time.perf_counter()
@@ -259,7 +262,7 @@ def main() -> int:
     def record(row):
         print(json.dumps({k: v for k, v in row.items() if k != "frame_seconds"}), flush=True)
         report["rows"].append(row)
-        args.out.write_text(json.dumps(report, indent=1))
+        atomic_write_json(args.out, report, overwrite=True)  # (refused above if it was there before the run)
 
     loaders = {"mini": lambda: load_terra_mini(args.device, dtype),
                "terra": lambda: load_terra_size(args.device, dtype, args.terra_checkpoint),
@@ -316,7 +319,7 @@ def main() -> int:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     report["total_s"] = round(time.perf_counter() - started, 1)
-    args.out.write_text(json.dumps(report, indent=1))
+    atomic_write_json(args.out, report, overwrite=True)
     print(json.dumps({"total_s": report["total_s"], "out": str(args.out)}), flush=True)
     return 0
 

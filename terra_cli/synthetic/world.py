@@ -22,9 +22,10 @@ The ego moves as Terra's actions say (`terra_cli.actions`): between frames k and
 by the motion implied by frame k's waypoints (`dataset.rollout_poses`, the same dead reckoning that
 `summarize_actions` uses). `dataset.render_rollout(world_seed, actions)` renders those poses.
 
-The pieces: `camera` (the pinhole and its ground rays), `road` (the centreline and lanes), this
-module (roadside objects, the world and its rendering), `dataset` (ego motion, rollouts, training
-trajectories) and `metrics` (SSIM and lane-marking metrics).
+The pieces: `camera` (the pinhole and its ground rays), `road` (the centreline and lanes), `objects`
+(roadside objects and their drawing), `coverage` (anti-aliased bands), this module (the world and its
+rendering), `dataset` (ego motion, rollouts, training trajectories) and `metrics` (SSIM and
+lane-marking metrics).
 """
 
 from __future__ import annotations
@@ -34,27 +35,16 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
 
-from terra_cli.synthetic.camera import (CAM_HEIGHT, CX, FIRST_GROUND_ROW, FOCAL, HEIGHT, HORIZON_ROW, MAX_DIST,
-                                        PANO_COLUMNS, WIDTH, _COL_AZ, _GROUND_D, _GROUND_L, _rng)
+from terra_cli.synthetic.camera import (FIRST_GROUND_ROW, FOCAL, HEIGHT, HORIZON_ROW, MAX_DIST, PANO_COLUMNS, WIDTH,
+                                        _COL_AZ, _GROUND_D, _GROUND_L, _rng)
+from terra_cli.synthetic.coverage import band_cover, blend, footprint, periodic_cover
+from terra_cli.synthetic.objects import RoadsideObject, draw_objects
 from terra_cli.synthetic.road import Road
 
 # --------------------------------------------------------------------------------------------
 # The world
-
-
-@dataclass
-class RoadsideObject:
-    kind: str  # tree | pole | post | house
-    x: float
-    y: float
-    width: float
-    height: float
-    colour: tuple[int, int, int]
-    colour2: tuple[int, int, int]
-    side: float  # +1 left of the road, -1 right
-    extra: float = 0.0  # tree: trunk height; house: roof height
 
 
 def _jitter(rng, base, amount):
@@ -236,7 +226,7 @@ class World:
         img[:FIRST_GROUND_ROW] = self.pano[:, cols]
         img[FIRST_GROUND_ROW:] = self._render_ground(ex, ey, yaw)
         out = Image.fromarray(np.clip(img + 0.5, 0, 255).astype(np.uint8))
-        self._draw_objects(out, ex, ey, yaw)
+        draw_objects(out, self.objects, self.haze, self.fog_dist, ex, ey, yaw)
         return np.asarray(out)
 
     def _render_ground(self, ex, ey, yaw) -> np.ndarray:
@@ -248,8 +238,8 @@ class World:
         S, N = self.road.project(qx, qy, ex, ey, (s_ego - MAX_DIST - 30, s_ego + MAX_DIST + 30))
         S = S - np.float32(s_ego)  # relative arc length: keeps float32 precise
         # Footprint of a pixel in road coordinates, for anti-aliasing.
-        mN = _footprint(N)
-        mS = _footprint(S)
+        mN = footprint(N)
+        mS = footprint(S)
         hw = np.float32(self.half_width)
         absn = np.abs(N)
 
@@ -259,14 +249,14 @@ class World:
         for (kx, ky), ph in zip(self.tex_k, self.tex_phase):
             tex += np.sin(np.float32(kx) * wx + np.float32(ky) * wy + np.float32(ph))
         mix = np.clip(0.5 + tex / 4, 0, 1)
-        stripes = _periodic_cover(S + np.float32(s_ego % self.stripe_period), mS, self.stripe_period, self.stripe_period / 2)
+        stripes = periodic_cover(S + np.float32(s_ego % self.stripe_period), mS, self.stripe_period, self.stripe_period / 2)
         mix = np.clip(mix + np.float32(self.stripe_amount) * (stripes - 0.5) * 2, 0, 1)
         col = self.grass[None, None, :].astype(np.float32) * (1 - mix[..., None]) + self.grass2.astype(np.float32) * mix[..., None]
 
         # Shoulder and asphalt.
-        shoulder = _band_cover(absn, mN, hw - 0.01, hw + np.float32(self.shoulder))
-        col = _blend(col, self.shoulder_col, shoulder)
-        road = _band_cover(absn, mN, -1.0, hw)
+        shoulder = band_cover(absn, mN, hw - 0.01, hw + np.float32(self.shoulder))
+        col = blend(col, self.shoulder_col, shoulder)
+        road = band_cover(absn, mN, -1.0, hw)
         patch = 1 + np.float32(0.05) * np.sin(np.float32(self.patch_k) * (S + np.float32(s_ego % 100.0)) + np.float32(self.patch_phase))
         asphalt = self.asphalt.astype(np.float32)[None, None, :] * patch[..., None]
         col = col * (1 - road[..., None]) + asphalt * road[..., None]
@@ -275,117 +265,27 @@ class World:
         for lane in range(self.n_lanes):
             centre = self.lane_centre(lane)
             for off in (-0.8, 0.8):
-                tracks += _band_cover(N, mN, centre + off - 0.3, centre + off + 0.3)
+                tracks += band_cover(N, mN, centre + off - 0.3, centre + off + 0.3)
         col *= (1 - np.float32(0.1) * np.clip(tracks, 0, 1) * road)[..., None]
 
         # Markings.
         mw = np.float32(self.mark_width)
-        edge = _band_cover(absn, mN, hw - 0.1 - mw, hw - 0.1)
-        col = _blend(col, self.white, edge)
+        edge = band_cover(absn, mN, hw - 0.1 - mw, hw - 0.1)
+        col = blend(col, self.white, edge)
         dash_phase = np.float32(s_ego % self.dash_period)
-        dashes = _periodic_cover(S + dash_phase, mS, self.dash_period, self.dash_length)
+        dashes = periodic_cover(S + dash_phase, mS, self.dash_period, self.dash_length)
         for i in range(1, self.n_lanes):
             n_line = -self.half_width + i * self.lane_width
-            line = _band_cover(N, mN, n_line - mw / 2, n_line + mw / 2)
+            line = band_cover(N, mN, n_line - mw / 2, n_line + mw / 2)
             if self.yellow_centre:
-                col = _blend(col, self.yellow, line * dashes)
+                col = blend(col, self.yellow, line * dashes)
             else:
-                col = _blend(col, self.white, line * dashes)
+                col = blend(col, self.white, line * dashes)
 
         # Haze with distance.
         fog = (1 - np.exp(-D / np.float32(self.fog_dist)))[..., None]
         col = col * (1 - fog) + self.haze.astype(np.float32) * fog
         return col
-
-    def _draw_objects(self, img: Image.Image, ex, ey, yaw) -> None:
-        if not self.objects:
-            return
-        c, s = math.cos(yaw), math.sin(yaw)
-        xs = np.array([o.x for o in self.objects]) - ex
-        ys = np.array([o.y for o in self.objects]) - ey
-        fwd = c * xs + s * ys
-        lat = -s * xs + c * ys
-        visible = np.nonzero((fwd > 1.0) & (fwd < MAX_DIST) & (np.abs(lat) < fwd * 1.3 + 15))[0]
-        if len(visible) == 0:
-            return
-        draw = ImageDraw.Draw(img)
-        haze = self.haze
-        for i in visible[np.argsort(-fwd[visible])]:
-            o = self.objects[i]
-            d = fwd[i]
-            f = FOCAL / d
-            u = CX - lat[i] * f
-            v_ground = HORIZON_ROW + CAM_HEIGHT * f
-            fog = 1 - math.exp(-d / self.fog_dist)
-
-            def col(rgb, k=1.0):
-                return tuple(int(round((1 - fog) * v * k + fog * h)) for v, h in zip(rgb, haze))
-
-            if o.kind == "tree":
-                tw = max(0.35 * f, 1.0)
-                trunk_top = v_ground - o.extra * f
-                draw.rectangle([u - tw / 2, trunk_top, u + tw / 2, v_ground], fill=col(o.colour2))
-                top = v_ground - o.height * f
-                cw = o.width * f
-                draw.ellipse([u - cw / 2, top, u + cw / 2, trunk_top + 0.15 * (trunk_top - top)], fill=col(o.colour))
-                draw.ellipse([u - cw / 3, top + 0.08 * (trunk_top - top), u + cw / 8, top + 0.5 * (trunk_top - top)],
-                             fill=col(o.colour, 1.15))
-            elif o.kind == "pole":
-                pw = max(o.width * f, 1.0)
-                top = v_ground - o.height * f
-                draw.rectangle([u - pw / 2, top, u + pw / 2, v_ground], fill=col(o.colour))
-                arm = -o.side * 1.8 * f  # the lamp arm reaches over the road
-                draw.rectangle([min(u, u + arm), top, max(u, u + arm), top + max(0.15 * f, 1.0)], fill=col(o.colour))
-                lx = u + arm
-                draw.rectangle([lx - 0.3 * f, top, lx + 0.3 * f, top + max(0.25 * f, 1.0)], fill=col(o.colour2))
-            elif o.kind == "post":
-                pw = max(o.width * f, 1.0)
-                top = v_ground - o.height * f
-                draw.rectangle([u - pw / 2, top, u + pw / 2, v_ground], fill=col(o.colour))
-                draw.rectangle([u - pw / 2, top + 0.1 * f, u + pw / 2, top + 0.25 * f], fill=col(o.colour2))
-            else:  # house: a wall with a pitched roof, facing the camera
-                w = o.width * f
-                top = v_ground - o.height * f
-                draw.rectangle([u - w / 2, top, u + w / 2, v_ground], fill=col(o.colour))
-                roof_top = top - o.extra * f
-                draw.polygon([(u - w / 2 - 0.05 * w, top), (u + w / 2 + 0.05 * w, top), (u, roof_top)], fill=col(o.colour2))
-                win = max(0.9 * f, 1.0)
-                for k in (-0.25, 0.25):
-                    wx = u + k * w
-                    wy = top + 0.35 * (v_ground - top)
-                    draw.rectangle([wx - win / 2, wy - win / 2, wx + win / 2, wy + win / 2], fill=col((60, 70, 85)))
-
-
-def _footprint(a: np.ndarray) -> np.ndarray:
-    """Per pixel, how much `a` changes to the next pixel (rows or columns), for anti-aliasing."""
-    du = np.abs(np.diff(a, axis=1, append=a[:, -1:]))
-    du[:, -1] = du[:, -2]
-    dv = np.abs(np.diff(a, axis=0, append=a[-1:, :]))
-    dv[-1] = dv[-2]
-    return np.clip(np.maximum(du, dv), np.float32(1e-3), np.float32(50.0))
-
-
-def _band_cover(x, m, a, b):
-    """Fraction of the pixel footprint [x - m/2, x + m/2] inside [a, b]."""
-    half = m * np.float32(0.5)
-    return np.clip((np.minimum(x + half, np.float32(b)) - np.maximum(x - half, np.float32(a))) / m, 0, 1)
-
-
-def _periodic_cover(x, m, period, on):
-    """Fraction of [x - m/2, x + m/2] inside the periodic pattern [0, on) + k * period."""
-    period, on = np.float32(period), np.float32(on)
-
-    def integral(t):
-        return np.floor(t / period) * on + np.minimum(np.mod(t, period), on)
-
-    half = m * np.float32(0.5)
-    return np.clip((integral(x + half) - integral(x - half)) / m, 0, 1)
-
-
-def _blend(col, rgb, alpha):
-    a = alpha[..., None]
-    return col * (1 - a) + np.asarray(rgb, np.float32) * a
-
 
 @lru_cache(maxsize=64)
 def make_world(seed: int) -> World:

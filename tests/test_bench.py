@@ -319,7 +319,7 @@ def test_max_rollouts_is_auto_or_a_count_and_a_bad_value_is_one_line(tmp_path):
 
 
 def test_gpu_busy_timeline_averages_each_bucket_by_sample_time():
-    from terra_cli.bench.scenarios import BusySampler
+    from terra_cli.bench.engine_report import BusySampler
 
     sampler = BusySampler([0, 3])
     # Samples come late when NVML is slow: buckets follow their times, not their count.
@@ -350,7 +350,7 @@ def test_the_frame_rate_timeline_counts_each_new_frame_in_the_bucket_it_arrived(
 
 
 def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
-    from terra_cli.bench.scenarios import describe_engine_loop, loop_since
+    from terra_cli.bench.engine_report import describe_engine_loop, loop_since
 
     loop = {"steps": 400, "seconds": 20.0, "in_engine_step_s": 9.0, "admitting_jobs_s": 1.0, "handling_frames_s": 6.0,
             "other_s": 4.0, "ms_per_step": 22.5}
@@ -550,7 +550,7 @@ def test_a_cache_entry_holding_someone_elses_files_is_refused_in_one_line_and_ke
 def test_the_random_model_cache_accepts_an_entry_placed_while_it_built(tmp_path, monkeypatch):
     import os
 
-    from terra_cli.bench import hf_vs_vllm
+    from terra_cli.bench import cache
 
     monkeypatch.setenv("TERRA_CACHE", str(tmp_path))
     target = tmp_path / "random-terra-seed0"
@@ -563,9 +563,9 @@ def test_the_random_model_cache_accepts_an_entry_placed_while_it_built(tmp_path,
         folder.mkdir()
         (folder / "config.json").write_text('{"run": "this"}')
 
-    monkeypatch.setattr(hf_vs_vllm, "write_random_terra_checkpoint", build_while_another_run_finishes)
+    monkeypatch.setattr(cache, "write_random_terra_checkpoint", build_while_another_run_finishes)
     lines = []
-    assert hf_vs_vllm.random_terra_checkpoint("cpu", 0, lines.append) == target
+    assert cache.random_terra_checkpoint("cpu", 0, lines.append) == target
     assert json.loads((target / "config.json").read_text()) == {"run": "other"}
     assert "another run placed" in lines[-1] and sorted(p.name for p in tmp_path.iterdir()) == ["random-terra-seed0"]
 

@@ -31,7 +31,7 @@ MAX_ABS_LOGIT_DIFF = 0.25
 
 @pytest.fixture(scope="module")
 def terra_checkpoint(tmp_path_factory):
-    from terra_cli.bench.hf_vs_vllm import write_random_terra_checkpoint
+    from terra_cli.bench.cache import write_random_terra_checkpoint
 
     checkpoint = tmp_path_factory.mktemp("terra") / "terra_random"
     write_random_terra_checkpoint(checkpoint, "cuda", seed=0)

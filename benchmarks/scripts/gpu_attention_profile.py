@@ -418,7 +418,7 @@ def main() -> None:
 
 def build_random_terra() -> Path:
     """Terra's config with random bf16 weights, built in a child process so this one never holds GPU memory."""
-    code = ("from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint; "
+    code = ("from terra_cli.bench.cache import random_terra_checkpoint; "
             "print(random_terra_checkpoint('cuda', 0))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode != 0:

@@ -24,7 +24,7 @@ caches() {  # one configuration's caches, cold on its first use
 case $what in
 startup)
   # The random Terra-size checkpoint is written once, before any timed start.
-  python3 -c "from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint as r; print(r('cuda', 0))"
+  python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; print(r('cuda', 0))"
   for cfg in eager-graphs compiled; do
     caches "$cfg"
     extra=(--torch-compile); [ "$cfg" = eager-graphs ] && extra=(--no-torch-compile)

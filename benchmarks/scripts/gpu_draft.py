@@ -52,7 +52,8 @@ def main():
     configure_vllm_env()
     from terra_cli.backends.base import Sampling
     from terra_cli.backends.vllm import VllmBackend
-    from terra_cli.bench.hf_vs_vllm import bench_inputs, timed_generate, tokens_per_step, write_random_terra_checkpoint
+    from terra_cli.bench.cache import write_random_terra_checkpoint
+    from terra_cli.bench.hf_vs_vllm import bench_inputs, timed_generate, tokens_per_step
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.default import default_world_model_dir
 

@@ -125,7 +125,8 @@ def main():
                         help="then profile this many decode steps (GPU-busy time, kernels and CPU launches per step)")
     args = parser.parse_args()
     from terra_cli.backends.vllm import VllmBackend
-    from terra_cli.bench.hf_vs_vllm import bench_inputs, timed_generate, write_random_terra_checkpoint
+    from terra_cli.bench.cache import write_random_terra_checkpoint
+    from terra_cli.bench.hf_vs_vllm import bench_inputs, timed_generate
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.default import default_world_model_dir
     from terra_cli.backends.base import Sampling

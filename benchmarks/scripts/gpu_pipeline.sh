@@ -142,7 +142,7 @@ case "${1:-}" in
     source_stamp "$OUT/commit.txt"
     restore_warm_caches
     # One build of the random checkpoint before four processes would race to build it.
-    python3 -c "from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint as r; r('cuda', 0)" \
+    python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
       > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
     ( while sleep 30; do echo "$(date +%s) $(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader | tr '\n' ' ')"; done ) \
       > "$OUT/ab-gpu.txt" 2>&1 &

@@ -78,7 +78,8 @@ def run_vllm(args) -> None:
     from vllm import SamplingParams
 
     from terra_cli.backends.vllm import VllmBackend, interleave
-    from terra_cli.bench.hf_vs_vllm import bench_inputs, timed_generate, write_random_terra_checkpoint
+    from terra_cli.bench.cache import write_random_terra_checkpoint
+    from terra_cli.bench.hf_vs_vllm import bench_inputs, timed_generate
     from terra_cli.backends.base import Sampling
 
     ckpt = Path(args.checkpoint)
@@ -152,7 +153,8 @@ def run_hf(args) -> None:
     from transformers.cache_utils import DynamicCache
 
     from terra_cli.backends.hf import HfBackend, _attention_backends, sample_next
-    from terra_cli.bench.hf_vs_vllm import bench_inputs, write_random_terra_checkpoint
+    from terra_cli.bench.cache import write_random_terra_checkpoint
+    from terra_cli.bench.hf_vs_vllm import bench_inputs
     from terra_cli.backends.base import Sampling
 
     ckpt = Path(args.checkpoint)

@@ -47,7 +47,7 @@ def main() -> None:
         os.environ["TERRA_TEST_FRAME_DELAY"] = ",".join(f"{i}={args.frame_delay}" for i in range(args.engines))
 
     from terra_cli.pipeline.engine_request import engine_options
-    from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint
+    from terra_cli.bench.cache import random_terra_checkpoint
     from terra_cli.bench.scenarios import ScenarioBenchPlan, write_bench_scenarios
     from terra_cli.models.checkpoint import load_config
     from terra_cli.runtime import configure_vllm_env, resolve_device

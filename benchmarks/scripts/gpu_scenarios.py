@@ -125,7 +125,8 @@ def main() -> None:
     from terra_cli.pipeline.engine_request import engine_options
     from terra_cli.backends.vllm import VllmBackend
     from terra_cli.backends.vllm_stream import StreamDriver
-    from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
+    from terra_cli.bench.cache import random_terra_checkpoint
+    from terra_cli.bench.hf_vs_vllm import environment
     from terra_cli.models.checkpoint import load_config
 
     ckpt = Path(args.model) if args.model else random_terra_checkpoint(args.device, 0)

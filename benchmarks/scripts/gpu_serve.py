@@ -155,7 +155,7 @@ def bench_model(name: str, serve_args: list[str], generate_args: list[str] | Non
 def terra_size_model(cache: Path) -> tuple[Path, Path]:
     import torch
 
-    from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint
+    from terra_cli.bench.cache import random_terra_checkpoint
     from tokenizer_decoder import ImageTokenizer
     from tokenizer_decoder.config import TERRA_TOKENIZER_CONFIG
 

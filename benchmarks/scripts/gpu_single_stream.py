@@ -90,7 +90,7 @@ def load_terra_mini(device, dtype):
 def load_terra_size(device, dtype, checkpoint: str | None):
     """Terra's released config: --terra-checkpoint, else `terra bench`'s random bf16 checkpoint
     (seed 0), written once into $TERRA_CACHE and loaded strictly like any checkpoint."""
-    from terra_cli.bench.hf_vs_vllm import random_terra_checkpoint
+    from terra_cli.bench.cache import random_terra_checkpoint
     from terra_cli.models.modeling_hf import load_model
 
     folder = checkpoint or random_terra_checkpoint(device, 0, lambda message: print(message, flush=True))

@@ -123,9 +123,7 @@ def bench_tokenizer(checkpoint: Path, model: str | None, seed: int, log: Callabl
         return str(default_tokenizer_dir())
     if TERRA_TOKENIZER_CONFIG.codebook_size != layout.image_vocab_size:
         raise InputError(f"--act-bench: no image tokenizer with {layout.image_vocab_size} codes for --model {model}")
-    from terra_cli.bench.hf_vs_vllm import random_model_cache
-
-    from terra_cli.bench.cache import cached_folder
+    from terra_cli.bench.cache import cached_folder, random_model_cache
     from tokenizer_decoder import ImageTokenizer
 
     target = cached_folder(

@@ -9,6 +9,7 @@ entry is as good as ours: ours is dropped and theirs used (no lock to go stale a
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -50,3 +51,41 @@ def cached_folder(target: Path, build: Callable[[Path], None], log: Callable[[st
                 raise InputError(foreign_files(target)) from exc
             log(f"{what}: another run placed {target} first; using it")
     return target
+
+
+def write_random_terra_checkpoint(out_dir: Path, device: str, seed: int = 0) -> Path:
+    """Terra's exact released config with random weights (transformers' init), in bf16."""
+    import torch
+
+    from terra_cli.models.checkpoint import save_checkpoint
+    from terra_cli.models.config import LlamaActionConfig
+    from terra_cli.models.modeling_hf import build_model
+    from terra_cli.models.testing import TERRA_WORLD_MODEL_CONFIG
+
+    config = LlamaActionConfig.from_dict(dict(TERRA_WORLD_MODEL_CONFIG))
+    torch.manual_seed(seed)
+    model = build_model(config, device=device, dtype=torch.bfloat16)
+    save_checkpoint(model, config, out_dir, max_shard_bytes=1 << 30)
+    del model
+    if str(device).startswith("cuda"):
+        # Built in the process that then starts the engines (a Ray driver shares GPU 0 with engine
+        # 0): torch's cache kept the 9.5 GB of the build, and vLLM refused to start beside it.
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out_dir
+
+
+def random_model_cache() -> Path:
+    """Where the bench keeps its random Terra-size checkpoint (TERRA_CACHE, else ~/.cache/terra)."""
+    from terra_cli.runtime import terra_cache_dir
+
+    return terra_cache_dir()
+
+
+def random_terra_checkpoint(device: str, seed: int, log: Callable[[str], None] = print) -> Path:
+    """Terra's config with random bf16 weights, written once per seed and reused: vLLM's compile
+    cache is keyed by the model path, so a fresh temporary directory each run would recompile
+    every time (benchmarks/README.md, start-up)."""
+    return cached_folder(random_model_cache() / f"random-terra-seed{seed}",
+                         lambda folder: write_random_terra_checkpoint(folder, device, seed), log,
+                         "random Terra-size model (Terra's released config, 2.04B parameters, bf16)")

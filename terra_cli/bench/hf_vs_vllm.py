@@ -126,46 +126,6 @@ def bench_inputs(layout, context_frames: int, frames: int, seed: int) -> tuple[n
     return context, actions
 
 
-def write_random_terra_checkpoint(out_dir: Path, device: str, seed: int = 0) -> Path:
-    """Terra's exact released config with random weights (transformers' init), in bf16."""
-    import torch
-
-    from terra_cli.models.checkpoint import save_checkpoint
-    from terra_cli.models.config import LlamaActionConfig
-    from terra_cli.models.modeling_hf import build_model
-    from terra_cli.models.testing import TERRA_WORLD_MODEL_CONFIG
-
-    config = LlamaActionConfig.from_dict(dict(TERRA_WORLD_MODEL_CONFIG))
-    torch.manual_seed(seed)
-    model = build_model(config, device=device, dtype=torch.bfloat16)
-    save_checkpoint(model, config, out_dir, max_shard_bytes=1 << 30)
-    del model
-    if str(device).startswith("cuda"):
-        # Built in the process that then starts the engines (a Ray driver shares GPU 0 with engine
-        # 0): torch's cache kept the 9.5 GB of the build, and vLLM refused to start beside it.
-        gc.collect()
-        torch.cuda.empty_cache()
-    return out_dir
-
-
-def random_model_cache() -> Path:
-    """Where the bench keeps its random Terra-size checkpoint (TERRA_CACHE, else ~/.cache/terra)."""
-    from terra_cli.runtime import terra_cache_dir
-
-    return terra_cache_dir()
-
-
-def random_terra_checkpoint(device: str, seed: int, log: Callable[[str], None] = print) -> Path:
-    """Terra's config with random bf16 weights, written once per seed and reused: vLLM's compile
-    cache is keyed by the model path, so a fresh temporary directory each run would recompile
-    every time (benchmarks/README.md, start-up)."""
-    from terra_cli.bench.cache import cached_folder
-
-    return cached_folder(random_model_cache() / f"random-terra-seed{seed}",
-                         lambda folder: write_random_terra_checkpoint(folder, device, seed), log,
-                         "random Terra-size model (Terra's released config, 2.04B parameters, bf16)")
-
-
 def _gpu_used_gb() -> float | None:
     import torch
 
@@ -295,6 +255,7 @@ def run_bench(model: str | None, plan: BenchPlan, log: Callable[[str], None] = p
               on_update: Callable[[dict], None] | None = None) -> dict:
     """Run the plan; `on_update(partial results)` after every finished run, so a long bench that
     is interrupted still leaves what it measured (marked `"partial": true`)."""
+    from terra_cli.bench.cache import random_terra_checkpoint
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_world_model_dir
     from terra_cli.runtime import resolve_device

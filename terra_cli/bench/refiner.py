@@ -53,7 +53,7 @@ def random_refiner_folder(config: RefinerConfig, seed: int) -> Path:
     import hashlib
     import json
 
-    from terra_cli.bench.hf_vs_vllm import random_model_cache
+    from terra_cli.bench.cache import random_model_cache
 
     shapes = "terra" if config == TERRA_REFINER else \
         "config-" + hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:12]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +20,11 @@ from typing import Callable
 
 import numpy as np
 
+from terra_cli.bench.engine_report import BUSY_BUCKET_S, BusySampler, describe_engine_loop, loop_since
 from terra_cli.scenarios.spec import ACT_BENCH_FRAMES, ACT_BENCH_SAMPLES  # noqa: F401  (act_bench imports them here)
 
 ACT_BENCH_GENERATED_FRAMES = ACT_BENCH_FRAMES - 3  # 3 context frames
 PRESETS = ("left", "right", "straight", "stop", "accelerate")
-BUSY_BUCKET_S = 10.0  # the GPU busy timeline's resolution in the reports
 LOOP_LOG_S = 60.0  # on Ray, each engine's loop over the last minute goes to the log this often
 # Each scenario gets a context file of its own (a shared one would let vLLM's prefix cache skip the
 # prefill and flatter the rate); 100,000 is 44 ACT-Benches, days of generation on any GPU, and its
@@ -48,106 +47,6 @@ class ScenarioBenchPlan:
     temperature: float = 0.9
     seed: int = 0
     vllm_options: dict = field(default_factory=dict)  # engine arguments (pipeline.engine_request.engine_options and more)
-
-
-class BusySampler:
-    """Mean NVML utilization ('percent of time a kernel was running') of each GPU, sampled every
-    100 ms between start() and stop(). None where NVML is unavailable (CPU runs)."""
-
-    def __init__(self, gpus: list[int], interval: float = 0.1):
-        self.gpus, self.interval = gpus, interval
-        self.samples: dict[int, list[int]] = {g: [] for g in gpus}
-        self.times: list[float] = []  # seconds since the first sample, one per round of samples
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="terra-busy-sampler", daemon=True)
-
-    def start(self) -> None:
-        if not self._thread.is_alive() and not self._stop.is_set():
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handles = {g: pynvml.nvmlDeviceGetHandleByIndex(g) for g in self.gpus}
-        except Exception:  # no NVML (CPU, or the package is missing): busy stays unknown
-            return
-        first = time.perf_counter()
-        while not self._stop.is_set():
-            for g, handle in handles.items():
-                self.samples[g].append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            self.times.append(time.perf_counter() - first)
-            time.sleep(self.interval)
-
-    def busy_after(self, first: int) -> list[float]:
-        """Each GPU's mean busy fraction over its samples from index `first` on (empty without NVML)."""
-        return [float(np.mean(s[first:])) / 100 for s in self.samples.values() if len(s) > first]
-
-    def busy(self) -> dict[str, float | None]:
-        return {str(g): (round(float(np.mean(s)) / 100, 3) if s else None) for g, s in self.samples.items()}
-
-    def timeline(self, bucket_s: float = BUSY_BUCKET_S) -> dict[str, list[float]]:
-        """Busy fraction of each GPU per `bucket_s` seconds, in order: a steady dip and one phase
-        of the run (a round's start, the end's drain) look alike in the mean, not here."""
-        buckets = (np.asarray(self.times) // bucket_s).astype(int)
-        timeline = {}
-        for g, s in self.samples.items():
-            values, owners = np.asarray(s[:len(buckets)], dtype=float), buckets[:len(s)]
-            if values.size:
-                timeline[str(g)] = [round(float(values[owners == b].mean()) / 100, 3) if (owners == b).any() else None
-                                    for b in range(int(owners.max()) + 1)]
-        return timeline
-
-
-def loop_since(loop: dict, earlier: dict | None) -> dict:
-    """An engine loop's times between two of its cumulative snapshots (`LoopTimes.as_dict`)."""
-    earlier = earlier or {}
-    since = {k: v - earlier.get(k, 0) for k, v in loop.items()
-             if k not in ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s", "intake_done_after_s")
-             and isinstance(v, (int, float))}
-    since["ms_per_step"] = 1000 * since["in_engine_step_s"] / since["steps"] if since.get("steps") else None
-    if since.get("rollout_steps") and since.get("steps"):
-        since["mean_in_flight"] = since["rollout_steps"] / since["steps"]
-        since["full_after_s"] = loop.get("full_after_s")
-    return since
-
-
-def describe_engine_loop(loop: dict | None) -> str | None:
-    """One line on where the engine loop's time went (`vllm_stream.LoopTimes`), for the log."""
-    if not loop or not loop.get("seconds"):
-        return None
-    share = {k: 100 * loop.get(k, 0.0) / loop["seconds"]
-             for k in ("in_engine_step_s", "admitting_jobs_s", "handling_frames_s", "idle_s")}
-    idle = f", {share['idle_s']:.0f}% idle (nothing in flight, waiting for work)" if loop.get("idle_s") else ""
-    steps = f"{loop['ms_per_step']:.2f} ms x {loop['steps']} steps" if loop.get("ms_per_step") is not None else "no step"
-    if loop.get("mean_in_flight") is not None:  # continuous batching: how full the batch ran
-        full = loop.get("full_after_s")
-        steps += (f", {loop['mean_in_flight']:.0f} in flight on average, "
-                  + ("the slots were never all held" if full is None else f"every slot held first after {full:.1f} s"))
-    waits = ""
-    if loop.get("wakes"):  # a Ray actor's WakeProbe: a thread of the engine's process sleeping 5 ms at a time
-        waits = (f"; its process's 5 ms timer woke {1000 * loop['wake_late_s'] / loop['wakes']:.2f} ms late on average, "
-                 f"{100 * loop.get('wake_long_waits', 0) / loop['wakes']:.0f}% of wakes over 2 ms late")
-    stages = ""  # what the writer's decode-ahead and the intake did beside the loop
-    if loop.get("decode_ahead_batches"):  # the in-process writer's decode-ahead (scenarios.writer_process.FrameStore)
-        stages = (f"; the writer decoded {loop['decode_ahead_frames']} frames ahead in "
-                   f"{loop['decode_ahead_batches']} batches")
-    if loop.get("refined_videos") is not None:  # --decoder refiner: the engine's refiner stage (refiner.stage)
-        stages += (f"; the refiner made {loop['refined_videos']} videos in {loop['refiner_unet_batches']} UNet "
-                   f"batches, its thread busy {loop['refiner_busy_s']:.1f} s")
-    if loop.get("intake_encode_s") is not None:  # a single engine's intake (scenarios.encoding.EncodeAhead)
-        done = loop.get("intake_done_after_s")
-        stages += (f"; the intake waited {loop.get('intake_read_wait_s', 0.0):.1f} s for reads and encoded "
-                    f"{loop['intake_encode_s']:.1f} s" + ("" if done is None else f", all taken in after {done:.1f} s"))
-    return (f"engine loop: {share['in_engine_step_s']:.0f}% in the engine's step ({steps}), "
-            f"{share['admitting_jobs_s']:.0f}% taking in jobs, "
-            f"{share['handling_frames_s']:.0f}% handling finished frames{idle}{waits}{stages}")
 
 
 def write_bench_scenarios(folder: Path, layout, plan: ScenarioBenchPlan) -> Path:

@@ -306,7 +306,8 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
 
 
 def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
-    from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
+    from terra_cli.bench.cache import random_terra_checkpoint
+    from terra_cli.bench.hf_vs_vllm import environment
     from terra_cli.bench.scenarios import run_scenario_bench
     from terra_cli.cli.progress import LazyFrameBar
     from terra_cli.errors import InputError

@@ -16,7 +16,8 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     """`random_refiner`: with --decoder refiner, the refiner config (refiner.config.RefinerConfig) whose
     random weights go into the folder `plan.refiner` names (bench.refiner.random_refiner_folder)."""
     from terra_cli.bench.act_bench import bench_tokenizer, run_act_bench
-    from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
+    from terra_cli.bench.cache import random_terra_checkpoint
+    from terra_cli.bench.hf_vs_vllm import environment
     from terra_cli.cli.bench import engine_shares
     from terra_cli.cli.progress import LazyFrameBar
     from terra_cli.errors import InputError

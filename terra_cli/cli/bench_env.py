@@ -14,7 +14,8 @@ from terra_cli.cli.app import console, out
 
 def env_bench(model: str | None, plan, out_json: Path | None, overwrite: bool) -> None:
     from terra_cli.bench.env import check_plan, run_env_bench
-    from terra_cli.bench.hf_vs_vllm import environment, random_terra_checkpoint
+    from terra_cli.bench.cache import random_terra_checkpoint
+    from terra_cli.bench.hf_vs_vllm import environment
     from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_world_model_dir

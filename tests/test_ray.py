@@ -164,28 +164,31 @@ def test_killed_engines_lose_nothing_and_rejoin(cluster, work, monkeypatch):
     assert [e.restarts for e in result.engines] == [1, 1]
 
 
-def test_a_restarted_engine_takes_back_the_scenarios_it_lost(cluster, work, monkeypatch):
+def test_a_restarted_engine_takes_back_the_scenarios_it_lost(cluster, work, monkeypatch, tmp_path):
     """Engine 1 is SIGKILLed as soon as it is ready, with its share of four scenarios open; engine
-    0 is slow (16 s a scenario, so that a restart on a loaded 2-core machine comes back while
-    work is left: at 8 s, one CI run's engine 0 had taken all four by then). The two lost
-    scenarios go back to the queue for any engine, not only to the others: engine 1 rejoins and
-    writes them while engine 0 still works on its own (on two H100s, the survivor redid a whole
-    batch while the restarted engine stood idle)."""
+    0 is held after its first frame until engine 1 has written a scenario (a gate file, however
+    long the restart takes on a loaded machine; a fixed 8 s a frame before, most of this test's
+    time). The two lost scenarios go back to the queue for any engine, not only to the others:
+    engine 1 rejoins and writes them while engine 0 still works on its own (on two H100s, the
+    survivor redid a whole batch while the restarted engine stood idle)."""
     folder, model = work
     lines = (folder / "s.jsonl").read_text().splitlines()[:4]
     (folder / "four.jsonl").write_text("\n".join(lines) + "\n")
-    monkeypatch.setenv("TERRA_TEST_FRAME_DELAY", "0=8.0")
+    gate = tmp_path / "engine-1-wrote"
+    monkeypatch.setenv("TERRA_TEST_FRAME_GATE", f"0={gate}")
     killed = []
 
     def on_event(kind, engine, payload):
         if kind == "ready" and engine.index == 1 and not killed:
             killed.append(payload["pid"])
             os.kill(payload["pid"], signal.SIGKILL)
+        elif kind == "written" and engine.index == 1:
+            gate.touch()
 
     result = run(folder, model, "back", scenarios="four.jsonl", on_event=on_event)
     shares = {row["engine"]: row["scenarios"] for row in result.summary()}
     assert killed and result.engines[1].restarts == 1 and result.failed == 0
-    assert shares[1] >= 1 and shares[0] + shares[1] == 4
+    assert gate.exists() and shares[1] >= 1 and shares[0] + shares[1] == 4
     assert_written_once_as_one_engine(folder, "back", [f"v{i}" for i in range(4)])
 
 

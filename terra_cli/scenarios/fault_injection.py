@@ -1,14 +1,18 @@
 """Faults a scenario run can be told to inject, from the environment, for tests and lab probes:
-a slow engine, one that cannot start, a scenario that fails on every engine, a writer the engine
+a slow engine, one held until a file appears, one that cannot start, a scenario that fails on every engine, a writer the engine
 may not run ahead of, videos held back. Unset, they inject nothing. They live here, not among the
 runners' functions, so that nothing of the product looks like a test."""
 
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 
 FRAME_DELAY_ENV = "TERRA_TEST_FRAME_DELAY"
+FRAME_GATE_ENV = "TERRA_TEST_FRAME_GATE"
+FRAME_GATE_LIMIT_S = 120.0  # a gate never opened lets the engine go on after this, so a broken test ends
 
 
 def injected_frame_delay(engine: int = 0) -> float:
@@ -23,6 +27,23 @@ def injected_frame_delay(engine: int = 0) -> float:
         elif int(index) == engine:
             return float(seconds)
     return delay
+
+
+def injected_frame_gate(engine: int) -> str:
+    """A file engine `engine` waits for after each frame: TERRA_TEST_FRAME_GATE="0=/tmp/open". A test
+    holds an engine until something else has happened (another engine has rejoined and written),
+    where a fixed delay would have to be long enough for the slowest machine."""
+    for part in filter(None, os.environ.get(FRAME_GATE_ENV, "").split(",")):
+        index, _, path = part.partition("=")
+        if int(index) == engine:
+            return path
+    return ""
+
+
+def wait_for_gate(path: str, limit_s: float = FRAME_GATE_LIMIT_S) -> None:
+    deadline = time.monotonic() + limit_s
+    while not Path(path).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def injected_start_failure(engine: int) -> bool:

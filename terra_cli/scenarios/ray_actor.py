@@ -37,6 +37,7 @@ import numpy as np
 
 from terra_cli.backends.driver import JobFeed, RolloutJob
 
+from terra_cli.scenarios.fault_injection import wait_for_gate
 from terra_cli.scenarios.job import ScenarioJob
 from terra_cli.pipeline.video import VIDEO_FPS
 from terra_cli.scenarios.spec import Scenario
@@ -58,6 +59,7 @@ class EngineSpec:
     hold_videos: int = 0  # test knob: no video returns before the engine has generated this many frames
     probe_wakes: bool = False  # run a WakeProbe, reported with the loop's times (a bench reads it)
     fails_to_start: bool = False  # test knob: the constructor raises, as when vLLM refuses to start
+    frame_gate: str = ""  # test knob: after each frame, wait until this file exists (fault_injection)
 
 
 @dataclass
@@ -316,6 +318,8 @@ class ScenarioEngine:
                 waiter.frames += 1
         if self.spec.frame_delay:
             time.sleep(self.spec.frame_delay)
+        if self.spec.frame_gate:
+            wait_for_gate(self.spec.frame_gate)
 
     def _finish(self, key: str, tokens: np.ndarray | None, error: BaseException | None = None) -> None:
         if tokens is None and self.ahead_of_time is not None:

@@ -29,8 +29,8 @@ from terra_cli.scenarios.encoding import ReadAhead
 from terra_cli.scenarios.job import AUTO_MAX_ROLLOUTS, PreparedJob
 from terra_cli.scenarios.ray_cluster import EnginePlan, ray_cluster
 from terra_cli.errors import OutputError
-from terra_cli.scenarios.fault_injection import (injected_failures, injected_frame_delay, injected_start_failure,
-                                                 injected_video_hold)
+from terra_cli.scenarios.fault_injection import (injected_failures, injected_frame_delay, injected_frame_gate,
+                                                 injected_start_failure, injected_video_hold)
 from terra_cli.scenarios.outdir import RESULTS_NAME, make_out_dir, plan_outputs
 from terra_cli.scenarios.results import NotRecorded, ResultsLog, log_skipped, save_finished
 from terra_cli.scenarios.ray_hand_out import (EngineState, RayRun, counted, fair_share, may_queue,  # noqa: F401
@@ -166,7 +166,7 @@ class RayDriver:
         for index in range(count):
             spec = EngineSpec(self.job, backend, device, prepared.needs_tokenizer, index, threads,
                               injected_frame_delay(index), longest, injected_failures(), injected_video_hold(),
-                              self.probe_wakes, injected_start_failure(index))
+                              self.probe_wakes, injected_start_failure(index), injected_frame_gate(index))
             actor = engine_class.options(max_restarts=ENGINE_RESTARTS, max_task_retries=0,
                                          max_concurrency=calls, scheduling_strategy="SPREAD",
                                          **resources).remote(spec)

@@ -1,8 +1,8 @@
 """What a bench reports beside its rate: how busy each GPU was (NVML) and where an engine loop's
 time went (`backends.driver.LoopTimes`), as numbers and as one line for the log.
 
-Every bench of the world model's engine shares these (`bench.scenarios`, `bench.act_bench`), so a
-figure in one report reads the same as in another.
+`bench.scenarios.TimedRun` reports with them, for its own bench and for `bench.act_bench`, so a
+figure in one report reads the same as in the other.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Faults a scenario run can be told to inject, from the environment, for tests and lab probes:
-a slow engine, one held until a file appears, one that cannot start, a scenario that fails on every engine, a writer the engine
-may not run ahead of, videos held back. Unset, they inject nothing. They live here, not among the
-runners' functions, so that nothing of the product looks like a test."""
+a slow engine, a Ray engine held until a file appears, one that cannot start, a scenario that fails
+on every engine, a writer the engine may not run ahead of, videos held back. Unset, they inject
+nothing. They live here, not among the runners' functions, so that nothing of the product looks
+like a test."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def injected_frame_delay(engine: int = 0) -> float:
 
 
 def injected_frame_gate(engine: int) -> str:
-    """A file engine `engine` waits for after each frame: TERRA_TEST_FRAME_GATE="0=/tmp/open". A test
+    """A file Ray engine `engine` waits for after each frame: TERRA_TEST_FRAME_GATE="0=/tmp/open". A test
     holds an engine until something else has happened (another engine has rejoined and written),
     where a fixed delay would have to be long enough for the slowest machine."""
     for part in filter(None, os.environ.get(FRAME_GATE_ENV, "").split(",")):

@@ -166,7 +166,8 @@ class RayDriver:
         for index in range(count):
             spec = EngineSpec(self.job, backend, device, prepared.needs_tokenizer, index, threads,
                               injected_frame_delay(index), longest, injected_failures(), injected_video_hold(),
-                              self.probe_wakes, injected_start_failure(index), injected_frame_gate(index))
+                              self.probe_wakes, injected_start_failure(index),
+                              frame_gate=injected_frame_gate(index))
             actor = engine_class.options(max_restarts=ENGINE_RESTARTS, max_task_retries=0,
                                          max_concurrency=calls, scheduling_strategy="SPREAD",
                                          **resources).remote(spec)

@@ -18,8 +18,9 @@
 #          (the last await of a lease: AWAIT_S at least 40 s under the budget left, or its output is lost)
 # On one GPU (nvidia-h100-x1), after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (no Ray):
 #   start1 start `runs1` in the background: N1 ACT-Bench-shaped samples tokens only, then with videos
-#          (the same GPU, one after the other), then `bench --env 64` (issue 42) and writer_parts.py;
-#          `await` collects it as above
+#          (the same GPU, one after the other, the latter within RUN_S), then `bench --env 64` (issue 42) and
+#          writer_parts.py, or with ONE_AFTER=refiner (carry .gpu/ref with `b`: diffusers) issue 40's overlap
+#          against two stages on NREF1 (64) samples; `await` collects it as above
 # On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (one call each: b and ff together pass
 # the 64 MiB a call carries) and `gpu_side4.sh ref` (carry .gpu/ref: diffusers, for the refiner step):
 #   startab  start `runsab` in the background, one GPU each, side by side (NAB samples, 256 by default):
@@ -279,19 +280,34 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     [ -f /tmp/bg/warm-caches.tar.xz ] || save_warm_caches ;;  # a second startab on the host: packed already
   runs1)
     source_stamp "$OUT/commit.txt"
+    python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
+      > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
+    ( while sleep 30; do echo "$(date +%s) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"; done ) \
+      > "$OUT/one-gpu.txt" 2>&1 &
+    local_watch=$!
     timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
       --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1; echo "one-tokens exit $?" >> "$STEP_LOG"
-    nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$STEP_LOG"
-    ( while sleep 30; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done ) \
-      > "$OUT/one-act-gpu.txt" 2>&1 &
-    local_watch=$!
-    timeout 600 terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
+    timeout "${RUN_S:-600}" terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
       --out "$OUT/one-act.json" > "$OUT/one-act.log" 2>&1; echo "one-act exit $?" >> "$STEP_LOG"
-    kill $local_watch
-    timeout 300 terra bench --env 64 --steps 8 --branches 8 --fork-from 20 --kv-cache-dtype fp8 \
-      --out "$OUT/env.json" > "$OUT/env.log" 2>&1; echo "env exit $?" >> "$STEP_LOG"
-    timeout 150 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" \
-      > "$OUT/writer_parts.log" 2>&1; echo "writer_parts exit $?" >> "$STEP_LOG" ;;
+    # ONE_AFTER=refiner (issue 40 on one GPU, overlap against two stages): NREF1 (64) samples refined beside
+    # vLLM in one engine; then the two stages' parts: the same samples tokens only, and the refiner alone
+    # (`bench --refiner --windows 4`: s a window, the VAE a frame; Inductor's cache is warm from the first run)
+    if [ "${ONE_AFTER:-probes}" = refiner ]; then
+      say_if_no_diffusers
+      timeout "${RUN_S:-600}" terra bench --act-bench "${NREF1:-64}" --decoder refiner --refiner-windows 4 \
+        --kv-cache-dtype fp8 --out "$OUT/one-refiner1.json" > "$OUT/one-refiner1.log" 2>&1
+      echo "one-refiner1 exit $?" >> "$STEP_LOG"
+      timeout 270 terra bench --refiner --windows 4 --refiner-compile default \
+        --out "$OUT/twostage-refiner.json" > "$OUT/twostage-refiner.log" 2>&1; echo "twostage refiner exit $?" >> "$STEP_LOG"
+      timeout "${RUN_S:-600}" terra bench --scenarios "${NREF1:-64}" --frames 47 --kv-cache-dtype fp8 \
+        --out "$OUT/twostage-tokens.json" > "$OUT/twostage-tokens.log" 2>&1; echo "twostage tokens exit $?" >> "$STEP_LOG"
+    else
+      timeout 300 terra bench --env 64 --steps 8 --branches 8 --fork-from 20 --kv-cache-dtype fp8 \
+        --out "$OUT/env.json" > "$OUT/env.log" 2>&1; echo "env exit $?" >> "$STEP_LOG"
+      timeout 150 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" \
+        > "$OUT/writer_parts.log" 2>&1; echo "writer_parts exit $?" >> "$STEP_LOG"
+    fi
+    kill $local_watch ;;
   await)
     await_background pipe "${AWAIT_S:-540}"
     await_background top 0

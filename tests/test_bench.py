@@ -218,7 +218,7 @@ def test_act_bench_with_the_refiner_writes_refined_videos_from_a_random_checkpoi
     assert plan["decoder"] == "refiner" and plan["writers"] is None and plan["data_parallel"] == 1
     assert plan["refiner"] == {"weights": str(weights), "windows_per_call": 1, "compile": "auto", "dtype": "auto",
                                "compile_mode": ["none"], "compile_s": [0.0], "vae_decoder_compile_s": [0.0],
-                               "random_weights": True}  # auto: eager on a CPU
+                               "compiled_apart_s": [None], "random_weights": True}  # auto: eager on a CPU, no child
     run = report["run"]
     assert run["videos_written"] == run["results_lines_done"] == 1 and run["generated_frames"] == 1
     steady = run["seconds_per_sample_steady"]  # one sample: its seconds after start-up
@@ -360,6 +360,10 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
         "30% handling finished frames, 10% idle (nothing in flight, waiting for work)")
     assert describe_engine_loop({**loop, "decode_ahead_batches": 3, "decode_ahead_frames": 24}).endswith(
         "30% handling finished frames; the writer decoded 24 frames ahead in 3 batches")
+    refiner = {**loop, "refined_videos": 4, "refiner_unet_batches": 2, "refiner_busy_s": 9.5}
+    assert describe_engine_loop(refiner).endswith("; the refiner made 4 videos in 2 UNet batches, its thread busy 9.5 s")
+    assert describe_engine_loop({**refiner, "refiner_compiled_apart_s": 231.25}).endswith(
+        "its thread busy 9.5 s, compiled apart first in 231.2 s")
     assert describe_engine_loop({**loop, "rollout_steps": 1000, "mean_in_flight": 2.5, "full_after_s": 3.25}) == (
         "engine loop: 45% in the engine's step (22.50 ms x 400 steps, 2 in flight on average, every slot held first "
         "after 3.2 s), 5% taking in jobs, 30% handling finished frames")
@@ -481,12 +485,13 @@ def test_the_refiner_report_takes_each_ray_engines_stage_and_one_engines_own():
     from terra_cli.refiner.decoder import RefinerChoice
     from terra_cli.refiner.refiner import RefinerOptions
 
-    def stage(videos, busy, compile_s):
+    def stage(videos, busy, compile_s, apart_s=None):
         return {"seconds": 100.0, "refined_videos": videos, "refiner_busy_s": busy, "refiner_unet_batches": videos,
-                "refiner_compile_mode": "default", "refiner_compile_s": compile_s, "refiner_vae_compile_s": 3.0}
+                "refiner_compile_mode": "default", "refiner_compile_s": compile_s, "refiner_vae_compile_s": 3.0,
+                "refiner_compiled_apart_s": apart_s}
 
     engines = [{"engine": 0, "engine_loop": stage(10, 50.0, 90.0)}, {"engine": 1, "engine_loop": None},
-               {"engine": 2, "engine_loop": stage(6, 30.0, 20.0)}]
+               {"engine": 2, "engine_loop": stage(6, 30.0, 20.0, apart_s=230.0)}]
     stages = refiner_stages(None, engines, on_ray=True)
     assert [s["refined_videos"] for s in stages] == [10, 6]
     assert refiner_stages(stage(4, 8.0, 0.0), [{"engine": 0, "startup_s": 1.0}], on_ray=False)[0]["refined_videos"] == 4
@@ -494,7 +499,7 @@ def test_the_refiner_report_takes_each_ray_engines_stage_and_one_engines_own():
     choice = RefinerChoice("w", options=RefinerOptions(batch_windows=4, compile="auto"))
     assert refiner_plan(choice, stages) == {"weights": "w", "windows_per_call": 4, "compile": "auto", "dtype": "auto",
                                             "compile_mode": ["default"], "compile_s": [90.0, 20.0],
-                                            "vae_decoder_compile_s": [3.0, 3.0]}
+                                            "vae_decoder_compile_s": [3.0, 3.0], "compiled_apart_s": [None, 230.0]}
 
 
 def test_two_runs_building_one_cache_entry_at_once_both_use_it(tmp_path):

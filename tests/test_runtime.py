@@ -72,10 +72,13 @@ def test_cuda_index_gives_set_device_an_index_even_for_a_bare_cuda(monkeypatch):
     assert cuda_index("cuda") == 3 and cuda_index("cuda:1") == 1 and cuda_index(torch.device("cuda", 2)) == 2
     assert cuda_index("cpu") is None and cuda_index(torch.device("cpu")) is None
 
-    class OnCuda:  # what the stage needs of a refiner, on a GPU that is not there
-        device = torch.device("cuda")
-        options = type("Options", (), {"batch_windows": 1})()
+    class OnCuda:  # what the stage needs of a refiner, on a GPU that is not there (eager: no compile apart)
+        device = target_device = torch.device("cuda")
+        options = type("Options", (), {"batch_windows": 1, "compile": "none"})()
         prepared = threading.Event()
+
+        def to(self, device):
+            return self
 
         def prepare(self):
             self.prepared.set()

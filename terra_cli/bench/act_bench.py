@@ -251,9 +251,11 @@ def refiner_stages(engine_loop: dict | None, engines: list[dict], on_ray: bool) 
 
 def refiner_plan(choice, stages: list[dict]) -> dict:
     """`plan.refiner` of the results: the weights and options asked for, and per engine the compile
-    mode it resolved to and the seconds its UNet and VAE decoder took to compile (0: eager)."""
+    mode it resolved to, the seconds its UNet and VAE decoder took to compile (0: eager), and the
+    seconds of the child that compiled them first while the engine generated (None: none, or it failed)."""
     options = choice.options
     return {"weights": choice.spec, "windows_per_call": options.batch_windows, "compile": options.compile,
             "dtype": options.dtype, "compile_mode": sorted({stage["refiner_compile_mode"] for stage in stages}),
             "compile_s": [stage["refiner_compile_s"] for stage in stages],
-            "vae_decoder_compile_s": [stage["refiner_vae_compile_s"] for stage in stages]}
+            "vae_decoder_compile_s": [stage["refiner_vae_compile_s"] for stage in stages],
+            "compiled_apart_s": [stage.get("refiner_compiled_apart_s") for stage in stages]}

@@ -106,6 +106,8 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     if loop.get("refined_videos") is not None:  # --decoder refiner: the engine's refiner stage (refiner.stage)
         stages += (f"; the refiner made {loop['refined_videos']} videos in {loop['refiner_unet_batches']} UNet "
                    f"batches, its thread busy {loop['refiner_busy_s']:.1f} s")
+        if loop.get("refiner_compiled_apart_s") is not None:
+            stages += f", compiled apart first in {loop['refiner_compiled_apart_s']:.1f} s"
     if loop.get("intake_encode_s") is not None:  # a single engine's intake (scenarios.encoding.EncodeAhead)
         done = loop.get("intake_done_after_s")
         stages += (f"; the intake waited {loop.get('intake_read_wait_s', 0.0):.1f} s for reads and encoded "

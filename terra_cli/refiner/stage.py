@@ -54,7 +54,8 @@ class RefineStage:
     """`decoder` a `refiner.decoder.RefinerDecoder`; `finish(frames)` turns a video's refined uint8
     frames into what its Future gives (default: the frames). Call `close()` when done."""
 
-    def __init__(self, decoder, finish: Callable[[np.ndarray], object] = lambda frames: frames):
+    def __init__(self, decoder, finish: Callable[[np.ndarray], object] = lambda frames: frames,
+                 compile_apart: Callable | None = None):
         self.decoder, self.refiner, self.finish = decoder, decoder.refiner, finish
         self.windows_per_call = self.refiner.options.batch_windows
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -68,9 +69,12 @@ class RefineStage:
         self.unet_batches = 0
         self.busy_s = 0.0  # the thread's time on videos (decoding tokens, UNet batches, VAE, mp4), compiling not included
         self._count = 0
+        from terra_cli.refiner.compile_apart import start_compile_apart
         from terra_cli.runtime import cuda_index
 
-        self.cuda_index = cuda_index(self.refiner.device)  # here: the stage's thread starts on GPU 0
+        self.cuda_index = cuda_index(self.refiner.target_device)  # here: the stage's thread starts on GPU 0
+        # Started here, so it compiles while the engine makes the first videos (compile_apart's docstring: why)
+        self.apart = (compile_apart or start_compile_apart)(self.refiner)
         self.thread = threading.Thread(target=self._run, name="terra-refiner", daemon=True)
         self.thread.start()
 
@@ -97,9 +101,11 @@ class RefineStage:
     def decode_stats(self) -> dict:
         """What the stage did so far, reported with its engine loop's times (as a writer's
         decode-ahead is): videos refined, the thread's busy seconds on them, UNet batches, and the
-        compile mode and seconds of the UNet and the VAE decoder (0 when eager)."""
-        refiner = self.refiner
-        return {"refined_videos": self.videos, "refiner_busy_s": round(self.busy_s, 3),
+        compile mode and seconds of the UNet and the VAE decoder (0 when eager; from Inductor's cache
+        when compiled apart first: that child's seconds, None when there was none or it failed)."""
+        refiner, apart = self.refiner, self.apart
+        apart_s = round(apart.seconds, 2) if apart is not None and apart.result is not None else None
+        return {"refiner_compiled_apart_s": apart_s, "refined_videos": self.videos, "refiner_busy_s": round(self.busy_s, 3),
                 "refiner_unet_batches": self.unet_batches, "refiner_compile_mode": refiner.compile_mode,
                 "refiner_compile_s": round(refiner.compile_seconds, 2),
                 "refiner_vae_compile_s": round(refiner.vae_decoder_compile_seconds, 2)}
@@ -109,6 +115,8 @@ class RefineStage:
         with self.lock:
             self.closed = True
         self.stopping.set()
+        if self.apart is not None:
+            self.apart.stop()
         self.inbox.put(None)
         if self.thread is not threading.current_thread():
             self.thread.join(CLOSE_SECONDS)
@@ -134,14 +142,35 @@ class RefineStage:
                 self._fail_open(self.failure)
 
     def _on_device(self) -> None:
-        """This thread uses the refiner's GPU, and compiles the UNet and the VAE decoder first, while
-        the engine generates the first videos' tokens."""
+        """This thread uses the refiner's GPU: it waits for the compile apart (the engine generates
+        meanwhile), moves the weights there, and compiles the UNet and the VAE decoder, from
+        Inductor's cache when the child filled it, else here beside the engine."""
+        if self.apart is not None:
+            self._wait_for_compile_apart()
+        if self.stopping.is_set():
+            return
         if self.cuda_index is not None:
             import torch
 
             torch.cuda.set_device(self.cuda_index)
+        self.refiner.to(self.refiner.target_device)
         self.refiner.prepare()
         self.refiner.prepare_vae_decoder()
+
+    def _wait_for_compile_apart(self) -> None:
+        from terra_cli.refiner.refiner import LOG
+
+        apart = self.apart
+        result = apart.wait()
+        if self.stopping.is_set():
+            return
+        if result is None:
+            LOG.warning(f"refiner: compiling apart failed after {apart.seconds:.1f} s ({apart.error}); "
+                        f"compiling here, beside the engine")
+            return
+        LOG.info(f"refiner: compiled apart in {apart.seconds:.1f} s (UNet {result.get('unet_s')} s, VAE decoder "
+                 f"{result.get('vae_decoder_s')} s, in a child process while the engine generated); "
+                 f"compiling here from Inductor's cache")
 
     def _take_in(self, block: bool) -> bool:
         """Turn what came in into windows; False once told to stop."""

@@ -214,10 +214,8 @@ def run_scenario_job(
     engine, tokenizer = loaded.engine, loaded.tokenizer
     frame_decoder = decoders[0] if decoders else None
     try:
-        if frame_decoder is not None:
-            # Refining runs in the scenario writer's thread, beside token generation on the same
-            # device; `--no-decode` then `terra refine` runs it as a second stage instead.
-            frame_decoder.refiner.to(frame_decoder.refiner.target_device)
+        # Refining runs in the refiner stage's thread, beside token generation on the same device
+        # (the stage moves the weights there); `--no-decode` then `terra refine` runs it as a second stage.
         on_ready(loaded.ready)
         return run_scenarios(prepared.file, job.out_dir, engine, tokenizer, decode=job.decode,
                              max_rollouts=loaded.ready.in_flight, skip_invalid=job.skip_invalid,

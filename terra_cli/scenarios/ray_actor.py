@@ -138,11 +138,9 @@ class ScenarioEngine:
         from terra_cli.scenarios.writers import start_pool
 
         if refiners:
-            refiners[0].refiner.to(refiners[0].refiner.target_device)
             self.pool = refiners[0].stage(VIDEO_FPS)
         else:
             self.pool = start_pool(self.tokenizer, job_writers(self.job, spec.device), VIDEO_FPS)
-        from terra_cli.scenarios.writers import WriterPool
 
         # The writer (processes, or threads here) decodes a scenario's frames while it is generated.
         self.ahead_of_time = self.pool if hasattr(self.pool, "frame") else None  # not the refiner's stage

@@ -7,8 +7,8 @@ time the loop lets go of it (at each blocking CUDA call): on an H200 (2026-11-28
 the engine made 1 frame in the 149 s of a cold compile (166 s UNet, 62 s VAE decoder) beside it,
 the whole process on one core. A child process compiles the same graphs (same weights file, options,
 device, dtype and lab switches, so the same Inductor cache keys) into Inductor's on-disk cache
-while the engine runs at its own pace; the stage's thread then compiles from that cache, which on
-a warm cache took about 19 s there.
+while the engine runs at its own pace; the stage's thread then compiles from that cache (a UNet
+variant: 18.9 s from the cache against 87.6 s cold, H100, 2026-11-27), still beside the engine.
 
 The child is a plain subprocess (`python -m terra_cli.refiner.compile_apart REQUEST_JSON`), with
 the parent's environment (CUDA_VISIBLE_DEVICES, TERRA_CACHE, the TERRA_REFINER_* switches); it

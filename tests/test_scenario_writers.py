@@ -582,56 +582,78 @@ def test_a_writer_fed_frame_by_frame_makes_the_mp4_of_one_fed_at_the_end(tmp_pat
     assert len(read_frames(path)) == 6
 
 
+class Counted:
+    """Encodes that take 0.3 s each, counting how many ran at once (the peak, and the peak while `busy` was set)."""
+
+    def __init__(self):
+        self.lock, self.running, self.peak, self.peak_while_busy = threading.Lock(), 0, 0, 0
+        self.busy = threading.Event()
+
+    def __call__(self, frames, fps, folder=None):
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+            if self.busy.is_set():
+                self.peak_while_busy = max(self.peak_while_busy, self.running)
+        time.sleep(0.3)
+        with self.lock:
+            self.running -= 1
+        return b"mp4 of %d frames" % len(frames)
+
+
+class InstantDecoder:  # the encoders are what is counted: decoding takes no time here
+    batch_size = 4
+
+    def decode_tokens(self, tokens, full_batches=False):
+        return np.zeros((len(tokens), 8, 8, 3), dtype=np.uint8)
+
+
+class Scenario:
+    def __init__(self, i):
+        self.id, self.seed = f"s{i}", i
+
+
 def test_the_engine_process_encodes_a_batch_that_ends_together_on_as_many_encoders_as_the_host_allows(monkeypatch):
-    """A batch's videos end together; the threads of `--writers 0` then encode them on one ffmpeg per 4
-    cores of the host (4 at least, 16 at most), and write_in_order keeps enough of them open to use
-    every encoder (the end of a 256-rollout run waited 43 s on 4, benchmarks/README.md, issue 37)."""
+    """A batch's videos end together; the threads of `--writers 0` encode on one ffmpeg per 4 cores of
+    the host (4 at least, 16 at most) while videos are being generated, and on one per 2 cores (x264's
+    threads, 16 at most) once none is, and write_in_order keeps enough of them open to use every encoder
+    (the end of a 256-rollout run waited 43 s on 4 x H200 and 42 s on one H200 after the last frame,
+    benchmarks/README.md, issue 37)."""
     import terra_cli.media.frames as frames_module
-    from terra_cli.scenarios.local_writer import InProcessWriter, encoders_for_host
+    from terra_cli.scenarios.local_writer import InProcessWriter, encoders_for_host, tail_encoders_for_host
     from terra_cli.scenarios.writers import write_in_order
 
     assert [encoders_for_host(cores) for cores in (2, 16, 32, 64, 256)] == [4, 4, 8, 16, 16]
-    monkeypatch.setattr("terra_cli.scenarios.local_writer.host_cores", lambda: 40)
-
-    lock, running, peak = threading.Lock(), [0], [0]
-
-    def slow_encode(frames, fps, folder=None):
-        with lock:
-            running[0] += 1
-            peak[0] = max(peak[0], running[0])
-        time.sleep(0.5)
-        with lock:
-            running[0] -= 1
-        return b"mp4 of %d frames" % len(frames)
-
-    monkeypatch.setattr(frames_module, "video_bytes", slow_encode)
-
-    class InstantDecoder:  # the encoders are what is counted: decoding takes no time here
-        batch_size = 4
-
-        def decode_tokens(self, tokens, full_batches=False):
-            return np.zeros((len(tokens), 8, 8, 3), dtype=np.uint8)
-
+    assert [tail_encoders_for_host(cores) for cores in (2, 16, 20, 32, 64)] == [4, 8, 10, 16, 16]
+    monkeypatch.setattr("terra_cli.scenarios.local_writer.host_cores", lambda: 20)
+    counted = Counted()
+    monkeypatch.setattr(frames_module, "video_bytes", counted)
     rng = np.random.default_rng(5)
-    pool = InProcessWriter(InstantDecoder(), fps=10)  # 40 cores: 10 encoders
-    assert pool.encoders == 10
+    pool = InProcessWriter(InstantDecoder(), fps=10)  # 20 cores: 5 encoders, 10 with nothing being generated
+    assert (pool.encoders, pool.tail_encoders) == (5, 10)
     items: queue.Queue = queue.Queue()
-
-    class Scenario:
-        def __init__(self, i):
-            self.id, self.seed = f"s{i}", i
-
     written = []
     try:
-        for i in range(30):
+        pool.open("still-running", rng.integers(0, 512, size=(1, TOKENS)))  # a rollout the engine still makes
+        counted.busy.set()
+        for i in range(20):
+            items.put((Scenario(i), rng.integers(0, 512, size=(2, TOKENS)), 0.0))
+        for i in range(20, 40):  # the first 20 are written while it runs; the next 20 after it was dropped
             items.put((Scenario(i), rng.integers(0, 512, size=(2, TOKENS)), 0.0))
         items.put(None)
-        write_in_order(pool, items, lambda scenario, tokens, seconds, video: written.append((scenario.id, video)))
+
+        def write(scenario, tokens, seconds, video):
+            written.append((scenario.id, video))
+            if len(written) == 20:
+                counted.busy.clear()
+                pool.drop("still-running")  # the engine has nothing in flight now
+
+        write_in_order(pool, items, write)
     finally:
         pool.close()
-    assert [key for key, _ in written] == [f"s{i}" for i in range(30)]  # in the order they finished
+    assert [key for key, _ in written] == [f"s{i}" for i in range(40)]  # in the order they finished
     assert all(video == b"mp4 of 2 frames" for _, video in written)
-    assert peak[0] == 10
+    assert counted.peak_while_busy == 5 and counted.peak == 10
 
 
 def test_the_decode_stream_switch_is_checked_when_the_writer_starts(tokenizer_dir, monkeypatch):

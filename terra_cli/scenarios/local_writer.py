@@ -53,17 +53,30 @@ def encoders_for_host(cores: int | None = None) -> int:
     return min(MAX_ENCODERS_IN_PROCESS, max(ENCODERS_IN_PROCESS, cores // CORES_PER_ENCODER))
 
 
+def tail_encoders_for_host(cores: int | None = None) -> int:
+    """The mp4s encoded at once while the engine has nothing in flight (`writer_process.drive`): one per
+    H264_THREADS cores (x264's threads per video), at least `encoders_for_host`, at most 16. On one
+    H200 with 16 cores (2026-11-28) the last 256 videos of a run, all ending together, took 42 s on 4
+    encoders after the last frame, 8% of the run, while the engine's loop needed no core."""
+    from terra_cli.media.frames import H264_THREADS
+
+    cores = host_cores() if cores is None else cores
+    return min(MAX_ENCODERS_IN_PROCESS, max(encoders_for_host(cores), cores // H264_THREADS))
+
+
 class InProcessWriter:
-    def __init__(self, decoder, fps: float, encoders: int | None = None, held_frames: int = HELD_FRAMES):
+    def __init__(self, decoder, fps: float, encoders: int | None = None, held_frames: int = HELD_FRAMES,
+                 tail_encoders: int | None = None):
         encoders = encoders_for_host() if encoders is None else encoders
+        tail_encoders = max(encoders, tail_encoders_for_host() if tail_encoders is None else tail_encoders)
         self.decode_stream = decode_stream_asked()  # a bad value is one line now, not a failed thread later
         self.decode_sms = decode_sms_asked()
         if self.decode_sms is not None and self.decode_stream == "engine":
             raise InputError("TERRA_DECODE_SMS bounds the decoder's own stream: leave TERRA_DECODE_STREAM unset with it")
         self.decode_sms_error: str | None = None  # why the green context could not be made (then: an own stream)
-        self.decoder, self.fps, self.encoders = decoder, fps, encoders
+        self.decoder, self.fps, self.encoders, self.tail_encoders = decoder, fps, encoders, tail_encoders
         # write_in_order keeps OPEN_PER_PROCESS * size finished videos open: one per encoder thread, twice
-        self.size = max(1, encoders // ENCODERS_PER_PROCESS)
+        self.size = max(1, tail_encoders // ENCODERS_PER_PROCESS)
         self.folder = tempfile.mkdtemp(prefix="terra-writers-")
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
@@ -123,7 +136,8 @@ class InProcessWriter:
     def _run(self) -> None:
         try:
             with self._own_stream():
-                drive(self.inbox, self.store, self._answer, self.fps, self.folder, self.encoders)
+                drive(self.inbox, self.store, self._answer, self.fps, self.folder, self.encoders,
+                      self.tail_encoders)
         except BaseException as exc:  # out of memory, a bug: the run ends with it, resumable
             with self.lock:
                 self.failure = WriterDied(f"the video writer thread failed: {type(exc).__name__}: {exc}")

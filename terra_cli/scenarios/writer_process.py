@@ -193,17 +193,42 @@ def serve(conn, spec: DecoderSpec) -> None:
 
 
 def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], object], fps: float, folder: str,
-          encoders: int) -> None:
+          encoders: int, tail_encoders: int | None = None) -> None:
     """A writer's loop (a writer process's, and `local_writer.InProcessWriter`'s thread): take the
     messages of `inbox` until None, decode frames ahead, and answer each finished video through `reply`
-    once one of `encoders` threads has encoded it."""
+    once it is encoded: `encoders` mp4s at once while any video it holds is still being generated,
+    `tail_encoders` (default: as many) while none is. Then the engine has nothing in flight for this
+    writer (a run's last videos, which all end together when they started together, or a Ray engine
+    between calls) and the host's cores that its loop would need are idle."""
+    tail_encoders = max(encoders, tail_encoders or encoders)
     finished: deque[tuple[str, np.ndarray]] = deque()
-    with ThreadPoolExecutor(max(1, encoders), thread_name_prefix="terra-mp4") as encoding:
+    ready: deque[tuple[str, list, int]] = deque()  # decoded, waiting for an encoder
+    busy_lock, busy = threading.Lock(), [0]
+
+    def encoded(_future) -> None:
+        with busy_lock:
+            busy[0] -= 1
+        inbox.put(("encoded",))  # wakes the loop: an encoder is free
+
+    def encoders_now() -> int:
+        done_keys = {key for key, _ in finished}
+        running = any(key not in done_keys for key in store.videos)
+        return encoders if running else tail_encoders
+
+    with ThreadPoolExecutor(max(1, tail_encoders), thread_name_prefix="terra-mp4") as encoding:
+
+        def start_encodes(limit: int) -> None:
+            while ready and busy[0] < limit:
+                with busy_lock:
+                    busy[0] += 1
+                encoding.submit(_encode, reply, fps, folder, *ready.popleft()).add_done_callback(encoded)
+
         stopping = False
         while not stopping:
-            # Blocks unless a done video or a full batch of frames waits: a part batch waits for more frames
-            # (or for its video's end, when `take` decodes what is left).
-            messages = [] if finished or store.full_batch_waiting() else [inbox.get()]
+            # Blocks unless a done video, a full batch of frames or a video an encoder is free for waits: a
+            # part batch waits for more frames (or for its video's end, when `take` decodes what is left).
+            can_encode = bool(ready) and busy[0] < encoders_now()
+            messages = [] if finished or can_encode or store.full_batch_waiting() else [inbox.get()]
             while True:
                 try:
                     messages.append(inbox.get_nowait())
@@ -225,12 +250,14 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
                 except Exception as exc:  # this scenario's failure: recorded as failed, the run goes on
                     reply(("error", key, str(exc)))
                 else:
-                    encoding.submit(_encode, reply, fps, folder, key, frames, late)
+                    ready.append((key, frames, late))
             elif store.full_batch_waiting():
                 try:
                     store.decode_waiting()
                 except Exception:  # such a frame is decoded again when its video is done, and fails there alone
                     store.waiting.clear()
+            start_encodes(encoders_now())
+        start_encodes(len(ready) + busy[0])  # told to stop: what is decoded is still encoded (the pool queues it)
 
 
 def _encode(reply: Callable[[tuple], object], fps: float, folder: str, key: str, frames: list[np.ndarray],

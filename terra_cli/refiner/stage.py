@@ -105,8 +105,9 @@ class RefineStage:
         when compiled apart first: that child's seconds, None when there was none or it failed)."""
         refiner, apart = self.refiner, self.apart
         apart_s = round(apart.seconds, 2) if apart is not None and apart.result is not None else None
-        return {"refiner_compiled_apart_s": apart_s, "refined_videos": self.videos, "refiner_busy_s": round(self.busy_s, 3),
-                "refiner_unet_batches": self.unet_batches, "refiner_compile_mode": refiner.compile_mode,
+        return {"refiner_compiled_apart_s": apart_s, "refined_videos": self.videos,
+                "refiner_busy_s": round(self.busy_s, 3), "refiner_unet_batches": self.unet_batches,
+                "refiner_compile_mode": refiner.compile_mode,
                 "refiner_compile_s": round(refiner.compile_seconds, 2),
                 "refiner_vae_compile_s": round(refiner.vae_decoder_compile_seconds, 2)}
 

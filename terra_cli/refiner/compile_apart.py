@@ -10,6 +10,10 @@ device, dtype and lab switches, so the same Inductor cache keys) into Inductor's
 while the engine runs at its own pace; the stage's thread then compiles from that cache (a UNet
 variant: 18.9 s from the cache against 87.6 s cold, H100, 2026-11-27), still beside the engine.
 
+GPU memory: the stage keeps its own copy of the weights on the CPU until the child has ended, so the
+child has the refiner's share of the card beside vLLM (`decoder.REFINER_GPU_RESERVE_BYTES`, 16 GiB;
+a compiled 4-window call peaked at 7.4 GiB with the weights, `terra bench --refiner`, H200, 2026-11-27).
+
 The child is a plain subprocess (`python -m terra_cli.refiner.compile_apart REQUEST_JSON`), with
 the parent's environment (CUDA_VISIBLE_DEVICES, TERRA_CACHE, the TERRA_REFINER_* switches); it
 prints one JSON line of what it did. Its failure costs nothing but the time: the stage compiles in

@@ -20,7 +20,7 @@
 #   start1 start `runs1` in the background: N1 ACT-Bench-shaped samples tokens only, then with videos
 #          (the same GPU, one after the other, the latter within RUN_S), then `bench --env 64` (issue 42) and
 #          writer_parts.py, or with ONE_AFTER=refiner (carry .gpu/ref with `b`: diffusers) issue 40's overlap
-#          against two stages on NREF1 (64) samples; `await` collects it as above
+#          against two stages on NREF1 (64) samples (ONE_PAIR=0 skips the pair before it); `await` collects it
 # On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (one call each: b and ff together pass
 # the 64 MiB a call carries) and `gpu_side4.sh ref` (carry .gpu/ref: diffusers, for the refiner step):
 #   startab  start `runsab` in the background, one GPU each, side by side (NAB samples, 256 by default):
@@ -285,10 +285,12 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     ( while sleep 30; do echo "$(date +%s) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"; done ) \
       > "$OUT/one-gpu.txt" 2>&1 &
     local_watch=$!
-    timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
-      --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1; echo "one-tokens exit $?" >> "$STEP_LOG"
-    timeout "${RUN_S:-600}" terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
-      --out "$OUT/one-act.json" > "$OUT/one-act.log" 2>&1; echo "one-act exit $?" >> "$STEP_LOG"
+    if [ "${ONE_PAIR:-1}" != 0 ]; then  # ONE_PAIR=0: only what ONE_AFTER names (the pair takes ~16 minutes)
+      timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
+        --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1; echo "one-tokens exit $?" >> "$STEP_LOG"
+      timeout "${RUN_S:-600}" terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
+        --out "$OUT/one-act.json" > "$OUT/one-act.log" 2>&1; echo "one-act exit $?" >> "$STEP_LOG"
+    fi
     # ONE_AFTER=refiner (issue 40 on one GPU, overlap against two stages): NREF1 (64) samples refined beside
     # vLLM in one engine; then the two stages' parts: the same samples tokens only, and the refiner alone
     # (`bench --refiner --windows 4`: s a window, the VAE a frame; Inductor's cache is warm from the first run)

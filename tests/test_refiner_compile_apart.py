@@ -7,7 +7,6 @@ of the weights, the calls on zeros in the run's shapes, its JSON line, and the s
 """
 
 import json
-import logging
 import sys
 import time
 
@@ -21,7 +20,7 @@ from terra_cli.refiner.compile_apart import CompileRequest, compile_request, sta
 from terra_cli.refiner.compiled import inductor_cache_dir  # noqa: E402
 from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner  # noqa: E402
 from terra_cli.refiner.stage import RefineStage  # noqa: E402
-from terra_cli.refiner.testing import write_tiny_refiner  # noqa: E402
+from test_refiner import PixelTokens, force_compiled_run, refiner_lines, tiny_pt  # noqa: E402, F401
 
 # The child: compile_apart.main with eager stand-ins for the compiles, which append what they were
 # given to RECORD; GATE (when set) must exist before it answers; FAIL makes it fail as a compile would.
@@ -57,11 +56,6 @@ while os.environ.get("GATE") and not os.path.exists(os.environ["GATE"]):
     time.sleep(0.05)
 sys.exit(compile_apart.main())
 '''
-
-
-@pytest.fixture(scope="module")
-def tiny_pt(tmp_path_factory):
-    return write_tiny_refiner(tmp_path_factory.mktemp("refiner") / "refiner_model.pt")
 
 
 @pytest.fixture
@@ -125,64 +119,23 @@ def test_a_child_that_fails_says_why_in_one_line(tiny_pt, child, monkeypatch):
     assert apart.error == "exit 1: second line"
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(f"{record.levelname}: {record.getMessage()}")
-
-
-@pytest.fixture
-def refiner_lines():
-    logger, handler = logging.getLogger("terra.refiner"), Lines()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield handler.lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-
-
-class PixelTokens:
-    """The stage's token decoder stood in for: the 'tokens' are the frames themselves."""
-
-    def __init__(self, refiner):
-        self.refiner = refiner
-
-    def token_frames(self, tokens):
-        return torch.from_numpy(tokens)
-
-
-def compiled_here(monkeypatch) -> list[str]:
-    """The stage's own compiles stood in for (eager), recording each."""
-    from terra_cli.refiner import refiner as refiner_module
-    from terra_cli.refiner.autoencoder import one_frame_clips
-
-    seen = []
-    monkeypatch.setattr(refiner_module, "compile_unet", lambda unet, mode: seen.append("unet") or unet)
-    monkeypatch.setattr(refiner_module, "compile_vae_decoder", lambda vae, mode="default": seen.append("vae")
-                        or one_frame_clips(vae))
-    return seen
-
-
 def test_the_stage_compiles_only_after_the_child_and_refines_as_eager(tiny_pt, child, tmp_path, monkeypatch,
                                                                      refiner_lines):
     command, record = child
     gate = tmp_path / "gate"
     monkeypatch.setenv("GATE", str(gate))
-    seen = compiled_here(monkeypatch)
+    stand_in = force_compiled_run(monkeypatch)  # the stage's own compiles, stood in for
     refiner = loaded(tiny_pt, compile="default", batch_windows=1, vae_chunk=5)
     video = (torch.rand(25, 3, 36, 64, generator=torch.Generator().manual_seed(2)) * 2 - 1).numpy()
     stage = RefineStage(PixelTokens(refiner), compile_apart=lambda r: start_compile_apart(r, command))
     try:
         future = stage.submit("a", video, 4)
         time.sleep(2.0)
-        assert seen == [] and refiner.forward is None and not future.done()  # waits on the child
+        assert stand_in.compiled == [] and refiner.forward is None and not future.done()  # waits on the child
         gate.touch()
         refined = future.result(timeout=300)
-        assert seen == ["unet", "vae"] and [r["what"] for r in records(record)] == ["unet", "vae"]
+        assert refiner.forward is not None and stand_in.compiled == [(refiner.vae, "default")]
+        assert [r["what"] for r in records(record)] == ["unet", "vae"]
         stats = stage.decode_stats()
         assert stats["refiner_compiled_apart_s"] >= 2.0 and stats["refiner_compile_mode"] == "default"
     finally:
@@ -196,13 +149,14 @@ def test_the_stage_compiles_only_after_the_child_and_refines_as_eager(tiny_pt, c
 def test_a_failed_child_leaves_the_stage_compiling_itself(tiny_pt, child, monkeypatch, refiner_lines):
     command, _ = child
     monkeypatch.setenv("FAIL", "no compiler")
-    seen = compiled_here(monkeypatch)
+    stand_in = force_compiled_run(monkeypatch)
     refiner = loaded(tiny_pt, compile="default")
     video = (torch.rand(25, 3, 36, 64, generator=torch.Generator().manual_seed(3)) * 2 - 1).numpy()
     stage = RefineStage(PixelTokens(refiner), compile_apart=lambda r: start_compile_apart(r, command))
     try:
         assert stage.submit("a", video, 1).result(timeout=300).shape == (25, refiner.config.height, refiner.config.width, 3)
-        assert seen == ["unet", "vae"] and stage.decode_stats()["refiner_compiled_apart_s"] is None
+        assert refiner.forward is not None and stand_in.compiled == [(refiner.vae, "default")]
+        assert stage.decode_stats()["refiner_compiled_apart_s"] is None
     finally:
         stage.close()
     warning = [line for line in refiner_lines if "apart" in line]
@@ -213,17 +167,19 @@ def test_a_failed_child_leaves_the_stage_compiling_itself(tiny_pt, child, monkey
 def test_closing_the_stage_ends_a_child_still_compiling(tiny_pt, child, tmp_path, monkeypatch):
     command, _ = child
     monkeypatch.setenv("GATE", str(tmp_path / "never"))
-    seen = compiled_here(monkeypatch)
+    stand_in = force_compiled_run(monkeypatch)
     made = []
 
     def start(refiner):
         made.append(start_compile_apart(refiner, command))
         return made[0]
 
-    stage = RefineStage(PixelTokens(loaded(tiny_pt, compile="default")), compile_apart=start)
+    refiner = loaded(tiny_pt, compile="default")
+    stage = RefineStage(PixelTokens(refiner), compile_apart=start)
     time.sleep(1.0)
     started = time.perf_counter()
     stage.close()
     assert time.perf_counter() - started < 15
-    assert made[0].process.poll() is not None and seen == []  # ended, and nothing compiled here
+    assert made[0].process.poll() is not None  # ended
+    assert refiner.forward is None and stand_in.compiled == []  # and nothing compiled here
     assert not stage.thread.is_alive()

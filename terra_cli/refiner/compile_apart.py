@@ -77,7 +77,6 @@ class CompileApart:
     interpreter lock) until it ends; `stop()` ends it early (the run ended first)."""
 
     def __init__(self, request: CompileRequest, command: Sequence[str] | None = None):
-        self.request = request
         self.started = time.perf_counter()
         self.seconds: float | None = None  # the child's wall time, once it ended
         self.result: dict | None = None  # its JSON line, when it succeeded

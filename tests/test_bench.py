@@ -160,6 +160,9 @@ def test_act_bench_runs_act_bench_lines_end_to_end_on_the_reference(tmp_path, fr
     assert run["writers"] == 0  # on a CPU the writer thread makes the videos (scenarios.writers.default_writers)
     intake = run["engine_loop"]  # the intake's times, beside the engine loop's
     assert intake["intake_encode_s"] > 0 and 0 < intake["intake_done_after_s"] <= run["seconds_wall"]
+    assert intake["feed_held_s"] == 0  # one sample: the writer never held a job back
+    # the writer thread's decoder: every frame of the video decoded ahead or at its end
+    assert intake["decode_ahead_frames"] + intake["decode_late_frames"] == 5
     assert run["seconds_per_sample_wall"] >= run["seconds_per_sample_steady"] > 0
     phases = run["phases_s"]
     assert sum(phases[k] for k in ("startup", "ready_to_first_frame", "generating", "drain_writer")) == \
@@ -374,6 +377,14 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     later = {**loop, "steps": 600, "seconds": 30.0, "rollout_steps": 1800, "mean_in_flight": 3.0, "full_after_s": 3.25}
     minute = loop_since(later, {**loop, "rollout_steps": 1000, "mean_in_flight": 2.5, "full_after_s": 3.25})
     assert minute["steps"] == 200 and minute["mean_in_flight"] == 4.0 and minute["full_after_s"] == 3.25
+    assert describe_engine_loop({**loop, "decode_late_frames": 16, "decode_late_s": 0.5}).endswith(
+        "30% handling finished frames; 16 frames decoded when their video was done (0.5 s)")
+    # one-time facts (a compile's seconds) are no running sums: a minute's line leaves them out
+    apart = {**later, "refined_videos": 3, "refiner_unet_batches": 2, "refiner_busy_s": 12.0, "refiner_compiled_apart_s": 230.0,
+             "refiner_compile_s": 20.0}
+    minute = loop_since(apart, {**apart, "refined_videos": 1, "refiner_busy_s": 4.0, "steps": 500, "seconds": 20.0})
+    assert "refiner_compiled_apart_s" not in minute and "refiner_compile_s" not in minute
+    assert describe_engine_loop(minute).endswith("; the refiner made 2 videos in 0 UNet batches, its thread busy 8.0 s")
     assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None
     idle_only = {"steps": 0, "seconds": 5.0, "in_engine_step_s": 0.0, "admitting_jobs_s": 0.0, "handling_frames_s": 0.0,
                  "idle_s": 5.0, "other_s": 0.0, "ms_per_step": None}  # an engine that got no job
@@ -419,12 +430,24 @@ def test_a_ray_bench_logs_each_engines_loop_over_the_last_minute_not_since_its_s
     clock[0] = 1122.0
     timed.on_tick(run)
     assert lines[-2] == "122 s: 305 frames in the last 61 s (5.00 generated frames/s), 1525 of 5000, GPU busy 20/0%"
-    # one engine (no Ray): no engine's stats mid-run, the rate line alone
+    # one engine (no Ray): its run's loop so far, taken once a minute (a LiveEngine), said the same way
+    before_one_engine = lines[-1]
+    taken = []
+    so_far = {**first, "steps": 400, "seconds": 40.0, "in_engine_step_s": 36.0, "admitting_jobs_s": 2.0,
+              "handling_frames_s": 2.0, "decode_ahead_batches": 10,
+              "decode_ahead_frames": 80, "decode_ahead_timed_frames": 72, "decode_ahead_s": 0.36, "feed_held_s": 4.0}
+    one = bench.LiveEngine(0, SimpleNamespace(loop_so_far=lambda: taken.append(1) or so_far))
     timed.frames, clock[0] = 2135, 1183.0
-    count = len(lines) + 1
-    timed.on_tick(SimpleNamespace(engines=[]))
-    assert len(lines) == count and lines[-1].startswith("183 s: 610 frames in the last 61 s (10.00 generated frames/s)")
-    lines.pop()
+    timed.on_tick(SimpleNamespace(engines=[one]))
+    assert lines[-2].startswith("183 s: 610 frames in the last 61 s (10.00 generated frames/s)") and len(taken) == 1
+    assert lines[-1] == ("183 s, engine 0, last minute: engine loop: 90% in the engine's step (90.00 ms x 400 steps), "
+                         "5% taking in jobs, 5% handling finished frames; the writer decoded 80 frames ahead in 10 "
+                         "batches (5.00 ms a frame); new jobs held back 4.0 s (the writer behind)")
+    timed.frames, clock[0] = 2200, 1244.0  # the run ended in between: its loop is the run's result now
+    timed.on_tick(SimpleNamespace(engines=[bench.LiveEngine(0, SimpleNamespace(loop_so_far=None))]))
+    assert lines[-1].startswith("244 s: 65 frames in the last 61 s") and len(taken) == 1
+    del lines[-3:]
+    assert lines[-1] == before_one_engine
     assert lines[-1] == ("122 s, engine 2, last minute: engine loop: 50% in the engine's step (60.00 ms x 500 steps), "
                          "0% taking in jobs, 0% handling finished frames, 50% idle (nothing in flight, waiting for work); "
                          "its process's 5 ms timer woke 2.50 ms late on average, 50% of wakes over 2 ms late; "

@@ -105,3 +105,28 @@ def test_waiting_on_a_feed_with_nothing_in_flight_is_idle_not_taking_in_jobs(bac
     assert loop["idle_s"] >= 0.5 and loop["admitting_jobs_s"] < 0.2
     parts = sum(loop[k] for k in ("in_engine_step_s", "admitting_jobs_s", "handling_frames_s", "idle_s", "other_s"))
     assert abs(parts - loop["seconds"]) < 0.01
+
+
+def test_a_held_feed_counts_only_the_time_it_kept_a_waiting_job_from_a_free_slot(monkeypatch):
+    """The job feed's hold (a writer behind) costs the engine slots only while a job waits: the
+    seconds it kept one back are counted (a bench's engine line says them), a hold with nothing
+    queued is not."""
+    from terra_cli.backends import driver
+
+    clock, holding = [100.0], [True]
+    monkeypatch.setattr(driver.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(driver.time, "sleep", lambda seconds: None)
+    feed = driver.JobFeed(hold=lambda: holding[0])
+    assert feed.get(0) is None
+    clock[0] = 101.0
+    assert feed.get(0) is None and feed.held_seconds() == 0.0  # held, but no job waited
+    feed.put(job("a", 1))
+    assert feed.get(0) is None  # from now on a job is kept back
+    clock[0] = 103.5
+    assert feed.get(0) is None and feed.held_seconds() == 2.5  # the hold in progress counts
+    holding[0] = False
+    clock[0] = 104.0
+    assert feed.get(0).key == "a" and feed.held_seconds() == 3.0
+    clock[0] = 110.0
+    assert feed.get(0) is None and feed.held_seconds() == 3.0  # nothing waits: no more is counted
+    assert driver.JobFeed().held_seconds() == 0.0  # a feed without a hold

@@ -527,7 +527,10 @@ def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(to
     loop.join(10)
     shutil.rmtree(folder)
     assert done["a"][3] == 0 and done["b"][3] == 0  # every frame was decoded ahead
-    assert store.stats()["decode_ahead_batches"] == 3 and store.stats()["decode_ahead_frames"] == 12
+    stats = store.stats()
+    assert stats["decode_ahead_batches"] == 3 and stats["decode_ahead_frames"] == 12
+    # the first batch's seconds are its compile's (apart); the other two batches' are timed
+    assert stats["decode_ahead_timed_frames"] == 8 and stats["decode_ahead_s"] > 0 and stats["decode_late_frames"] == 0
     assert calls == [4, 4, 4]
 
     store = FrameStore(tokenizer, held_frames=100)  # a part batch waits for its video's end
@@ -535,6 +538,7 @@ def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(to
     assert not store.full_batch_waiting() and not store.decode_waiting() and len(store.waiting) == 3
     frames, late = store.take("c", videos["a"][:3])
     assert late == 3 and calls[-1] == 3  # decoded at the end, in one call
+    assert store.stats()["decode_late_frames"] == 3 and store.stats()["decode_late_s"] > 0
     np.testing.assert_array_equal(np.stack(frames), original(videos["a"][:3], full_batches=True))
 
 

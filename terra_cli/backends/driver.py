@@ -83,6 +83,14 @@ class JobFeed:
         self._capacity = capacity  # jobs waiting at most; put() blocks beyond it (None: no bound)
         self._cancelled: set[str] = set()
         self._closed = False
+        # How long `hold` kept jobs back from a consumer that asked for one (it asks only with a free
+        # slot): slots the engine could have filled, the price of a writer that fell behind
+        self._held_s, self._held_since = 0.0, None
+
+    def held_seconds(self) -> float:
+        """Seconds `get` found the feed held so far, the hold still in progress included."""
+        since = self._held_since
+        return self._held_s + (time.perf_counter() - since if since is not None else 0.0)
 
     def put(self, job: RolloutJob, *, urgent: bool = False) -> None:
         """Add a job; with a capacity, wait while that many are waiting. Raises RuntimeError once
@@ -117,9 +125,17 @@ class JobFeed:
     def get(self, wait: float) -> RolloutJob | None:
         """The next job, waiting up to `wait` seconds; None when there is none now, the feed holds
         its jobs back, or a cancellation arrived while waiting (the driver looks at it first)."""
-        if self._hold is not None and self._hold():
-            time.sleep(min(wait, HOLD_POLL_SECONDS))
-            return None
+        if self._hold is not None:
+            held, now = self._hold(), time.perf_counter()
+            keeping_back = held and bool(self._jobs)  # (a hold with nothing waiting costs no slot)
+            if keeping_back and self._held_since is None:
+                self._held_since = now
+            elif not keeping_back and self._held_since is not None:
+                self._held_s += now - self._held_since
+                self._held_since = None
+            if held:
+                time.sleep(min(wait, HOLD_POLL_SECONDS))
+                return None
         with self._changed:
             if not self._jobs and wait > 0 and not self._closed:
                 cancelled = len(self._cancelled)

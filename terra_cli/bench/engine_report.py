@@ -70,12 +70,16 @@ class BusySampler:
         return timeline
 
 
+# An engine loop's values that are no running sums: a minute's line leaves them out (the run's last says them)
+NOT_CUMULATIVE = ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s", "intake_done_after_s",
+                  "refiner_compiled_apart_s", "refiner_compile_s", "refiner_vae_compile_s", "decode_sms")
+
+
 def loop_since(loop: dict, earlier: dict | None) -> dict:
     """An engine loop's times between two of its cumulative snapshots (`LoopTimes.as_dict`)."""
     earlier = earlier or {}
     since = {k: v - earlier.get(k, 0) for k, v in loop.items()
-             if k not in ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s", "intake_done_after_s")
-             and isinstance(v, (int, float))}
+             if k not in NOT_CUMULATIVE and isinstance(v, (int, float))}
     since["ms_per_step"] = 1000 * since["in_engine_step_s"] / since["steps"] if since.get("steps") else None
     if since.get("rollout_steps") and since.get("steps"):
         since["mean_in_flight"] = since["rollout_steps"] / since["steps"]
@@ -103,6 +107,13 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     if loop.get("decode_ahead_batches"):  # the in-process writer's decode-ahead (scenarios.writer_process.FrameStore)
         stages = (f"; the writer decoded {loop['decode_ahead_frames']} frames ahead in "
                    f"{loop['decode_ahead_batches']} batches")
+        if loop.get("decode_ahead_timed_frames"):  # beside the engine's steps: how much of the card it held
+            stages += f" ({1000 * loop['decode_ahead_s'] / loop['decode_ahead_timed_frames']:.2f} ms a frame)"
+    if loop.get("decode_late_frames"):
+        stages += (f"; {loop['decode_late_frames']} frames decoded when their video was done "
+                   f"({loop.get('decode_late_s', 0.0):.1f} s)")
+    if loop.get("feed_held_s"):  # the job feed's hold: free slots left empty while the writer was behind
+        stages += f"; new jobs held back {loop['feed_held_s']:.1f} s (the writer behind)"
     if loop.get("refined_videos") is not None:  # --decoder refiner: the engine's refiner stage (refiner.stage)
         stages += (f"; the refiner made {loop['refined_videos']} videos in {loop['refiner_unet_batches']} UNet "
                    f"batches, its thread busy {loop['refiner_busy_s']:.1f} s")

@@ -159,8 +159,8 @@ class TimedRun:
             self.progress(count, self.total)
 
     def on_tick(self, run) -> None:
-        """Every LOOP_LOG_S, the generated frames/s and the GPUs' busy share over that time, and on
-        Ray each engine's loop, in the log as the run goes (a run cut off by a time limit still
+        """Every LOOP_LOG_S, the generated frames/s and the GPUs' busy share over that time, and each
+        engine's loop (one engine or Ray's), in the log as the run goes (a run cut off by a time limit still
         tells its rate and where its engines' time went, and when)."""
         now = time.perf_counter()
         if now - self.loops_logged_at < LOOP_LOG_S:
@@ -173,9 +173,9 @@ class TimedRun:
         self.log(f"{now - self.marks['start']:.0f} s: {made} frames in the last {since:.0f} s "
                  f"({made / since:.2f} generated frames/s), {self.frames} of {self.total}{busy_text}")
         for engine in run.engines:
-            if engine.engine_loop:
-                line = describe_engine_loop(loop_since(engine.engine_loop, self.loops_logged.get(engine.index)))
-                self.loops_logged[engine.index] = dict(engine.engine_loop)
+            if loop := engine.engine_loop:  # (a LiveEngine's is taken now: once)
+                line = describe_engine_loop(loop_since(loop, self.loops_logged.get(engine.index)))
+                self.loops_logged[engine.index] = dict(loop)
                 if line:
                     self.log(f"{now - self.marks['start']:.0f} s, engine {engine.index}, last minute: {line}")
 
@@ -222,6 +222,19 @@ def uses_ray(engines: int, ray: str | None) -> bool:
     return engines > 1 or ray is not None
 
 
+class LiveEngine:
+    """One engine in this process as `TimedRun.on_tick` reads a Ray engine: its index and its loop's
+    times so far, taken only when asked (once a minute, not at every frame)."""
+
+    def __init__(self, index: int, run) -> None:
+        self.index, self.run = index, run
+
+    @property
+    def engine_loop(self) -> dict | None:
+        so_far = self.run.loop_so_far
+        return so_far() if so_far is not None else None
+
+
 def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_frames: Callable[[int], None],
                 on_tick: Callable[[object], None] = lambda run: None,
                 on_engine_event: Callable[[str], None] = lambda line: None):
@@ -230,17 +243,17 @@ def run_engines(prepared, engines: int, ray: str | None, on_ready: Callable, on_
     on_ready(engine index, EngineReady) as each engine is ready, on_engine_event(line) as a Ray
     engine is lost, rejoins or is gone for good, and on_frames(generated frames
     so far) after each frame (one engine) or every tick (Ray: frames of written scenarios and
-    the engines' last counts of open ones), and on_tick with them (the RayRun; one engine: no
-    engine's stats). Returns the run (a ScenarioRun, RayRun on Ray)."""
+    the engines' last counts of open ones), and on_tick with them (the RayRun; one engine: its
+    run as a `LiveEngine`). Returns the run (a ScenarioRun, RayRun on Ray)."""
     from terra_cli.scenarios.job import EngineReady, run_scenario_job
 
     if not uses_ray(engines, ray):
-        count, no_engine_stats = [0], SimpleNamespace(engines=[])  # its loop's times come with the run's end
+        count = [0]
 
-        def on_frame():
+        def on_frame(run):
             count[0] += 1
             on_frames(count[0])
-            on_tick(no_engine_stats)
+            on_tick(SimpleNamespace(engines=[LiveEngine(0, run)]))
 
         return run_scenario_job(prepared, on_ready=lambda ready: on_ready(0, ready), on_frame=on_frame)
     from terra_cli.scenarios.ray_hand_out import engine_event_line

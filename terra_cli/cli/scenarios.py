@@ -80,7 +80,7 @@ def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None, pl
         else:
             with progress:
                 run = run_scenario_job(prepared, on_ready=lambda ready: engine_ready(0, ready),
-                                       on_frame=lambda: frame_done(0),
+                                       on_frame=lambda run: frame_done(0),
                                        on_written=lambda record: scenario_written(0, record))
     except KeyboardInterrupt:
         say(f"interrupted: {written[0]} scenario(s) written and recorded in {out_dir}/results.jsonl by this run; "

@@ -192,13 +192,14 @@ def run_scenario_job(
     prepared: PreparedJob,
     *,
     on_ready: Callable[[EngineReady], None] = lambda ready: None,
-    on_frame: Callable[[], None] = lambda: None,
+    on_frame: Callable[[ScenarioRun], None] = lambda run: None,
     on_written: Callable[[dict], None] = lambda record: None,
     only_ids: set[str] | None = None,
     results_name: str = RESULTS_NAME,
     lock: bool = True,
 ) -> ScenarioRun:
-    """Load the tokenizer and the engine, run the pending scenarios, close the engine."""
+    """Load the tokenizer and the engine, run the pending scenarios, close the engine. `on_frame`
+    gets the run so far after each generated frame."""
     job = prepared.job
     decoders = []
 
@@ -220,7 +221,7 @@ def run_scenario_job(
         return run_scenarios(prepared.file, job.out_dir, engine, tokenizer, decode=job.decode,
                              max_rollouts=loaded.ready.in_flight, skip_invalid=job.skip_invalid,
                              sampling=job.sampling,
-                             on_progress=lambda run, total: on_frame(), on_written=on_written,
+                             on_progress=lambda run, total: on_frame(run), on_written=on_written,
                              only_ids=only_ids, results_name=results_name, overwrite=job.overwrite, lock=lock,
                              frame_decoder=frame_decoder, writers=job_writers(job, prepared.device))
     finally:

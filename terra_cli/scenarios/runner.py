@@ -69,6 +69,9 @@ class ScenarioRun:
     video_seconds: float = 0.0  # what making them took, summed over the processes (a bench's writer pace)
     frames_decoded_late: int | None = None  # writer processes: frames not decoded ahead, while their scenario ran
     engine_loop: dict | None = None  # vLLM: where the engine loop's time went (backends.driver.LoopTimes.as_dict)
+    # While the run goes: its engine loop so far, as `engine_loop` will be at its end (a bench logs it
+    # each minute, so a run cut off by a time limit still says where its time went); None after
+    loop_so_far: Callable[[], dict] | None = field(default=None, repr=False, compare=False)
 
 
 def check_scenarios(file: ScenarioFile, skip_invalid: bool) -> None:
@@ -171,13 +174,22 @@ def run_scenarios(
         try:
             ahead = EncodeAhead(pending, tokenizer, job, ahead=max(ENCODE_BATCH, max_rollouts),
                                 hold=lambda: writer.behind(backlog_limit))
+            feed = ahead.feed
+
+            def loop_so_far() -> dict:
+                return {**driver.loop.as_dict(), **{k: round(v, 2) for k, v in ahead.times.items()},
+                        "feed_held_s": round(feed.held_seconds(), 2),
+                        **(pool.decode_stats() if hasattr(pool, "decode_stats") else {})}
+
+            run.loop_so_far = loop_so_far
             try:
                 # A scenario's seconds count from when the engine takes it, not from its encoding.
-                driver.run(ahead.feed, on_frame=frame_done, on_done=lambda job, tokens: finished(job.key, tokens.copy()),
+                driver.run(feed, on_frame=frame_done, on_done=lambda job, tokens: finished(job.key, tokens.copy()),
                            on_start=start)
             finally:
                 ahead.stop()
-                run.engine_loop = {**driver.loop.as_dict(), **{k: round(v, 2) for k, v in ahead.times.items()}}
+                run.loop_so_far = None
+                run.engine_loop = loop_so_far()
             ahead.check()
         except BaseException:
             writer.close(quiet=True)  # writes what is finished; the first error is the one reported
@@ -189,7 +201,7 @@ def run_scenarios(
         if pool is not None:
             run.videos_made, run.video_seconds = pool.videos, pool.video_seconds
             run.frames_decoded_late = getattr(pool, "frames_decoded_late", None)
-            if run.engine_loop is not None and hasattr(pool, "decode_stats"):  # as a Ray actor reports it
+            if run.engine_loop is not None and hasattr(pool, "decode_stats"):  # after the writer's last decodes
                 run.engine_loop.update(pool.decode_stats())
     return run
 

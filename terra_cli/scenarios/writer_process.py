@@ -96,8 +96,13 @@ class FrameStore:
         self.waiting: deque[tuple[str, int]] = deque()  # (key, index) not decoded yet
         self.count = 0  # frames held, decoded or waiting
         # What the decode-ahead did (a bench's engine rows): its batches, their frames, the first one's
-        # seconds (with a compiled decoder, the compile, which shares the engine's process)
+        # seconds (with a compiled decoder, the compile, which shares the engine's process), and the
+        # seconds of the others: beside the engine's steps a batch takes longer than alone, and the
+        # product's ms a frame says how much of the card the decoding holds
         self.batches_ahead, self.frames_ahead, self.first_batch_s = 0, 0, None
+        self.ahead_s, self.frames_timed = 0.0, 0  # the batches after the first
+        # Frames decoded when their video was done instead (past `held_frames`, or a batch still short)
+        self.frames_late, self.late_s = 0, 0.0
 
     def add(self, key: str, first: int, tokens: np.ndarray) -> None:
         video = self.videos.setdefault(key, {})
@@ -136,15 +141,21 @@ class FrameStore:
         started = time.perf_counter()
         for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
             self.videos[key][index] = (self.videos[key][index][0], pixels)
+        seconds = time.perf_counter() - started
         if self.first_batch_s is None:
-            self.first_batch_s = time.perf_counter() - started
+            self.first_batch_s = seconds
+        else:  # (the first one's is the compile's, apart)
+            self.ahead_s += seconds
+            self.frames_timed += len(batch)
         self.batches_ahead += 1
         self.frames_ahead += len(batch)
         return True
 
     def stats(self) -> dict:
         return {"decode_ahead_batches": self.batches_ahead, "decode_ahead_frames": self.frames_ahead,
-                "decode_first_batch_s": self.first_batch_s}
+                "decode_first_batch_s": self.first_batch_s, "decode_ahead_s": round(self.ahead_s, 3),
+                "decode_ahead_timed_frames": self.frames_timed,
+                "decode_late_frames": self.frames_late, "decode_late_s": round(self.late_s, 3)}
 
     def take(self, key: str, tokens: np.ndarray) -> tuple[list[np.ndarray], int]:
         """Every frame of a finished video (F, T): the ones decoded ahead whose tokens match, the rest
@@ -158,8 +169,11 @@ class FrameStore:
                           else None)
         missing = [i for i, f in enumerate(frames) if f is None]
         if missing:
+            started = time.perf_counter()
             for i, pixels in zip(missing, self.decoder.decode_tokens(tokens[missing], full_batches=True)):
                 frames[i] = pixels
+            self.frames_late += len(missing)
+            self.late_s += time.perf_counter() - started
         return frames, len(missing)  # type: ignore[return-value]
 
 

@@ -21,6 +21,13 @@
 #          (the same GPU, one after the other, the latter within RUN_S), then `bench --env 64` (issue 42) and
 #          writer_parts.py, or with ONE_AFTER=refiner (carry .gpu/ref with `b`: diffusers) issue 40's overlap
 #          against two stages on NREF1 (64) samples (ONE_PAIR=0 skips the pair before it); `await` collects it
+# On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
+# uvicorn, h11), `ff`:
+#   start2 start `runs2` in the background, one chain a GPU: GPU 0 `bench --act-bench N2` (512: two waves of 256),
+#          then issue 40's overlap (`--act-bench NREF1 (32) --decoder refiner --refiner-windows 4`: the refiner compiled
+#          apart while vLLM generates); GPU 1 the same N2 samples tokens only, then the two stages' parts on NREF1
+#          (tokens only, then `bench --refiner --windows 4` on its own cold Inductor cache), then gpu_serve.sh
+#          (issue 41's serving figures) within SERVE_S (300 s); `await` collects it
 # On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (one call each: b and ff together pass
 # the 64 MiB a call carries) and `gpu_side4.sh ref` (carry .gpu/ref: diffusers, for the refiner step):
 #   startab  start `runsab` in the background, one GPU each, side by side (NAB samples, 256 by default):
@@ -59,6 +66,7 @@ export TERRA_INSTALLED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 R
   RAY_USAGE_STATS_ENABLED=0 TERRA_CACHE=/tmp/terra-cache
 N4=${N4:-512}
 N1=${N1:-256}
+N2=${N2:-512}  # start2: samples a run of the pair (two waves of 256 in flight)
 NAB=${NAB:-256}  # startab: samples a run (one engine each; 256 fill its slots, ~470 s on an H200)
 terra() { python3 -m terra_cli "$@"; }
 say_if_no_diffusers() {  # the refiner runs need diffusers, which `gpu_side4.sh ref` brings
@@ -136,6 +144,41 @@ case "${1:-}" in
     TERRA_INSTALLED= gpu_setup || exit 1  # install terra here; the runs it starts keep TERRA_INSTALLED
     in_background top bash -c 'top -b -c -d 20 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runs1 ;;
+  start2)
+    TERRA_INSTALLED= gpu_setup || exit 1  # install terra here; the runs it starts keep TERRA_INSTALLED
+    in_background top bash -c 'top -b -c -d 30 -n 80 -w 230 | grep --line-buffered -A 12 "^top -"'
+    in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runs2 ;;
+  runs2)
+    source_stamp "$OUT/commit.txt"
+    say_if_no_diffusers
+    python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
+      > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
+    ( while sleep 30; do echo "$(date +%s) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader | tr '\n' ' ')"; done ) \
+      > "$OUT/two-gpu.txt" 2>&1 &
+    watch=$!
+    ( export CUDA_VISIBLE_DEVICES=0
+      timeout "${RUN_S:-1020}" terra bench --act-bench "$N2" --kv-cache-dtype fp8 \
+        --out "$OUT/act-gpu0.json" > "$OUT/act-gpu0.log" 2>&1; echo "act-gpu0 exit $? at $(date +%s)" >> "$STEP_LOG"
+      timeout 600 terra bench --act-bench "${NREF1:-32}" --decoder refiner --refiner-windows 4 --kv-cache-dtype fp8 \
+        --out "$OUT/refiner1-gpu0.json" > "$OUT/refiner1-gpu0.log" 2>&1; echo "refiner1-gpu0 exit $? at $(date +%s)" >> "$STEP_LOG"
+    ) &
+    chain0=$!
+    # GPU 1's refiner compiles into a cache of its own: GPU 0's compile apart must start cold, as a user's first run
+    ( export CUDA_VISIBLE_DEVICES=1
+      timeout "${RUN_S:-1020}" terra bench --scenarios "$N2" --frames 47 --kv-cache-dtype fp8 \
+        --out "$OUT/tokens-gpu1.json" > "$OUT/tokens-gpu1.log" 2>&1; echo "tokens-gpu1 exit $? at $(date +%s)" >> "$STEP_LOG"
+      timeout 400 terra bench --scenarios "${NREF1:-32}" --frames 47 --kv-cache-dtype fp8 \
+        --out "$OUT/twostage-tokens-gpu1.json" > "$OUT/twostage-tokens-gpu1.log" 2>&1
+      echo "twostage-tokens-gpu1 exit $? at $(date +%s)" >> "$STEP_LOG"
+      TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-gpu1 timeout 400 terra bench --refiner --windows 4 --refiner-compile default \
+        --out "$OUT/twostage-refiner-gpu1.json" > "$OUT/twostage-refiner-gpu1.log" 2>&1
+      echo "twostage-refiner-gpu1 exit $? at $(date +%s)" >> "$STEP_LOG"
+      mkdir -p "$OUT/serve"
+      OUT=$OUT/serve timeout "${SERVE_S:-300}" bash benchmarks/scripts/gpu_serve.sh > "$OUT/serve.log" 2>&1
+      echo "serve exit $? at $(date +%s)" >> "$STEP_LOG"
+    ) &
+    wait $chain0 $!
+    kill $watch ;;
   startab)
     TERRA_INSTALLED= gpu_setup || exit 1  # install terra here; the runs it starts keep TERRA_INSTALLED
     in_background pipe bash benchmarks/scripts/gpu_pipeline.sh runsab ;;
@@ -314,5 +357,5 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     await_background pipe "${AWAIT_S:-540}"
     await_background top 0
     await_warm_caches ;;
-  *) echo "usage: gpu_pipeline.sh start|runs|startfull|runsfull|startref|runsref|start1|runs1|startab|runsab|await" >&2; exit 2 ;;
+  *) echo "usage: gpu_pipeline.sh start|runs|startfull|runsfull|startref|runsref|start1|runs1|start2|runs2|startab|runsab|await" >&2; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ from terra_cli.models.config import FrameLayout
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM, load_model
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
 from terra_cli.backends.device_sampling import filtered_probabilities, greedy_codes
+from terra_cli.backends.driver import BatchAtATimeDriver, take_cancelled
 from terra_cli.seeds import draw_seed, rollout_seed
 
 
@@ -138,70 +139,15 @@ class _BatchCancelled(Exception):
     pass
 
 
-class ReferenceDriver:
+class ReferenceDriver(BatchAtATimeDriver):
     """The reference backend behind the driver interface (backends/driver.py): takes a job, then
     up to `max_in_flight - 1` more waiting jobs of the same shape and sampling, and generates them
     together in lockstep, round by round. A cancelled job is reported at once and its row is
     dropped from what is reported; the batch stops early when every job of it is cancelled."""
 
-    def __init__(self, backend: HfBackend, max_in_flight: int = 1):
-        from terra_cli.backends.driver import LoopTimes
-
-        if max_in_flight < 1:
-            raise ValueError("max_in_flight must be at least 1")
-        self.backend = backend
-        self.layout = backend.config.layout
-        self.max_in_flight = max_in_flight
-        self.loop = LoopTimes()
-
-    def run(self, jobs, on_frame=None, on_done=None, on_cancelled=None, idle_wait: float = 0.05, on_start=None,
-            on_error=None) -> None:
-        import collections
-        import time
-
-        from terra_cli.backends.driver import JobFeed, admit, compatible, timed_get
-
-        feed = jobs if isinstance(jobs, JobFeed) else None
-        pending = collections.deque(()) if feed is not None else collections.deque(jobs)
-
-        def admitted(job) -> bool:
-            return job is not None and admit(self.layout, feed, job, on_cancelled, on_error, on_start)
-
-        def take_compatible(first):
-            if feed is not None:
-                return feed.take_if(lambda job: compatible(first, job))
-            for index, job in enumerate(pending):
-                if compatible(first, job):
-                    del pending[index]
-                    return job
-            return None
-
-        clock = time.perf_counter
-        began = self.loop.running_since = clock()
-        try:
-            while True:
-                admitting, idle_before = clock(), self.loop.idle_s
-                first = (pending.popleft() if pending else None) if feed is None else timed_get(feed, idle_wait, self.loop)
-                batch = [first] if admitted(first) else []
-                while batch and len(batch) < self.max_in_flight:
-                    job = take_compatible(first)
-                    if job is None:
-                        break
-                    if admitted(job):
-                        batch.append(job)
-                self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
-                if batch:
-                    self._run_batch(batch, feed, on_frame, on_done, on_cancelled, on_error)
-                elif first is None and (not pending if feed is None else feed.finished):
-                    break
-        finally:
-            self.loop.run_s += clock() - began
-            self.loop.running_since = None
-
     def _run_batch(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
         import time
 
-        from terra_cli.backends.driver import take_cancelled
         from terra_cli.pipeline.rounds import plan_rounds
 
         clock = time.perf_counter

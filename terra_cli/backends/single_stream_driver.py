@@ -9,49 +9,26 @@ session's next frame, first). A cancelled job stops at its next frame's end.
 
 from __future__ import annotations
 
-import collections
 import time
 
 import numpy as np
 
-from terra_cli.backends.driver import JobFeed, LoopTimes, admit, take_cancelled, timed_get
+from terra_cli.backends.driver import BatchAtATimeDriver, take_cancelled
 
 
 class _JobCancelled(Exception):
     pass
 
 
-class SingleStreamDriver:
+class SingleStreamDriver(BatchAtATimeDriver):
     """`max_in_flight` is accepted for the interface; the decoder holds one rollout's cache, so
     jobs run one after the other whatever it says."""
 
-    def __init__(self, backend, max_in_flight: int = 1):
-        if max_in_flight < 1:
-            raise ValueError("max_in_flight must be at least 1")
-        self.backend = backend
-        self.layout = backend.config.layout
-        self.max_in_flight = max_in_flight
-        self.loop = LoopTimes()
+    def batch_limit(self) -> int:
+        return 1
 
-    def run(self, jobs, on_frame=None, on_done=None, on_cancelled=None, idle_wait: float = 0.05, on_start=None,
-            on_error=None) -> None:
-        feed = jobs if isinstance(jobs, JobFeed) else None
-        pending = collections.deque(()) if feed is not None else collections.deque(jobs)
-        clock = time.perf_counter
-        began = self.loop.running_since = clock()
-        try:
-            while True:
-                admitting, idle_before = clock(), self.loop.idle_s
-                job = (pending.popleft() if pending else None) if feed is None else timed_get(feed, idle_wait, self.loop)
-                admitted = job is not None and admit(self.layout, feed, job, on_cancelled, on_error, on_start)
-                self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
-                if admitted:
-                    self._run_job(job, feed, on_frame, on_done, on_cancelled, on_error)
-                elif job is None and (not pending if feed is None else feed.finished):
-                    break
-        finally:
-            self.loop.run_s += clock() - began
-            self.loop.running_since = None
+    def _run_batch(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
+        self._run_job(batch[0], feed, on_frame, on_done, on_cancelled, on_error)
 
     def _run_job(self, job, feed, on_frame, on_done, on_cancelled, on_error) -> None:
         from terra_cli.pipeline.rounds import plan_rounds

@@ -9,7 +9,7 @@ outside `backends/` knows which backend is behind it.
 - vLLM: `vllm_stream.StreamDriver`, continuous batching (every rollout at its own frame);
 - the reference: `hf.ReferenceDriver`, a batch of compatible jobs at a time in lockstep;
 - the single-stream decoder: `single_stream_driver.SingleStreamDriver`, one rollout at a time
-  (both of the latter on `BatchAtATimeDriver`'s loop).
+  (both of the latter on `batch_driver.BatchAtATimeDriver`'s loop).
 
 Both plan a job's rounds with `pipeline.rounds.plan_rounds` and draw frame f of a job with the
 seed rule of `terra_cli.seeds` (f counted from the video's first frame: `job.frame_offset`).
@@ -241,69 +241,6 @@ def timed_get(feed: "JobFeed", wait: float, loop: LoopTimes) -> RolloutJob | Non
         return feed.get(wait)
     finally:
         loop.idle_s += time.perf_counter() - began
-
-
-class BatchAtATimeDriver:
-    """A driver that runs one batch of jobs to its end before it takes the next: the reference's
-    lockstep batches of compatible jobs (`hf.ReferenceDriver`) and the single-stream decoder's one
-    rollout at a time (`single_stream_driver.SingleStreamDriver`). The loop is this class's: taking
-    jobs from a list or a feed, admitting them (`admit`), and counting idle and admission time;
-    a subclass runs a batch (`_run_batch`) and may bound it (`batch_limit`)."""
-
-    def __init__(self, backend, max_in_flight: int = 1):
-        if max_in_flight < 1:
-            raise ValueError("max_in_flight must be at least 1")
-        self.backend = backend
-        self.layout = backend.config.layout
-        self.max_in_flight = max_in_flight
-        self.loop = LoopTimes()
-
-    def batch_limit(self) -> int:
-        """Jobs a batch takes at most."""
-        return self.max_in_flight
-
-    def run(self, jobs, on_frame=None, on_done=None, on_cancelled=None, idle_wait: float = 0.05, on_start=None,
-            on_error=None) -> None:
-        feed = jobs if isinstance(jobs, JobFeed) else None
-        pending = collections.deque(()) if feed is not None else collections.deque(jobs)
-
-        def admitted(job) -> bool:
-            return job is not None and admit(self.layout, feed, job, on_cancelled, on_error, on_start)
-
-        def take_compatible(first):
-            if feed is not None:
-                return feed.take_if(lambda job: compatible(first, job))
-            for index, job in enumerate(pending):
-                if compatible(first, job):
-                    del pending[index]
-                    return job
-            return None
-
-        clock = time.perf_counter
-        began = self.loop.running_since = clock()
-        try:
-            while True:
-                admitting, idle_before = clock(), self.loop.idle_s
-                first = (pending.popleft() if pending else None) if feed is None else timed_get(feed, idle_wait, self.loop)
-                batch = [first] if admitted(first) else []
-                while batch and len(batch) < self.batch_limit():
-                    job = take_compatible(first)
-                    if job is None:
-                        break
-                    if admitted(job):
-                        batch.append(job)
-                self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
-                if batch:
-                    self._run_batch(batch, feed, on_frame, on_done, on_cancelled, on_error)
-                elif first is None and (not pending if feed is None else feed.finished):
-                    break
-        finally:
-            self.loop.run_s += clock() - began
-            self.loop.running_since = None
-
-    def _run_batch(self, batch: list[RolloutJob], feed: "JobFeed | None", on_frame, on_done, on_cancelled,
-                   on_error) -> None:
-        raise NotImplementedError
 
 
 class Driver(Protocol):

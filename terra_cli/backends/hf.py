@@ -15,7 +15,8 @@ from terra_cli.models.config import FrameLayout
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM, load_model
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
 from terra_cli.backends.device_sampling import filtered_probabilities, greedy_codes
-from terra_cli.backends.driver import BatchAtATimeDriver, take_cancelled
+from terra_cli.backends.batch_driver import BatchAtATimeDriver
+from terra_cli.backends.driver import take_cancelled
 from terra_cli.seeds import draw_seed, rollout_seed
 
 

@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from terra_cli.backends.driver import BatchAtATimeDriver, take_cancelled
+from terra_cli.backends.batch_driver import BatchAtATimeDriver
+from terra_cli.backends.driver import take_cancelled
 
 
 class _JobCancelled(Exception):

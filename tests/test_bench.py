@@ -377,6 +377,9 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     later = {**loop, "steps": 600, "seconds": 30.0, "rollout_steps": 1800, "mean_in_flight": 3.0, "full_after_s": 3.25}
     minute = loop_since(later, {**loop, "rollout_steps": 1000, "mean_in_flight": 2.5, "full_after_s": 3.25})
     assert minute["steps"] == 200 and minute["mean_in_flight"] == 4.0 and minute["full_after_s"] == 3.25
+    assert describe_engine_loop({**loop, "decode_ahead_batches": 3, "decode_ahead_frames": 24,
+                                 "decoder_compiled_apart_s": 33.25}).endswith(
+        "the writer decoded 24 frames ahead in 3 batches, compiled apart first in 33.2 s")
     assert describe_engine_loop({**loop, "decode_late_frames": 16, "decode_late_s": 0.5}).endswith(
         "30% handling finished frames; 16 frames decoded when their video was done (0.5 s)")
     # one-time facts (a compile's seconds) are no running sums: a minute's line leaves them out
@@ -384,6 +387,7 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
              "refiner_compile_s": 20.0}
     minute = loop_since(apart, {**apart, "refined_videos": 1, "refiner_busy_s": 4.0, "steps": 500, "seconds": 20.0})
     assert "refiner_compiled_apart_s" not in minute and "refiner_compile_s" not in minute
+    assert "decoder_compiled_apart_s" not in loop_since({**later, "decoder_compiled_apart_s": 30.0}, later)
     assert describe_engine_loop(minute).endswith("; the refiner made 2 videos in 0 UNet batches, its thread busy 8.0 s")
     assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None
     idle_only = {"steps": 0, "seconds": 5.0, "in_engine_step_s": 0.0, "admitting_jobs_s": 0.0, "handling_frames_s": 0.0,

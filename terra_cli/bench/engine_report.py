@@ -72,7 +72,8 @@ class BusySampler:
 
 # An engine loop's values that are no running sums: a minute's line leaves them out (the run's last says them)
 NOT_CUMULATIVE = ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s", "intake_done_after_s",
-                  "refiner_compiled_apart_s", "refiner_compile_s", "refiner_vae_compile_s", "decode_sms")
+                  "refiner_compiled_apart_s", "refiner_compile_s", "refiner_vae_compile_s", "decode_sms",
+                  "decoder_compiled_apart_s")
 
 
 def loop_since(loop: dict, earlier: dict | None) -> dict:
@@ -109,6 +110,8 @@ def describe_engine_loop(loop: dict | None) -> str | None:
                    f"{loop['decode_ahead_batches']} batches")
         if loop.get("decode_ahead_timed_frames"):  # beside the engine's steps: how much of the card it held
             stages += f" ({1000 * loop['decode_ahead_s'] / loop['decode_ahead_timed_frames']:.2f} ms a frame)"
+        if loop.get("decoder_compiled_apart_s") is not None:  # scenarios.decoder_compile_apart
+            stages += f", compiled apart first in {loop['decoder_compiled_apart_s']:.1f} s"
     if loop.get("decode_late_frames"):
         stages += (f"; {loop['decode_late_frames']} frames decoded when their video was done "
                    f"({loop.get('decode_late_s', 0.0):.1f} s)")

@@ -8,7 +8,8 @@ Why a thread can beat processes on a GPU: terra runs vLLM in its own process
 interleave with the engine's on the same card. Writer processes each have a context of their own, and
 the card time-slices between contexts: on an H100 the engine made 19% fewer frames beside two of them
 while the decoder itself needs about 10% of the card (benchmarks/README.md, issue 37). What a thread
-costs instead is the interpreter lock: the decode's kernel launches and the encoders' pipe writes.
+costs instead is the interpreter lock: the decode's kernel launches and the encoders' pipe writes, and
+a compile of the decoder, which a child process therefore does first (`decoder_compile_apart`).
 
 Same interface as `writers.WriterPool` (`open`, `frame`, `drop`, `submit`, `check`, `close`, `size`,
 `videos`, `video_seconds`, `frames_decoded_late`), so `write_in_order` and the Ray actor drive either.
@@ -26,11 +27,13 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 import numpy as np
 
 from terra_cli.errors import InputError, error_summary
 from terra_cli.runtime import decode_sms_asked, decode_stream_asked, host_cores
+from terra_cli.scenarios.decoder_compile_apart import start_decoder_compile_apart
 from terra_cli.scenarios.writer_process import HELD_FRAMES, FrameStore, drive
 from terra_cli.scenarios.writers import CLOSE_SECONDS, ENCODERS_PER_PROCESS, WriterDied
 
@@ -66,7 +69,7 @@ def tail_encoders_for_host(cores: int | None = None) -> int:
 
 class InProcessWriter:
     def __init__(self, decoder, fps: float, encoders: int | None = None, held_frames: int = HELD_FRAMES,
-                 tail_encoders: int | None = None):
+                 tail_encoders: int | None = None, compile_apart: Callable | None = None):
         encoders = encoders_for_host() if encoders is None else encoders
         tail_encoders = max(encoders, tail_encoders_for_host() if tail_encoders is None else tail_encoders)
         self.decode_stream = decode_stream_asked()  # a bad value is one line now, not a failed thread later
@@ -84,7 +87,10 @@ class InProcessWriter:
         self.failure: WriterDied | None = None
         self.closing = False
         self.videos, self.video_seconds, self.frames_decoded_late = 0, 0.0, 0
-        self.store = FrameStore(decoder, held_frames)
+        # Started now, after the engine is up (a child beside vLLM's memory profiling would shrink its KV
+        # cache), so the decoder compiles while the first frames are made (decoder_compile_apart: why)
+        self.apart = (compile_apart or start_decoder_compile_apart)(decoder)
+        self.store = FrameStore(decoder, held_frames, before_first_decode=self._await_compile_apart)
         atexit.register(self.close)  # its temporary folder goes with the process (a Ray actor's, say)
         self.thread = threading.Thread(target=self._run, name="terra-video-writer", daemon=True)
         self.thread.start()
@@ -97,6 +103,9 @@ class InProcessWriter:
         """The decode-ahead's batches and frames so far (`FrameStore.stats`), and with TERRA_DECODE_SMS
         the SMs it was bounded to (or why it could not be)."""
         stats = self.store.stats()
+        apart = getattr(self, "apart", None)
+        if apart is not None:  # the child's seconds, None while it runs or if it failed
+            stats["decoder_compiled_apart_s"] = round(apart.seconds, 2) if apart.result is not None else None
         if self.decode_sms is not None:
             stats.update(decode_sms=self.decode_sms, decode_sms_error=self.decode_sms_error)
         return stats
@@ -129,6 +138,8 @@ class InProcessWriter:
             self.closing = True
         self.inbox.put(None)
         self.thread.join(CLOSE_SECONDS)
+        if self.apart is not None:
+            self.apart.stop()  # (a run that ended before its first decode)
         with self.lock:
             self._fail_open(WriterDied("the video writer was closed before this scenario was encoded"))
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -142,6 +153,19 @@ class InProcessWriter:
             with self.lock:
                 self.failure = WriterDied(f"the video writer thread failed: {type(exc).__name__}: {exc}")
                 self._fail_open(self.failure)
+
+    def _await_compile_apart(self) -> None:
+        """Before the first decode: wait for the child compiling the decoder (no interpreter lock held
+        while waiting), so the compile that follows comes from Inductor's cache; if it failed, one line."""
+        apart = self.apart
+        if apart is None:
+            return
+        if apart.wait() is not None:
+            LOG.info(f"the tokenizer's decoder: compiled apart in {apart.seconds:.1f} s; compiling here from "
+                     "Inductor's cache")
+        else:
+            LOG.warning(f"the tokenizer's decoder: compiling apart failed after {apart.seconds:.1f} s ({apart.error}); "
+                        "compiling here, beside the engine")
 
     def _own_stream(self):
         """A CUDA stream of this thread's own, so its kernels can run beside the engine's; with

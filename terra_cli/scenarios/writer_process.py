@@ -89,9 +89,12 @@ def compile_decoder(decoder) -> bool:
 class FrameStore:
     """Frames decoded ahead, per video: (tokens, pixels) by frame index, and the rows that wait to be decoded."""
 
-    def __init__(self, decoder, held_frames: int):
+    def __init__(self, decoder, held_frames: int, before_first_decode: Callable[[], None] | None = None):
         self.decoder, self.limit = decoder, held_frames
         compile_decoder(decoder)
+        # Called once, before the first decode: an in-process writer waits there for the child that
+        # compiles this decoder into Inductor's cache (decoder_compile_apart), so its compile is a cache hit
+        self._before_first_decode = before_first_decode
         self.videos: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None]]] = {}
         self.waiting: deque[tuple[str, int]] = deque()  # (key, index) not decoded yet
         self.count = 0  # frames held, decoded or waiting
@@ -138,6 +141,7 @@ class FrameStore:
             self.waiting.extendleft(reversed(batch))  # (the stale entries passed over are gone)
             return False
         rows = np.stack([self.videos[key][index][0] for key, index in batch])
+        self._ready_to_decode()
         started = time.perf_counter()
         for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
             self.videos[key][index] = (self.videos[key][index][0], pixels)
@@ -150,6 +154,11 @@ class FrameStore:
         self.batches_ahead += 1
         self.frames_ahead += len(batch)
         return True
+
+    def _ready_to_decode(self) -> None:
+        hook, self._before_first_decode = self._before_first_decode, None
+        if hook is not None:
+            hook()
 
     def stats(self) -> dict:
         return {"decode_ahead_batches": self.batches_ahead, "decode_ahead_frames": self.frames_ahead,
@@ -169,6 +178,7 @@ class FrameStore:
                           else None)
         missing = [i for i, f in enumerate(frames) if f is None]
         if missing:
+            self._ready_to_decode()
             started = time.perf_counter()
             for i, pixels in zip(missing, self.decoder.decode_tokens(tokens[missing], full_batches=True)):
                 frames[i] = pixels

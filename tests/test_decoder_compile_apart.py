@@ -1,0 +1,166 @@
+"""Issue 37: the tokenizer's decoder compiled in a child process while the engine generates
+(scenarios.decoder_compile_apart), and the in-process writer waiting for it before its first decode.
+
+The children here are real processes. On a CPU the decode-ahead does not compile (the child then
+decodes eagerly, and says so), so what is real is the request, the child loading the same tokenizer
+folder with the same batch size and frame size, its JSON line, and the writer's waiting on it; the
+compile itself, and its cache hit in the parent, are what `benchmarks/scripts/cpu_compile_apart.py`
+checks for the refiner and a GPU lease measures.
+"""
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from terra_cli.compile_apart import CompileApart, child_environment
+from terra_cli.scenarios.decoder_compile_apart import decoder_request
+from terra_cli.scenarios.local_writer import InProcessWriter
+from terra_cli.scenarios.writer_process import DecoderSpec
+from test_scenario_writers import SIZE, TOKENS, load, own_tmp, tokenizer_dir  # noqa: F401
+
+CHILD = [sys.executable, "-m", "terra_cli.scenarios.decoder_compile_apart"]
+
+
+def cpu_request(tokenizer) -> str:
+    """What `decoder_request` makes for a CUDA decoder, for this CPU one (whose decode-ahead does not compile)."""
+    spec = DecoderSpec.of(tokenizer)
+    return json.dumps({**spec, "image_size": list(spec["image_size"])})
+
+
+@pytest.fixture
+def writer_lines():
+    """terra.writer's lines, read from the logger itself."""
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(f"{record.levelname}: {record.getMessage()}")
+
+    logger = logging.getLogger("terra.writer")
+    handler, level = Lines(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_a_decoder_on_a_card_with_a_folder_gets_a_child_and_the_switches_say_no(tokenizer_dir, monkeypatch):
+    tokenizer = load(tokenizer_dir)
+    assert decoder_request(tokenizer) is None  # on a CPU the decode-ahead does not compile: nothing to do apart
+    tokenizer.device = torch.device("cuda", 0)  # (only what the request reads)
+    request = json.loads(decoder_request(tokenizer))
+    assert request == {"source": str(tokenizer.source), "device": "cuda:0", "batch_size": tokenizer.batch_size,
+                       "image_size": list(SIZE)}
+    monkeypatch.setenv("TERRA_DECODER_COMPILE_APART", "0")
+    assert decoder_request(tokenizer) is None  # compiled in the writer's thread, as before
+    monkeypatch.delenv("TERRA_DECODER_COMPILE_APART")
+    monkeypatch.setenv("TERRA_DECODER_COMPILE", "0")
+    assert decoder_request(tokenizer) is None  # an eager decoder: no compile anywhere
+    tokenizer.source = None
+    monkeypatch.delenv("TERRA_DECODER_COMPILE")
+    assert decoder_request(tokenizer) is None  # weights in memory only: no folder for a child to load
+
+
+def test_the_child_loads_the_same_tokenizer_and_decodes_one_full_batch(tokenizer_dir):
+    tokenizer = load(tokenizer_dir)
+    done = subprocess.run([*CHILD, cpu_request(tokenizer)], capture_output=True, text=True, timeout=120,
+                          env=child_environment())
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["compiled"] is False and line["decoder_compile_error"] is None and line["seconds"] >= 0
+    usage = subprocess.run(CHILD, capture_output=True, text=True, timeout=120, env=child_environment())
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+class GatedChild:
+    """A compile apart whose end the test decides (the real one is a process: `CompileApart`)."""
+
+    def __init__(self, seconds=12.5, error=None):
+        self.gate, self.seconds, self.error, self.stopped = threading.Event(), seconds, error, 0
+        self.result = None
+
+    def wait(self):
+        self.gate.wait(30)
+        self.result = None if self.error else {"compiled": True}
+        return self.result
+
+    def stop(self):
+        self.stopped += 1
+
+
+def counted_decodes(tokenizer) -> list[int]:
+    calls: list[int] = []
+    original = tokenizer.decode_tokens
+
+    def counted(tokens, **kwargs):
+        calls.append(len(tokens))
+        return original(tokens, **kwargs)
+
+    tokenizer.decode_tokens = counted
+    return calls
+
+
+def test_the_writer_decodes_nothing_until_the_decoders_child_has_ended(tokenizer_dir, writer_lines):
+    """Frames keep arriving while the child compiles; the writer's thread decodes none of them until
+    the child ends (its compile is then a cache hit), then decodes them all ahead and makes the mp4."""
+    tokenizer = load(tokenizer_dir)
+    tokenizer.batch_size = 4
+    calls = counted_decodes(tokenizer)
+    child = GatedChild()
+    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: child)
+    tokens = np.random.default_rng(2).integers(0, 512, size=(9, TOKENS))
+    try:
+        writer.open("a", tokens[:2])
+        for index in range(2, 9):
+            writer.frame("a", index, tokens[index])
+        time.sleep(0.5)  # two full batches wait: a writer that did not wait for the child would have decoded them
+        assert calls == [] and writer.decode_stats()["decoder_compiled_apart_s"] is None
+        child.gate.set()
+        deadline = time.monotonic() + 30
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert calls == [4, 4]  # both full batches, ahead of the video's end
+        video = writer.submit("a", tokens).result(timeout=60)
+    finally:
+        writer.close()
+    assert video.startswith(b"\x00\x00\x00") and writer.frames_decoded_late == 1  # the ninth frame, at the end
+    assert writer.decode_stats()["decoder_compiled_apart_s"] == 12.5 and child.stopped == 1
+    assert writer_lines == ["INFO: the tokenizer's decoder: compiled apart in 12.5 s; compiling here from Inductor's cache"]
+
+
+def test_a_failed_child_is_one_line_and_the_writer_compiles_itself(tokenizer_dir, writer_lines):
+    """A real child process that fails (as a compile would): one warning line with its last line,
+    and the writer decodes as it would have without it."""
+    tokenizer = load(tokenizer_dir)
+    failing = [sys.executable, "-c", "import sys; sys.exit('RuntimeError: no C++ compiler here')"]
+    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: CompileApart(cpu_request(decoder), failing))
+    tokens = np.random.default_rng(3).integers(0, 512, size=(4, TOKENS))
+    try:
+        video = writer.submit("b", tokens).result(timeout=60)
+    finally:
+        writer.close()
+    assert video and writer.decode_stats()["decoder_compiled_apart_s"] is None
+    assert len(writer_lines) == 1 and writer_lines[0].startswith("WARNING: the tokenizer's decoder: compiling apart failed after ")
+    assert writer_lines[0].endswith("s (exit 1: RuntimeError: no C++ compiler here); compiling here, beside the engine")
+
+
+def test_a_real_child_is_waited_for_and_its_seconds_reported(tokenizer_dir, writer_lines):
+    tokenizer = load(tokenizer_dir)
+    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: CompileApart(cpu_request(decoder), CHILD))
+    tokens = np.random.default_rng(4).integers(0, 512, size=(3, TOKENS))
+    try:
+        video = writer.submit("c", tokens).result(timeout=120)
+    finally:
+        writer.close()
+    seconds = writer.decode_stats()["decoder_compiled_apart_s"]
+    assert video and seconds > 0 and writer.apart.result["compiled"] is False
+    assert writer_lines == [f"INFO: the tokenizer's decoder: compiled apart in {writer.apart.seconds:.1f} s; "
+                            "compiling here from Inductor's cache"]

@@ -1,19 +1,24 @@
-"""Does the refiner's compile apart (terra_cli/refiner/compile_apart.py) leave the parent a warm cache?
+"""Does a compile apart (terra_cli/compile_apart.py) leave the parent a warm cache?
 
-The feature rests on one assumption: a child process that compiles the same weights file with the
-same options fills Inductor's on-disk cache so that the parent's own compile afterwards is served
-from it. The unit tests stand the compiles in (a real one costs minutes on a CPU); this probe runs
-them for real, on the CPU, with a tiny refiner:
+Both children rest on one assumption: a process that compiles the same graphs (same weights, shapes
+and options) fills Inductor's on-disk cache so that the engine process's own compile afterwards is
+served from it. The unit tests stand the compiles in (a real one costs minutes on a CPU); this probe
+runs them for real, on the CPU:
 
-  1. a child (`CompileApart`, the product's class) compiles into an empty cache folder: a cold compile;
-  2. this process then loads the same file and compiles (`prepare`, `prepare_vae_decoder`, as the
-     stage's thread does), counting Inductor's FX-graph cache hits and misses;
-  3. another child compiles into a second empty folder: the cold time again, for the comparison.
+- `refiner`: a tiny refiner. The product's child (`refiner/compile_apart.py`) compiles into an empty
+  cache; this process then loads the same file and compiles as the refiner stage's thread does
+  (`prepare`, `prepare_vae_decoder`), counting Inductor's FX-graph cache hits and misses; another
+  child compiles into a second empty cache (the cold time again).
+- `decoder`: a small tokenizer of Terra's frame size (288x512, 576 codes). The product's child
+  (`scenarios/decoder_compile_apart.py`) and then this process compile its decoder as the
+  decode-ahead does and decode one full batch (real tokens here). On a CPU the decode-ahead does not
+  compile (CUDA only), so both sides are told to (`torch.compile` of the same `model.decode`, as
+  `ImageTokenizer.compile_decoder` does on a card); everything else is the product's code.
 
-    python3 benchmarks/scripts/cpu_compile_apart.py --out /tmp/compile_apart.json
+    python3 benchmarks/scripts/cpu_compile_apart.py --out /tmp/compile_apart.json [--parts refiner,decoder]
 
-A GPU lease measures the same on Terra's shapes (the engine line's `refiner_compile_s` against
-`compiled apart first in`); this says whether the mechanism holds at all, not what it saves there.
+A GPU lease measures the same on Terra's shapes beside the engine (the engine line's `compiled apart
+first in`); this says whether the mechanism holds at all, not what it saves there.
 """
 
 from __future__ import annotations
@@ -26,58 +31,122 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+# The decoder's child: the product's main, with the decode-ahead's compile allowed on a CPU
+DECODER_CHILD = f"""
+import sys
+sys.path.insert(0, {str(REPO / 'benchmarks' / 'scripts')!r})
+import cpu_compile_apart
+cpu_compile_apart.compile_on_cpu()
+from terra_cli.scenarios import decoder_compile_apart
+sys.exit(decoder_compile_apart.main())
+"""
 
 
-def child_compile(request, cache: Path) -> dict:
-    from terra_cli.refiner.compile_apart import CompileApart
+def compile_on_cpu() -> None:
+    """`writer_process.compile_decoder` as on a card (Inductor's cache in terra's folder, the decoder
+    through `torch.compile`, static shapes), for a decoder on the CPU."""
+    import torch
+
+    from terra_cli.refiner.compiled import use_inductor_cache
+    from terra_cli.scenarios import writer_process
+
+    def compile_decoder(decoder) -> bool:
+        use_inductor_cache()
+        decoder._compiled_decode = torch.compile(decoder.model.decode, dynamic=False)
+        return True
+
+    writer_process.compile_decoder = compile_decoder
+
+
+def run_child(request_json: str, command: list[str], cache: Path) -> dict:
+    from terra_cli.compile_apart import CompileApart
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # the child takes this process's environment
     began = time.perf_counter()
-    child = CompileApart(request)
+    child = CompileApart(request_json, command)
     result = child.wait()
     return {"seconds": round(time.perf_counter() - began, 2), "result": result, "error": child.error}
 
 
-def parent_compile(weights: Path, options) -> dict:
+def fx_counts() -> dict:
     from torch._dynamo.utils import counters
 
-    from terra_cli.refiner.refiner import VideoRefiner
+    return {"fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+            "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"]}
 
+
+def refiner_part(tmp: Path) -> dict:
+    from torch._dynamo.utils import counters
+
+    from terra_cli.refiner.compile_apart import CompileRequest
+    from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner
+    from terra_cli.refiner.testing import write_tiny_refiner
+
+    weights = write_tiny_refiner(tmp / "refiner_model.pt")
+    options = RefinerOptions(compile="default", batch_windows=1)
+    request = CompileRequest(str(weights), "cpu", "float32", options).to_json()
+    command = [sys.executable, "-m", "terra_cli.refiner.compile_apart"]
+    report = {"child_cold": run_child(request, command, tmp / "inductor-refiner-a")}
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor-refiner-a")  # the parent's compile, after the child
     refiner = VideoRefiner.from_checkpoint(str(weights), device="cpu", dtype="float32", options=options)
     counters.clear()
     began = time.perf_counter()
     unet_s = refiner.prepare()
     refiner.prepare_vae_decoder()
-    return {"seconds": round(time.perf_counter() - began, 2), "unet_s": round(unet_s, 2),
-            "vae_decoder_s": round(refiner.vae_decoder_compile_seconds, 2),
-            "vae_decoder_error": refiner.vae_decoder_error, "compile_mode": refiner.compile_mode,
-            "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-            "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"]}
+    report["parent_after_child"] = {"seconds": round(time.perf_counter() - began, 2), "unet_s": round(unet_s, 2),
+                                    "vae_decoder_s": round(refiner.vae_decoder_compile_seconds, 2),
+                                    "vae_decoder_error": refiner.vae_decoder_error,
+                                    "compile_mode": refiner.compile_mode, **fx_counts()}
+    report["child_cold_again"] = run_child(request, command, tmp / "inductor-refiner-b")
+    return report
+
+
+def decoder_part(tmp: Path) -> dict:
+    import numpy as np
+    from torch._dynamo.utils import counters
+
+    from tokenizer_decoder import ImageTokenizer, small_config
+    from terra_cli.scenarios import writer_process
+    from terra_cli.scenarios.writer_process import DecoderSpec
+
+    config = small_config(ch=32, z_channels=10, num_res_blocks=1, ch_mult=(1,) * 5)
+    folder = ImageTokenizer.from_config(config, seed=0, device="cpu").save_pretrained(tmp / "tokenizer")
+    decoder = ImageTokenizer.from_pretrained(folder, device="cpu", batch_size=4)
+    spec = DecoderSpec.of(decoder)
+    request = json.dumps({**spec, "image_size": list(spec["image_size"])})  # decoder_request's, for a card
+    command = [sys.executable, "-c", DECODER_CHILD]
+    report = {"child_cold": run_child(request, command, tmp / "inductor-decoder-a")}
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor-decoder-a")
+    compile_on_cpu()
+    writer_process.compile_decoder(decoder)
+    rows = np.random.default_rng(0).integers(0, 1024, size=(decoder.batch_size, decoder.tokens_per_frame))
+    counters.clear()
+    began = time.perf_counter()
+    decoder.decode_tokens(rows, full_batches=True)
+    report["parent_after_child"] = {"first_batch_s": round(time.perf_counter() - began, 2),
+                                    "decoder_compile_error": decoder.decoder_compile_error, **fx_counts()}
+    report["child_cold_again"] = run_child(request, command, tmp / "inductor-decoder-b")
+    return report
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parts", default="refiner,decoder", help="refiner, decoder or both (comma-separated)")
     args = parser.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    report: dict = {}
     with tempfile.TemporaryDirectory(prefix="terra-compile-apart-") as tmp:
         tmp = Path(tmp)
         os.environ["TERRA_CACHE"] = str(tmp / "terra-cache")
-        from terra_cli.refiner.compile_apart import CompileRequest
-        from terra_cli.refiner.refiner import RefinerOptions
-        from terra_cli.refiner.testing import write_tiny_refiner
-
-        weights = write_tiny_refiner(tmp / "refiner_model.pt")
-        options = RefinerOptions(compile="default", batch_windows=1)
-        request = CompileRequest(str(weights), "cpu", "float32", options)
-        report = {"child_cold": child_compile(request, tmp / "inductor-a")}
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor-a")  # the parent's compile, after the child
-        report["parent_after_child"] = parent_compile(weights, options)
-        report["child_cold_again"] = child_compile(request, tmp / "inductor-b")
-    report["host"] = {"cores": os.cpu_count(), "python": sys.version.split()[0]}
+        for part in parts:
+            report[part] = {"refiner": refiner_part, "decoder": decoder_part}[part](tmp)
     import torch
 
-    report["host"]["torch"] = torch.__version__
+    report["host"] = {"cores": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__}
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
     return 0

@@ -42,11 +42,21 @@ class CompileApart:
         self.process = subprocess.Popen([*command, request_json], stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=self._errors, env=child_environment())
 
-    def wait(self) -> dict | None:
-        """The child's result (its JSON line), or None with `error` set."""
+    def wait(self, timeout: float | None = None) -> dict | None:
+        """The child's result (its JSON line), or None with `error` set. A child still running after
+        `timeout` seconds from its start is ended (a hung compile must not hold its parent forever)."""
         if self.seconds is not None:
             return self.result
-        out, _ = self.process.communicate()
+        left = None if timeout is None else max(0.0, timeout - (time.perf_counter() - self.started))
+        try:
+            out, _ = self.process.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            out, _ = self.process.communicate()
+            self.seconds = time.perf_counter() - self.started
+            self.error = f"still compiling after {timeout:g} s: ended"
+            self._errors.close()
+            return None
         self.seconds = time.perf_counter() - self.started
         lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
         if self.process.returncode == 0 and lines:

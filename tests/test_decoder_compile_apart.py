@@ -87,7 +87,7 @@ class GatedChild:
         self.gate, self.seconds, self.error, self.stopped = threading.Event(), seconds, error, 0
         self.result = None
 
-    def wait(self):
+    def wait(self, timeout=None):
         self.gate.wait(30)
         self.result = None if self.error else {"compiled": True}
         return self.result
@@ -164,3 +164,25 @@ def test_a_real_child_is_waited_for_and_its_seconds_reported(tokenizer_dir, writ
     assert video and seconds > 0 and writer.apart.result["compiled"] is False
     assert writer_lines == [f"INFO: the tokenizer's decoder: compiled apart in {writer.apart.seconds:.1f} s; "
                             "compiling here from Inductor's cache"]
+
+
+def test_a_child_that_hangs_is_ended_and_the_writer_compiles_itself(tokenizer_dir, writer_lines, monkeypatch):
+    """Frames wait while the child compiles: one still running after DECODER_APART_TIMEOUT_S is ended
+    (a real process here), one line says so, and the writer decodes as it would have without it."""
+    from terra_cli.scenarios import local_writer
+
+    hanging = [sys.executable, "-c", "import time; time.sleep(120)"]
+    child = CompileApart("{}", hanging)
+    assert child.wait(timeout=0.5) is None and child.error == "still compiling after 0.5 s: ended"
+    assert child.process.poll() is not None and 0.5 <= child.seconds < 60  # ended, not waited out
+    monkeypatch.setattr(local_writer, "DECODER_APART_TIMEOUT_S", 1.0)
+    tokenizer = load(tokenizer_dir)
+    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: CompileApart(cpu_request(decoder), hanging))
+    tokens = np.random.default_rng(5).integers(0, 512, size=(3, TOKENS))
+    try:
+        video = writer.submit("d", tokens).result(timeout=60)
+    finally:
+        writer.close()
+    assert video and writer.apart.process.poll() is not None
+    assert len(writer_lines) == 1 and writer_lines[0].endswith(
+        "s (still compiling after 1 s: ended); compiling here, beside the engine")

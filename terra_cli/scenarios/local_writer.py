@@ -39,6 +39,9 @@ from terra_cli.scenarios.writers import CLOSE_SECONDS, ENCODERS_PER_PROCESS, Wri
 
 ENCODERS_IN_PROCESS = 2 * ENCODERS_PER_PROCESS  # the mp4s two writer processes would encode at once: the fewest
 MAX_ENCODERS_IN_PROCESS = 4 * ENCODERS_IN_PROCESS
+# The decoder's child compiles in ~31 s cold on an H200 (benchmarks/README.md, 2026-11-26); frames wait while it
+# does, so one that takes ten times that is ended and the writer's thread compiles itself
+DECODER_APART_TIMEOUT_S = 300.0
 LOG = logging.getLogger("terra.writer")  # a lab switch's fallback: one line on stderr
 CORES_PER_ENCODER = 4  # host cores for each mp4 encoded at once (x264 on 2 threads, niced)
 
@@ -160,7 +163,7 @@ class InProcessWriter:
         apart = self.apart
         if apart is None:
             return
-        if apart.wait() is not None:
+        if apart.wait(DECODER_APART_TIMEOUT_S) is not None:
             LOG.info(f"the tokenizer's decoder: compiled apart in {apart.seconds:.1f} s; compiling here from "
                      "Inductor's cache")
         else:

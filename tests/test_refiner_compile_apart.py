@@ -164,6 +164,26 @@ def test_a_failed_child_leaves_the_stage_compiling_itself(tiny_pt, child, monkey
     assert warning[0].endswith("(exit 1: RuntimeError: no compiler); compiling here, beside the engine")
 
 
+def test_a_child_still_compiling_after_the_stages_limit_is_ended_and_the_stage_compiles_itself(
+        tiny_pt, child, tmp_path, monkeypatch, refiner_lines):
+    from terra_cli.refiner import stage as stage_module
+
+    command, _ = child
+    monkeypatch.setenv("GATE", str(tmp_path / "never"))  # a child that never ends by itself
+    monkeypatch.setattr(stage_module, "REFINER_APART_TIMEOUT_S", 2.0)
+    stand_in = force_compiled_run(monkeypatch)
+    refiner = loaded(tiny_pt, compile="default")
+    video = (torch.rand(25, 3, 36, 64, generator=torch.Generator().manual_seed(4)) * 2 - 1).numpy()
+    stage = RefineStage(PixelTokens(refiner), compile_apart=lambda r: start_compile_apart(r, command))
+    try:
+        assert stage.submit("a", video, 1).result(timeout=300).shape == (25, refiner.config.height, refiner.config.width, 3)
+        assert stage.apart.process.poll() is not None and stand_in.compiled == [(refiner.vae, "default")]
+    finally:
+        stage.close()
+    warning = [line for line in refiner_lines if "apart" in line]
+    assert len(warning) == 1 and warning[0].endswith("(still compiling after 2 s: ended); compiling here, beside the engine")
+
+
 def test_closing_the_stage_ends_a_child_still_compiling(tiny_pt, child, tmp_path, monkeypatch):
     command, _ = child
     monkeypatch.setenv("GATE", str(tmp_path / "never"))

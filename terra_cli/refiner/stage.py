@@ -35,6 +35,9 @@ import numpy as np
 from terra_cli.scenarios.writers import VideoFailed, WriterDied
 
 CLOSE_SECONDS = 10.0  # close() waits this long for a UNet batch in progress; the thread is a daemon
+# A cold compile apart took 166 s (UNet) + 62 s (VAE decoder) on an H200 (benchmarks/README.md, 2026-11-28);
+# finished videos wait for it, so a child still compiling after this long is ended and the stage compiles itself
+REFINER_APART_TIMEOUT_S = 1800.0
 
 
 class RefinerStopped(WriterDied):
@@ -162,7 +165,7 @@ class RefineStage:
         from terra_cli.refiner.refiner import LOG
 
         apart = self.apart
-        result = apart.wait()
+        result = apart.wait(REFINER_APART_TIMEOUT_S)
         if self.stopping.is_set():
             return
         if result is None:

@@ -94,6 +94,9 @@ class GatedChild:
 
     def stop(self):
         self.stopped += 1
+        if not self.gate.is_set():  # as a process ended early: its wait returns with an error
+            self.error = "exit -15: no message"
+            self.gate.set()
 
 
 def counted_decodes(tokenizer) -> list[int]:
@@ -186,3 +189,22 @@ def test_a_child_that_hangs_is_ended_and_the_writer_compiles_itself(tokenizer_di
     assert video and writer.apart.process.poll() is not None
     assert len(writer_lines) == 1 and writer_lines[0].endswith(
         "s (still compiling after 1 s: ended); compiling here, beside the engine")
+
+
+def test_closing_the_writer_ends_a_child_still_compiling_without_a_word(tokenizer_dir, writer_lines):
+    """A run that ends (an interrupt) while the child still compiles: close() ends the child first,
+    so the writer's thread, waiting on it, goes on and ends at once; no line about a failure."""
+    tokenizer = load(tokenizer_dir)
+    tokenizer.batch_size = 4
+    calls = counted_decodes(tokenizer)
+    child = GatedChild()
+    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: child)
+    tokens = np.random.default_rng(6).integers(0, 512, size=(6, TOKENS))
+    writer.open("e", tokens[:2])
+    for index in range(2, 6):
+        writer.frame("e", index, tokens[index])
+    time.sleep(0.3)  # the thread is waiting on the child, a full batch in hand
+    started = time.perf_counter()
+    writer.close()
+    assert time.perf_counter() - started < 5 and not writer.thread.is_alive()
+    assert child.stopped == 1 and writer_lines == [] and calls == []  # nothing compiled or decoded at the close

@@ -139,10 +139,10 @@ class InProcessWriter:
         atexit.unregister(self.close)
         with self.lock:
             self.closing = True
+        if self.apart is not None:  # a run that ended before its first decode: the thread waiting on it goes on
+            self.apart.stop()
         self.inbox.put(None)
         self.thread.join(CLOSE_SECONDS)
-        if self.apart is not None:
-            self.apart.stop()  # (a run that ended before its first decode)
         with self.lock:
             self._fail_open(WriterDied("the video writer was closed before this scenario was encoded"))
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -157,18 +157,23 @@ class InProcessWriter:
                 self.failure = WriterDied(f"the video writer thread failed: {type(exc).__name__}: {exc}")
                 self._fail_open(self.failure)
 
-    def _await_compile_apart(self) -> None:
+    def _await_compile_apart(self) -> bool:
         """Before the first decode: wait for the child compiling the decoder (no interpreter lock held
-        while waiting), so the compile that follows comes from Inductor's cache; if it failed, one line."""
+        while waiting), so the compile that follows comes from Inductor's cache; if it failed, one line.
+        False when close() ended it: then the thread decodes nothing ahead (it would compile, to no use)."""
         apart = self.apart
         if apart is None:
-            return
-        if apart.wait(DECODER_APART_TIMEOUT_S) is not None:
+            return True
+        result = apart.wait(DECODER_APART_TIMEOUT_S)
+        if self.closing:  # ended by close(): nothing to say
+            return False
+        if result is not None:
             LOG.info(f"the tokenizer's decoder: compiled apart in {apart.seconds:.1f} s; compiling here from "
                      "Inductor's cache")
         else:
             LOG.warning(f"the tokenizer's decoder: compiling apart failed after {apart.seconds:.1f} s ({apart.error}); "
                         "compiling here, beside the engine")
+        return True
 
     def _own_stream(self):
         """A CUDA stream of this thread's own, so its kernels can run beside the engine's; with

@@ -93,8 +93,10 @@ class FrameStore:
         self.decoder, self.limit = decoder, held_frames
         compile_decoder(decoder)
         # Called once, before the first decode: an in-process writer waits there for the child that
-        # compiles this decoder into Inductor's cache (decoder_compile_apart), so its compile is a cache hit
+        # compiles this decoder into Inductor's cache (decoder_compile_apart), so its compile is a cache hit.
+        # It returns False when the writer was closed meanwhile: then nothing more is decoded ahead.
         self._before_first_decode = before_first_decode
+        self.decoding_ahead = True
         self.videos: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None]]] = {}
         self.waiting: deque[tuple[str, int]] = deque()  # (key, index) not decoded yet
         self.count = 0  # frames held, decoded or waiting
@@ -122,7 +124,7 @@ class FrameStore:
         self.count -= len(self.videos.pop(key, {}))
 
     def full_batch_waiting(self) -> bool:
-        return len(self.waiting) >= self.decoder.batch_size
+        return self.decoding_ahead and len(self.waiting) >= self.decoder.batch_size
 
     def decode_waiting(self, partial: bool = False) -> bool:
         """Decode one batch of the frames that wait (of videos still held); returns whether it decoded.
@@ -140,8 +142,10 @@ class FrameStore:
         if not batch or (len(batch) < self.decoder.batch_size and not partial):
             self.waiting.extendleft(reversed(batch))  # (the stale entries passed over are gone)
             return False
+        if not self._ready_to_decode():
+            self.waiting.extendleft(reversed(batch))
+            return False
         rows = np.stack([self.videos[key][index][0] for key, index in batch])
-        self._ready_to_decode()
         started = time.perf_counter()
         for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
             self.videos[key][index] = (self.videos[key][index][0], pixels)
@@ -155,10 +159,13 @@ class FrameStore:
         self.frames_ahead += len(batch)
         return True
 
-    def _ready_to_decode(self) -> None:
+    def _ready_to_decode(self) -> bool:
+        """Whether to decode ahead, after the one call of `before_first_decode` (a video's end decodes
+        what it needs regardless)."""
         hook, self._before_first_decode = self._before_first_decode, None
-        if hook is not None:
-            hook()
+        if hook is not None and hook() is False:
+            self.decoding_ahead = False
+        return self.decoding_ahead
 
     def stats(self) -> dict:
         return {"decode_ahead_batches": self.batches_ahead, "decode_ahead_frames": self.frames_ahead,

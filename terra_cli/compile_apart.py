@@ -69,6 +69,15 @@ class CompileApart:
         self._errors.close()
         return self.result
 
+    @property
+    def succeeded_seconds(self) -> float | None:
+        """The child's seconds (2 decimals) if it compiled; None while it runs, or if it failed."""
+        return round(self.seconds, 2) if self.result is not None else None
+
+    def failure_line(self, what: str) -> str:
+        """The one line a parent logs when the child failed and it compiles `what` itself."""
+        return f"{what}: compiling apart failed after {self.seconds:.1f} s ({self.error}); compiling here, beside the engine"
+
     def stop(self) -> None:
         """End the child if it still runs (safe to call twice, and after `wait`); a `wait` in
         another thread then returns with the child's exit status as its error."""

@@ -80,10 +80,10 @@ def test_the_child_loads_the_same_tokenizer_and_decodes_one_full_batch(tokenizer
     assert usage.returncode == 2 and "usage:" in usage.stderr
 
 
-class GatedChild:
-    """A compile apart whose end the test decides (the real one is a process: `CompileApart`)."""
+class GatedChild(CompileApart):
+    """A compile apart whose end the test decides, with no process (the real one's is `CompileApart`'s)."""
 
-    def __init__(self, seconds=12.5, error=None):
+    def __init__(self, seconds=12.5, error=None):  # (no child process started)
         self.gate, self.seconds, self.error, self.stopped = threading.Event(), seconds, error, 0
         self.result = None
 

@@ -107,8 +107,7 @@ class RefineStage:
         compile mode and seconds of the UNet and the VAE decoder (0 when eager; from Inductor's cache
         when compiled apart first: that child's seconds, None when there was none or it failed)."""
         refiner, apart = self.refiner, self.apart
-        apart_s = round(apart.seconds, 2) if apart is not None and apart.result is not None else None
-        return {"refiner_compiled_apart_s": apart_s, "refined_videos": self.videos,
+        return {"refiner_compiled_apart_s": None if apart is None else apart.succeeded_seconds, "refined_videos": self.videos,
                 "refiner_busy_s": round(self.busy_s, 3), "refiner_unet_batches": self.unet_batches,
                 "refiner_compile_mode": refiner.compile_mode,
                 "refiner_compile_s": round(refiner.compile_seconds, 2),
@@ -169,8 +168,7 @@ class RefineStage:
         if self.stopping.is_set():
             return
         if result is None:
-            LOG.warning(f"refiner: compiling apart failed after {apart.seconds:.1f} s ({apart.error}); "
-                        f"compiling here, beside the engine")
+            LOG.warning(apart.failure_line("refiner"))
             return
         LOG.info(f"refiner: compiled apart in {apart.seconds:.1f} s (UNet {result.get('unet_s')} s, VAE decoder "
                  f"{result.get('vae_decoder_s')} s, in a child process while the engine generated); "

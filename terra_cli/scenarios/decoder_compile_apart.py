@@ -32,11 +32,9 @@ def decoder_request(decoder) -> str | None:
     decode-ahead will not compile it (not on CUDA, TERRA_DECODER_COMPILE=0), it cannot be loaded
     again from a folder (random weights in memory), or TERRA_DECODER_COMPILE_APART=0."""
     from terra_cli.runtime import switched_off
-    from terra_cli.scenarios.writer_process import DECODER_COMPILE_ENV, DecoderSpec
+    from terra_cli.scenarios.writer_process import DecoderSpec, decoder_compiles
 
-    if switched_off(COMPILE_APART_ENV) or switched_off(DECODER_COMPILE_ENV):
-        return None
-    if getattr(getattr(decoder, "device", None), "type", None) != "cuda" or not hasattr(decoder, "compile_decoder"):
+    if switched_off(COMPILE_APART_ENV) or not decoder_compiles(decoder):
         return None
     spec = DecoderSpec.of(decoder)
     return None if spec is None else json.dumps({**spec, "image_size": list(spec["image_size"])})

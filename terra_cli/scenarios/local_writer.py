@@ -106,9 +106,8 @@ class InProcessWriter:
         """The decode-ahead's batches and frames so far (`FrameStore.stats`), and with TERRA_DECODE_SMS
         the SMs it was bounded to (or why it could not be)."""
         stats = self.store.stats()
-        apart = getattr(self, "apart", None)
-        if apart is not None:  # the child's seconds, None while it runs or if it failed
-            stats["decoder_compiled_apart_s"] = round(apart.seconds, 2) if apart.result is not None else None
+        if self.apart is not None:  # the child's seconds, None while it runs or if it failed
+            stats["decoder_compiled_apart_s"] = self.apart.succeeded_seconds
         if self.decode_sms is not None:
             stats.update(decode_sms=self.decode_sms, decode_sms_error=self.decode_sms_error)
         return stats
@@ -171,8 +170,7 @@ class InProcessWriter:
             LOG.info(f"the tokenizer's decoder: compiled apart in {apart.seconds:.1f} s; compiling here from "
                      "Inductor's cache")
         else:
-            LOG.warning(f"the tokenizer's decoder: compiling apart failed after {apart.seconds:.1f} s ({apart.error}); "
-                        "compiling here, beside the engine")
+            LOG.warning(apart.failure_line("the tokenizer's decoder"))
         return True
 
     def _own_stream(self):

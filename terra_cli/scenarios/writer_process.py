@@ -69,15 +69,20 @@ class DecoderSpec:
                 "image_size": tuple(tokenizer.image_size)}
 
 
-def compile_decoder(decoder) -> bool:
-    """Decode-ahead batches through the compiled decoder on CUDA (`ImageTokenizer.compile_decoder`),
-    Inductor's cache in terra's cache folder, unless TERRA_DECODER_COMPILE=0. The first run on a
-    machine pays the compile once, in the thread that decodes."""
+def decoder_compiles(decoder) -> bool:
+    """Whether the decode-ahead compiles `decoder`: an `ImageTokenizer` on CUDA, unless TERRA_DECODER_COMPILE=0."""
     from terra_cli.runtime import switched_off
 
     if switched_off(DECODER_COMPILE_ENV):
         return False
-    if not hasattr(decoder, "compile_decoder") or getattr(getattr(decoder, "device", None), "type", None) != "cuda":
+    return hasattr(decoder, "compile_decoder") and getattr(getattr(decoder, "device", None), "type", None) == "cuda"
+
+
+def compile_decoder(decoder) -> bool:
+    """Decode-ahead batches through the compiled decoder on CUDA (`ImageTokenizer.compile_decoder`),
+    Inductor's cache in terra's cache folder, unless TERRA_DECODER_COMPILE=0. The first run on a
+    machine pays the compile once, in the thread that decodes."""
+    if not decoder_compiles(decoder):
         return False
     from terra_cli.refiner.compiled import use_inductor_cache
     from terra_cli.runtime import decoder_compile_mode_asked

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import signal
 import subprocess
@@ -192,3 +193,26 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # keep the collection order given above
     return EngineModulesTogether(config, log)
+
+
+@contextlib.contextmanager
+def logger_lines(name: str):
+    """"LEVEL: message" of each record logger `name` emits at INFO or above inside the block, read from
+    the logger itself (the CLI stops terra's loggers propagating to caplog's root)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(f"{record.levelname}: {record.getMessage()}")
+
+    logger = logging.getLogger(name)
+    handler, level = Lines(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -9,7 +9,6 @@ checks for the refiner and a GPU lease measures.
 """
 
 import json
-import logging
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import logger_lines
 from terra_cli.compile_apart import CompileApart, child_environment
 from terra_cli.scenarios.decoder_compile_apart import decoder_request
 from terra_cli.scenarios.local_writer import InProcessWriter
@@ -36,20 +36,9 @@ def cpu_request(tokenizer) -> str:
 
 @pytest.fixture
 def writer_lines():
-    """terra.writer's lines, read from the logger itself."""
-    lines: list[str] = []
-
-    class Lines(logging.Handler):
-        def emit(self, record):
-            lines.append(f"{record.levelname}: {record.getMessage()}")
-
-    logger = logging.getLogger("terra.writer")
-    handler, level = Lines(logging.INFO), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    """terra.writer's lines (conftest.logger_lines)."""
+    with logger_lines("terra.writer") as lines:
+        yield lines
 
 
 def test_a_decoder_on_a_card_with_a_folder_gets_a_child_and_the_switches_say_no(tokenizer_dir, monkeypatch):
@@ -111,6 +100,18 @@ def counted_decodes(tokenizer) -> list[int]:
     return calls
 
 
+def one_video_with_a_child(tokenizer_dir, command: list[str], seed: int, frames: int):
+    """An in-process writer whose decoder's child runs `command` (a real process), one video of
+    `frames` random frames through it, the writer closed: (the writer, the mp4's bytes)."""
+    tokenizer = load(tokenizer_dir)
+    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: CompileApart(cpu_request(decoder), command))
+    tokens = np.random.default_rng(seed).integers(0, 512, size=(frames, TOKENS))
+    try:
+        return writer, writer.submit(f"v{seed}", tokens).result(timeout=120)
+    finally:
+        writer.close()
+
+
 def test_the_writer_decodes_nothing_until_the_decoders_child_has_ended(tokenizer_dir, writer_lines):
     """Frames keep arriving while the child compiles; the writer's thread decodes none of them until
     the child ends (its compile is then a cache hit), then decodes them all ahead and makes the mp4."""
@@ -142,27 +143,15 @@ def test_the_writer_decodes_nothing_until_the_decoders_child_has_ended(tokenizer
 def test_a_failed_child_is_one_line_and_the_writer_compiles_itself(tokenizer_dir, writer_lines):
     """A real child process that fails (as a compile would): one warning line with its last line,
     and the writer decodes as it would have without it."""
-    tokenizer = load(tokenizer_dir)
     failing = [sys.executable, "-c", "import sys; sys.exit('RuntimeError: no C++ compiler here')"]
-    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: CompileApart(cpu_request(decoder), failing))
-    tokens = np.random.default_rng(3).integers(0, 512, size=(4, TOKENS))
-    try:
-        video = writer.submit("b", tokens).result(timeout=60)
-    finally:
-        writer.close()
+    writer, video = one_video_with_a_child(tokenizer_dir, failing, seed=3, frames=4)
     assert video and writer.decode_stats()["decoder_compiled_apart_s"] is None
     assert len(writer_lines) == 1 and writer_lines[0].startswith("WARNING: the tokenizer's decoder: compiling apart failed after ")
     assert writer_lines[0].endswith("s (exit 1: RuntimeError: no C++ compiler here); compiling here, beside the engine")
 
 
 def test_a_real_child_is_waited_for_and_its_seconds_reported(tokenizer_dir, writer_lines):
-    tokenizer = load(tokenizer_dir)
-    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: CompileApart(cpu_request(decoder), CHILD))
-    tokens = np.random.default_rng(4).integers(0, 512, size=(3, TOKENS))
-    try:
-        video = writer.submit("c", tokens).result(timeout=120)
-    finally:
-        writer.close()
+    writer, video = one_video_with_a_child(tokenizer_dir, CHILD, seed=4, frames=3)
     seconds = writer.decode_stats()["decoder_compiled_apart_s"]
     assert video and seconds > 0 and writer.apart.result["compiled"] is False
     assert writer_lines == [f"INFO: the tokenizer's decoder: compiled apart in {writer.apart.seconds:.1f} s; "
@@ -179,13 +168,7 @@ def test_a_child_that_hangs_is_ended_and_the_writer_compiles_itself(tokenizer_di
     assert child.wait(timeout=0.5) is None and child.error == "still compiling after 0.5 s: ended"
     assert child.process.poll() is not None and 0.5 <= child.seconds < 60  # ended, not waited out
     monkeypatch.setattr(local_writer, "DECODER_APART_TIMEOUT_S", 1.0)
-    tokenizer = load(tokenizer_dir)
-    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: CompileApart(cpu_request(decoder), hanging))
-    tokens = np.random.default_rng(5).integers(0, 512, size=(3, TOKENS))
-    try:
-        video = writer.submit("d", tokens).result(timeout=60)
-    finally:
-        writer.close()
+    writer, video = one_video_with_a_child(tokenizer_dir, hanging, seed=5, frames=3)
     assert video and writer.apart.process.poll() is not None
     assert len(writer_lines) == 1 and writer_lines[0].endswith(
         "s (still compiling after 1 s: ended); compiling here, beside the engine")

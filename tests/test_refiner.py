@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from conftest import logger_lines  # noqa: E402
 from terra_cli.errors import InputError  # noqa: E402
 from terra_cli.refiner import keymap, sampler  # noqa: E402
 from terra_cli.refiner.checkpoint import convert_checkpoint, read_checkpoint, resolve_refiner_file  # noqa: E402
@@ -466,22 +467,9 @@ def force_compiled_run(monkeypatch, error: Exception | None = None) -> StandInCo
 
 @pytest.fixture
 def refiner_lines():
-    """terra.refiner's lines, read from the logger itself (the CLI stops it propagating to caplog's root)."""
-    import logging
-
-    lines: list[str] = []
-
-    class Lines(logging.Handler):
-        def emit(self, record):
-            lines.append(f"{record.levelname}: {record.getMessage()}")
-
-    logger = logging.getLogger("terra.refiner")
-    handler, level = Lines(logging.INFO), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    """terra.refiner's lines (conftest.logger_lines)."""
+    with logger_lines("terra.refiner") as lines:
+        yield lines
 
 
 def same_weights(refiner, **options) -> VideoRefiner:

@@ -146,19 +146,26 @@ def test_the_stage_compiles_only_after_the_child_and_refines_as_eager(tiny_pt, c
     assert np.abs(refined.astype(int) - eager.refine_pixels([torch.from_numpy(video)], [4])[0].astype(int)).max() <= 1
 
 
-def test_a_failed_child_leaves_the_stage_compiling_itself(tiny_pt, child, monkeypatch, refiner_lines):
-    command, _ = child
-    monkeypatch.setenv("FAIL", "no compiler")
+def refine_one_video(tiny_pt, command, monkeypatch, seed: int):
+    """A compiled run's stage (the compiles stood in for) whose child runs `command`, one 25-frame video
+    refined through it, the stage closed: (the stage, its refiner, the compile stand-in)."""
     stand_in = force_compiled_run(monkeypatch)
     refiner = loaded(tiny_pt, compile="default")
-    video = (torch.rand(25, 3, 36, 64, generator=torch.Generator().manual_seed(3)) * 2 - 1).numpy()
+    video = (torch.rand(25, 3, 36, 64, generator=torch.Generator().manual_seed(seed)) * 2 - 1).numpy()
     stage = RefineStage(PixelTokens(refiner), compile_apart=lambda r: start_compile_apart(r, command))
     try:
         assert stage.submit("a", video, 1).result(timeout=300).shape == (25, refiner.config.height, refiner.config.width, 3)
-        assert refiner.forward is not None and stand_in.compiled == [(refiner.vae, "default")]
-        assert stage.decode_stats()["refiner_compiled_apart_s"] is None
+        return stage, refiner, stand_in
     finally:
         stage.close()
+
+
+def test_a_failed_child_leaves_the_stage_compiling_itself(tiny_pt, child, monkeypatch, refiner_lines):
+    command, _ = child
+    monkeypatch.setenv("FAIL", "no compiler")
+    stage, refiner, stand_in = refine_one_video(tiny_pt, command, monkeypatch, seed=3)
+    assert refiner.forward is not None and stand_in.compiled == [(refiner.vae, "default")]
+    assert stage.decode_stats()["refiner_compiled_apart_s"] is None
     warning = [line for line in refiner_lines if "apart" in line]
     assert len(warning) == 1 and warning[0].startswith("WARNING: refiner: compiling apart failed after ")
     assert warning[0].endswith("(exit 1: RuntimeError: no compiler); compiling here, beside the engine")
@@ -171,15 +178,8 @@ def test_a_child_still_compiling_after_the_stages_limit_is_ended_and_the_stage_c
     command, _ = child
     monkeypatch.setenv("GATE", str(tmp_path / "never"))  # a child that never ends by itself
     monkeypatch.setattr(stage_module, "REFINER_APART_TIMEOUT_S", 2.0)
-    stand_in = force_compiled_run(monkeypatch)
-    refiner = loaded(tiny_pt, compile="default")
-    video = (torch.rand(25, 3, 36, 64, generator=torch.Generator().manual_seed(4)) * 2 - 1).numpy()
-    stage = RefineStage(PixelTokens(refiner), compile_apart=lambda r: start_compile_apart(r, command))
-    try:
-        assert stage.submit("a", video, 1).result(timeout=300).shape == (25, refiner.config.height, refiner.config.width, 3)
-        assert stage.apart.process.poll() is not None and stand_in.compiled == [(refiner.vae, "default")]
-    finally:
-        stage.close()
+    stage, refiner, stand_in = refine_one_video(tiny_pt, command, monkeypatch, seed=4)
+    assert stage.apart.process.poll() is not None and stand_in.compiled == [(refiner.vae, "default")]
     warning = [line for line in refiner_lines if "apart" in line]
     assert len(warning) == 1 and warning[0].endswith("(still compiling after 2 s: ended); compiling here, beside the engine")
 

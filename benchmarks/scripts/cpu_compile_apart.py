@@ -137,6 +137,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="refiner,decoder", help="refiner, decoder or both (comma-separated)")
     args = parser.parse_args()
+    if args.out.exists():  # a report of another run is never replaced
+        parser.error(f"{args.out} exists: name another --out")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     report: dict = {}
     with tempfile.TemporaryDirectory(prefix="terra-compile-apart-") as tmp:
@@ -147,7 +149,9 @@ def main() -> int:
     import torch
 
     report["host"] = {"cores": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__}
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    from terra_cli.media.atomic import atomic_write_json
+
+    atomic_write_json(args.out, report)  # (refuses a file that appeared meanwhile)
     print(json.dumps(report, indent=1))
     return 0
 

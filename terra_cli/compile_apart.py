@@ -14,6 +14,16 @@ from that cache (on a CPU: a tiny refiner's UNet 14 s against 121 s cold, every 
 The child is a plain subprocess (`python -m MODULE REQUEST_JSON`) with the parent's environment
 (CUDA_VISIBLE_DEVICES, TERRA_CACHE, the lab switches); it prints one JSON line of what it did. Its
 failure costs nothing but the time: the parent compiles itself, as it would have.
+
+The same environment is not the same cache key. Inductor's key also holds its options and a few torch
+globals (matmul precision, the default dtype, deterministic algorithms) as the process has them when
+it compiles, and the engine's process is not a fresh interpreter: vLLM's import and engine may change
+them. On an H200 (2026-11-28, benchmarks/README.md) the decoder's child compiled in 71 s and the
+parent's compile after it still ran Inductor's compile workers for 34 s, the engine near idle
+meanwhile: a miss, its cause not seen from there. So the parent hands the child its settings
+(`parent_compile_settings`, in the child's environment), each child takes them before it compiles
+(`begin_child_compile`, at a lower CPU priority), and the parent's engine line counts its own
+compile's cache hits and misses (`fx_cache_counts`), so the next run says whether that was the cause.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from pathlib import Path
 from typing import Sequence
 
 STOP_SECONDS = 10.0  # after a terminate, how long the child gets before it is killed
+SETTINGS_ENV = "TERRA_COMPILE_SETTINGS"  # the parent's compile settings, JSON, in the child's environment
+_PLAIN = (bool, int, float, str, type(None))  # option values that travel as JSON unchanged
 
 
 class CompileApart:
@@ -40,7 +52,8 @@ class CompileApart:
         self.error: str | None = None  # why it did not, in one line
         self._errors = tempfile.TemporaryFile()
         self.process = subprocess.Popen([*command, request_json], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=self._errors, env=child_environment())
+                                        stdout=subprocess.PIPE, stderr=self._errors,
+                                        env={**child_environment(), SETTINGS_ENV: json.dumps(parent_compile_settings())})
 
     def wait(self, timeout: float | None = None) -> dict | None:
         """The child's result (its JSON line), or None with `error` set. A child still running after
@@ -74,6 +87,17 @@ class CompileApart:
         """The child's seconds (2 decimals) if it compiled; None while it runs, or if it failed."""
         return round(self.seconds, 2) if self.result is not None else None
 
+    def settings_note(self) -> str:
+        """What the child took of this process's compile settings (`adopt_parent_compile_settings`),
+        for the parent's log line: the names that differed in a fresh interpreter, and any refused."""
+        report = (self.result or {}).get("parent_settings") or {}
+        taken, refused = report.get("adopted", []), report.get("refused", {})
+        note = f"{len(taken)} compile setting(s) of this process taken" + (
+            f" ({', '.join(taken[:6])}{', ...' if len(taken) > 6 else ''})" if taken else "")
+        if refused:
+            note += f", {len(refused)} refused ({'; '.join(f'{name}: {why}' for name, why in refused.items())})"
+        return note
+
     def failure_line(self, what: str) -> str:
         """The one line a parent logs when the child failed and it compiles `what` itself."""
         return f"{what}: compiling apart failed after {self.seconds:.1f} s ({self.error}); compiling here, beside the engine"
@@ -104,3 +128,89 @@ def child_environment(environ=None) -> dict:
     if not {"site-packages", "dist-packages"} & set(root.parts):
         environ["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [environ.get("PYTHONPATH")])])
     return environ
+
+
+def parent_compile_settings() -> dict:
+    """This process's state that enters Inductor's FX-graph cache key and can travel as JSON:
+    Inductor's options with plain values (those its key ignores left out, `compile_threads` kept:
+    it sets how fast the child compiles), and the torch globals the key reads."""
+    import torch
+    from torch._inductor import config
+
+    try:
+        options = config.save_config_portable(ignore_private_configs=False)
+    except TypeError:  # a torch whose save_config_portable has no such argument
+        options = config.save_config_portable()
+    options = {name: value for name, value in options.items() if type(value) in _PLAIN}
+    options["compile_threads"] = config.compile_threads
+    matmul = torch.backends.cuda.matmul
+    return {
+        "inductor": options,
+        "matmul": {name: getattr(matmul, name) for name in
+                   ("fp32_precision", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+                   if hasattr(matmul, name)},
+        "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+        "deterministic": [torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()],
+    }
+
+
+CHILD_NICENESS = 10  # a child's CPU priority below the engine's; its compile workers inherit it
+
+
+def begin_child_compile() -> dict:
+    """In a child, before it compiles: yield the CPU to the engine's threads (the parent's compile
+    threads setting, which the child takes, may start a compile worker per core), then take the
+    parent's compile settings. Returns `adopt_parent_compile_settings`'s report."""
+    try:
+        os.nice(CHILD_NICENESS)
+    except OSError:  # not allowed here: the compile still runs, at the parent's priority
+        pass
+    return adopt_parent_compile_settings()
+
+
+def adopt_parent_compile_settings(environ=None) -> dict:
+    """In a child: take the parent's settings (SETTINGS_ENV) where they differ from this process's.
+    Returns {"adopted": names, "refused": {name: why}} for the child's JSON line; none set: both empty."""
+    import torch
+    from torch._inductor import config
+
+    environ = os.environ if environ is None else environ
+    report: dict = {"adopted": [], "refused": {}}
+    if not environ.get(SETTINGS_ENV):
+        return report
+    wanted = json.loads(environ[SETTINGS_ENV])
+    mine = parent_compile_settings()
+
+    def adopt(name: str, apply) -> None:
+        try:
+            apply()
+            report["adopted"].append(name)
+        except Exception as error:  # noqa: BLE001 - one setting refused leaves the others (the key may still match)
+            report["refused"][name] = f"{type(error).__name__}: {error}"[:200]
+
+    for name, value in wanted.get("inductor", {}).items():
+        if mine["inductor"].get(name, value) != value or name not in mine["inductor"]:
+            adopt(f"inductor.{name}", lambda name=name, value=value: setattr(config, name, value))
+    for name, value in wanted.get("matmul", {}).items():
+        if mine["matmul"].get(name) != value:
+            adopt(f"matmul.{name}", lambda name=name, value=value: setattr(torch.backends.cuda.matmul, name, value))
+    if wanted.get("default_dtype", mine["default_dtype"]) != mine["default_dtype"]:
+        adopt("default_dtype", lambda: torch.set_default_dtype(getattr(torch, wanted["default_dtype"])))
+    if wanted.get("deterministic", mine["deterministic"]) != mine["deterministic"]:
+        enabled, warn_only = wanted["deterministic"]
+        adopt("deterministic", lambda: torch.use_deterministic_algorithms(enabled, warn_only=warn_only))
+    return report
+
+
+def fx_cache_counts() -> tuple[int, int]:
+    """Inductor's FX-graph cache (hits, misses) in this process so far: a parent's compile after its
+    child should add hits only. (0, 0) while Dynamo was never imported: nothing compiled yet, and an
+    eager decoder's process need not import it."""
+    import sys
+
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0, 0
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]

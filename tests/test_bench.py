@@ -380,6 +380,17 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     assert describe_engine_loop({**loop, "decode_ahead_batches": 3, "decode_ahead_frames": 24,
                                  "decoder_compiled_apart_s": 33.25}).endswith(
         "the writer decoded 24 frames ahead in 3 batches, compiled apart first in 33.2 s")
+    # the parent's compile after the child: a miss says the child filled the cache under other keys
+    assert describe_engine_loop({**loop, "decode_ahead_batches": 3, "decode_ahead_frames": 24,
+                                 "decoder_compiled_apart_s": 71.0, "decode_first_batch_s": 34.25,
+                                 "decode_first_batch_cache": [0, 1]}).endswith(
+        "compiled apart first in 71.0 s, its first batch 34.2 s (Inductor's cache: 0 hits, 1 misses)")
+    assert describe_engine_loop({**loop, "decode_ahead_batches": 3, "decode_ahead_frames": 24,
+                                 "decode_first_batch_s": 0.5, "decode_first_batch_cache": [0, 0]}).endswith(
+        "in 3 batches, its first batch 0.5 s")  # an eager decoder: no lookups to tell
+    assert describe_engine_loop({**refiner, "refiner_compiled_apart_s": 231.25, "refiner_compile_s": 20.0,
+                                 "refiner_compile_cache": [2, 0]}).endswith(
+        "compiled apart first in 231.2 s, compiled here in 20.0 s (Inductor's cache: 2 hits, 0 misses)")
     assert describe_engine_loop({**loop, "decode_late_frames": 16, "decode_late_s": 0.5}).endswith(
         "30% handling finished frames; 16 frames decoded when their video was done (0.5 s)")
     # one-time facts (a compile's seconds) are no running sums: a minute's line leaves them out
@@ -388,6 +399,7 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     minute = loop_since(apart, {**apart, "refined_videos": 1, "refiner_busy_s": 4.0, "steps": 500, "seconds": 20.0})
     assert "refiner_compiled_apart_s" not in minute and "refiner_compile_s" not in minute
     assert "decoder_compiled_apart_s" not in loop_since({**later, "decoder_compiled_apart_s": 30.0}, later)
+    assert "decode_first_batch_cache" not in loop_since({**later, "decode_first_batch_cache": [1, 0]}, later)
     assert describe_engine_loop(minute).endswith("; the refiner made 2 videos in 0 UNet batches, its thread busy 8.0 s")
     assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None
     idle_only = {"steps": 0, "seconds": 5.0, "in_engine_step_s": 0.0, "admitting_jobs_s": 0.0, "handling_frames_s": 0.0,

@@ -137,7 +137,8 @@ def test_the_writer_decodes_nothing_until_the_decoders_child_has_ended(tokenizer
         writer.close()
     assert video.startswith(b"\x00\x00\x00") and writer.frames_decoded_late == 1  # the ninth frame, at the end
     assert writer.decode_stats()["decoder_compiled_apart_s"] == 12.5 and child.stopped == 1
-    assert writer_lines == ["INFO: the tokenizer's decoder: compiled apart in 12.5 s; compiling here from Inductor's cache"]
+    assert writer_lines == ["INFO: the tokenizer's decoder: compiled apart in 12.5 s (0 compile setting(s) of this "
+                            "process taken); compiling here from Inductor's cache"]
 
 
 def test_a_failed_child_is_one_line_and_the_writer_compiles_itself(tokenizer_dir, writer_lines):
@@ -154,8 +155,11 @@ def test_a_real_child_is_waited_for_and_its_seconds_reported(tokenizer_dir, writ
     writer, video = one_video_with_a_child(tokenizer_dir, CHILD, seed=4, frames=3)
     seconds = writer.decode_stats()["decoder_compiled_apart_s"]
     assert video and seconds > 0 and writer.apart.result["compiled"] is False
-    assert writer_lines == [f"INFO: the tokenizer's decoder: compiled apart in {writer.apart.seconds:.1f} s; "
-                            "compiling here from Inductor's cache"]
+    settings = writer.apart.result["parent_settings"]  # what differed from a fresh interpreter (this test
+    assert settings["refused"] == {}                    # process's imports decide which)
+    assert writer_lines == [f"INFO: the tokenizer's decoder: compiled apart in {writer.apart.seconds:.1f} s "
+                            f"({writer.apart.settings_note()}); compiling here from Inductor's cache"]
+    assert writer.apart.settings_note().startswith(f"{len(settings['adopted'])} compile setting(s) of this process taken")
 
 
 def test_a_child_that_hangs_is_ended_and_the_writer_compiles_itself(tokenizer_dir, writer_lines, monkeypatch):

@@ -386,6 +386,7 @@ def test_refine_stage_batches_videos_and_fails_one_video_or_the_whole_stage(tiny
         assert stats["refined_videos"] == 2 and stats["refiner_unet_batches"] == stage.unet_batches
         assert 0 < stats["refiner_busy_s"] and stats["refiner_compile_mode"] == "none"
         assert stats["refiner_compile_s"] == stats["refiner_vae_compile_s"] == 0
+        assert stats["refiner_compile_cache"] == [0, 0]  # prepared, and no lookup of Inductor's cache
     finally:
         stage.close()
     alone = VideoRefiner(refiner.unet, refiner.vae, refiner.config, device="cpu", dtype=torch.float32, source="x")

@@ -61,12 +61,24 @@ def compile_on_cpu() -> None:
     writer_process.compile_decoder = compile_decoder
 
 
+CHILD_ONLY_ENV: dict[str, str] = {}  # --child-env: variables the children have and this process has not
+
+
 def run_child(request_json: str, command: list[str], cache: Path) -> dict:
     from terra_cli.compile_apart import CompileApart
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # the child takes this process's environment
+    saved = {name: os.environ.get(name) for name in CHILD_ONLY_ENV}
+    os.environ.update(CHILD_ONLY_ENV)
     began = time.perf_counter()
-    child = CompileApart(request_json, command)
+    try:
+        child = CompileApart(request_json, command)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     result = child.wait()
     return {"seconds": round(time.perf_counter() - began, 2), "result": result, "error": child.error}
 
@@ -136,11 +148,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="refiner,decoder", help="refiner, decoder or both (comma-separated)")
+    parser.add_argument("--import-vllm", action="store_true",
+                        help="import vLLM first, as the engine's process has (its import sets Inductor's options)")
+    parser.add_argument("--child-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a variable the children get and this process has not (a difference to test)")
     args = parser.parse_args()
+    CHILD_ONLY_ENV.update(item.split("=", 1) for item in args.child_env)
     if args.out.exists():  # a report of another run is never replaced
         parser.error(f"{args.out} exists: name another --out")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    report: dict = {}
+    report: dict = {"child_only_env": CHILD_ONLY_ENV}
+    if args.import_vllm:
+        import vllm  # noqa: F401
+
+        report["vllm"] = {"version": vllm.__version__,
+                          "TORCHINDUCTOR_COMPILE_THREADS": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")}
     with tempfile.TemporaryDirectory(prefix="terra-compile-apart-") as tmp:
         tmp = Path(tmp)
         os.environ["TERRA_CACHE"] = str(tmp / "terra-cache")

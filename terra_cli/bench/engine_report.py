@@ -73,7 +73,7 @@ class BusySampler:
 # An engine loop's values that are no running sums: a minute's line leaves them out (the run's last says them)
 NOT_CUMULATIVE = ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s", "intake_done_after_s",
                   "refiner_compiled_apart_s", "refiner_compile_s", "refiner_vae_compile_s", "decode_sms",
-                  "decoder_compiled_apart_s")
+                  "decoder_compiled_apart_s", "decode_first_batch_cache", "refiner_compile_cache")
 
 
 def loop_since(loop: dict, earlier: dict | None) -> dict:
@@ -86,6 +86,13 @@ def loop_since(loop: dict, earlier: dict | None) -> dict:
         since["mean_in_flight"] = since["rollout_steps"] / since["steps"]
         since["full_after_s"] = loop.get("full_after_s")
     return since
+
+
+def cache_counts(counts: list[int] | None) -> str:
+    """A compile's FX-graph lookups, as " (Inductor's cache: H hits, M misses)"; empty when it made none."""
+    if not counts or not any(counts):
+        return ""
+    return f" (Inductor's cache: {counts[0]} hits, {counts[1]} misses)"
 
 
 def describe_engine_loop(loop: dict | None) -> str | None:
@@ -112,6 +119,8 @@ def describe_engine_loop(loop: dict | None) -> str | None:
             stages += f" ({1000 * loop['decode_ahead_s'] / loop['decode_ahead_timed_frames']:.2f} ms a frame)"
         if loop.get("decoder_compiled_apart_s") is not None:  # scenarios.decoder_compile_apart
             stages += f", compiled apart first in {loop['decoder_compiled_apart_s']:.1f} s"
+        if loop.get("decode_first_batch_s") is not None:  # its compile here: from the child's cache only if no miss
+            stages += f", its first batch {loop['decode_first_batch_s']:.1f} s{cache_counts(loop.get('decode_first_batch_cache'))}"
     if loop.get("decode_late_frames"):
         stages += (f"; {loop['decode_late_frames']} frames decoded when their video was done "
                    f"({loop.get('decode_late_s', 0.0):.1f} s)")
@@ -122,6 +131,8 @@ def describe_engine_loop(loop: dict | None) -> str | None:
                    f"batches, its thread busy {loop['refiner_busy_s']:.1f} s")
         if loop.get("refiner_compiled_apart_s") is not None:
             stages += f", compiled apart first in {loop['refiner_compiled_apart_s']:.1f} s"
+        if loop.get("refiner_compile_cache") is not None:
+            stages += f", compiled here in {loop.get('refiner_compile_s', 0.0):.1f} s{cache_counts(loop['refiner_compile_cache'])}"
     if loop.get("intake_encode_s") is not None:  # a single engine's intake (scenarios.encoding.EncodeAhead)
         done = loop.get("intake_done_after_s")
         stages += (f"; the intake waited {loop.get('intake_read_wait_s', 0.0):.1f} s for reads and encoded "

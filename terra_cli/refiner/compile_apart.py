@@ -71,6 +71,7 @@ def start_compile_apart(refiner, command: Sequence[str] | None = None) -> Compil
 def main(argv: Sequence[str] | None = None) -> int:
     """The child: load the weights on the device, compile the UNet and the VAE decoder (one call
     each on zeros, as the stage's thread will), print one JSON line."""
+    from terra_cli.compile_apart import begin_child_compile
     from terra_cli.refiner.compiled import inductor_cache_dir
     from terra_cli.refiner.refiner import VideoRefiner
 
@@ -81,11 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     request = CompileRequest.from_json(args[0])
     refiner = VideoRefiner.from_checkpoint(request.weights, device=request.device, dtype=request.dtype,
                                            options=request.options)
+    settings = begin_child_compile()  # after the load: the parent's default dtype must not change it
     unet_s = refiner.prepare()
     refiner.prepare_vae_decoder()
     print(json.dumps({"compile_mode": refiner.compile_mode, "unet_s": round(unet_s, 2),
                       "vae_decoder_s": round(refiner.vae_decoder_compile_seconds, 2),
-                      "vae_decoder_error": refiner.vae_decoder_error, "inductor_cache": str(inductor_cache_dir())}))
+                      "vae_decoder_error": refiner.vae_decoder_error, "inductor_cache": str(inductor_cache_dir()),
+                      "parent_settings": settings}))
     return 0
 
 

@@ -70,6 +70,7 @@ class RefineStage:
         self.stopping = threading.Event()
         self.videos, self.video_seconds = 0, 0.0  # made, and their time from submission to the mp4
         self.unet_batches = 0
+        self.compile_cache: tuple[int, int] | None = None  # Inductor's FX-graph cache (hits, misses) of its compile
         self.busy_s = 0.0  # the thread's time on videos (decoding tokens, UNet batches, VAE, mp4), compiling not included
         self._count = 0
         from terra_cli.refiner.compile_apart import start_compile_apart
@@ -111,7 +112,8 @@ class RefineStage:
                 "refiner_busy_s": round(self.busy_s, 3), "refiner_unet_batches": self.unet_batches,
                 "refiner_compile_mode": refiner.compile_mode,
                 "refiner_compile_s": round(refiner.compile_seconds, 2),
-                "refiner_vae_compile_s": round(refiner.vae_decoder_compile_seconds, 2)}
+                "refiner_vae_compile_s": round(refiner.vae_decoder_compile_seconds, 2),
+                "refiner_compile_cache": None if self.compile_cache is None else list(self.compile_cache)}
 
     def close(self) -> None:
         """Stop after the UNet batch in progress; videos still open fail. Safe to call twice."""
@@ -157,8 +159,13 @@ class RefineStage:
 
             torch.cuda.set_device(self.cuda_index)
         self.refiner.to(self.refiner.target_device)
+        from terra_cli.compile_apart import fx_cache_counts
+
+        before = fx_cache_counts()
         self.refiner.prepare()
         self.refiner.prepare_vae_decoder()
+        after = fx_cache_counts()
+        self.compile_cache = (after[0] - before[0], after[1] - before[1])  # the compile apart's test: misses 0
 
     def _wait_for_compile_apart(self) -> None:
         from terra_cli.refiner.refiner import LOG
@@ -171,7 +178,8 @@ class RefineStage:
             LOG.warning(apart.failure_line("refiner"))
             return
         LOG.info(f"refiner: compiled apart in {apart.seconds:.1f} s (UNet {result.get('unet_s')} s, VAE decoder "
-                 f"{result.get('vae_decoder_s')} s, in a child process while the engine generated); "
+                 f"{result.get('vae_decoder_s')} s, in a child process while the engine generated; "
+                 f"{apart.settings_note()}); "
                  f"compiling here from Inductor's cache")
 
     def _take_in(self, block: bool) -> bool:

@@ -56,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from tokenizer_decoder import ImageTokenizer
 
+    from terra_cli.compile_apart import begin_child_compile
     from terra_cli.refiner.compiled import inductor_cache_dir
     from terra_cli.scenarios.writer_process import compile_decoder
 
@@ -66,12 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = json.loads(args[0])
     decoder = ImageTokenizer.from_pretrained(spec["source"], device=spec["device"], batch_size=spec["batch_size"],
                                              image_size=tuple(spec["image_size"]))
+    settings = begin_child_compile()  # after the load: the parent's default dtype must not change it
     compiled = compile_decoder(decoder)
     began = time.perf_counter()
     decoder.decode_tokens(np.zeros((decoder.batch_size, decoder.tokens_per_frame), dtype=np.int64), full_batches=True)
     print(json.dumps({"compiled": compiled, "seconds": round(time.perf_counter() - began, 2),
                       "decoder_compile_error": decoder.decoder_compile_error,
-                      "inductor_cache": str(inductor_cache_dir())}))
+                      "inductor_cache": str(inductor_cache_dir()), "parent_settings": settings}))
     return 0
 
 

@@ -167,8 +167,8 @@ class InProcessWriter:
         if self.closing:  # ended by close(): nothing to say
             return False
         if result is not None:
-            LOG.info(f"the tokenizer's decoder: compiled apart in {apart.seconds:.1f} s; compiling here from "
-                     "Inductor's cache")
+            LOG.info(f"the tokenizer's decoder: compiled apart in {apart.seconds:.1f} s ({apart.settings_note()}); "
+                     "compiling here from Inductor's cache")
         else:
             LOG.warning(apart.failure_line("the tokenizer's decoder"))
         return True

@@ -35,6 +35,8 @@ from typing import Callable
 
 import numpy as np
 
+from terra_cli.compile_apart import fx_cache_counts
+
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 # TERRA_DECODER_COMPILE=0 keeps the tokenizer's decoder eager on CUDA (to compare; on by default).
 DECODER_COMPILE_ENV = "TERRA_DECODER_COMPILE"
@@ -110,6 +112,7 @@ class FrameStore:
         # seconds of the others: beside the engine's steps a batch takes longer than alone, and the
         # product's ms a frame says how much of the card the decoding holds
         self.batches_ahead, self.frames_ahead, self.first_batch_s = 0, 0, None
+        self.first_batch_cache: list[int] | None = None  # Inductor's FX-graph cache [hits, misses] in it
         self.ahead_s, self.frames_timed = 0.0, 0  # the batches after the first
         # Frames decoded when their video was done instead (past `held_frames`, or a batch still short)
         self.frames_late, self.late_s = 0, 0.0
@@ -151,12 +154,16 @@ class FrameStore:
             self.waiting.extendleft(reversed(batch))
             return False
         rows = np.stack([self.videos[key][index][0] for key, index in batch])
+        first = self.first_batch_s is None
+        cache_before = fx_cache_counts() if first else None
         started = time.perf_counter()
         for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
             self.videos[key][index] = (self.videos[key][index][0], pixels)
         seconds = time.perf_counter() - started
-        if self.first_batch_s is None:
+        if first:
             self.first_batch_s = seconds
+            after = fx_cache_counts()
+            self.first_batch_cache = [after[0] - cache_before[0], after[1] - cache_before[1]]
         else:  # (the first one's is the compile's, apart)
             self.ahead_s += seconds
             self.frames_timed += len(batch)
@@ -174,7 +181,8 @@ class FrameStore:
 
     def stats(self) -> dict:
         return {"decode_ahead_batches": self.batches_ahead, "decode_ahead_frames": self.frames_ahead,
-                "decode_first_batch_s": self.first_batch_s, "decode_ahead_s": round(self.ahead_s, 3),
+                "decode_first_batch_s": self.first_batch_s, "decode_first_batch_cache": self.first_batch_cache,
+                "decode_ahead_s": round(self.ahead_s, 3),
                 "decode_ahead_timed_frames": self.frames_timed,
                 "decode_late_frames": self.frames_late, "decode_late_s": round(self.late_s, 3)}
 

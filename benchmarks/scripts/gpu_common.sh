@@ -60,16 +60,27 @@ in_background() {  # NAME COMMAND...: COMMAND runs with OUT=/tmp/bg/NAME; return
   echo "== $name: started in the background: $*" | tee -a "$STEP_LOG"
 }
 
+# The device tool returns what is under $OUT even when a call outruns its limit, and a call's limit can
+# be lower than asked (the lease's budget counts while a reply is read): an await that packed only at its
+# end lost a whole run's results (2026-11-28, afternoon). So the pack is refreshed every minute meanwhile,
+# written under another name and renamed, so a call ended mid-pack leaves the last whole one.
+pack_background() {  # NAME: /tmp/bg/NAME into $OUT/NAME.tar.gz, replaced whole
+  tar -C /tmp/bg -czf "$OUT/$1.partial" "$1" && mv "$OUT/$1.partial" "$OUT/$1.tar.gz"
+}
+
 await_background() {  # NAME LIMIT_S: wait up to LIMIT_S for NAME, then pack /tmp/bg/NAME into $OUT/NAME.tar.gz
-  local name=$1 limit=$2 t0=$SECONDS
-  while [ ! -e "/tmp/bg/$name/rc" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 5; done
+  local name=$1 limit=$2 t0=$SECONDS packed=$SECONDS
+  while [ ! -e "/tmp/bg/$name/rc" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do
+    sleep 5
+    if [ $((SECONDS - packed)) -ge 60 ]; then pack_background "$name"; packed=$SECONDS; fi
+  done
   if [ -e "/tmp/bg/$name/rc" ]; then
     echo "== $name: finished, exit $(cat "/tmp/bg/$name/rc")" | tee -a "$STEP_LOG"
   else
     echo "== $name: still running after $limit s more" | tee -a "$STEP_LOG"
   fi
   tail -25 "/tmp/bg/$name/summary.txt" 2>/dev/null | tee -a "$STEP_LOG"
-  tar -C /tmp/bg -czf "$OUT/$name.tar.gz" "$name"
+  pack_background "$name"
 }
 
 # Compile caches across leases (each lease is a fresh host): Triton's (terra's attention kernel, vLLM's

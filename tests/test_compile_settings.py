@@ -47,6 +47,23 @@ COMPILE_CHILD = [sys.executable, "-c", textwrap.dedent("""
 
 
 @pytest.fixture
+def vllm_worker_precision():
+    """What vLLM's GPU worker does at its start in the engine's process (`gpu_worker.py`:
+    `torch.set_float32_matmul_precision(VLLM_FLOAT32_MATMUL_PRECISION)`, "highest" by default): it
+    turns `torch.backends.cuda.matmul.fp32_precision` from "none" to "ieee", which Inductor's cache key
+    holds: the likely cause of the decoder's miss beside vLLM on an H200 (2026-11-28). Restored after."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "none"  # a fresh interpreter's, whatever ran in this process before
+
+    def apply() -> None:
+        torch.set_float32_matmul_precision("highest")
+
+    yield apply
+    matmul.fp32_precision = before
+
+
+@pytest.fixture
 def index_asserts():
     """Set Inductor's `debug_index_asserts` (an option its key holds) for one test, restored after."""
     before = inductor_config.debug_index_asserts
@@ -104,21 +121,25 @@ def tiny_graph_module(tmp_path, monkeypatch):
     return importlib.reload(tiny_graph)
 
 
+@pytest.mark.parametrize("setting", ["an Inductor option", "vLLM's float32 matmul precision"])
 @pytest.mark.parametrize("changed", ["before the child", "after the child"])
 def test_the_parents_compile_after_its_child_is_a_cache_hit_only_under_the_same_settings(tmp_path, monkeypatch,
-                                                                                           index_asserts, changed):
-    """An option the key holds, changed in the parent before the child starts, travels (a hit); the
+                                                                                           index_asserts,
+                                                                                           vllm_worker_precision,
+                                                                                           setting, changed):
+    """A setting the key holds, changed in the parent before the child starts, travels (a hit); the
     same change made after the child ended is a miss: the key holds it, and the handing over is what
     made the first a hit."""
+    change = index_asserts if setting == "an Inductor option" else vllm_worker_precision
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     graph = tiny_graph_module(tmp_path, monkeypatch)
     if changed == "before the child":
-        index_asserts()
+        change()
     child = CompileApart("{}", COMPILE_CHILD)
     result = child.wait(300)
     assert result is not None, child.error
     assert result["cache"] == [0, 1]  # the child compiled cold, into the empty cache
-    index_asserts()  # (the same value again when set before the child)
+    change()  # (the same value again when set before the child)
     torch._dynamo.reset()
     hits, misses = fx_cache_counts()
     torch.compile(graph.graph, dynamic=False)(torch.ones(4, 8))

@@ -15,17 +15,17 @@ The child is a plain subprocess (`python -m MODULE REQUEST_JSON`) with the paren
 (CUDA_VISIBLE_DEVICES, TERRA_CACHE, the lab switches); it prints one JSON line of what it did. Its
 failure costs nothing but the time: the parent compiles itself, as it would have.
 
-The same environment is not the same cache key. Inductor's key also holds its options and a few torch
-globals (matmul precision, the default dtype, deterministic algorithms) as the process has them when
-it compiles, and the engine's process is not a fresh interpreter: vLLM's GPU worker, for one, calls
-`torch.set_float32_matmul_precision("highest")` at its start, which turns the key's
-`torch.backends.cuda.matmul.fp32_precision` from "none" to "ieee". On an H200 (2026-11-28, benchmarks/README.md) the decoder's child compiled in 71 s and the
-parent's compile after it still ran Inductor's compile workers for 34 s, the engine near idle
-meanwhile: a miss (that setting is the likely cause; tests/test_compile_settings.py reproduces it on a
-CPU). So the parent hands the child its settings
-(`parent_compile_settings`, in the child's environment), each child takes them before it compiles
-(`begin_child_compile`, at a lower CPU priority), and the parent's engine line counts its own
-compile's cache hits and misses (`fx_cache_counts`), so the next run says whether that was the cause.
+The same environment is not the same cache key. Inductor's key also holds its options and a few
+torch globals (matmul precision, the default dtype, deterministic algorithms) as the process has them
+when it compiles, and the engine's process is not a fresh interpreter: vLLM's GPU worker, for one,
+calls `torch.set_float32_matmul_precision("highest")` at its start, which turns the key's
+`torch.backends.cuda.matmul.fp32_precision` from "none" to "ieee". On an H200 (2026-11-28,
+benchmarks/README.md) the decoder's child compiled in 71 s and the parent's compile after it still
+ran Inductor's compile workers for 34 s, the engine near idle meanwhile: a miss (that setting is the
+likely cause; tests/test_compile_settings.py reproduces it on a CPU). So the parent hands the child
+its settings (`parent_compile_settings`, in the child's environment), each child takes them before
+it compiles (`begin_child_compile`, at a lower CPU priority), and the parent's engine line counts
+its own compile's cache hits and misses (`fx_cache_counts`), so the next run shows it.
 """
 
 from __future__ import annotations

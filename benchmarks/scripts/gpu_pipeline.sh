@@ -23,10 +23,11 @@
 #          against two stages on NREF1 (64) samples (ONE_PAIR=0 skips the pair before it); `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
-#   start2 start `runs2` in the background, one chain a GPU: GPU 0 `bench --act-bench N2` (512: two waves of 256),
-#          then issue 40's overlap (`--act-bench NREF1 (32) --decoder refiner --refiner-windows 4`: the refiner compiled
-#          apart while vLLM generates); GPU 1 the same N2 samples tokens only, then the two stages' parts on NREF1
-#          (tokens only, then `bench --refiner --windows 4` on its own cold Inductor cache), then gpu_serve.sh
+#   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
+#          --decoder refiner --refiner-windows 4`: the refiner compiled apart while vLLM generates), then `bench
+#          --act-bench N2` (512: two waves of 256); GPU 1 the two stages' parts on NREF1 (tokens only, then `bench
+#          --refiner --windows 4`, each refiner on its own cold Inductor cache), then the same N2 samples tokens only
+#          (REF_FIRST=0: each GPU's pair run first, the refiner parts after), then gpu_serve.sh
 #          (issue 41's serving figures) within SERVE_S (300 s; 0 skips it); `await` collects it
 # On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (one call each: b and ff together pass
 # the 64 MiB a call carries) and `gpu_side4.sh ref` (carry .gpu/ref: diffusers, for the refiner step):
@@ -156,23 +157,37 @@ case "${1:-}" in
     ( while sleep 30; do echo "$(date +%s) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader | tr '\n' ' ')"; done ) \
       > "$OUT/two-gpu.txt" 2>&1 &
     watch=$!
-    ( export CUDA_VISIBLE_DEVICES=0
+    # Each GPU's two parts: the pair (issue 37) and issue 40's refiner parts. REF_FIRST=1 (the default) runs the
+    # refiner parts first: run last, they were cut off with the lease twice (2026-11-28); REF_FIRST=0 the pair first.
+    pair0() {
       timeout "${RUN_S:-1020}" terra bench --act-bench "$N2" --kv-cache-dtype fp8 \
         --out "$OUT/act-gpu0.json" > "$OUT/act-gpu0.log" 2>&1; echo "act-gpu0 exit $? at $(date +%s)" >> "$STEP_LOG"
-      timeout 600 terra bench --act-bench "${NREF1:-32}" --decoder refiner --refiner-windows 4 --kv-cache-dtype fp8 \
-        --out "$OUT/refiner1-gpu0.json" > "$OUT/refiner1-gpu0.log" 2>&1; echo "refiner1-gpu0 exit $? at $(date +%s)" >> "$STEP_LOG"
-    ) &
-    chain0=$!
-    # GPU 1's refiner compiles into a cache of its own: GPU 0's compile apart must start cold, as a user's first run
-    ( export CUDA_VISIBLE_DEVICES=1
+    }
+    # the overlap run compiles into a cache of its own: the pair's decoder compile stays a user's first (cold)
+    ref0() {
+      TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-gpu0-ref timeout 600 terra bench --act-bench "${NREF1:-32}" --decoder refiner \
+        --refiner-windows 4 --kv-cache-dtype fp8 --out "$OUT/refiner1-gpu0.json" > "$OUT/refiner1-gpu0.log" 2>&1
+      echo "refiner1-gpu0 exit $? at $(date +%s)" >> "$STEP_LOG"
+    }
+    pair1() {
       timeout "${RUN_S:-1020}" terra bench --scenarios "$N2" --frames 47 --kv-cache-dtype fp8 \
         --out "$OUT/tokens-gpu1.json" > "$OUT/tokens-gpu1.log" 2>&1; echo "tokens-gpu1 exit $? at $(date +%s)" >> "$STEP_LOG"
+    }
+    # GPU 1's refiner compiles into a cache of its own too: both refiner compiles start cold, as a user's first run
+    ref1() {
       timeout 400 terra bench --scenarios "${NREF1:-32}" --frames 47 --kv-cache-dtype fp8 \
         --out "$OUT/twostage-tokens-gpu1.json" > "$OUT/twostage-tokens-gpu1.log" 2>&1
       echo "twostage-tokens-gpu1 exit $? at $(date +%s)" >> "$STEP_LOG"
       TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-gpu1 timeout 400 terra bench --refiner --windows 4 --refiner-compile default \
         --out "$OUT/twostage-refiner-gpu1.json" > "$OUT/twostage-refiner-gpu1.log" 2>&1
       echo "twostage-refiner-gpu1 exit $? at $(date +%s)" >> "$STEP_LOG"
+    }
+    if [ "${REF_FIRST:-1}" = 1 ]; then order=(ref pair); else order=(pair ref); fi
+    ( export CUDA_VISIBLE_DEVICES=0
+      "${order[0]}0"; "${order[1]}0" ) &
+    chain0=$!
+    ( export CUDA_VISIBLE_DEVICES=1
+      "${order[0]}1"; "${order[1]}1"
       if [ "${SERVE_S:-300}" != 0 ]; then  # (timeout 0 would mean no limit)
         mkdir -p "$OUT/serve"
         OUT=$OUT/serve timeout "${SERVE_S:-300}" bash benchmarks/scripts/gpu_serve.sh > "$OUT/serve.log" 2>&1

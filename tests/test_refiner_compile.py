@@ -71,3 +71,13 @@ def test_tracing_quietly_silences_dynamos_lru_cache_warning_and_nothing_else():
     assert any("lru_cache" in m for m in loud)  # the warning this silences, as torch gives it
     quiet = traced_warnings(quiet=True)
     assert not any("lru_cache" in m for m in quiet) and "another warning" in quiet
+    # Inductor's TF32 advice comes only on a card (compile_fx._warn_tf32_disabled): its text, warned here
+    tf32 = ("TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled. "
+            "Consider setting `torch.set_float32_matmul_precision('high')` for better performance.")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracing_quietly():
+            warnings.warn(tf32)
+            warnings.warn("TensorFloat32 is something else")
+        warnings.warn(tf32)
+    assert [str(w.message) for w in caught] == ["TensorFloat32 is something else", tf32]

@@ -88,10 +88,14 @@ def tracing_quietly():
     """While Dynamo traces the UNet: diffusers' up-sampling blocks call `is_torch_version`, an
     `lru_cache`-wrapped pure function, and Dynamo warns once per call site that it traces through
     the cache (seen in every compiled run's log, 2026-11-27). Tracing through a pure function is
-    correct, so that warning alone is silenced; every other warning still shows."""
+    correct, so that warning is silenced. So is Inductor's advice, on a card with TF32, to compute
+    float32 matmuls in TF32 (seen in the refiner bench's log, 2026-11-28): the refiner keeps Terra's
+    float32 math, and taking the advice would change the refined pixels. Every other warning still shows."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools\.lru_cache`-wrapped function",
                                 category=UserWarning)
+        warnings.filterwarnings("ignore", message=r"TensorFloat32 tensor cores for float32 matrix multiplication "
+                                                  r"available but not enabled", category=UserWarning)
         yield
 
 

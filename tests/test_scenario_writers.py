@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 
 from conftest import save_frame_tokenizer
 from terra_cli.cli import app
+from terra_cli.errors import InputError
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 from terra_cli.scenarios.runner import RESULTS_NAME, ScenarioRun, _Writer, completed_ids, \
     read_results, run_scenarios
@@ -98,6 +99,34 @@ def test_writer_processes_write_what_the_writer_thread_writes(tmp_path, backend,
     assert (again.resumed, again.done, again.writers) == (7, 0, 0)  # nothing pending: no processes started
 
 
+def test_decoding_after_the_engine_writes_every_video_at_the_end_and_the_same_files(tmp_path, backend, tokenizer_dir,
+                                                                                     monkeypatch):
+    """TERRA_DECODE_AFTER=1 (a lab switch): no frame is decoded while the engine generates, no video is
+    written before the engine's last frame, and the files are those of a default run."""
+    file = read_scenarios(write_lines(tmp_path, lines(5)), Defaults())
+    tokenizer = load(tokenizer_dir)
+    default = run_scenarios(file, tmp_path / "default", backend, tokenizer, max_rollouts=2, writers=0)
+    monkeypatch.setenv("TERRA_DECODE_AFTER", "1")
+    frames_when_written = []
+    seen = {}
+    after = run_scenarios(file, tmp_path / "after", backend, tokenizer, max_rollouts=2, writers=0,
+                          on_progress=lambda run, total: seen.update(run=run),
+                          on_written=lambda record: frames_when_written.append(seen["run"].generated_frames))
+    assert (after.done, after.failed) == (default.done, default.failed) == (5, 0)
+    total = sum(s.frames - s.context_frames for s in file.scenarios)
+    assert frames_when_written == [total] * 5  # each video written once every frame was made
+    assert after.engine_loop["decode_ahead_frames"] == 0 and default.engine_loop["decode_ahead_frames"] > 0
+    assert after.frames_decoded_late == sum(s.frames for s in file.scenarios)  # all, at the end
+    assert files(tmp_path / "after") == files(tmp_path / "default")
+    for i in range(5):
+        assert (tmp_path / "after" / f"v{i}.mp4").read_bytes() == (tmp_path / "default" / f"v{i}.mp4").read_bytes()
+    with pytest.raises(InputError, match="TERRA_DECODE_AFTER=1 needs the engine's own writer threads"):
+        run_scenarios(file, tmp_path / "processes", backend, tokenizer, max_rollouts=2, writers=1)
+    monkeypatch.setenv("TERRA_DECODE_AFTER", "yes")
+    with pytest.raises(InputError, match="TERRA_DECODE_AFTER='yes': use 1"):
+        run_scenarios(file, tmp_path / "bad", backend, tokenizer, max_rollouts=2, writers=0)
+
+
 def test_a_video_that_fails_in_a_writer_process_is_recorded_failed_as_in_the_thread(tmp_path, backend):
     """A tokenizer of 256 codes cannot decode the tiny model's 512: each video fails, each
     scenario is recorded failed with its tokens kept, as when the thread decodes."""
@@ -149,10 +178,16 @@ def test_a_writer_process_that_cannot_start_ends_the_run_with_one_error(tmp_path
     assert files(tmp_path / "out") == []  # not even a results line: nothing was written
 
 
-def test_an_interrupt_writes_every_finished_scenario_through_the_processes(tmp_path, backend, tokenizer_dir):
+@pytest.mark.parametrize("writers", ["processes", "threads decoding after the engine"])
+def test_an_interrupt_writes_every_finished_scenario_through_the_processes(tmp_path, backend, tokenizer_dir, writers,
+                                                                           monkeypatch):
+    """Also with TERRA_DECODE_AFTER=1, whose threads hold every finished video until the engine is done:
+    an interrupt ends the engine, and what finished is still written."""
     file = read_scenarios(write_lines(tmp_path, lines(4)), Defaults())  # v0: 1 generated frame, v1: 2, v2: 3
     out = tmp_path / "out"
     frames = []
+    if writers != "processes":
+        monkeypatch.setenv("TERRA_DECODE_AFTER", "1")
 
     def stop_inside_v2(run, total):
         frames.append(1)
@@ -160,8 +195,8 @@ def test_an_interrupt_writes_every_finished_scenario_through_the_processes(tmp_p
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        bounded(lambda: run_scenarios(file, out, backend, load(tokenizer_dir), max_rollouts=1, writers=1,
-                                      on_progress=stop_inside_v2), 120)
+        bounded(lambda: run_scenarios(file, out, backend, load(tokenizer_dir), max_rollouts=1,
+                                      writers=1 if writers == "processes" else 0, on_progress=stop_inside_v2), 120)
     assert completed_ids(out) == {"v0", "v1"}
     assert files(out) == [RESULTS_NAME, "v0.mp4", "v0.npy", "v1.mp4", "v1.npy"]
 

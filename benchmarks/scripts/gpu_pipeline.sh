@@ -27,7 +27,8 @@
 #          --decoder refiner --refiner-windows 4`: the refiner compiled apart while vLLM generates), then `bench
 #          --act-bench N2` (512: two waves of 256); GPU 1 the two stages' parts on NREF1 (tokens only, then `bench
 #          --refiner --windows 4`, each refiner on its own cold Inductor cache), then the same N2 samples tokens only
-#          (REF_FIRST=0: each GPU's pair run first, the refiner parts after), then gpu_serve.sh
+#          (REF_FIRST=0: each GPU's pair run first, the refiner parts after; PAIR1=defer: GPU 1's pair run is the
+#          ACT-Bench run with TERRA_DECODE_AFTER=1 instead of tokens only), then gpu_serve.sh
 #          (issue 41's serving figures) within SERVE_S (300 s; 0 skips it); `await` collects it
 # On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (one call each: b and ff together pass
 # the 64 MiB a call carries) and `gpu_side4.sh ref` (carry .gpu/ref: diffusers, for the refiner step):
@@ -169,7 +170,14 @@ case "${1:-}" in
         --refiner-windows 4 --kv-cache-dtype fp8 --out "$OUT/refiner1-gpu0.json" > "$OUT/refiner1-gpu0.log" 2>&1
       echo "refiner1-gpu0 exit $? at $(date +%s)" >> "$STEP_LOG"
     }
+    # PAIR1=defer: GPU 1 runs the same ACT-Bench run with TERRA_DECODE_AFTER=1 (every video decoded once the engine
+    # is done) instead of tokens only; its engine phase decodes nothing, so it is its own tokens-only baseline
     pair1() {
+      if [ "${PAIR1:-tokens}" = defer ]; then
+        TERRA_DECODE_AFTER=1 timeout "${RUN_S:-1020}" terra bench --act-bench "$N2" --kv-cache-dtype fp8 \
+          --out "$OUT/defer-gpu1.json" > "$OUT/defer-gpu1.log" 2>&1; echo "defer-gpu1 exit $? at $(date +%s)" >> "$STEP_LOG"
+        return
+      fi
       timeout "${RUN_S:-1020}" terra bench --scenarios "$N2" --frames 47 --kv-cache-dtype fp8 \
         --out "$OUT/tokens-gpu1.json" > "$OUT/tokens-gpu1.log" 2>&1; echo "tokens-gpu1 exit $? at $(date +%s)" >> "$STEP_LOG"
     }

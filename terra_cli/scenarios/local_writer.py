@@ -72,7 +72,7 @@ def tail_encoders_for_host(cores: int | None = None) -> int:
 
 class InProcessWriter:
     def __init__(self, decoder, fps: float, encoders: int | None = None, held_frames: int = HELD_FRAMES,
-                 tail_encoders: int | None = None, compile_apart: Callable | None = None):
+                 tail_encoders: int | None = None, compile_apart: Callable | None = None, decode_after: bool = False):
         encoders = encoders_for_host() if encoders is None else encoders
         tail_encoders = max(encoders, tail_encoders_for_host() if tail_encoders is None else tail_encoders)
         self.decode_stream = decode_stream_asked()  # a bad value is one line now, not a failed thread later
@@ -93,7 +93,11 @@ class InProcessWriter:
         # Started now, after the engine is up (a child beside vLLM's memory profiling would shrink its KV
         # cache), so the decoder compiles while the first frames are made (decoder_compile_apart: why)
         self.apart = (compile_apart or start_decoder_compile_apart)(decoder)
-        self.store = FrameStore(decoder, held_frames, before_first_decode=self._await_compile_apart)
+        # decode_after (runtime.decode_after_asked): no frame held or decoded ahead, and finished videos wait
+        # for `engine_done`; then they are decoded and encoded with the card and the cores to themselves
+        self.engine_finished = threading.Event() if decode_after else None
+        self.store = FrameStore(decoder, 0 if decode_after else held_frames,
+                                before_first_decode=self._await_compile_apart)
         atexit.register(self.close)  # its temporary folder goes with the process (a Ray actor's, say)
         self.thread = threading.Thread(target=self._run, name="terra-video-writer", daemon=True)
         self.thread.start()
@@ -133,9 +137,16 @@ class InProcessWriter:
         self.inbox.put(("finish", key, np.ascontiguousarray(tokens, dtype=np.int64)))
         return future
 
+    def engine_done(self) -> None:
+        """The engine made its last frame for this writer: with decode_after, the videos wait no more."""
+        if self.engine_finished is not None:
+            self.engine_finished.set()
+            self.inbox.put(("engine done",))  # wakes the loop
+
     def close(self) -> None:
         """Let the videos being encoded finish (the run waited for the ones it needs), then stop. Safe to call twice."""
         atexit.unregister(self.close)
+        self.engine_done()  # (a run that failed: what finished is still written)
         with self.lock:
             self.closing = True
         if self.apart is not None:  # a run that ended before its first decode: the thread waiting on it goes on
@@ -150,7 +161,7 @@ class InProcessWriter:
         try:
             with self._own_stream():
                 drive(self.inbox, self.store, self._answer, self.fps, self.folder, self.encoders,
-                      self.tail_encoders)
+                      self.tail_encoders, engine_done=self.engine_finished)
         except BaseException as exc:  # out of memory, a bug: the run ends with it, resumable
             with self.lock:
                 self.failure = WriterDied(f"the video writer thread failed: {type(exc).__name__}: {exc}")

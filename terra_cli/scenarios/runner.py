@@ -27,6 +27,7 @@ to engine actors on a Ray cluster (`scenarios.ray_actor`), writing what they ret
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -39,7 +40,7 @@ import numpy as np
 from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError, OutputError
 from terra_cli.pipeline.video import VIDEO_FPS
-from terra_cli.runtime import stagger_starts_asked
+from terra_cli.runtime import decode_after_asked, stagger_starts_asked
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
 from terra_cli.scenarios.encoding import ENCODE_BATCH, EncodeAhead
@@ -126,13 +127,19 @@ def run_scenarios(
         # here before the engine (taking its share of the GPU then), a copy of its 1.5B-parameter UNet per process
         # would not fit beside vLLM, and its seconds of GPU work per window dwarf what the thread costs the engine loop.
         pool = None  # makes the videos: writer processes, or the refiner's stage (windows of several videos per call)
+        # TERRA_DECODE_AFTER=1 (a lab switch): the writer decodes every video once the engine is done
+        decode_after = bool(decode and pending and frame_decoder is None and decode_after_asked())
         if decode and pending:
-            pool = start_pool(tokenizer, writers, VIDEO_FPS) if frame_decoder is None else frame_decoder.stage(VIDEO_FPS)
+            pool = (start_pool(tokenizer, writers, VIDEO_FPS, decode_after=decode_after) if frame_decoder is None
+                    else frame_decoder.stage(VIDEO_FPS))
+        decode_after = getattr(pool, "engine_finished", None) is not None  # (no pool of threads: nothing to hold)
         run.writers = pool.size if isinstance(pool, WriterPool) else 0
         writer = _Writer(out_dir, (frame_decoder or tokenizer) if decode else None, log, run, on_written,
                          plan.replaceable, pool)
         clock = time.perf_counter()
         backlog_limit = injected_writer_backlog() or max(WRITER_BACKLOG, max_rollouts)
+        if decode_after:  # its backlog is every finished scenario until the engine is done: never a reason to hold
+            backlog_limit = math.inf
         frame_delay = injected_frame_delay()
 
 
@@ -188,6 +195,8 @@ def run_scenarios(
                            on_start=start)
             finally:
                 ahead.stop()
+                if decode_after:  # (also after a failure: what finished is written, as without the switch)
+                    pool.engine_done()
                 run.loop_so_far = None
                 run.engine_loop = loop_so_far()
             ahead.check()

@@ -237,13 +237,14 @@ def serve(conn, spec: DecoderSpec) -> None:
 
 
 def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], object], fps: float, folder: str,
-          encoders: int, tail_encoders: int | None = None) -> None:
+          encoders: int, tail_encoders: int | None = None, engine_done: threading.Event | None = None) -> None:
     """A writer's loop (a writer process's, and `local_writer.InProcessWriter`'s thread): take the
     messages of `inbox` until None, decode frames ahead, and answer each finished video through `reply`
     once it is encoded: `encoders` mp4s at once while any video it holds is still being generated,
     `tail_encoders` (default: as many) while none is. Then the engine has nothing in flight for this
     writer (a run's last videos, which all end together when they started together, or a Ray engine
-    between calls) and the host's cores that its loop would need are idle."""
+    between calls) and the host's cores that its loop would need are idle. With `engine_done`
+    (TERRA_DECODE_AFTER=1), finished videos wait until it is set, then go on `tail_encoders`."""
     tail_encoders = max(encoders, tail_encoders or encoders)
     finished: deque[tuple[str, np.ndarray]] = deque()
     ready: deque[tuple[str, list, int]] = deque()  # decoded, waiting for an encoder
@@ -255,9 +256,14 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
         inbox.put(("encoded",))  # wakes the loop: an encoder is free
 
     def encoders_now() -> int:
+        if engine_done is not None:
+            return tail_encoders if engine_done.is_set() else encoders
         done_keys = {key for key, _ in finished}
         running = any(key not in done_keys for key in store.videos)
         return encoders if running else tail_encoders
+
+    def may_take() -> bool:
+        return bool(finished) and (engine_done is None or engine_done.is_set())
 
     with ThreadPoolExecutor(max(1, tail_encoders), thread_name_prefix="terra-mp4") as encoding:
 
@@ -272,7 +278,7 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
             # Blocks unless a done video, a full batch of frames or a video an encoder is free for waits: a
             # part batch waits for more frames (or for its video's end, when `take` decodes what is left).
             can_encode = bool(ready) and busy[0] < encoders_now()
-            messages = [] if finished or can_encode or store.full_batch_waiting() else [inbox.get()]
+            messages = [] if may_take() or can_encode or store.full_batch_waiting() else [inbox.get()]
             while True:
                 try:
                     messages.append(inbox.get_nowait())
@@ -287,7 +293,8 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
                     finished.append((message[1], message[2]))
                 elif message[0] == "drop":
                     store.drop(message[1])
-            if finished:  # a done video first: the run waits on it, not on frames of videos still running
+                # ("engine done",) only wakes the loop: `engine_done` is set
+            if may_take():  # a done video first: the run waits on it, not on frames of videos still running
                 key, tokens = finished.popleft()
                 try:
                     frames, late = store.take(key, tokens)

@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from terra_cli.errors import OutputError
+from terra_cli.errors import InputError, OutputError
 from terra_cli.scenarios.writer_process import SIGNALS, DecoderSpec, serve
 
 ENCODERS_PER_PROCESS = 2  # mp4s a process encodes at once (ffmpeg processes of its own, on the host's cores)
@@ -78,10 +78,11 @@ class VideoFailed(Exception):
     """One scenario's video could not be made in a writer process (the worker's message)."""
 
 
-def start_pool(decoder, workers: int, fps: float):
+def start_pool(decoder, workers: int, fps: float, decode_after: bool = False):
     """What makes the videos of `decoder` (an image tokenizer): `workers` writer processes, or with 0
     (or a tokenizer a process cannot load from a folder) its threads in this process
-    (`local_writer.InProcessWriter`); None for no decoder or another kind (the caller decodes)."""
+    (`local_writer.InProcessWriter`); None for no decoder or another kind (the caller decodes).
+    `decode_after` (`runtime.decode_after_asked`): the threads decode nothing until `engine_done`."""
     from tokenizer_decoder import ImageTokenizer
 
     if not isinstance(decoder, ImageTokenizer):
@@ -89,7 +90,9 @@ def start_pool(decoder, workers: int, fps: float):
     if workers < 1 or DecoderSpec.of(decoder) is None:
         from terra_cli.scenarios.local_writer import InProcessWriter
 
-        return InProcessWriter(decoder, fps)
+        return InProcessWriter(decoder, fps, decode_after=decode_after)
+    if decode_after:
+        raise InputError("TERRA_DECODE_AFTER=1 needs the engine's own writer threads: use --writers 0")
     return WriterPool(decoder, workers, fps)
 
 

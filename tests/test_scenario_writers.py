@@ -103,6 +103,8 @@ def test_decoding_after_the_engine_writes_every_video_at_the_end_and_the_same_fi
                                                                                      monkeypatch):
     """TERRA_DECODE_AFTER=1 (a lab switch): no frame is decoded while the engine generates, no video is
     written before the engine's last frame, and the files are those of a default run."""
+    from terra_cli.bench.engine_report import describe_engine_loop
+
     file = read_scenarios(write_lines(tmp_path, lines(5)), Defaults())
     tokenizer = load(tokenizer_dir)
     default = run_scenarios(file, tmp_path / "default", backend, tokenizer, max_rollouts=2, writers=0)
@@ -116,6 +118,9 @@ def test_decoding_after_the_engine_writes_every_video_at_the_end_and_the_same_fi
     total = sum(s.frames - s.context_frames for s in file.scenarios)
     assert frames_when_written == [total] * 5  # each video written once every frame was made
     assert after.engine_loop["decode_ahead_frames"] == 0 and default.engine_loop["decode_ahead_frames"] > 0
+    assert after.engine_loop["decode_after"] is True and "decode_after" not in default.engine_loop
+    assert "; every video decoded once the engine was done (TERRA_DECODE_AFTER=1); " in describe_engine_loop(
+        after.engine_loop)
     assert after.frames_decoded_late == sum(s.frames for s in file.scenarios)  # all, at the end
     assert files(tmp_path / "after") == files(tmp_path / "default")
     for i in range(5):

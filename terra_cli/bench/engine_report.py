@@ -73,7 +73,7 @@ class BusySampler:
 # An engine loop's values that are no running sums: a minute's line leaves them out (the run's last says them)
 NOT_CUMULATIVE = ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s", "intake_done_after_s",
                   "refiner_compiled_apart_s", "refiner_compile_s", "refiner_vae_compile_s", "decode_sms",
-                  "decoder_compiled_apart_s", "decode_first_batch_cache", "refiner_compile_cache")
+                  "decoder_compiled_apart_s", "decode_first_batch_cache", "refiner_compile_cache", "decode_after")
 
 
 def loop_since(loop: dict, earlier: dict | None) -> dict:
@@ -124,6 +124,8 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     if loop.get("decode_late_frames"):
         stages += (f"; {loop['decode_late_frames']} frames decoded when their video was done "
                    f"({loop.get('decode_late_s', 0.0):.1f} s)")
+    if loop.get("decode_after"):  # runtime.decode_after_asked
+        stages += "; every video decoded once the engine was done (TERRA_DECODE_AFTER=1)"
     if loop.get("feed_held_s"):  # the job feed's hold: free slots left empty while the writer was behind
         stages += f"; new jobs held back {loop['feed_held_s']:.1f} s (the writer behind)"
     if loop.get("refined_videos") is not None:  # --decoder refiner: the engine's refiner stage (refiner.stage)

@@ -114,6 +114,8 @@ class InProcessWriter:
             stats["decoder_compiled_apart_s"] = self.apart.succeeded_seconds
         if self.decode_sms is not None:
             stats.update(decode_sms=self.decode_sms, decode_sms_error=self.decode_sms_error)
+        if self.engine_finished is not None:  # TERRA_DECODE_AFTER=1: a bench's JSON says the run was one
+            stats["decode_after"] = True
         return stats
 
     def open(self, key: str, context: np.ndarray) -> None:

@@ -752,6 +752,7 @@ def test_the_decoders_sm_share_is_checked_at_start_and_falls_back_to_an_own_stre
     writer.decoder = types.SimpleNamespace(device=torch.device("cuda", 0))
     writer.decode_stream, writer.decode_sms, writer.decode_sms_error = "own", 16, None
     writer.store, writer.apart = types.SimpleNamespace(stats=lambda: {"decode_ahead_batches": 0}), None
+    writer.engine_finished = None  # (decoding ahead, not after the engine)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: ("current", stream))
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "a stream of its own")
     asked = []

@@ -71,6 +71,15 @@ N1=${N1:-256}
 N2=${N2:-512}  # start2: samples a run of the pair (two waves of 256 in flight)
 NAB=${NAB:-256}  # startab: samples a run (one engine each; 256 fill its slots, ~470 s on an H200)
 terra() { python3 -m terra_cli "$@"; }
+build_checkpoint() {  # the random Terra checkpoint built once, before runs that would race to build it
+  python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
+    > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
+}
+watch_gpus() {  # FILE FIELDS: every 30 s a line of each GPU's FIELDS (nvidia-smi --query-gpu) into $OUT/FILE; run it with &
+  while sleep 30; do
+    echo "$(date +%s) $(nvidia-smi --query-gpu="$2" --format=csv,noheader | tr '\n' ' ')"
+  done > "$OUT/$1" 2>&1
+}
 say_if_no_diffusers() {  # the refiner runs need diffusers, which `gpu_side4.sh ref` brings
   python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
 }
@@ -153,10 +162,8 @@ case "${1:-}" in
   runs2)
     source_stamp "$OUT/commit.txt"
     say_if_no_diffusers
-    python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
-      > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
-    ( while sleep 30; do echo "$(date +%s) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader | tr '\n' ' ')"; done ) \
-      > "$OUT/two-gpu.txt" 2>&1 &
+    build_checkpoint
+    watch_gpus two-gpu.txt memory.used,utilization.gpu &
     watch=$!
     # Each GPU's two parts: the pair (issue 37) and issue 40's refiner parts. REF_FIRST=1 (the default) runs the
     # refiner parts first: run last, they were cut off with the lease twice (2026-11-28); REF_FIRST=0 the pair first.
@@ -210,11 +217,8 @@ case "${1:-}" in
   runsab)
     source_stamp "$OUT/commit.txt"
     restore_warm_caches
-    # One build of the random checkpoint before four processes would race to build it.
-    python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
-      > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
-    ( while sleep 30; do echo "$(date +%s) $(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader | tr '\n' ' ')"; done ) \
-      > "$OUT/ab-gpu.txt" 2>&1 &
+    build_checkpoint
+    watch_gpus ab-gpu.txt utilization.gpu &
     watch=$!
     pids=()
     gpus=$(nvidia-smi -L | wc -l)  # on a two-GPU host: GPUs 0 and 1 alone (the 90% ratio)
@@ -348,10 +352,8 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     [ -f /tmp/bg/warm-caches.tar.xz ] || save_warm_caches ;;  # a second startab on the host: packed already
   runs1)
     source_stamp "$OUT/commit.txt"
-    python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
-      > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
-    ( while sleep 30; do echo "$(date +%s) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"; done ) \
-      > "$OUT/one-gpu.txt" 2>&1 &
+    build_checkpoint
+    watch_gpus one-gpu.txt memory.used,utilization.gpu &
     local_watch=$!
     if [ "${ONE_PAIR:-1}" != 0 ]; then  # ONE_PAIR=0: only what ONE_AFTER names (the pair takes ~16 minutes)
       timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \

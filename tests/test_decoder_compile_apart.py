@@ -100,6 +100,22 @@ def counted_decodes(tokenizer) -> list[int]:
     return calls
 
 
+def streamed_to_a_gated_child(tokenizer_dir, key: str, seed: int, frames: int):
+    """An in-process writer (batches of 4, its decodes counted) whose decoder's child is a `GatedChild`,
+    and the video `key` of `frames` random frames streamed to it as an engine makes them, not yet
+    submitted: (the writer, the child, the decodes' sizes, the tokens)."""
+    tokenizer = load(tokenizer_dir)
+    tokenizer.batch_size = 4
+    calls = counted_decodes(tokenizer)
+    child = GatedChild()
+    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: child)
+    tokens = np.random.default_rng(seed).integers(0, 512, size=(frames, TOKENS))
+    writer.open(key, tokens[:2])
+    for index in range(2, frames):
+        writer.frame(key, index, tokens[index])
+    return writer, child, calls, tokens
+
+
 def one_video_with_a_child(tokenizer_dir, command: list[str], seed: int, frames: int):
     """An in-process writer whose decoder's child runs `command` (a real process), one video of
     `frames` random frames through it, the writer closed: (the writer, the mp4's bytes)."""
@@ -115,16 +131,8 @@ def one_video_with_a_child(tokenizer_dir, command: list[str], seed: int, frames:
 def test_the_writer_decodes_nothing_until_the_decoders_child_has_ended(tokenizer_dir, writer_lines):
     """Frames keep arriving while the child compiles; the writer's thread decodes none of them until
     the child ends (its compile is then a cache hit), then decodes them all ahead and makes the mp4."""
-    tokenizer = load(tokenizer_dir)
-    tokenizer.batch_size = 4
-    calls = counted_decodes(tokenizer)
-    child = GatedChild()
-    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: child)
-    tokens = np.random.default_rng(2).integers(0, 512, size=(9, TOKENS))
+    writer, child, calls, tokens = streamed_to_a_gated_child(tokenizer_dir, "a", seed=2, frames=9)
     try:
-        writer.open("a", tokens[:2])
-        for index in range(2, 9):
-            writer.frame("a", index, tokens[index])
         time.sleep(0.5)  # two full batches wait: a writer that did not wait for the child would have decoded them
         assert calls == [] and writer.decode_stats()["decoder_compiled_apart_s"] is None
         child.gate.set()
@@ -181,15 +189,7 @@ def test_a_child_that_hangs_is_ended_and_the_writer_compiles_itself(tokenizer_di
 def test_closing_the_writer_ends_a_child_still_compiling_without_a_word(tokenizer_dir, writer_lines):
     """A run that ends (an interrupt) while the child still compiles: close() ends the child first,
     so the writer's thread, waiting on it, goes on and ends at once; no line about a failure."""
-    tokenizer = load(tokenizer_dir)
-    tokenizer.batch_size = 4
-    calls = counted_decodes(tokenizer)
-    child = GatedChild()
-    writer = InProcessWriter(tokenizer, fps=10, compile_apart=lambda decoder: child)
-    tokens = np.random.default_rng(6).integers(0, 512, size=(6, TOKENS))
-    writer.open("e", tokens[:2])
-    for index in range(2, 6):
-        writer.frame("e", index, tokens[index])
+    writer, child, calls, _ = streamed_to_a_gated_child(tokenizer_dir, "e", seed=6, frames=6)
     time.sleep(0.3)  # the thread is waiting on the child, a full batch in hand
     started = time.perf_counter()
     writer.close()

@@ -312,7 +312,7 @@ def test_max_rollouts_is_auto_or_a_count_and_a_bad_value_is_one_line(tmp_path):
     assert parse_max_rollouts("auto") is None and parse_max_rollouts(" AUTO ") is None
     assert parse_max_rollouts("12") == 12 and parse_max_rollouts(256) == 256
     for bad in ("0", "-3", "1.5", "many", ""):
-        with pytest.raises(InputError, match="--max-rollouts must be auto or a whole number"):
+        with pytest.raises(InputError, match="--max-rollouts must be auto, even or a whole number"):
             parse_max_rollouts(bad)
     scenarios = tmp_path / "s.jsonl"
     scenarios.write_text('{"id": "a", "actions": "left"}\n')

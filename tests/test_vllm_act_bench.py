@@ -75,6 +75,6 @@ def test_act_bench_cli_on_vllm_cpu(tmp_path):
     assert (a[3:] != b[3:]).any() and (a[:3] != b[:3]).any()
     # An explicit count is kept; a bad one is a one-line error before anything runs.
     bad = invoke_terra("bench", "--act-bench", 1, "--max-rollouts", "lots", "--model", model, "--device", "cpu")
-    assert bad.returncode == 2 and "--max-rollouts must be auto or a whole number" in bad.stderr
+    assert bad.returncode == 2 and "--max-rollouts must be auto, even or a whole number" in bad.stderr
     lockstep = invoke_terra("bench", "--act-bench", 1, "--lockstep", 2, "--model", model, "--device", "cpu")
     assert lockstep.returncode == 2 and "--lockstep goes with --scenarios" in lockstep.stderr

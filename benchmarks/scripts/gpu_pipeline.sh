@@ -10,7 +10,8 @@
 #          (`bench --scenarios 1024 --frames 47 --data-parallel 4`, its first TOKENS_S=360 s: the bench logs
 #          the generated frames/s every minute; TOKENS_S=0 skips it, TOKENS_AFTER_S=N runs it after), then the full ACT-Bench-shaped
 #          run on four engines, videos included: `bench --act-bench 2286 --data-parallel 4` (a watcher logs
-#          done videos and GPU use every 30 s; the bench logs each engine's loop every minute)
+#          done videos and GPU use every 30 s; the bench logs each engine's loop every minute);
+#          MAX_ROLLOUTS=even: the full run with `--max-rollouts even` (two equal waves of 286 an engine on H200s)
 #   startref / runsref  (carry .gpu/ray2; `gpu_side4.sh ref` before, for diffusers) issue 40 end to end:
 #          `bench --act-bench NREF (512) --data-parallel 4 --decoder refiner --refiner-windows REF_W (4)` within
 #          REF_S (900 s), then the same samples tokens only within TOKENS_AFTER_S (240 s); collect with awaits
@@ -139,6 +140,7 @@ case "${1:-}" in
       done ) > "$OUT/full-watch.txt" 2>&1 &
     watch=$!
     timeout 1800 terra bench --act-bench 2286 --data-parallel 4 --kv-cache-dtype fp8 --keep-outputs /tmp/actfull \
+      --max-rollouts "${MAX_ROLLOUTS:-auto}" \
       --out "$OUT/dp4-act-full.json" > "$OUT/dp4-act-full.log" 2>&1; echo "dp4-act-full exit $?" >> "$STEP_LOG"
     kill $watch
     grep -i "object store\|/dev/shm\|spill" /tmp/ray/session_latest/logs/raylet.out 2>/dev/null | head -5 >> "$STEP_LOG"

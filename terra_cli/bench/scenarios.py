@@ -47,6 +47,7 @@ class ScenarioBenchPlan:
     temperature: float = 0.9
     seed: int = 0
     vllm_options: dict = field(default_factory=dict)  # engine arguments (pipeline.engine_request.engine_options and more)
+    even_waves: bool = False  # --max-rollouts even (scenarios.job.even_waves)
 
 
 def write_bench_scenarios(folder: Path, layout, plan: ScenarioBenchPlan) -> Path:
@@ -85,12 +86,12 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
         job = ScenarioJob(path, work / "outputs", Defaults(seed=plan.seed), model=ModelSpec(str(checkpoint)),
                           engine=Engine(plan.backend, plan.device, plan.dtype, options=dict(plan.vllm_options)),
                           sampling=Sampling(temperature=plan.temperature), max_rollouts=plan.max_rollouts,
-                          decode=False)
+                          even_waves=plan.even_waves, decode=False)
         prepared = prepare_job(job)
         gpus = _gpu_indices(prepared.device, plan.data_parallel)
         where = f"on Ray ({plan.ray or 'local'}), " if uses_ray(plan.data_parallel, plan.ray) else ""
         log(f"{plan.scenarios} scenarios of {plan.frames} frames, {plan.data_parallel} engine(s) {where}"
-            f"up to {plan.max_rollouts or 'auto'} in flight each, KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
+            f"up to {plan.max_rollouts or ('even' if plan.even_waves else 'auto')} in flight each, KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
         timed = TimedRun(prepared, plan.data_parallel, plan.ray, log, progress)
         run = timed.run()
         if run.errors or run.done != plan.scenarios:

@@ -76,7 +76,7 @@ def bench(
     scenarios: int = typer.Option(0, "--scenarios", min=0, help="Scenario throughput: N scenarios of --frames frames through `generate --scenarios`'s engine (continuous batching)."),
     act_bench: int = typer.Option(0, "--act-bench", min=0, help="End to end like ACT-Bench: N samples (random nuScenes-size JPEGs, 47 frames in 2 rounds) through `generate --scenarios`, videos included; s/sample and a 2,286-sample projection."),
     writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto, as generate --scenarios", help="--act-bench: video writer processes per engine (0: threads of the engine's process), as `generate --scenarios --writers`."),
-    max_rollouts: str = typer.Option("auto", "--max-rollouts", help="--scenarios/--act-bench: rollouts in flight per engine, or auto (as many as the KV cache holds, at most 256)."),
+    max_rollouts: str = typer.Option("auto", "--max-rollouts", help="--scenarios/--act-bench: rollouts in flight per engine, auto (as many as the KV cache holds, at most 256) or even (the samples in equal waves, up to what the KV cache holds, at most 512)."),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios/--act-bench: engines, one per GPU; more than one run as actors of a local Ray cluster (needs terra-cli[ray])."),
     ray_address: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="--scenarios/--act-bench: run the --data-parallel engines as Ray actors, also one: local (a cluster of this machine), auto, ray://HOST:10001 or HOST:6379, as `generate --scenarios --ray`."),
     lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
@@ -182,7 +182,7 @@ def bench(
     if act_bench:
         from terra_cli.bench.act_bench import ActBenchPlan
         from terra_cli.cli.bench_act import act_bench as run_act_bench, act_bench_refiner
-        from terra_cli.scenarios.job import parse_max_rollouts
+        from terra_cli.scenarios.job import parse_max_rollouts, wants_even_waves
 
         if lockstep:
             raise InputError("--lockstep goes with --scenarios")
@@ -193,21 +193,23 @@ def bench(
                                                    allow_slow, refiner_windows, refiner_compile, refiner_dtype)
         plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
                             dtype, temperature, seed, vllm_options=vllm_options, writers=writers,
-                            data_parallel=data_parallel, ray=ray_address, refiner=refine)
+                            data_parallel=data_parallel, ray=ray_address, refiner=refine,
+                            even_waves=wants_even_waves(max_rollouts))
         return run_act_bench(model, plan, keep_outputs, out_json, overwrite, random_refiner)
     frames = 25 if frames is None else frames
     if draft_acceptance:
         return _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heatmap, overwrite)
     if scenarios:
         from terra_cli.bench.scenarios import MAX_BENCH_SCENARIOS, ScenarioBenchPlan
-        from terra_cli.scenarios.job import parse_max_rollouts
+        from terra_cli.scenarios.job import parse_max_rollouts, wants_even_waves
 
         if scenarios > MAX_BENCH_SCENARIOS:
             raise InputError(f"--scenarios {scenarios} is above the bench's {MAX_BENCH_SCENARIOS} (ACT-Bench is "
                              "2,286 samples); measure fewer")
 
         plan = ScenarioBenchPlan(scenarios, frames, context_frames, parse_max_rollouts(max_rollouts), data_parallel,
-                                 ray_address, lockstep, backend, device, dtype, temperature, seed, vllm_options)
+                                 ray_address, lockstep, backend, device, dtype, temperature, seed, vllm_options,
+                                 even_waves=wants_even_waves(max_rollouts))
         return _scenario_bench(model, plan, keep_outputs, out_json, overwrite)
     if context_frames < 1 or frames <= context_frames:
         raise InputError(f"--frames ({frames}) must be more than --context-frames ({context_frames}), which must be >= 1")

@@ -67,7 +67,7 @@ def generate(
     scenarios: Optional[Path] = typer.Option(None, "--scenarios", help="Many videos: a JSONL file, terra's format or ACT-Bench's (see README); needs --out-dir."),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="With --scenarios: where each scenario's ID.mp4 and ID.npy and results.jsonl go; a re-run resumes. One run at a time; a file no terra run made for that scenario is replaced only with --overwrite."),
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
-    max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md)."),
+    max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md); even: each engine's scenarios in equal waves, up to what the KV cache holds (at most 512), so no small last wave runs alone (not yet measured on a GPU)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
     writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto: 0", help="With --scenarios: processes that decode scenarios' frames as they are made and encode their mp4s beside the engine (e.g. --writers 2); 0: threads of the engine's process do it (the default: faster on a GPU, where they share vLLM's CUDA context). With --ray/--data-parallel: per engine, on its node. --decoder refiner always decodes in the engine's process (each Ray engine refines its own videos)."),
     kv_cache_dtype: str = opts.kv_cache_dtype_option(),
@@ -109,7 +109,7 @@ def generate(
 
     if scenarios is not None:
         from terra_cli.models.resolve import ModelSpec
-        from terra_cli.scenarios.job import ScenarioJob, parse_max_rollouts
+        from terra_cli.scenarios.job import ScenarioJob, parse_max_rollouts, wants_even_waves
         from terra_cli.scenarios.spec import Defaults
 
         if server is not None:
@@ -128,7 +128,8 @@ def generate(
             engine=Engine(backend, device, dtype, threads,
                           engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention)),
             sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p),
-            max_rollouts=parse_max_rollouts(max_rollouts), decode=not no_decode, overwrite=overwrite,
+            max_rollouts=parse_max_rollouts(max_rollouts), even_waves=wants_even_waves(max_rollouts), decode=not no_decode,
+            overwrite=overwrite,
             refiner=refine, writers=writers)
         from terra_cli.cli.scenarios import generate_scenarios
 

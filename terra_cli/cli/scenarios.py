@@ -52,7 +52,8 @@ def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None, pl
     where = "1 engine" if ray is None else f"Ray ({ray[0] or 'local'}, {ray[1] or 'one per GPU'} engine(s))"
     say(f"{len(file.scenarios)} scenario(s) from {job.scenarios} ({file.source_format}), backend {prepared.backend}, "
         f"model {prepared.model_label}, {where}, "
-        + (f"up to {in_flight} in flight each" if in_flight else "rollouts in flight as the engine holds") + f" -> {out_dir}/")
+        + (f"up to {in_flight} in flight each" if in_flight
+           else "each engine's scenarios in equal waves" if job.even_waves else "rollouts in flight as the engine holds") + f" -> {out_dir}/")
     total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
     progress = TaskProgress(console, "scenarios", total_frames, unit="generated frames")
     started = time.perf_counter()

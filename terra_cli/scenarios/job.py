@@ -36,6 +36,7 @@ class ScenarioJob:
     # temperature, top_k, top_p; each scenario's own seed replaces `sampling.seed`
     sampling: Sampling = Sampling()
     max_rollouts: int | None = None  # in flight on one engine; None: as many as the KV cache holds (auto_in_flight)
+    even_waves: bool = False  # with max_rollouts None: --max-rollouts even (equal waves, up to EVEN_WAVES_LIMIT)
     decode: bool = True  # False: tokens only (.npy), no image decoder
     overwrite: bool = False  # replace files no terra run recorded for their scenario; re-run changed scenarios
     refiner: object = None  # refiner.decoder.RefinerChoice: decode with Terra's video refiner
@@ -71,6 +72,8 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     resolve_dtype_name(job.engine.dtype, device)
     if job.max_rollouts is not None and job.max_rollouts < 1:
         raise InputError(f"--max-rollouts must be at least 1 or auto, got {job.max_rollouts}")
+    if job.even_waves and job.max_rollouts is not None:
+        raise InputError(f"--max-rollouts is either even or a count, not both (got {job.max_rollouts} and even)")
     _check_writers(job)
     if job.defaults.image_root is not None and not Path(job.defaults.image_root).is_dir():
         raise InputError(f"--image-root {job.defaults.image_root} is not a folder (give the nuScenes dataroot)")
@@ -101,14 +104,46 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
 AUTO_MAX_ROLLOUTS = 256
 
 
+# --max-rollouts even: at most this many in flight (vLLM captures CUDA graphs for batches up to 512)
+EVEN_WAVES_LIMIT = 512
+
+
 def parse_max_rollouts(text) -> int | None:
-    """--max-rollouts: `auto` (None: chosen from the KV cache once the engine is up) or a count >= 1."""
+    """--max-rollouts: `auto` or `even` (None: chosen from the KV cache once the engine is up;
+    `wants_even_waves` tells them apart) or a count >= 1."""
     value = str(text).strip().lower()
-    if value == "auto":
+    if value in ("auto", "even"):
         return None
     if not value.isdigit() or int(value) < 1:
-        raise InputError(f"--max-rollouts must be auto or a whole number >= 1, got {text!r}")
+        raise InputError(f"--max-rollouts must be auto, even or a whole number >= 1, got {text!r}")
     return int(value)
+
+
+def wants_even_waves(text) -> bool:
+    """--max-rollouts even: the run's rollouts in equal waves (`even_waves`)."""
+    return str(text).strip().lower() == "even"
+
+
+def even_waves(rollouts: int, capacity: int) -> int:
+    """Rollouts in flight that run `rollouts` rollouts of one length in the fewest waves, all equally
+    full: 572 at a capacity of 511 are two waves of 286, not one of 511 and one of 61. Rollouts of
+    one length start and end together, and a wave of few costs nearly the steps of a full one (a
+    step reads the weights whatever it holds), so a small last wave is a wave of steps for few frames."""
+    if rollouts < 1 or capacity < 1:
+        raise ValueError("rollouts and capacity must be at least 1")
+    waves = -(-rollouts // capacity)
+    return -(-rollouts // waves)
+
+
+def rollouts_to_load(job: ScenarioJob, rollouts: int | None) -> int:
+    """The rollouts in flight an engine is started for (vLLM's max_num_seqs, from which terra sizes its
+    KV cache): an explicit count; with `even_waves`, equal waves of the engine's `rollouts` up to
+    EVEN_WAVES_LIMIT; else AUTO_MAX_ROLLOUTS."""
+    if job.max_rollouts is not None:
+        return job.max_rollouts
+    if job.even_waves and rollouts:
+        return even_waves(rollouts, EVEN_WAVES_LIMIT)
+    return AUTO_MAX_ROLLOUTS
 
 
 MAX_WRITERS = 32
@@ -165,21 +200,27 @@ class LoadedEngine:
 
 def load_job_engine(job: ScenarioJob, backend: str, device: str, needs_tokenizer: bool,
                     longest_frames: int | None = None,
-                    adjust_options: Callable[[object, dict], None] = lambda tokenizer, options: None) -> LoadedEngine:
+                    adjust_options: Callable[[object, dict], None] = lambda tokenizer, options: None,
+                    rollouts: int | None = None) -> LoadedEngine:
     """The tokenizer and the engine of a job on `device`, and how many rollouts it takes at once
-    (`--max-rollouts auto`: as many of `longest_frames` as its KV cache holds). One engine here,
+    (`--max-rollouts auto`: as many of `longest_frames` as its KV cache holds; `even`: `rollouts`,
+    this engine's share of the run, split into equal waves of at most that many). One engine here,
     one per Ray actor (`ray_actor.py`). `adjust_options(tokenizer, engine options)` runs between
     the two loads (the refiner takes its GPU share there)."""
     from terra_cli.pipeline.world_model import load_world_model
 
     started = time.perf_counter()
+    load_for = rollouts_to_load(job, rollouts)
     world = load_world_model(job.model.resolve(), replace(job.engine, backend=backend, device=device),
-                             needs_tokenizer=needs_tokenizer, max_rollouts=job.max_rollouts or AUTO_MAX_ROLLOUTS,
-                             between=adjust_options)
+                             needs_tokenizer=needs_tokenizer, max_rollouts=load_for, between=adjust_options)
     try:
         in_flight, reason = job.max_rollouts, ""
         if in_flight is None:
-            in_flight, reason = world.backend.auto_in_flight(longest_frames or world.layout.max_frames, AUTO_MAX_ROLLOUTS)
+            in_flight, reason = world.backend.auto_in_flight(longest_frames or world.layout.max_frames, load_for)
+            if job.even_waves and rollouts:
+                in_flight = even_waves(rollouts, in_flight)
+                reason += (f"; --max-rollouts even: this engine's {rollouts} rollout(s) in "
+                           f"{-(-rollouts // in_flight)} wave(s) of at most {in_flight}")
     except BaseException:
         world.close()
         raise
@@ -211,7 +252,8 @@ def run_scenario_job(
 
     longest = max((s.frames for s in prepared.file.scenarios), default=None)
     loaded = load_job_engine(job, prepared.backend, prepared.device, prepared.needs_tokenizer, longest,
-                             take_refiner_share if job.refiner is not None else (lambda tokenizer, options: None))
+                             take_refiner_share if job.refiner is not None else (lambda tokenizer, options: None),
+                             rollouts=_pending_count(prepared, only_ids) if job.even_waves else None)
     engine, tokenizer = loaded.engine, loaded.tokenizer
     frame_decoder = decoders[0] if decoders else None
     try:
@@ -226,3 +268,13 @@ def run_scenario_job(
                              frame_decoder=frame_decoder, writers=job_writers(job, prepared.device))
     finally:
         engine.close()
+
+
+def _pending_count(prepared: PreparedJob, only_ids: set[str] | None) -> int:
+    """The scenarios a run would generate (a resumed run skips what is done), counted before the
+    engine is loaded (`--max-rollouts even` sizes it by them)."""
+    job = prepared.job
+    mine = [s for s in prepared.file.scenarios if only_ids is None or s.id in only_ids]
+    if not Path(job.out_dir).is_dir():
+        return len(mine)
+    return len(plan_outputs(mine, Path(job.out_dir), decode=job.decode, overwrite=job.overwrite).pending)

@@ -60,6 +60,7 @@ class EngineSpec:
     probe_wakes: bool = False  # run a WakeProbe, reported with the loop's times (a bench reads it)
     fails_to_start: bool = False  # test knob: the constructor raises, as when vLLM refuses to start
     frame_gate: str = ""  # test knob: after each frame, wait until this file exists (fault_injection)
+    rollouts: int = 0  # this engine's share of the run's rollouts (--max-rollouts even sizes it by them)
 
 
 @dataclass
@@ -130,7 +131,8 @@ class ScenarioEngine:
             refiners.append(engine_refiner(job.refiner, [spec.longest_frames or 25], tokenizer, options))
 
         loaded = load_job_engine(self.job, self.backend_name, spec.device, spec.needs_tokenizer, spec.longest_frames,
-                                 take_refiner_share if job.refiner is not None else (lambda tokenizer, options: None))
+                                 take_refiner_share if job.refiner is not None else (lambda tokenizer, options: None),
+                                 rollouts=spec.rollouts or None)
         self.engine, self.tokenizer = loaded.engine, loaded.tokenizer
         self.startup, self.in_flight = (loaded.ready.seconds, loaded.ready.startup), loaded.ready.in_flight
         self.codec = threading.Lock()  # the image tokenizer, shared by the calling threads

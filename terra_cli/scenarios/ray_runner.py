@@ -26,7 +26,7 @@ from itertools import islice
 from typing import Callable
 
 from terra_cli.scenarios.encoding import ReadAhead
-from terra_cli.scenarios.job import AUTO_MAX_ROLLOUTS, PreparedJob
+from terra_cli.scenarios.job import PreparedJob, rollouts_to_load
 from terra_cli.scenarios.ray_cluster import EnginePlan, ray_cluster
 from terra_cli.errors import OutputError
 from terra_cli.scenarios.fault_injection import (injected_failures, injected_frame_delay, injected_frame_gate,
@@ -93,7 +93,11 @@ class RayDriver:
         self.attempts: dict[str, list[str]] = {}
         self.avoid: dict[str, int] = {}  # scenario -> the engine it last failed on
         self.works: dict[str, object] = {}  # scenario -> its context in the object store (kept for retries)
-        self.window = window_for(self.job.max_rollouts or AUTO_MAX_ROLLOUTS)  # the most an engine may be given
+        # Each engine's share of the run, which --max-rollouts even splits into equal waves: the feed hands
+        # jobs to whichever engine has room, so engines that step alike take about as many each.
+        self.share = -(-len(self.pending) // max(1, plan.engines))
+        self.loaded_for = rollouts_to_load(self.job, self.share)  # the most in flight an engine is started for
+        self.window = window_for(self.loaded_for)  # the most an engine may be given
         # Contexts read ahead: what every engine's window takes at once (a wave change), up to
         # READ_AHEAD_MAX (about 1.3 GB of 288x512 RGB frames held by the driver: `read_work`
         # resizes them as it reads).
@@ -161,13 +165,13 @@ class RayDriver:
         engine_class = ray.remote(ScenarioEngine)
         # Each open call holds one of the actor's threads: the generate calls of its window, and the
         # video calls of finished rollouts (at most the backlog, and a window's worth more).
-        calls = 2 * self.window + video_backlog(self.job.max_rollouts or AUTO_MAX_ROLLOUTS) + 4
+        calls = 2 * self.window + video_backlog(self.loaded_for) + 4
         longest = max(s.frames for s in self.pending)
         for index in range(count):
             spec = EngineSpec(self.job, backend, device, prepared.needs_tokenizer, index, threads,
                               injected_frame_delay(index), longest, injected_failures(), injected_video_hold(),
                               self.probe_wakes, injected_start_failure(index),
-                              frame_gate=injected_frame_gate(index))
+                              frame_gate=injected_frame_gate(index), rollouts=self.share)
             actor = engine_class.options(max_restarts=ENGINE_RESTARTS, max_task_retries=0,
                                          max_concurrency=calls, scheduling_strategy="SPREAD",
                                          **resources).remote(spec)

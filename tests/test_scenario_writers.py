@@ -582,6 +582,44 @@ def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(to
     np.testing.assert_array_equal(np.stack(frames), original(videos["a"][:3], full_batches=True))
 
 
+def test_videos_ending_together_share_the_batches_of_their_last_frames(tokenizer_dir):
+    """A wave of rollouts ends in one step: each video has its last frame still waiting (a part
+    batch waits for more frames). The first video taken decodes its frame with the others' in the
+    batch's padding, so the others find theirs decoded: one decode call for the wave's ends, not
+    one a video (256 padded batches at a wave end, on a GPU beside the engine)."""
+    from terra_cli.scenarios.writer_process import FrameStore
+
+    tokenizer = load(tokenizer_dir)
+    tokenizer.batch_size = 4
+    calls: list[int] = []
+    original = tokenizer.decode_tokens
+
+    def counted(tokens, **kwargs):
+        calls.append(len(tokens))
+        return original(tokens, **kwargs)
+
+    tokenizer.decode_tokens = counted
+    rng = np.random.default_rng(8)
+    videos = {key: rng.integers(0, 512, size=(5, TOKENS)) for key in ("a", "b", "c")}
+    store = FrameStore(tokenizer, held_frames=100)
+    for index in range(4):
+        for key, tokens in videos.items():
+            store.add(key, index, tokens[index:index + 1])
+            store.decode_waiting()
+    assert calls == [4, 4, 4] and not store.waiting
+    for key, tokens in videos.items():  # the wave's last frames: three, a part batch
+        store.add(key, 4, tokens[4:5])
+    assert not store.decode_waiting() and len(store.waiting) == 3
+    taken = {key: store.take(key, tokens) for key, tokens in videos.items()}
+    assert calls == [4, 4, 4, 3]  # one call: video a's last frame and b's and c's beside it
+    assert [late for _, late in taken.values()] == [1, 0, 0]
+    stats = store.stats()
+    assert stats["decode_late_frames"] == 1 and stats["decode_filled_frames"] == 2
+    assert store.count == 0 and not store.videos and not store.waiting
+    for key, tokens in videos.items():  # the pixels a decode of the whole video gives
+        np.testing.assert_array_equal(np.stack(taken[key][0]), original(tokens, full_batches=True))
+
+
 @pytest.mark.parametrize("where", ["processes", "threads"])
 def test_a_writer_fed_frame_by_frame_makes_the_mp4_of_one_fed_at_the_end(tmp_path, tokenizer_dir, where):
     """Writer processes (`--writers 2`) and the engine process's own threads (`--writers 0`,

@@ -123,7 +123,10 @@ def describe_engine_loop(loop: dict | None) -> str | None:
             stages += f", its first batch {loop['decode_first_batch_s']:.1f} s{cache_counts(loop.get('decode_first_batch_cache'))}"
     if loop.get("decode_late_frames"):
         stages += (f"; {loop['decode_late_frames']} frames decoded when their video was done "
-                   f"({loop.get('decode_late_s', 0.0):.1f} s)")
+                   f"({loop.get('decode_late_s', 0.0):.1f} s")
+        if loop.get("decode_filled_frames"):  # FrameStore.take: other videos' frames in those batches' padding
+            stages += f", with {loop['decode_filled_frames']} frames of other videos in the same batches"
+        stages += ")"
     if loop.get("decode_after"):  # runtime.decode_after_asked
         stages += "; every video decoded once the engine was done (TERRA_DECODE_AFTER=1)"
     if loop.get("feed_held_s"):  # the job feed's hold: free slots left empty while the writer was behind

@@ -94,24 +94,18 @@ class TerraVectorEnv(VectorEnv):
              backend: str = "auto", device: str = "auto", dtype: str = "auto", threads: int = 0,
              max_in_flight: int | None = None, engine_options: dict | None = None, **kwargs) -> "TerraVectorEnv":
         """Load a world model (default: the embedded terra-mini) and its tokenizer, and build the env."""
-        from terra_cli.backends import load_backend
-        from terra_cli.models.checkpoint import load_config
-        from terra_cli.models.resolve import load_tokenizer, resolve_model
-        from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
-        from terra_cli.runtime import configure_vllm_env, resolve_device
+        from terra_cli.models.resolve import resolve_model
+        from terra_cli.pipeline.world_model import Engine, load_world_model
+        from terra_cli.runtime import configure_vllm_env
 
-        name = resolve_backend_name(backend)
-        check_backend_options(name, engine_options or {})
-        if name == "vllm":
-            configure_vllm_env()  # before vLLM is imported, as the CLI does (settings the caller made stay)
-        device = resolve_device(device)
+        # Before vLLM is imported, as the CLI and a Ray engine do (settings the caller made stay; the
+        # reference backend reads none of them).
+        configure_vllm_env()
         choice = resolve_model(model, "world_model", tokenizer)
-        config = load_config(choice.world_model_dir)
-        image_tokenizer = load_tokenizer(choice.tokenizer, device, matching=config) if choice.tokenizer else None
         in_flight = max_in_flight or max(num_envs, 64)
-        world_model = load_backend(name, choice.world_model_dir, device=device, dtype=dtype,
-                                   max_rollouts=in_flight, threads=threads, **(engine_options or {}))
-        return cls(num_envs, backend=world_model, tokenizer=image_tokenizer, max_in_flight=in_flight,
+        world = load_world_model(choice, Engine(backend, device, dtype, threads, dict(engine_options or {})),
+                                 needs_tokenizer=choice.tokenizer is not None, max_rollouts=in_flight)
+        return cls(num_envs, backend=world.backend, tokenizer=world.tokenizer, max_in_flight=in_flight,
                    owns_backend=True, **kwargs)
 
     def _resize(self, num_envs: int) -> None:

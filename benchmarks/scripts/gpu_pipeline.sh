@@ -11,7 +11,10 @@
 #          the generated frames/s every minute; TOKENS_S=0 skips it, TOKENS_AFTER_S=N runs it after), then the full ACT-Bench-shaped
 #          run on four engines, videos included: `bench --act-bench 2286 --data-parallel 4` (a watcher logs
 #          done videos and GPU use every 30 s; the bench logs each engine's loop every minute);
-#          MAX_ROLLOUTS=even: the full run with `--max-rollouts even` (two equal waves of 286 an engine on H200s)
+#          MAX_ROLLOUTS=even: the full run with `--max-rollouts even` (two equal waves of 286 an engine on H200s);
+#          with .gpu/spy carried (py-spy's wheel, `pip download py-spy`), py-spy samples which threads of an
+#          engine actor hold the interpreter lock: 30 s mid-wave (SPY_MID_S, 200 s in) and 60 s from the first
+#          videos' end (a wave change: GPU 31-52% busy for ~45 s on 2026-11-28), into $OUT/spy-*.txt
 #   startref / runsref  (carry .gpu/ray2; `gpu_side4.sh ref` before, for diffusers) issue 40 end to end:
 #          `bench --act-bench NREF (512) --data-parallel 4 --decoder refiner --refiner-windows REF_W (4)` within
 #          REF_S (900 s), then the same samples tokens only within TOKENS_AFTER_S (240 s); collect with awaits
@@ -81,6 +84,22 @@ watch_gpus() {  # FILE FIELDS: every 30 s a line of each GPU's FIELDS (nvidia-sm
     echo "$(date +%s) $(nvidia-smi --query-gpu="$2" --format=csv,noheader | tr '\n' ' ')"
   done > "$OUT/$1" 2>&1
 }
+spy_record() {  # SPY NAME SECONDS: py-spy's samples of the threads holding the interpreter lock in an engine actor
+  local pid; pid=$(pgrep -f "ray::ScenarioEngine" | head -1)
+  [ -n "$pid" ] || { echo "spy $2: no engine actor found" >> "$STEP_LOG"; return; }
+  timeout 20 "$1" dump --pid "$pid" --nonblocking > "$OUT/spy-$2-dump.txt" 2>&1
+  timeout $(( $3 + 30 )) "$1" record --pid "$pid" --duration "$3" --rate 100 --gil --nonblocking --format raw \
+    --output "$OUT/spy-$2.txt" > "$OUT/spy-$2.log" 2>&1; echo "spy $2 (pid $pid) exit $?" >> "$STEP_LOG"
+}
+spy_during_full() {  # (carry .gpu/spy: py-spy's wheel) 30 s mid-wave, then 60 s from the first videos' end (a wave change)
+  mkdir -p /tmp/spy && python3 -m zipfile -e .gpu/spy/py_spy-*.whl /tmp/spy || return
+  local spy; spy=$(ls /tmp/spy/py_spy-*.data/scripts/py-spy) && chmod +x "$spy" || return
+  sleep "${SPY_MID_S:-200}"; spy_record "$spy" midwave 30
+  for _ in $(seq 600); do
+    [ "$(grep -c '"done"' /tmp/actfull/outputs/results.jsonl 2>/dev/null)" -gt 0 ] 2>/dev/null && break; sleep 2
+  done
+  spy_record "$spy" waveend 60
+}
 say_if_no_diffusers() {  # the refiner runs need diffusers, which `gpu_side4.sh ref` brings
   python3 -c "import diffusers" 2>/dev/null || echo "no diffusers: carry .gpu/ref (gpu_side4.sh ref)" >> "$STEP_LOG"
 }
@@ -139,6 +158,7 @@ case "${1:-}" in
           "gpu=$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' ')"
       done ) > "$OUT/full-watch.txt" 2>&1 &
     watch=$!
+    [ -d .gpu/spy ] && spy_during_full &
     timeout 1800 terra bench --act-bench 2286 --data-parallel 4 --kv-cache-dtype fp8 --keep-outputs /tmp/actfull \
       --max-rollouts "${MAX_ROLLOUTS:-auto}" \
       --out "$OUT/dp4-act-full.json" > "$OUT/dp4-act-full.log" 2>&1; echo "dp4-act-full exit $?" >> "$STEP_LOG"

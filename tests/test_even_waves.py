@@ -70,3 +70,30 @@ def test_a_ray_run_sizes_each_engine_by_its_share(tmp_path):
             assert driver.loaded_for == share_load and driver.window == window_for(share_load)
         finally:
             driver.reader.close()
+
+
+def test_generate_scenarios_takes_even_and_says_how_it_split(tmp_path):
+    """`terra generate --scenarios --max-rollouts even`: the engine line says this engine's share and
+    its waves (the reference backend runs one rollout at a time here, so 3 waves of 1), and every
+    scenario is written."""
+    import json
+
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from terra_cli.cli import app
+    from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=16, layers=1))
+    np.save(tmp_path / "ctx.npy", np.random.default_rng(0).integers(0, 512, size=(2, 16)))
+    (tmp_path / "s.jsonl").write_text("".join(
+        json.dumps({"id": f"s{i}", "context": "ctx.npy", "actions": "left", "frames": 3, "seed": i}) + "\n"
+        for i in range(3)))
+    result = CliRunner().invoke(app, ["generate", "--scenarios", str(tmp_path / "s.jsonl"), "--out-dir",
+                                      str(tmp_path / "out"), "--model", str(model), "--backend", "hf", "--device",
+                                      "cpu", "--no-decode", "--max-rollouts", "even"])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "each engine's scenarios in equal waves" in said
+    assert "--max-rollouts even: this engine's 3 rollout(s) in 3 wave(s) of at most 1" in said
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.npy")) == ["s0.npy", "s1.npy", "s2.npy"]

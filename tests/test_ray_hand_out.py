@@ -203,3 +203,48 @@ def test_an_actor_whose_refiner_stopped_says_so_at_the_next_tick_and_ends(monkey
     engine = EngineState(0, actor=None, status="alive")
     driver._settle_stats(engine, "a stats call")
     assert engine.last_error[1] == "RefinerStopped: the refiner stopped: RuntimeError: compile failed"
+
+
+def _waves_per_engine(share, in_flight=286, engines=4, total=2286, stagger_s=3.0, wave_s=430.0):
+    """The Ray driver's hand-out (`may_hand_out`, asked before each call as `RayDriver.hand_out` does)
+    over a whole run of equal-length rollouts: each engine runs what it holds open up to its batch as
+    one wave, and its wave's rollouts end one by one, the driver refilling it after each; the engines'
+    waves end `stagger_s` apart. Returns the waves each engine ran and the scenarios each was handed."""
+    from terra_cli.scenarios.ray_hand_out import may_hand_out
+
+    states = [engine(i, in_flight=in_flight) for i in range(engines)]
+    handed = [0] * engines
+    pending = [total]
+
+    def refill(e):
+        while may_hand_out(e, states, pending[0], handed[e.index], share, now=0.0):
+            e.open[object()] = None
+            handed[e.index] += 1
+            pending[0] -= 1
+
+    for e in states:
+        refill(e)
+    waves = [0] * engines
+    wave_end = [wave_s + i * stagger_s for i in range(engines)]
+    while any(e.open for e in states):
+        e = states[min((i for i in range(engines) if states[i].open), key=lambda i: wave_end[i])]
+        waves[e.index] += 1
+        for call in list(e.open)[: e.in_flight]:  # the batch's rollouts end; each is refilled after it
+            del e.open[call]
+            refill(e)
+        wave_end[e.index] += wave_s
+    assert pending[0] == 0 and sum(handed) == total
+    return waves, handed
+
+
+def test_even_waves_hold_when_the_engines_end_their_waves_apart():
+    """--max-rollouts even, 2,286 samples on four engines of 286 (H200s): two waves each. Without the
+    share rule the engine that ends its first wave first queues beyond its second wave (its window
+    holds an eighth more), which leaves the last engine short and three engines a third wave of a few
+    dozen rollouts: about as long as a full wave of steps."""
+    waves, handed = _waves_per_engine(share=572)
+    assert waves == [2, 2, 2, 2] and max(handed) <= 572
+    unshared, _ = _waves_per_engine(share=None)
+    assert max(unshared) == 3  # the control: the rule is what keeps the waves even
+    # Auto at 256 (no share rule) runs its inevitable third wave on every engine
+    assert _waves_per_engine(share=None, in_flight=256)[0] == [3, 3, 3, 3]

@@ -136,6 +136,31 @@ def fair_share(engines: list[EngineState], pending: int, now: float | None = Non
     return -(-left // max(1, len(live)))
 
 
+def may_hand_out(engine: EngineState, engines: list[EngineState], pending: int, handed: int = 0,
+                 share: int | None = None, now: float | None = None) -> bool:
+    """Whether the driver hands `engine` one more of the `pending` scenarios now (`RayDriver.hand_out`
+    asks before each): its window has room, its videos are not too far behind, it holds less than
+    its fair share of the work left, a call beyond its batch may queue, and with `share` (`--max-rollouts
+    even`) that call stays within its share of the run. `handed`: scenarios handed to it so far."""
+    if not pending or len(engine.open) >= window_for(engine.in_flight):
+        return False
+    if len(engine.videos) >= video_backlog(engine.in_flight) or len(engine.open) >= fair_share(engines, pending, now):
+        return False
+    if len(engine.open) >= engine.in_flight and not may_queue(engine, engines, pending, now):
+        return False
+    return queue_within_share(engine, handed, share)
+
+
+def queue_within_share(engine: EngineState, handed: int, share: int | None) -> bool:
+    """With `--max-rollouts even` (`share`: the scenarios each engine was started for, in equal waves):
+    whether `engine`, its batch full, may take one more call to hold queued, having been handed
+    `handed` so far. Past its share a queued call would start a third, small wave on it: engines end
+    a wave seconds apart, and the one that ends first would otherwise queue what the last one's
+    second wave needed. A free place in its batch is always filled (a retried scenario, an engine
+    lost: the work still finds a place)."""
+    return share is None or len(engine.open) < engine.in_flight or handed < share
+
+
 def may_queue(engine: EngineState, engines: list[EngineState], pending: int, now: float | None = None) -> bool:
     """Whether `engine`, its batch full, may take one more call to hold queued. Only while the
     pending scenarios outnumber the other engines' free places: a queued scenario cannot move to

@@ -33,8 +33,8 @@ from terra_cli.scenarios.fault_injection import (injected_failures, injected_fra
                                                  injected_start_failure, injected_video_hold)
 from terra_cli.scenarios.outdir import RESULTS_NAME, make_out_dir, plan_outputs
 from terra_cli.scenarios.results import NotRecorded, ResultsLog, log_skipped, save_finished
-from terra_cli.scenarios.ray_hand_out import (EngineState, RayRun, counted, fair_share, may_queue,  # noqa: F401
-                                              video_backlog, window_for)
+from terra_cli.scenarios.ray_hand_out import (EngineState, RayRun, counted, fair_share, may_hand_out,  # noqa: F401
+                                              may_queue, video_backlog, window_for)
 from terra_cli.scenarios.ray_actor import Finished
 from terra_cli.scenarios.spec import Scenario
 
@@ -97,6 +97,7 @@ class RayDriver:
         # jobs to whichever engine has room, so engines that step alike take about as many each.
         self.share = -(-len(self.pending) // max(1, plan.engines))
         self.loaded_for = rollouts_to_load(self.job, self.share)  # the most in flight an engine is started for
+        self.handed: dict[int, int] = {}  # engine index -> scenarios handed to it (queue_within_share)
         self.window = window_for(self.loaded_for)  # the most an engine may be given
         # Contexts read ahead: what every engine's window takes at once (a wave change), up to
         # READ_AHEAD_MAX (about 1.3 GB of 288x512 RGB frames held by the driver: `read_work`
@@ -249,13 +250,8 @@ class RayDriver:
         import ray
 
         engines, pending = self.state.engines, self.pending
-        limit = window_for(engine.in_flight)
-        while len(engine.open) < limit and pending and len(engine.videos) < video_backlog(engine.in_flight):
-            now = time.perf_counter()
-            if len(engine.open) >= fair_share(engines, len(pending), now):
-                return
-            if len(engine.open) >= engine.in_flight and not may_queue(engine, engines, len(pending), now):
-                return
+        share = self.share if self.job.even_waves else None
+        while may_hand_out(engine, engines, len(pending), self.handed.get(engine.index, 0), share, time.perf_counter()):
             s = self.take(engine)
             if s is None:
                 return
@@ -266,6 +262,7 @@ class RayDriver:
                     self.record_failure(s, engine, f"context unreadable: {' '.join(str(exc).split())}", final=True)
                     continue
             engine.open[engine.actor.generate.remote(self.works[s.id])] = s
+            self.handed[engine.index] = self.handed.get(engine.index, 0) + 1
 
     def settle(self, ref) -> None:
         for engine in self.state.engines:

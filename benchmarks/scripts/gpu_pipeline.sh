@@ -168,9 +168,13 @@ case "${1:-}" in
     save_warm_caches
     # TOKENS_AFTER_S: the tokens-only baseline after the full run instead of before, so the full run is
     # whole in the lease and its ratio still comes from the same host; the last await takes what it reached.
+    # With MAX_ROLLOUTS=even the baseline is the full run's first wave at its in-flight count: 1,144 scenarios,
+    # 286 an engine (1,024 would be 256 an engine, another configuration than the full run's).
     if [ "${TOKENS_AFTER_S:-0}" != 0 ]; then
-      timeout "$TOKENS_AFTER_S" terra bench --scenarios 1024 --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
-        --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1; echo "dp4-tokens exit $?" >> "$STEP_LOG"
+      tokens_n=1024; [ "${MAX_ROLLOUTS:-auto}" = even ] && tokens_n=1144
+      timeout "$TOKENS_AFTER_S" terra bench --scenarios "$tokens_n" --frames 47 --data-parallel 4 --kv-cache-dtype fp8 \
+        --max-rollouts "${MAX_ROLLOUTS:-auto}" --out "$OUT/dp4-tokens.json" > "$OUT/dp4-tokens.log" 2>&1
+      echo "dp4-tokens exit $?" >> "$STEP_LOG"
     fi
     ;;
   start1)

@@ -216,3 +216,17 @@ def logger_lines(name: str):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def counted_decodes(tokenizer) -> list[int]:
+    """Count the rows of each `decode_tokens` call of `tokenizer` (before its padding): the list
+    returned grows with every call."""
+    calls: list[int] = []
+    original = tokenizer.decode_tokens
+
+    def counted(tokens, **kwargs):
+        calls.append(len(tokens))
+        return original(tokens, **kwargs)
+
+    tokenizer.decode_tokens = counted
+    return calls

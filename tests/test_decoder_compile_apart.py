@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import logger_lines
+from conftest import counted_decodes, logger_lines
 from terra_cli.compile_apart import CompileApart, child_environment
 from terra_cli.scenarios.decoder_compile_apart import decoder_request
 from terra_cli.scenarios.local_writer import InProcessWriter
@@ -86,18 +86,6 @@ class GatedChild(CompileApart):
         if not self.gate.is_set():  # as a process ended early: its wait returns with an error
             self.error = "exit -15: no message"
             self.gate.set()
-
-
-def counted_decodes(tokenizer) -> list[int]:
-    calls: list[int] = []
-    original = tokenizer.decode_tokens
-
-    def counted(tokens, **kwargs):
-        calls.append(len(tokens))
-        return original(tokens, **kwargs)
-
-    tokenizer.decode_tokens = counted
-    return calls
 
 
 def streamed_to_a_gated_child(tokenizer_dir, key: str, seed: int, frames: int):

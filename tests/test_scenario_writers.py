@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import save_frame_tokenizer
+from conftest import counted_decodes, save_frame_tokenizer
 from terra_cli.cli import app
 from terra_cli.errors import InputError
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
@@ -527,14 +527,8 @@ def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(to
 
     tokenizer = load(tokenizer_dir)
     tokenizer.batch_size = 4
-    calls: list[int] = []  # rows each decode call received (after padding)
     original = tokenizer.decode_tokens
-
-    def counted(tokens, **kwargs):
-        calls.append(len(tokens))
-        return original(tokens, **kwargs)
-
-    tokenizer.decode_tokens = counted
+    calls = counted_decodes(tokenizer)  # rows each decode call received (before padding)
     from terra_cli.scenarios.writer_process import FrameStore
 
     store = FrameStore(tokenizer, held_frames=100)
@@ -591,14 +585,8 @@ def test_videos_ending_together_share_the_batches_of_their_last_frames(tokenizer
 
     tokenizer = load(tokenizer_dir)
     tokenizer.batch_size = 4
-    calls: list[int] = []
     original = tokenizer.decode_tokens
-
-    def counted(tokens, **kwargs):
-        calls.append(len(tokens))
-        return original(tokens, **kwargs)
-
-    tokenizer.decode_tokens = counted
+    calls = counted_decodes(tokenizer)  # rows each decode call received (before padding)
     rng = np.random.default_rng(8)
     videos = {key: rng.integers(0, 512, size=(5, TOKENS)) for key in ("a", "b", "c")}
     store = FrameStore(tokenizer, held_frames=100)
@@ -618,6 +606,16 @@ def test_videos_ending_together_share_the_batches_of_their_last_frames(tokenizer
     assert store.count == 0 and not store.videos and not store.waiting
     for key, tokens in videos.items():  # the pixels a decode of the whole video gives
         np.testing.assert_array_equal(np.stack(taken[key][0]), original(tokens, full_batches=True))
+    # A bad frame of another video in the padding fails neither this video nor its error message:
+    # this video is decoded alone again, the other fails at its own end with its own codes
+    bad = videos["b"][4:5].copy()
+    bad[0, 0] = tokenizer.codebook_size + 9
+    store.add("e", 0, bad)  # another video's frame, waiting, with a code past the codebook
+    frames, late = store.take("d", videos["a"][4:5])  # video d's one frame, not decoded ahead
+    assert late == 1 and calls[-2:] == [2, 1]  # the batch with e's frame failed; d's frame alone then
+    np.testing.assert_array_equal(frames[0], original(videos["a"][4:5], full_batches=True)[0])
+    with pytest.raises(Exception, match=f"got 0?[0-9]*..{tokenizer.codebook_size + 9}"):
+        store.take("e", bad)
 
 
 @pytest.mark.parametrize("where", ["processes", "threads"])

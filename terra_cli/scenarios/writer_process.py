@@ -207,7 +207,15 @@ class FrameStore:
             # every one paid a whole batch (256 batches a wave end, ~13 s of an H200 beside the engine).
             fill = self._waiting_frames(-len(missing) % self.decoder.batch_size)
             rows = np.concatenate([tokens[missing]] + [self.videos[key][index][0][None] for key, index in fill])
-            decoded = self.decoder.decode_tokens(rows, full_batches=True)
+            try:
+                decoded = self.decoder.decode_tokens(rows, full_batches=True)
+            except Exception:
+                if not fill:
+                    raise
+                # Another video's frame may be what failed: this video's frames alone, so that its error (or
+                # success) is its own; the others are decoded, and fail if they must, at their own end.
+                fill = []
+                decoded = self.decoder.decode_tokens(tokens[missing], full_batches=True)
             for i, pixels in zip(missing, decoded[: len(missing)]):
                 frames[i] = pixels
             for (key, index), pixels in zip(fill, decoded[len(missing):]):

@@ -213,13 +213,12 @@ def _waves_per_engine(share, in_flight=286, engines=4, total=2286, stagger_s=3.0
     from terra_cli.scenarios.ray_hand_out import may_hand_out
 
     states = [engine(i, in_flight=in_flight) for i in range(engines)]
-    handed = [0] * engines
     pending = [total]
 
     def refill(e):
-        while may_hand_out(e, states, pending[0], handed[e.index], share, now=0.0):
+        while may_hand_out(e, states, pending[0], share, now=0.0):
             e.open[object()] = None
-            handed[e.index] += 1
+            e.handed += 1
             pending[0] -= 1
 
     for e in states:
@@ -233,6 +232,7 @@ def _waves_per_engine(share, in_flight=286, engines=4, total=2286, stagger_s=3.0
             del e.open[call]
             refill(e)
         wave_end[e.index] += wave_s
+    handed = [e.handed for e in states]
     assert pending[0] == 0 and sum(handed) == total
     return waves, handed
 

@@ -97,7 +97,6 @@ class RayDriver:
         # jobs to whichever engine has room, so engines that step alike take about as many each.
         self.share = -(-len(self.pending) // max(1, plan.engines))
         self.loaded_for = rollouts_to_load(self.job, self.share)  # the most in flight an engine is started for
-        self.handed: dict[int, int] = {}  # engine index -> scenarios handed to it (queue_within_share)
         self.window = window_for(self.loaded_for)  # the most an engine may be given
         # Contexts read ahead: what every engine's window takes at once (a wave change), up to
         # READ_AHEAD_MAX (about 1.3 GB of 288x512 RGB frames held by the driver: `read_work`
@@ -251,7 +250,7 @@ class RayDriver:
 
         engines, pending = self.state.engines, self.pending
         share = self.share if self.job.even_waves else None
-        while may_hand_out(engine, engines, len(pending), self.handed.get(engine.index, 0), share, time.perf_counter()):
+        while may_hand_out(engine, engines, len(pending), share, time.perf_counter()):
             s = self.take(engine)
             if s is None:
                 return
@@ -262,7 +261,7 @@ class RayDriver:
                     self.record_failure(s, engine, f"context unreadable: {' '.join(str(exc).split())}", final=True)
                     continue
             engine.open[engine.actor.generate.remote(self.works[s.id])] = s
-            self.handed[engine.index] = self.handed.get(engine.index, 0) + 1
+            engine.handed += 1
 
     def settle(self, ref) -> None:
         for engine in self.state.engines:

@@ -128,9 +128,9 @@ def run_scenarios(
         # would not fit beside vLLM, and its seconds of GPU work per window dwarf what the thread costs the engine loop.
         pool = None  # makes the videos: writer processes, or the refiner's stage (windows of several videos per call)
         # TERRA_DECODE_AFTER=1 (a lab switch): the writer decodes every video once the engine is done
-        decode_after = bool(decode and pending and frame_decoder is None and decode_after_asked())
         if decode and pending:
-            pool = (start_pool(tokenizer, writers, VIDEO_FPS, decode_after=decode_after) if frame_decoder is None
+            asked = frame_decoder is None and decode_after_asked()
+            pool = (start_pool(tokenizer, writers, VIDEO_FPS, decode_after=asked) if frame_decoder is None
                     else frame_decoder.stage(VIDEO_FPS))
         decode_after = getattr(pool, "engine_finished", None) is not None  # (no pool of threads: nothing to hold)
         run.writers = pool.size if isinstance(pool, WriterPool) else 0

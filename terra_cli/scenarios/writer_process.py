@@ -142,12 +142,7 @@ class FrameStore:
         writer that decoded each frame as it came would pay a whole batch per frame. When rollouts'
         frames end in different steps (continuous refill), frames arrive one at a time and such a
         writer kept the GPU busy with padding beside the engine (benchmarks/README.md, issue 37)."""
-        batch: list[tuple[str, int]] = []
-        while self.waiting and len(batch) < self.decoder.batch_size:
-            key, index = self.waiting.popleft()
-            entry = self.videos.get(key, {}).get(index)
-            if entry is not None and entry[1] is None:
-                batch.append((key, index))
+        batch = self._waiting_frames(self.decoder.batch_size)
         if not batch or (len(batch) < self.decoder.batch_size and not partial):
             self.waiting.extendleft(reversed(batch))  # (the stale entries passed over are gone)
             return False

@@ -395,6 +395,9 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
         "30% handling finished frames; 16 frames decoded when their video was done (0.5 s)")
     assert describe_engine_loop({**loop, "decode_late_frames": 16, "decode_late_s": 0.5, "decode_filled_frames": 48}).endswith(
         "16 frames decoded when their video was done (0.5 s, with 48 frames of other videos in the same batches)")
+    assert describe_engine_loop({**loop, "decode_late_frames": 16, "decode_late_s": 0.5,
+                                 "decode_held_limit": 13442}).endswith(
+        "16 frames decoded when their video was done (0.5 s; 13442 frames held ahead at most)")
     # one-time facts (a compile's seconds) are no running sums: a minute's line leaves them out
     apart = {**later, "refined_videos": 3, "refiner_unet_batches": 2, "refiner_busy_s": 12.0, "refiner_compiled_apart_s": 230.0,
              "refiner_compile_s": 20.0}

@@ -858,3 +858,54 @@ def test_a_green_context_scope_runs_the_block_on_a_stream_of_the_context(monkeyp
     stream = "the context's stream" if has_stream_api else "a driver stream"
     made = [("set_device", 1)] + (["Stream"] if has_stream_api else ["set_context", ("driver stream", 1), "pop_context"])
     assert calls == made + [("enter", stream), "decoding", ("exit", stream)]
+
+
+def test_a_writer_holds_every_frame_of_the_videos_in_flight_as_far_as_memory_allows(monkeypatch):
+    """`held_frames_for`: a run of more rollouts than HELD_FRAMES covers (286 ACT-Bench rollouts an
+    engine, `--max-rollouts even`) holds all their frames decoded ahead; never fewer than HELD_FRAMES;
+    more only as far as a quarter of the host's available memory holds."""
+    from terra_cli.scenarios import writer_process
+    from terra_cli.scenarios.writer_process import HELD_FRAMES, available_memory_bytes, held_frames_for
+
+    frame = (288, 512)
+    gib = 1 << 30
+    assert held_frames_for(256, 47, frame, available=0) == HELD_FRAMES  # 12,032 frames: within the floor
+    assert held_frames_for(286, 47, frame, available=512 * gib) == 286 * 47
+    # 25 GiB available: a quarter holds 15,170 frames of 288x512 RGB
+    assert held_frames_for(400, 50, frame, available=25 * gib) == 25 * gib // 4 // (288 * 512 * 3) == 15170
+    assert held_frames_for(400, 50, frame, available=8 * gib) == HELD_FRAMES  # less than the floor: the floor
+    assert held_frames_for(400, 50, (64, 64), available=8 * gib) == 20000  # small frames: all of them
+    monkeypatch.setattr(writer_process, "available_memory_bytes", lambda: None)  # no /proc/meminfo
+    assert held_frames_for(400, 50, (64, 64)) == HELD_FRAMES
+    monkeypatch.undo()
+    assert available_memory_bytes() > 0  # this (Linux) host's MemAvailable
+
+
+@pytest.mark.parametrize("where", ["runner", "ray"])
+def test_the_run_sizes_its_writer_for_its_rollouts_in_flight(tmp_path, backend, tokenizer_dir, monkeypatch, where):
+    """The scenario runner and a Ray engine actor (its class, as plain Python) start their writer for their
+    in-flight count times the longest scenario (`writers.start_pool`): with the floor lowered to 4 frames,
+    a run of 3 rollouts of up to 5 frames holds 15 (the bench's engine line reports the limit; the fixed
+    limit gave 4, and every frame past it was decoded at its video's end)."""
+    from terra_cli.scenarios import writer_process
+
+    monkeypatch.setattr(writer_process, "HELD_FRAMES", 4)
+    file = read_scenarios(write_lines(tmp_path, lines(4)), Defaults())
+    assert max(s.frames for s in file.scenarios) == 5
+    if where == "runner":
+        run = run_scenarios(file, tmp_path / "out", backend, load(tokenizer_dir), max_rollouts=3, writers=0)
+        assert run.done == 4 and run.engine_loop["decode_held_limit"] == 15
+        return
+    from terra_cli.models.resolve import ModelSpec
+    from terra_cli.pipeline.world_model import Engine
+    from terra_cli.scenarios.job import ScenarioJob
+    from terra_cli.scenarios.ray_actor import EngineSpec, ScenarioEngine
+
+    model = write_tiny_checkpoint(tmp_path / "m", tiny_config(image_vocab=512, layers=1, max_frames=4))
+    job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "out", model=ModelSpec(str(model), tokenizer=str(tokenizer_dir)),
+                      engine=Engine("hf", "cpu", "float32"), writers=0, max_rollouts=3)
+    actor = ScenarioEngine(EngineSpec(job, "hf", "cpu", needs_tokenizer=True, longest_frames=5))
+    try:
+        assert actor.in_flight == 3 and actor.stats()["engine_loop"]["decode_held_limit"] == 15
+    finally:
+        actor.pool.close()

@@ -142,7 +142,8 @@ class ScenarioEngine:
         if refiners:
             self.pool = refiners[0].stage(VIDEO_FPS)
         else:
-            self.pool = start_pool(self.tokenizer, job_writers(self.job, spec.device), VIDEO_FPS)
+            self.pool = start_pool(self.tokenizer, job_writers(self.job, spec.device), VIDEO_FPS,
+                                   in_flight=self.in_flight, frames=spec.longest_frames)
 
         # The writer (processes, or threads here) decodes a scenario's frames while it is generated.
         self.ahead_of_time = self.pool if hasattr(self.pool, "frame") else None  # not the refiner's stage

@@ -130,8 +130,9 @@ def run_scenarios(
         # TERRA_DECODE_AFTER=1 (a lab switch): the writer decodes every video once the engine is done
         if decode and pending:
             asked = frame_decoder is None and decode_after_asked()
-            pool = (start_pool(tokenizer, writers, VIDEO_FPS, decode_after=asked) if frame_decoder is None
-                    else frame_decoder.stage(VIDEO_FPS))
+            pool = (start_pool(tokenizer, writers, VIDEO_FPS, decode_after=asked, in_flight=max_rollouts,
+                               frames=max(s.frames for s in pending))
+                    if frame_decoder is None else frame_decoder.stage(VIDEO_FPS))
         decode_after = getattr(pool, "engine_finished", None) is not None  # (no pool of threads: nothing to hold)
         run.writers = pool.size if isinstance(pool, WriterPool) else 0
         writer = _Writer(out_dir, (frame_decoder or tokenizer) if decode else None, log, run, on_written,

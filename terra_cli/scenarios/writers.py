@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from terra_cli.errors import InputError, OutputError
-from terra_cli.scenarios.writer_process import SIGNALS, DecoderSpec, serve
+from terra_cli.scenarios.writer_process import HELD_FRAMES, SIGNALS, DecoderSpec, held_frames_for, serve
 
 ENCODERS_PER_PROCESS = 2  # mp4s a process encodes at once (ffmpeg processes of its own, on the host's cores)
 OPEN_PER_PROCESS = 2 * ENCODERS_PER_PROCESS  # finished scenarios handed to the pool and not yet written, per process
@@ -78,22 +78,24 @@ class VideoFailed(Exception):
     """One scenario's video could not be made in a writer process (the worker's message)."""
 
 
-def start_pool(decoder, workers: int, fps: float, decode_after: bool = False):
+def start_pool(decoder, workers: int, fps: float, decode_after: bool = False, in_flight: int = 0, frames: int = 0):
     """What makes the videos of `decoder` (an image tokenizer): `workers` writer processes, or with 0
     (or a tokenizer a process cannot load from a folder) its threads in this process
     (`local_writer.InProcessWriter`); None for no decoder or another kind (the caller decodes).
-    `decode_after` (`runtime.decode_after_asked`): the threads decode nothing until `engine_done`."""
+    `decode_after` (`runtime.decode_after_asked`): the threads decode nothing until `engine_done`.
+    `in_flight` rollouts of up to `frames` frames: what each keeps decoded ahead (`held_frames_for`)."""
     from tokenizer_decoder import ImageTokenizer
 
     if not isinstance(decoder, ImageTokenizer):
         return None
+    held_frames = held_frames_for(in_flight, frames, tuple(decoder.image_size))
     if workers < 1 or DecoderSpec.of(decoder) is None:
         from terra_cli.scenarios.local_writer import InProcessWriter
 
-        return InProcessWriter(decoder, fps, decode_after=decode_after)
+        return InProcessWriter(decoder, fps, held_frames=held_frames, decode_after=decode_after)
     if decode_after:
         raise InputError("TERRA_DECODE_AFTER=1 needs the engine's own writer threads: use --writers 0")
-    return WriterPool(decoder, workers, fps)
+    return WriterPool(decoder, workers, fps, held_frames=held_frames)
 
 
 def write_in_order(pool, items: queue.Queue, write: Callable) -> None:
@@ -141,7 +143,8 @@ class WriterPool:
     done: a Future of the mp4 bytes (or raising VideoFailed for that scenario, WriterDied when the
     pool broke); `drop(key)` for one that will not finish. Call `close()` when done."""
 
-    def __init__(self, tokenizer, workers: int, fps: float, encoders: int = ENCODERS_PER_PROCESS):
+    def __init__(self, tokenizer, workers: int, fps: float, encoders: int = ENCODERS_PER_PROCESS,
+                 held_frames: int = HELD_FRAMES):
         import multiprocessing
         import torch
 
@@ -154,7 +157,9 @@ class WriterPool:
         # On a GPU the decode needs no CPU threads of torch's: its 16 spun beside vLLM's engine on an H100 and
         # slowed its steps (benchmarks/README.md). On a CPU the engine process's count gives the same frames.
         threads = GPU_WRITER_THREADS if fields["device"].startswith("cuda") else torch.get_num_threads()
-        spec = DecoderSpec(**fields, threads=threads, fps=fps, folder=self.folder, encoders=encoders)
+        # Each process holds the frames of its own videos only: the run's limit bounds every one of them
+        spec = DecoderSpec(**fields, threads=threads, fps=fps, folder=self.folder, encoders=encoders,
+                           held_frames=held_frames)
         self.lock = threading.Lock()
         self.failure: WriterDied | None = None
         self.closing = False

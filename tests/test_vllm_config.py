@@ -1,6 +1,9 @@
 """How terra sizes vLLM's KV cache (backends/vllm_config.py): two copies of every rollout's round
 where they fit, one where only that fits (room for the video writer processes), vLLM's own sizing
-where not even one does. No vLLM needed."""
+where not even one does; and the CUDA graphs' batch sizes it asks for (the last test checks them
+against vLLM's own CompilationConfig)."""
+
+import pytest
 
 from terra_cli.backends.vllm_config import KV_BLOCK_TOKENS, kv_cache_bytes, sized_kv_cache
 from terra_cli.models.config import LlamaActionConfig
@@ -55,3 +58,41 @@ def test_an_engine_sized_in_bytes_starts_beside_another_process_on_its_gpu():
     assert utils.request_memory(snapshot, SimpleNamespace(gpu_memory_utilization=share)) <= free
     assert share > 0.8  # still close to what is free: nothing else is decided by it
     assert startup_memory_share(total - 600_000_000, total, 0.9) == 0.9  # a CUDA context's worth held: as asked
+
+
+def test_sparse_graph_sizes_cover_every_batch_with_fewer_graphs():
+    """`cuda_graph_sizes`: every batch up to vLLM's largest (twice the rollouts, at most 512) has a size to pad
+    to, never more than 31 rows away beyond 32; the in-flight count itself is one; 256 rollouts take 21
+    graphs where vLLM's own list takes 51."""
+    from terra_cli.backends.vllm_config import LARGEST_GRAPH_TOKENS, cuda_graph_sizes
+
+    for rollouts in (1, 2, 3, 7, 31, 100, 255, 256, 286, 300, 511, 512, 600):
+        sizes = cuda_graph_sizes(rollouts)
+        largest = min(2 * rollouts, LARGEST_GRAPH_TOKENS)
+        assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == largest
+        assert min(rollouts, largest) in sizes
+        for batch in range(1, largest + 1):
+            padded = min(s for s in sizes if s >= batch)
+            assert padded - batch < (batch if batch <= 32 else 32), (rollouts, batch, padded)
+    assert len(cuda_graph_sizes(256)) == 21 and len(cuda_graph_sizes(286)) == 22  # vLLM's: 1, 2, 4, by 8, by 16
+
+
+def test_sparse_graph_sizes_apply_only_when_asked_on_a_gpu_with_graphs_and_no_draft(monkeypatch):
+    from terra_cli.backends.vllm_config import cuda_graph_sizes, eager_compilation_config, graph_sizes_config
+    from terra_cli.errors import InputError
+    from terra_cli.runtime import sparse_graph_sizes_asked
+
+    assert graph_sizes_config(True, False, False, 256, sparse=True) == {"cudagraph_capture_sizes": cuda_graph_sizes(256)}
+    for on_gpu, eager, drafting, sparse in ((False, False, False, True), (True, True, False, True),
+                                            (True, False, True, True), (True, False, False, False)):
+        assert graph_sizes_config(on_gpu, eager, drafting, 256, sparse) == {}
+    assert sparse_graph_sizes_asked({}) is False
+    assert sparse_graph_sizes_asked({"TERRA_CUDA_GRAPH_SIZES": " Sparse "}) is True
+    assert sparse_graph_sizes_asked({"TERRA_CUDA_GRAPH_SIZES": "vllm"}) is False
+    with pytest.raises(InputError, match="TERRA_CUDA_GRAPH_SIZES='every': use sparse"):
+        sparse_graph_sizes_asked({"TERRA_CUDA_GRAPH_SIZES": "every"})
+    # what the backend hands vLLM is a compilation config vLLM takes, with these sizes
+    from vllm.config import CompilationConfig
+
+    asked = {**eager_compilation_config(True), **graph_sizes_config(True, False, False, 286, sparse=True)}
+    assert CompilationConfig(**asked).cudagraph_capture_sizes == cuda_graph_sizes(286)

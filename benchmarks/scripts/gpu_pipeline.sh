@@ -12,6 +12,7 @@
 #          run on four engines, videos included: `bench --act-bench 2286 --data-parallel 4` (a watcher logs
 #          done videos and GPU use every 30 s; the bench logs each engine's loop every minute);
 #          MAX_ROLLOUTS=even: the full run with `--max-rollouts even` (two equal waves of 286 an engine on H200s);
+#          GRAPH_SIZES=sparse: both runs with TERRA_CUDA_GRAPH_SIZES=sparse (21 CUDA graphs an engine, not 51);
 #          with .gpu/spy carried (py-spy's wheel, `pip download py-spy`), py-spy samples which threads of an
 #          engine actor hold the interpreter lock: 30 s mid-wave (SPY_MID_S, 200 s in) and 60 s from the first
 #          videos' end (a wave change: GPU 31-52% busy for ~45 s on 2026-11-28), into $OUT/spy-*.txt
@@ -145,6 +146,9 @@ case "${1:-}" in
   runsfull)
     source_stamp "$OUT/commit.txt"
     restore_warm_caches  # (carried as .gpu/warm; a fresh host compiles everything otherwise)
+    # GRAPH_SIZES=sparse: every engine of both runs captures terra's sparser CUDA-graph sizes (a local Ray
+    # cluster's actors inherit this environment); the bench's JSON has each engine's graph_sizes and graph_capture_s
+    if [ -n "${GRAPH_SIZES:-}" ]; then export TERRA_CUDA_GRAPH_SIZES="$GRAPH_SIZES"; fi
     # The tokens-only baseline's first wave only (TOKENS_S, default 360 s): its per-minute rate lines
     # compare with the same minutes of the full run's first wave, and the budget keeps the full run whole.
     # TOKENS_S=0 skips it: a 30-minute lease holds setup (~150 s) and the whole full run (~1,300 s) only then.

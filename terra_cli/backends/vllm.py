@@ -20,14 +20,14 @@ import numpy as np
 
 from terra_cli.backends.attention import choose_attention
 from terra_cli.backends.vllm_config import (MAX_DRAFT_TOKENS, gpu_memory_bytes, compile_by_default,  # noqa: F401
-                                            eager_compilation_config, gpu_free_bytes, previous_frame_draft,
-                                            sized_kv_cache, startup_memory_share)
+                                            eager_compilation_config, gpu_free_bytes, graph_sizes_config,
+                                            previous_frame_draft, sized_kv_cache, startup_memory_share)
 from terra_cli.backends.vllm_startup import read_phases
 from terra_cli.models.checkpoint import check_state_dict, load_config, weight_files
 from terra_cli.errors import TerraError
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
 from terra_cli.seeds import draw_seed, rollout_seed
-from terra_cli.runtime import engine_stream_priority
+from terra_cli.runtime import engine_stream_priority, sparse_graph_sizes_asked
 
 
 class VllmUnavailable(TerraError):
@@ -243,6 +243,10 @@ class VllmBackend:
             kwargs["attention_config"] = {"backend": "CUSTOM"}  # registered by models/vllm_plugin.py
         if not torch_compile:
             kwargs["compilation_config"] = eager_compilation_config(on_gpu)
+        graph_sizes = graph_sizes_config(on_gpu, enforce_eager, bool(draft_tokens), max_rollouts,
+                                         sparse_graph_sizes_asked())
+        if graph_sizes:
+            kwargs["compilation_config"] = {**kwargs.get("compilation_config", {}), **graph_sizes}
         if draft_tokens:
             kwargs["speculative_config"] = previous_frame_draft(self.checkpoint_dir, self.config, draft_tokens)
         kwargs.update(engine_kwargs)
@@ -258,6 +262,9 @@ class VllmBackend:
             "engine_stream": engine_stream,
             "import_vllm_s": round(imported - import_started, 3),
             "engine_s": round(engine_ready - imported, 3),
+            # the batch sizes vLLM captured graphs for (none on a CPU or eager): what graph_capture_s paid for
+            "graph_sizes": len(self.llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes or ())
+            if on_gpu and not enforce_eager else 0,
             **read_phases(_startup_log(), wall_started, time.time()),
         }
         self.last_cached_tokens: list[list[int]] = []  # per frame: cached prompt tokens per rollout

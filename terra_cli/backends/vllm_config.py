@@ -28,6 +28,37 @@ def eager_compilation_config(on_gpu: bool) -> dict:
     return {"mode": 0, "cudagraph_mode": "FULL"} if on_gpu else {"mode": 0}
 
 
+# vLLM's largest captured batch by default (tokens in one step): a mixed step of prefills and decodes runs
+# in a graph up to it. Terra's attention sizes its scratch by the largest capture size (vllm_attention.py).
+LARGEST_GRAPH_TOKENS = 512
+
+
+def cuda_graph_sizes(max_rollouts: int) -> list[int]:
+    """The batch sizes (tokens a step) to capture CUDA graphs for, `max_rollouts` in flight, one token each:
+    powers of two to 32, then every 32 up to vLLM's own largest (twice the rollouts, at most 512), and the
+    in-flight count itself, where a full batch's decode steps spend the run.
+
+    vLLM's default list steps by 8 to 256 and by 16 beyond: 51 graphs at 256 rollouts, 36-42 s of each
+    engine's start on an H200. Steps padded further than vLLM pads them come only at wave changes and
+    ends, where few steps run: a step's time follows the rollouts whose KV cache it reads (66 us a
+    rollout-step whether 61, 256 or 286 were in flight, four H200s, 2026-11-28)."""
+    largest = min(2 * max(1, max_rollouts), LARGEST_GRAPH_TOKENS)
+    sizes = {size for size in (1, 2, 4, 8, 16, 32) if size <= largest}
+    sizes.update(range(64, largest + 1, 32))
+    sizes.update((min(max_rollouts, largest), largest))
+    return sorted(sizes)
+
+
+def graph_sizes_config(on_gpu: bool, enforce_eager: bool, drafting: bool, max_rollouts: int,
+                       sparse: bool) -> dict:
+    """The compilation settings that choose the graphs' sizes: `cuda_graph_sizes` when `sparse` is asked
+    (runtime.sparse_graph_sizes_asked) on a GPU with graphs, without drafts (a drafting step's tokens are
+    the rollouts times the draft; vLLM sizes those); otherwise none, and vLLM's own list."""
+    if not (sparse and on_gpu and not enforce_eager and not drafting):
+        return {}
+    return {"cudagraph_capture_sizes": cuda_graph_sizes(max_rollouts)}
+
+
 def previous_frame_draft(checkpoint_dir: Path, config, draft_tokens: int) -> dict:
     """vLLM's speculative config for the previous-frame draft (models/draft_vllm.py): the EAGLE
     method with the target's own checkpoint as the draft, whose architecture the plugin maps to

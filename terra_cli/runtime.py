@@ -256,6 +256,19 @@ def resolve_dtype(dtype: str | None, device: str):
     return getattr(torch, resolve_dtype_name(dtype, device))
 
 
+def available_memory_bytes() -> int | None:
+    """The host memory the kernel says is available (MemAvailable: free plus reclaimable caches); None
+    where /proc/meminfo cannot say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def host_cores() -> int:
     """The cores this process may run on (its affinity: a container's or Ray's CPU limit), else the host's."""
     if hasattr(os, "sched_getaffinity"):

@@ -865,7 +865,8 @@ def test_a_writer_holds_every_frame_of_the_videos_in_flight_as_far_as_memory_all
     engine, `--max-rollouts even`) holds all their frames decoded ahead; never fewer than HELD_FRAMES;
     more only as far as a quarter of the host's available memory holds."""
     from terra_cli.scenarios import writer_process
-    from terra_cli.scenarios.writer_process import HELD_FRAMES, available_memory_bytes, held_frames_for
+    from terra_cli.runtime import available_memory_bytes
+    from terra_cli.scenarios.writer_process import HELD_FRAMES, held_frames_for
 
     frame = (288, 512)
     gib = 1 << 30

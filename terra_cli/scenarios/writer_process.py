@@ -36,44 +36,25 @@ from typing import Callable
 import numpy as np
 
 from terra_cli.compile_apart import fx_cache_counts
+from terra_cli.runtime import available_memory_bytes
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 # TERRA_DECODER_COMPILE=0 keeps the tokenizer's decoder eager on CUDA (to compare; on by default).
 DECODER_COMPILE_ENV = "TERRA_DECODER_COMPILE"
-# Decoded frames a process keeps for videos still being generated, at least; frames past the limit are
-# decoded when their video is done. 12,288 frames of 288x512 are 5.4 GB of host memory: 256 ACT-Bench
-# rollouts. A run with more in flight holds more (`held_frames_for`).
-HELD_FRAMES = 12_288
-# The share of the host's available memory one writer's held frames may take: four engines on one host
-# (Ray, --data-parallel) each hold theirs, and leave the host more than a quarter of what it had.
-HELD_MEMORY_SHARE = 0.25
-
-
-def available_memory_bytes() -> int | None:
-    """The host memory the kernel says is available (MemAvailable: free plus reclaimable caches); None
-    where /proc/meminfo cannot say."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+# Decoded frames a process keeps for videos still being generated, at least (`held_frames_for`): 12,288
+# frames of 288x512 are 5.4 GB, 256 ACT-Bench rollouts. Beyond it, at most this share of the host's available
+# memory: four engines on one host (Ray, --data-parallel) each hold theirs and leave it over a quarter.
+HELD_FRAMES, HELD_MEMORY_SHARE = 12_288, 0.25
 
 
 def held_frames_for(in_flight: int, frames: int, image_size: tuple[int, int],
                     available: int | None = None) -> int:
-    """The frames a writer keeps decoded ahead for a run of `in_flight` rollouts of up to `frames` frames:
-    every frame of every video in flight, so none waits for its video's end. A frame past the limit is
-    decoded then, in a padded batch beside the engine's steps: on four H200s at 286 rollouts an engine
-    (`--max-rollouts even`, 2026-11-28), the 12,288 held left ~1,000 frames a wave to each video's end,
-    36 s of decoding an engine, and 33 s of drain after the last frame. At least HELD_FRAMES; more only
-    as far as HELD_MEMORY_SHARE of the host's available memory (`available`, bytes; read when None) holds."""
+    """The frames a writer keeps decoded ahead for `in_flight` rollouts of up to `frames` frames: all of them,
+    as far as HELD_MEMORY_SHARE of the host's `available` memory (bytes; read when None) holds, at least
+    HELD_FRAMES. A frame past the limit waits for its video's end, then is decoded beside the engine's steps:
+    at 286 rollouts an engine (four H200s, 2026-11-28) 12,288 left ~1,000 frames a wave so, and a 33 s drain."""
     needed = max(0, in_flight) * max(0, frames)
-    if needed <= HELD_FRAMES:
-        return HELD_FRAMES
-    available = available_memory_bytes() if available is None else available
+    available = (available_memory_bytes() if available is None else available) if needed > HELD_FRAMES else None
     if available is None:
         return HELD_FRAMES
     height, width = image_size

@@ -368,8 +368,8 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     assert describe_engine_loop({**refiner, "refiner_compiled_apart_s": 231.25}).endswith(
         "its thread busy 9.5 s, compiled apart first in 231.2 s")
     assert describe_engine_loop({**loop, "rollout_steps": 1000, "mean_in_flight": 2.5, "full_after_s": 3.25}) == (
-        "engine loop: 45% in the engine's step (22.50 ms x 400 steps, 2 in flight on average, every slot held first "
-        "after 3.2 s), 5% taking in jobs, 30% handling finished frames")
+        "engine loop: 45% in the engine's step (22.50 ms x 400 steps, 2 in flight on average, 9000.0 us a "
+        "rollout-step, every slot held first after 3.2 s), 5% taking in jobs, 30% handling finished frames")
     assert describe_engine_loop({**loop, "intake_read_wait_s": 0.5, "intake_encode_s": 12.25,
                                  "intake_done_after_s": 30.0}).endswith(
         "30% handling finished frames; the intake waited 0.5 s for reads and encoded 12.2 s, all taken in after 30.0 s")

@@ -105,8 +105,10 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     steps = f"{loop['ms_per_step']:.2f} ms x {loop['steps']} steps" if loop.get("ms_per_step") is not None else "no step"
     if loop.get("mean_in_flight") is not None:  # continuous batching: how full the batch ran
         full = loop.get("full_after_s")
-        steps += (f", {loop['mean_in_flight']:.0f} in flight on average, "
-                  + ("the slots were never all held" if full is None else f"every slot held first after {full:.1f} s"))
+        steps += f", {loop['mean_in_flight']:.0f} in flight on average, "
+        if loop.get("rollout_steps"):  # KV-bound steps take the same per rollout at any batch (benchmarks/README.md)
+            steps += f"{1e6 * loop['in_engine_step_s'] / loop['rollout_steps']:.1f} us a rollout-step, "
+        steps += "the slots were never all held" if full is None else f"every slot held first after {full:.1f} s"
     waits = ""
     if loop.get("wakes"):  # a Ray actor's WakeProbe: a thread of the engine's process sleeping 5 ms at a time
         waits = (f"; its process's 5 ms timer woke {1000 * loop['wake_late_s'] / loop['wakes']:.2f} ms late on average, "

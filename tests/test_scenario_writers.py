@@ -910,3 +910,40 @@ def test_the_run_sizes_its_writer_for_its_rollouts_in_flight(tmp_path, backend, 
         assert actor.in_flight == 3 and actor.stats()["engine_loop"]["decode_held_limit"] == 15
     finally:
         actor.pool.close()
+
+
+def test_a_ray_engine_actor_reports_its_intake_and_when_it_fed_its_first_batch(tmp_path, tokenizer_dir):
+    """A Ray engine's intake thread (the actor's class, as plain Python) sums its encoding seconds and says
+    when it had fed the engine's first in-flight count of jobs, from the engine's ready: the engine line
+    then tells the encoder's share of the wait for a full batch from the calls' arrival."""
+    from terra_cli.bench.engine_report import describe_engine_loop
+    from terra_cli.models.resolve import ModelSpec
+    from terra_cli.pipeline.world_model import Engine
+    from terra_cli.scenarios.job import ScenarioJob
+    from terra_cli.scenarios.ray_actor import EngineSpec, ScenarioEngine, ScenarioWork
+
+    file = read_scenarios(write_lines(tmp_path, lines(2)), Defaults())
+    # the tokenizer at its own frame size: 576 tokens a frame, as the tiny model's
+    model = write_tiny_checkpoint(tmp_path / "m", tiny_config(image_vocab=512, layers=1, max_frames=4))
+    job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "out", model=ModelSpec(str(model), tokenizer=str(tokenizer_dir)),
+                      engine=Engine("hf", "cpu", "float32"), writers=0, max_rollouts=2)
+    began = time.perf_counter()
+    actor = ScenarioEngine(EngineSpec(job, "hf", "cpu", needs_tokenizer=True, longest_frames=5))
+    try:
+        before = actor.stats()["engine_loop"]
+        assert before["intake_encode_s"] == 0 and "intake_first_batch_fed_s" not in before
+        rng = np.random.default_rng(0)
+        works = [ScenarioWork(s, context_tokens=rng.integers(0, 512, size=(s.context_frames, 576)))
+                 for s in file.scenarios]
+        first = bounded(lambda: actor.generate(works[0]))
+        one = actor.stats()["engine_loop"]
+        assert one["intake_encode_s"] > 0 and "intake_first_batch_fed_s" not in one  # 1 of 2 in flight fed
+        bounded(lambda: actor.generate(works[1]))
+        two = actor.stats()["engine_loop"]
+        assert 0 < two["intake_first_batch_fed_s"] < time.perf_counter() - began
+        assert two["intake_encode_s"] > one["intake_encode_s"]
+        assert f"; the intake encoded {two['intake_encode_s']:.1f} s, its first batch of jobs fed " \
+               f"{two['intake_first_batch_fed_s']:.1f} s after the engine was ready" in describe_engine_loop(two)
+        assert first.id == file.scenarios[0].id
+    finally:
+        actor.pool.close()

@@ -72,6 +72,7 @@ class BusySampler:
 
 # An engine loop's values that are no running sums: a minute's line leaves them out (the run's last says them)
 NOT_CUMULATIVE = ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s", "intake_done_after_s",
+                  "intake_first_batch_fed_s",
                   "refiner_compiled_apart_s", "refiner_compile_s", "refiner_vae_compile_s", "decode_sms",
                   "decoder_compiled_apart_s", "decode_first_batch_cache", "refiner_compile_cache", "decode_after")
 
@@ -142,10 +143,14 @@ def describe_engine_loop(loop: dict | None) -> str | None:
             stages += f", compiled apart first in {loop['refiner_compiled_apart_s']:.1f} s"
         if loop.get("refiner_compile_cache") is not None:
             stages += f", compiled here in {loop.get('refiner_compile_s', 0.0):.1f} s{cache_counts(loop['refiner_compile_cache'])}"
-    if loop.get("intake_encode_s") is not None:  # a single engine's intake (scenarios.encoding.EncodeAhead)
+    if loop.get("intake_read_wait_s") is not None:  # a single engine's intake (scenarios.encoding.EncodeAhead)
         done = loop.get("intake_done_after_s")
         stages += (f"; the intake waited {loop.get('intake_read_wait_s', 0.0):.1f} s for reads and encoded "
                     f"{loop['intake_encode_s']:.1f} s" + ("" if done is None else f", all taken in after {done:.1f} s"))
+    elif loop.get("intake_encode_s") is not None:  # a Ray engine's intake thread (its contexts read by the driver)
+        fed = loop.get("intake_first_batch_fed_s")
+        stages += (f"; the intake encoded {loop['intake_encode_s']:.1f} s"
+                   + ("" if fed is None else f", its first batch of jobs fed {fed:.1f} s after the engine was ready"))
     return (f"engine loop: {share['in_engine_step_s']:.0f}% in the engine's step ({steps}), "
             f"{share['admitting_jobs_s']:.0f}% taking in jobs, "
             f"{share['handling_frames_s']:.0f}% handling finished frames{idle}{waits}{stages}")

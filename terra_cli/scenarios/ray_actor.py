@@ -157,6 +157,10 @@ class ScenarioEngine:
         self.driver = self.engine.driver(self.in_flight, stagger_starts=stagger_starts_asked())
         self.feed = JobFeed()
         self.intake: queue.SimpleQueue = queue.SimpleQueue()  # ScenarioWork from the calls, to encode
+        # The intake's seconds encoding, and when its first in-flight count of jobs was fed (from the engine's
+        # ready): how much of the time to a full batch is the encoder's, and how much the calls' arrival
+        self.intake_times: dict = {"intake_encode_s": 0.0}
+        self.intake_fed, self.intake_began = 0, time.perf_counter()
         from terra_cli.scenarios.encoding import cuda_device
 
         self.cuda_device = cuda_device()  # the intake thread encodes on this actor's GPU
@@ -188,6 +192,7 @@ class ScenarioEngine:
         loop = {**self.driver.loop.as_dict(), **(self.wake_probe.as_dict() if self.wake_probe is not None else {})}
         if hasattr(self.pool, "decode_stats"):  # the in-process writer: its decode-ahead shares this process and GPU
             loop.update(self.pool.decode_stats())
+        loop.update(self.intake_times)
         with self.lock:
             return {"frames": self.frames, "pending_frames": sum(w.frames for w in self.waiters.values()),
                     "engine_loop": loop}
@@ -272,6 +277,7 @@ class ScenarioEngine:
                         works.append(self.intake.get_nowait())
                     except queue.Empty:
                         break
+                encoding = time.perf_counter()
                 try:
                     contexts = encode_batch([(w.context_tokens, w.context_images) for w in works], self.tokenizer,
                                             self.codec)
@@ -279,9 +285,14 @@ class ScenarioEngine:
                     for w in works:
                         self._finish(w.scenario.id, None, RuntimeError(" ".join(f"{type(exc).__name__}: {exc}".split())))
                     continue
+                finally:
+                    self.intake_times["intake_encode_s"] += time.perf_counter() - encoding
                 for w, context in zip(works, contexts):
                     s = w.scenario
                     self.feed.put(RolloutJob(s.id, context, s.actions, s.frames, replace(job.sampling, seed=s.seed)))
+                self.intake_fed += len(works)
+                if self.intake_fed >= self.in_flight and "intake_first_batch_fed_s" not in self.intake_times:
+                    self.intake_times["intake_first_batch_fed_s"] = time.perf_counter() - self.intake_began
         except BaseException as exc:
             self._die(exc)
 

@@ -864,9 +864,9 @@ def test_a_writer_holds_every_frame_of_the_videos_in_flight_as_far_as_memory_all
     """`held_frames_for`: a run of more rollouts than HELD_FRAMES covers (286 ACT-Bench rollouts an
     engine, `--max-rollouts even`) holds all their frames decoded ahead; never fewer than HELD_FRAMES;
     more only as far as a quarter of the host's available memory holds."""
-    from terra_cli.scenarios import writer_process
     from terra_cli.runtime import available_memory_bytes
-    from terra_cli.scenarios.writer_process import HELD_FRAMES, held_frames_for
+    from terra_cli.scenarios import held_frames
+    from terra_cli.scenarios.held_frames import HELD_FRAMES, held_frames_for
 
     frame = (288, 512)
     gib = 1 << 30
@@ -876,7 +876,7 @@ def test_a_writer_holds_every_frame_of_the_videos_in_flight_as_far_as_memory_all
     assert held_frames_for(400, 50, frame, available=25 * gib) == 25 * gib // 4 // (288 * 512 * 3) == 15170
     assert held_frames_for(400, 50, frame, available=8 * gib) == HELD_FRAMES  # less than the floor: the floor
     assert held_frames_for(400, 50, (64, 64), available=8 * gib) == 20000  # small frames: all of them
-    monkeypatch.setattr(writer_process, "available_memory_bytes", lambda: None)  # no /proc/meminfo
+    monkeypatch.setattr(held_frames, "available_memory_bytes", lambda: None)  # no /proc/meminfo
     assert held_frames_for(400, 50, (64, 64)) == HELD_FRAMES
     monkeypatch.undo()
     assert available_memory_bytes() > 0  # this (Linux) host's MemAvailable
@@ -888,9 +888,9 @@ def test_the_run_sizes_its_writer_for_its_rollouts_in_flight(tmp_path, backend, 
     in-flight count times the longest scenario (`writers.start_pool`): with the floor lowered to 4 frames,
     a run of 3 rollouts of up to 5 frames holds 15 (the bench's engine line reports the limit; the fixed
     limit gave 4, and every frame past it was decoded at its video's end)."""
-    from terra_cli.scenarios import writer_process
+    from terra_cli.scenarios import held_frames
 
-    monkeypatch.setattr(writer_process, "HELD_FRAMES", 4)
+    monkeypatch.setattr(held_frames, "HELD_FRAMES", 4)
     file = read_scenarios(write_lines(tmp_path, lines(4)), Defaults())
     assert max(s.frames for s in file.scenarios) == 5
     if where == "runner":

@@ -129,7 +129,7 @@ def describe_engine_loop(loop: dict | None) -> str | None:
                    f"({loop.get('decode_late_s', 0.0):.1f} s")
         if loop.get("decode_filled_frames"):  # FrameStore.take: other videos' frames in those batches' padding
             stages += f", with {loop['decode_filled_frames']} frames of other videos in the same batches"
-        if loop.get("decode_held_limit"):  # writer_process.held_frames_for: frames past it wait for their video's end
+        if loop.get("decode_held_limit"):  # held_frames.held_frames_for: frames past it wait for their video's end
             stages += f"; {loop['decode_held_limit']} frames held ahead at most"
         stages += ")"
     if loop.get("decode_after"):  # runtime.decode_after_asked

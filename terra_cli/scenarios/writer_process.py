@@ -36,30 +36,11 @@ from typing import Callable
 import numpy as np
 
 from terra_cli.compile_apart import fx_cache_counts
-from terra_cli.runtime import available_memory_bytes
+from terra_cli.scenarios.held_frames import HELD_FRAMES
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 # TERRA_DECODER_COMPILE=0 keeps the tokenizer's decoder eager on CUDA (to compare; on by default).
 DECODER_COMPILE_ENV = "TERRA_DECODER_COMPILE"
-# Decoded frames a process keeps for videos still being generated, at least (`held_frames_for`): 12,288
-# frames of 288x512 are 5.4 GB, 256 ACT-Bench rollouts. Beyond it, at most this share of the host's available
-# memory: four engines on one host (Ray, --data-parallel) each hold theirs and leave it over a quarter.
-HELD_FRAMES, HELD_MEMORY_SHARE = 12_288, 0.25
-
-
-def held_frames_for(in_flight: int, frames: int, image_size: tuple[int, int],
-                    available: int | None = None) -> int:
-    """The frames a writer keeps decoded ahead for `in_flight` rollouts of up to `frames` frames: all of them,
-    as far as HELD_MEMORY_SHARE of the host's `available` memory (bytes; read when None) holds, at least
-    HELD_FRAMES. A frame past the limit waits for its video's end, then is decoded beside the engine's steps:
-    at 286 rollouts an engine (four H200s, 2026-11-28) 12,288 left ~1,000 frames a wave so, and a 33 s drain."""
-    needed = max(0, in_flight) * max(0, frames)
-    available = (available_memory_bytes() if available is None else available) if needed > HELD_FRAMES else None
-    if available is None:
-        return HELD_FRAMES
-    height, width = image_size
-    affordable = int(available * HELD_MEMORY_SHARE) // (height * width * 3)
-    return max(HELD_FRAMES, min(needed, affordable))
 
 
 @dataclass(frozen=True)

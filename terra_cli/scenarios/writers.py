@@ -37,7 +37,8 @@ from typing import Callable
 import numpy as np
 
 from terra_cli.errors import InputError, OutputError
-from terra_cli.scenarios.writer_process import HELD_FRAMES, SIGNALS, DecoderSpec, held_frames_for, serve
+from terra_cli.scenarios.held_frames import HELD_FRAMES, held_frames_for
+from terra_cli.scenarios.writer_process import SIGNALS, DecoderSpec, serve
 
 ENCODERS_PER_PROCESS = 2  # mp4s a process encodes at once (ffmpeg processes of its own, on the host's cores)
 OPEN_PER_PROCESS = 2 * ENCODERS_PER_PROCESS  # finished scenarios handed to the pool and not yet written, per process

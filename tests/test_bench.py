@@ -367,6 +367,12 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     assert describe_engine_loop(refiner).endswith("; the refiner made 4 videos in 2 UNet batches, its thread busy 9.5 s")
     assert describe_engine_loop({**refiner, "refiner_compiled_apart_s": 231.25}).endswith(
         "its thread busy 9.5 s, compiled apart first in 231.2 s")
+    parts = {"refiner_take_in_s": 1.25, "refiner_unet_s": 6.0, "refiner_vae_decode_s": 2.25, "refiner_starved_s": 3.5,
+             "refiner_mp4_s": 4.75}
+    assert describe_engine_loop({**refiner, **parts, "refiner_compiled_apart_s": 231.25}).endswith(
+        "compiled apart first in 231.2 s; its thread's parts: taking videos in 1.2 s, UNet 6.0 s, VAE decoding 2.2 s; "
+        "waiting for videos 3.5 s, mp4s 4.8 s in its encoder threads")
+    assert loop_since({**refiner, **parts}, {**refiner, **parts, "refiner_unet_s": 2.0})["refiner_unet_s"] == 4.0
     assert describe_engine_loop({**loop, "rollout_steps": 1000, "mean_in_flight": 2.5, "full_after_s": 3.25}) == (
         "engine loop: 45% in the engine's step (22.50 ms x 400 steps, 2 in flight on average, 9000.0 us a "
         "rollout-step, every slot held first after 3.2 s), 5% taking in jobs, 30% handling finished frames")

@@ -3,6 +3,8 @@ strictness, no pickle, the sampler against a closed form, windows, determinism."
 
 import math
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -408,6 +410,84 @@ def test_refine_stage_batches_videos_and_fails_one_video_or_the_whole_stage(tiny
             stage.submit("b", b, 5).result(timeout=5)  # refused at once, never waits on a stopped stage
     finally:
         stage.close()
+
+
+def test_pixels_become_the_bytes_numpy_astype_made_from_the_same_floats():
+    """`pixels_to_uint8` converts on the pixels' device now; the bytes must be those that copying
+    the float32 values to the host and numpy's astype (truncation) gave, edges included."""
+    from terra_cli.refiner.refiner import pixels_to_uint8
+
+    pixels = (torch.rand(3, 3, 8, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1)
+    pixels[0, 0, 0, :4] = torch.tensor([-1.0, 1.0, 0.0, 2 * 127.999 / 255 - 1])  # ends, middle, just under a level
+    before = ((pixels + 1.0) / 2.0 * 255).permute(0, 2, 3, 1).cpu().numpy().astype(np.uint8)
+    got = pixels_to_uint8(pixels)
+    assert got.dtype == np.uint8 and got.shape == (3, 8, 16, 3) and got.flags["C_CONTIGUOUS"]
+    np.testing.assert_array_equal(got, before)
+    assert got[0, 0, :4, 0].tolist() == [0, 255, 127, 127]
+
+
+def test_refine_stage_encodes_mp4s_beside_its_gpu_thread_and_splits_its_time(tiny_pt):
+    """A video's mp4 is encoded in the stage's encoder threads, so the next UNet batch does not wait
+    for ffmpeg: here the first video's encode can only finish once the second video is refined (with
+    the encode on the GPU thread, the first would time out and fail). The stats split the thread's
+    time into its parts, and keep the mp4s' seconds apart from it."""
+    from terra_cli.refiner.stage import RefineStage
+
+    refiner = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu", options=RefinerOptions(batch_windows=2))
+    gen = torch.Generator().manual_seed(1)
+    a, b = ((torch.rand(n, 3, 36, 64, generator=gen) * 2 - 1).numpy() for n in (26, 25))
+    second_refined = threading.Event()
+
+    def finish(frames):
+        if len(frames) == 25:  # the second video
+            second_refined.set()
+        elif not second_refined.wait(timeout=60):
+            raise TimeoutError("the second video was not refined while the first one's mp4 was encoded")
+        time.sleep(0.2)
+        return len(frames)
+
+    stage = RefineStage(PixelTokens(refiner), finish=finish)
+    try:
+        first, second = stage.submit("a", a, 3), stage.submit("b", b, 5)
+        assert (first.result(timeout=600), second.result(timeout=600)) == (26, 25)
+        stats = stage.decode_stats()
+    finally:
+        stage.close()
+    assert stats["refined_videos"] == 2 and stats["refiner_mp4_s"] >= 0.4  # two encodes of >= 0.2 s each
+    parts = stats["refiner_take_in_s"] + stats["refiner_unet_s"] + stats["refiner_vae_decode_s"]
+    assert min(stats["refiner_take_in_s"], stats["refiner_unet_s"], stats["refiner_vae_decode_s"]) > 0
+    assert stats["refiner_busy_s"] == pytest.approx(parts, abs=0.002)
+    assert stats["refiner_starved_s"] >= 0
+
+
+def test_refine_stage_fails_one_video_whose_mp4_fails_and_closes_with_an_mp4_in_progress(tiny_pt):
+    from terra_cli.refiner.stage import RefinerStopped, RefineStage
+    from terra_cli.scenarios.writers import VideoFailed
+
+    refiner = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu", options=RefinerOptions(batch_windows=2))
+    frames = (torch.rand(25, 3, 36, 64, generator=torch.Generator().manual_seed(2)) * 2 - 1).numpy()
+    calls, encoding = [], threading.Event()
+
+    def finish(video):
+        calls.append(video.shape)
+        if len(calls) == 1:
+            raise OSError("ffmpeg exited with 1")
+        encoding.set()
+        time.sleep(30)  # an encode still running when the stage is closed
+        return "never used"
+
+    stage = RefineStage(PixelTokens(refiner), finish=finish)
+    try:
+        with pytest.raises(VideoFailed, match="OSError: ffmpeg exited with 1"):
+            stage.submit("a", frames, 3).result(timeout=600)
+        stage.check()  # one video's failed mp4 does not stop the stage
+        slow = stage.submit("b", frames, 4)
+        assert encoding.wait(timeout=600)
+    finally:
+        stage.close()
+    with pytest.raises(RefinerStopped, match="closed before this video was refined"):
+        slow.result(timeout=5)  # failed by close(), not left waiting on its encode
+    assert stage.videos == 0 and len(calls) == 2
 
 
 def test_a_static_vae_decoder_gets_full_chunks_and_eagers_pixels(tiny_pt):

@@ -143,6 +143,11 @@ def describe_engine_loop(loop: dict | None) -> str | None:
             stages += f", compiled apart first in {loop['refiner_compiled_apart_s']:.1f} s"
         if loop.get("refiner_compile_cache") is not None:
             stages += f", compiled here in {loop.get('refiner_compile_s', 0.0):.1f} s{cache_counts(loop['refiner_compile_cache'])}"
+        if loop.get("refiner_unet_s") is not None:  # its parts (refiner.stage), and what ran beside the thread
+            stages += (f"; its thread's parts: taking videos in {loop['refiner_take_in_s']:.1f} s, "
+                       f"UNet {loop['refiner_unet_s']:.1f} s, VAE decoding {loop['refiner_vae_decode_s']:.1f} s; "
+                       f"waiting for videos {loop['refiner_starved_s']:.1f} s, "
+                       f"mp4s {loop['refiner_mp4_s']:.1f} s in its encoder threads")
     if loop.get("intake_read_wait_s") is not None:  # a single engine's intake (scenarios.encoding.EncodeAhead)
         done = loop.get("intake_done_after_s")
         stages += (f"; the intake waited {loop.get('intake_read_wait_s', 0.0):.1f} s for reads and encoded "

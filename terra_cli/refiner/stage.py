@@ -9,7 +9,10 @@ thread does the GPU work in this process (one copy of the refiner beside the eng
   and its windows, each with its own seeded noise (`VideoRefiner.windows`), join a queue;
 - each UNet batch takes up to `batch_windows` windows from that queue, of whichever videos they
   come from (`VideoRefiner.sample_windows`; a compiled UNet gets exactly that many, padded);
-- once a video's windows are all sampled, its latents are decoded frame by frame and the mp4 encoded.
+- once a video's windows are all sampled, its latents are decoded frame by frame, and its mp4 is
+  encoded in one of ENCODERS threads of the stage: ffmpeg's work is the host's, and done on this
+  thread it left the GPU idle for the refiner (on an H200, 2026-11-29, the product's thread was busy
+  4.49 s a 47-frame video against 3.44 s for its UNet and VAE alone, benchmarks/README.md).
 
 New videos are taken in between UNet batches, so windows of videos that finish while one batch
 runs share the next. A video's result does not depend on which others share its calls (its noise
@@ -26,18 +29,19 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from terra_cli.scenarios.writers import VideoFailed, WriterDied
+from terra_cli.scenarios.writers import ENCODERS_PER_PROCESS, VideoFailed, WriterDied
 
 CLOSE_SECONDS = 10.0  # close() waits this long for a UNet batch in progress; the thread is a daemon
 # A cold compile apart took 166 s (UNet) + 62 s (VAE decoder) on an H200 (benchmarks/README.md, 2026-11-28);
 # finished videos wait for it, so a child still compiling after this long is ended and the stage compiles itself
 REFINER_APART_TIMEOUT_S = 1800.0
+ENCODERS = ENCODERS_PER_PROCESS  # mp4s encoded at once beside the stage's GPU thread, as a writer process does
 
 
 class RefinerStopped(WriterDied):
@@ -71,7 +75,12 @@ class RefineStage:
         self.videos, self.video_seconds = 0, 0.0  # made, and their time from submission to the mp4
         self.unet_batches = 0
         self.compile_cache: tuple[int, int] | None = None  # Inductor's FX-graph cache (hits, misses) of its compile
-        self.busy_s = 0.0  # the thread's time on videos (decoding tokens, UNet batches, VAE, mp4), compiling not included
+        # The GPU thread's seconds on videos, compiling not included, by part: taking videos in (the token
+        # decoder and the VAE's encoder), UNet batches, the VAE's decoder; and its seconds waiting for videos
+        # while no window was left. The mp4s' seconds are the encoder threads'. Taking in launches GPU work that
+        # the next part's copy to the host waits for, so these split the thread's time, not the GPU's.
+        self.take_in_s = self.unet_s = self.vae_decode_s = self.starved_s = self.mp4_s = 0.0
+        self.encoders = ThreadPoolExecutor(ENCODERS, thread_name_prefix="terra-refiner-mp4")
         self._count = 0
         from terra_cli.refiner.compile_apart import start_compile_apart
         from terra_cli.runtime import cuda_index
@@ -102,14 +111,23 @@ class RefineStage:
         if self.failure is not None:
             raise self.failure
 
+    @property
+    def busy_s(self) -> float:
+        """The GPU thread's seconds on videos (its parts summed), compiling and waiting not included."""
+        return self.take_in_s + self.unet_s + self.vae_decode_s
+
     def decode_stats(self) -> dict:
         """What the stage did so far, reported with its engine loop's times (as a writer's
-        decode-ahead is): videos refined, the thread's busy seconds on them, UNet batches, and the
-        compile mode and seconds of the UNet and the VAE decoder (0 when eager; from Inductor's cache
-        when compiled apart first: that child's seconds, None when there was none or it failed)."""
+        decode-ahead is): videos refined, the GPU thread's busy seconds on them and their parts, its
+        seconds waiting for videos, the encoder threads' mp4 seconds, UNet batches, and the compile mode
+        and seconds of the UNet and the VAE decoder (0 when eager; from Inductor's cache when compiled
+        apart first: that child's seconds, None when there was none or it failed)."""
         refiner, apart = self.refiner, self.apart
         return {"refiner_compiled_apart_s": None if apart is None else apart.succeeded_seconds, "refined_videos": self.videos,
-                "refiner_busy_s": round(self.busy_s, 3), "refiner_unet_batches": self.unet_batches,
+                "refiner_busy_s": round(self.busy_s, 3), "refiner_take_in_s": round(self.take_in_s, 3),
+                "refiner_unet_s": round(self.unet_s, 3), "refiner_vae_decode_s": round(self.vae_decode_s, 3),
+                "refiner_starved_s": round(self.starved_s, 3), "refiner_mp4_s": round(self.mp4_s, 3),
+                "refiner_unet_batches": self.unet_batches,
                 "refiner_compile_mode": refiner.compile_mode,
                 "refiner_compile_s": round(refiner.compile_seconds, 2),
                 "refiner_vae_compile_s": round(refiner.vae_decoder_compile_seconds, 2),
@@ -125,6 +143,7 @@ class RefineStage:
         self.inbox.put(None)
         if self.thread is not threading.current_thread():
             self.thread.join(CLOSE_SECONDS)
+        self.encoders.shutdown(wait=False, cancel_futures=True)  # an mp4 still encoding ends with its ffmpeg
         with self.lock:
             self._fail_open(self.failure or RefinerStopped("the refiner was closed before this video was refined"))
 
@@ -138,9 +157,7 @@ class RefineStage:
                     continue
                 group = [self.waiting.popleft() for _ in range(min(self.windows_per_call, len(self.waiting)))]
                 if group:
-                    started = time.perf_counter()
                     self._sample(group)
-                    self.busy_s += time.perf_counter() - started
         except BaseException as exc:  # the stage cannot go on: every open and later video fails
             with self.lock:
                 self.failure = RefinerStopped(f"the refiner stopped: {type(exc).__name__}: {' '.join(str(exc).split())}")
@@ -185,10 +202,14 @@ class RefineStage:
     def _take_in(self, block: bool) -> bool:
         """Turn what came in into windows; False once told to stop."""
         while True:
+            waited = time.perf_counter()
             try:
                 item = self.inbox.get(block=block)
             except queue.Empty:
                 return True
+            finally:
+                if block and self.videos + len(self.open) > 0:  # not the wait for the run's first video
+                    self.starved_s += time.perf_counter() - waited
             if item is None:
                 return False
             block = False
@@ -201,14 +222,16 @@ class RefineStage:
                 video.future.set_exception(VideoFailed(" ".join(f"{type(exc).__name__}: {exc}".split())))
                 continue
             finally:
-                self.busy_s += time.perf_counter() - started
+                self.take_in_s += time.perf_counter() - started
             video.windows_left = len(windows)
             with self.lock:
                 self.open[number] = video
             self.waiting.extend(windows)
 
     def _sample(self, group: list) -> None:
+        started = time.perf_counter()
         latents = self.refiner.sample_windows(group)
+        self.unet_s += time.perf_counter() - started
         self.unet_batches += 1
         for window, kept in zip(group, latents):
             video = self.open.get(window.video)
@@ -217,22 +240,47 @@ class RefineStage:
             video.latents.append((window.index, kept))
             video.windows_left -= 1
             if video.windows_left == 0:
-                with self.lock:
-                    self.open.pop(window.video, None)
-                self._make(video)
+                self._decode(window.video, video)
 
-    def _make(self, video: _Video) -> None:
+    def _decode(self, number: int, video: _Video) -> None:
+        """Its latents to frames here (the GPU's work), then its mp4 in an encoder thread; it stays
+        open (close() fails it) until the mp4 is made."""
         import torch
 
+        started = time.perf_counter()
         try:
             latents = torch.cat([z for _, z in sorted(video.latents, key=lambda item: item[0])])
-            result = self.finish(self.refiner.decode(latents))
+            frames = self.refiner.decode(latents)
         except Exception as exc:
-            video.future.set_exception(VideoFailed(" ".join(f"{type(exc).__name__}: {exc}".split())))
+            self._answer(number, video, error=exc)
             return
-        self.videos += 1
-        self.video_seconds += time.perf_counter() - video.submitted
-        video.future.set_result(result)
+        finally:
+            self.vae_decode_s += time.perf_counter() - started
+        self.encoders.submit(self._encode, number, video, frames)
+
+    def _encode(self, number: int, video: _Video, frames: np.ndarray) -> None:
+        started = time.perf_counter()
+        try:
+            result = self.finish(frames)
+        except Exception as exc:
+            self._answer(number, video, error=exc, seconds=time.perf_counter() - started)
+        else:
+            self._answer(number, video, result=result, seconds=time.perf_counter() - started)
+
+    def _answer(self, number: int, video: _Video, result=None, error: Exception | None = None,
+                seconds: float = 0.0) -> None:
+        """Settle a video's Future once (close() may have failed it meanwhile) and close it."""
+        with self.lock:
+            self.mp4_s += seconds
+            self.open.pop(number, None)
+            if video.future.done():
+                return
+            if error is not None:
+                video.future.set_exception(VideoFailed(" ".join(f"{type(error).__name__}: {error}".split())))
+                return
+            self.videos += 1
+            self.video_seconds += time.perf_counter() - video.submitted
+            video.future.set_result(result)
 
     def _fail_open(self, error: BaseException) -> None:  # under self.lock
         for video in self.open.values():

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import counted_decodes, save_frame_tokenizer
+from conftest import counted_decodes, logger_lines, save_frame_tokenizer
 from terra_cli.cli import app
 from terra_cli.errors import InputError
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
@@ -199,10 +199,15 @@ def test_an_interrupt_writes_every_finished_scenario_through_the_processes(tmp_p
         if len(frames) == 5:
             raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt), logger_lines("terra.scenarios") as said:
         bounded(lambda: run_scenarios(file, out, backend, load(tokenizer_dir), max_rollouts=1,
                                       writers=1 if writers == "processes" else 0, on_progress=stop_inside_v2), 120)
     assert completed_ids(out) == {"v0", "v1"}
+    if writers != "processes":  # nothing is written before the engine is done: both wait, and the user is told
+        assert said == ["INFO: interrupted: writing the 2 finished scenario(s) first (Ctrl-C again stops at once; "
+                        "a re-run makes the unwritten ones again)"]
+    else:  # the processes may have written them before the interrupt; a line says only what is left
+        assert len(said) <= 1 and all("finished scenario(s) first" in line for line in said)
     assert files(out) == [RESULTS_NAME, "v0.mp4", "v0.npy", "v1.mp4", "v1.npy"]
 
 

@@ -109,17 +109,19 @@ def _root(
 
 def _print_terra_logs() -> None:
     """terra's library code logs what a user should see (`terra.refiner`: how long its UNet took to
-    compile) at INFO; the CLI prints those lines as `say` does (one handler, however many commands run)."""
+    compile; `terra.scenarios`: what an interrupted run still writes) at INFO; the CLI prints those
+    lines as `say` does (one handler a logger, however many commands run)."""
     import logging
 
     class _Say(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             say(record.getMessage())
 
-    logger = logging.getLogger("terra.refiner")
-    if not any(getattr(h, "terra_say", False) for h in logger.handlers):
-        handler = _Say(logging.INFO)
-        handler.terra_say = True
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    for name in ("terra.refiner", "terra.scenarios"):
+        logger = logging.getLogger(name)
+        if not any(getattr(h, "terra_say", False) for h in logger.handlers):
+            handler = _Say(logging.INFO)
+            handler.terra_say = True
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False

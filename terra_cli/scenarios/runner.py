@@ -27,6 +27,7 @@ to engine actors on a Ray cluster (`scenarios.ray_actor`), writing what they ret
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import queue
 import threading
@@ -54,6 +55,7 @@ from terra_cli.scenarios.writers import WriterDied, WriterPool, start_pool, writ
 # for the writer: tokens only, 0.2 MB for an ACT-Bench sample.
 WRITER_BACKLOG = 64
 WAIT_SECONDS = 0.2  # how often a held admission or close looks at whether the writer is still alive
+LOG = logging.getLogger("terra.scenarios")  # what a user should see (the CLI prints it as its own lines)
 
 
 @dataclass
@@ -201,7 +203,10 @@ def run_scenarios(
                 run.loop_so_far = None
                 run.engine_loop = loop_so_far()
             ahead.check()
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and writer.backlog:  # minutes with the refiner: say how to stop now
+                LOG.info(f"interrupted: writing the {writer.backlog} finished scenario(s) first (Ctrl-C again "
+                         "stops at once; a re-run makes the unwritten ones again)")
             writer.close(quiet=True)  # writes what is finished; the first error is the one reported
             raise
         finally:

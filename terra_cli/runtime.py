@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from terra_cli.errors import InputError
 
@@ -144,27 +144,36 @@ REFINER_ATTENTION_BACKENDS = ("default", "flash", "efficient", "cudnn", "math")
 
 @dataclass(frozen=True)
 class RefinerSwitches:
-    channels_last: bool = False  # the UNet's convolution weights and its input frames channels-last
+    # the UNet's convolution weights and its input frames channels-last; None: the device's default (`for_device`)
+    channels_last: bool | None = None
     attention: str = "default"  # REFINER_ATTENTION_BACKENDS: the torch SDPA backend of its self-attention
+
+    def for_device(self, device) -> "RefinerSwitches":
+        """Channels-last, when not asked either way, resolved for the device the refiner runs on: on for
+        CUDA (a compiled window 1.5% faster on an H200, its three calls within 0.3%, 2026-11-27 late),
+        off elsewhere (never measured on a CPU, whose refined values then stay as they were)."""
+        if self.channels_last is not None:
+            return self
+        return replace(self, channels_last=str(device).startswith("cuda"))
 
     def as_env(self) -> dict:
         """As a run's JSON records them: the variables' resolved values."""
-        return {REFINER_CHANNELS_LAST_ENV: int(self.channels_last), REFINER_ATTENTION_ENV: self.attention}
+        return {REFINER_CHANNELS_LAST_ENV: int(bool(self.channels_last)), REFINER_ATTENTION_ENV: self.attention}
 
 
 def refiner_switches_asked(environ=None) -> RefinerSwitches:
-    """Two lab switches for the refiner's UNet (issue 40; off by default: on an H200, 2026-11-27 late,
-    channels-last made a window 1.5% faster and `flash` 5.5% slower, benchmarks/README.md), read where
-    the refiner is built (`VideoRefiner`). TERRA_REFINER_CHANNELS_LAST=1: its convolution weights and
-    input frames in channels-last memory order; a GPU profile of the compiled 25-frame window spent
-    40 ms of 1.15 s in cuDNN's NCHW<->NHWC copies around the convolutions (H200, 2026-11-27).
-    TERRA_REFINER_ATTENTION=flash|efficient|cudnn|math: its self-attention held to that torch SDPA
-    backend (torch chose cuDNN's there, 313 TFLOP/s at head dim 64); a backend that cannot run the
-    call fails it rather than falling back."""
+    """Two switches for the refiner's UNet (issue 40), read where the refiner is built (`VideoRefiner`,
+    which resolves them for its device). TERRA_REFINER_CHANNELS_LAST=1|0: its convolution weights and
+    input frames in channels-last memory order, or not; unset: on for CUDA (`RefinerSwitches.for_device`).
+    A GPU profile of the compiled 25-frame window spent 40 ms of 1.15 s in cuDNN's NCHW<->NHWC copies
+    around the convolutions, and channels-last made the window 1.5% faster (H200, 2026-11-27).
+    TERRA_REFINER_ATTENTION=flash|efficient|cudnn|math (a lab switch, default off: `flash` measured 5.5%
+    slower): its self-attention held to that torch SDPA backend (torch chose cuDNN's there, 313 TFLOP/s
+    at head dim 64); a backend that cannot run the call fails it rather than falling back."""
     layout = _choice_switch(REFINER_CHANNELS_LAST_ENV, ("0", "1"), "1 (on) or 0", environ)
     attention = _choice_switch(REFINER_ATTENTION_ENV, REFINER_ATTENTION_BACKENDS, ", ".join(REFINER_ATTENTION_BACKENDS),
                                environ) or "default"
-    return RefinerSwitches(channels_last=layout == "1", attention=attention)
+    return RefinerSwitches(channels_last=None if layout is None else layout == "1", attention=attention)
 
 
 def _choice_switch(variable: str, choices: tuple, what: str, environ=None) -> str | None:

@@ -60,12 +60,17 @@ def reference(base):
         return unet_output(monkeypatch, base)
 
 
-def test_switches_are_off_by_default_and_bad_values_are_one_line(monkeypatch):
+def test_channels_last_defaults_to_the_device_the_attention_switch_to_off_and_bad_values_are_one_line(monkeypatch):
     with_switches(monkeypatch)
-    assert runtime.refiner_switches_asked() == runtime.RefinerSwitches(channels_last=False, attention="default")
-    assert runtime.refiner_switches_asked({"TERRA_REFINER_CHANNELS_LAST": "1", "TERRA_REFINER_ATTENTION": " Flash "}) \
-        == runtime.RefinerSwitches(channels_last=True, attention="flash")
-    assert runtime.refiner_switches_asked({"TERRA_REFINER_CHANNELS_LAST": "0"}).channels_last is False
+    unset = runtime.refiner_switches_asked()
+    assert unset == runtime.RefinerSwitches(channels_last=None, attention="default")
+    assert unset.for_device("cuda").channels_last is True and unset.for_device("cuda:1").channels_last is True
+    assert unset.for_device("cpu").channels_last is False and unset.for_device("cpu").as_env()[SWITCHES[0]] == 0
+    asked = runtime.refiner_switches_asked({"TERRA_REFINER_CHANNELS_LAST": "1", "TERRA_REFINER_ATTENTION": " Flash "})
+    assert asked == runtime.RefinerSwitches(channels_last=True, attention="flash") == asked.for_device("cpu")
+    off = runtime.refiner_switches_asked({"TERRA_REFINER_CHANNELS_LAST": "0"})
+    assert off.channels_last is False and off.for_device("cuda").channels_last is False
+    assert VideoRefiner.random(tiny_refiner_config(), "cpu").switches.channels_last is False  # unset, on a CPU
     refusals = ((runtime.REFINER_CHANNELS_LAST_ENV, "yes", "use 1 (on) or 0"),
                 (runtime.REFINER_ATTENTION_ENV, "fa4", "use default, flash, efficient, cudnn, math"))
     for variable, bad, allowed in refusals:

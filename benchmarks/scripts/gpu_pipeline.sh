@@ -49,8 +49,9 @@
 #          0.5 ms interpreter switch interval; GPU0_STAGGER=1: GPU 0 with staggered starts (the product's
 #          default); GPU3=refiner: GPU 3 runs only the refiner (REFINER_W8=1: then 8 windows a call too);
 #          GPU3=reflayout: GPU 3 runs only the refiner at 4 windows a call, once per lab switch variant (issue 40:
-#          REFLAYOUT, default "default cl flash clflash": TERRA_REFINER_CHANNELS_LAST=1, TERRA_REFINER_ATTENTION=flash,
-#          both), into reflayout.json and reflayout.log;
+#          REFLAYOUT, default "nchw cl flash clflash": TERRA_REFINER_CHANNELS_LAST=1, TERRA_REFINER_ATTENTION=flash,
+#          both; nchw: TERRA_REFINER_CHANNELS_LAST=0, since 2026-11-29 "default" is channels-last on a GPU),
+#          into reflayout.json and reflayout.log;
 #          GPU3=gil: GPU 3 runs GPU2=gil's ACT-Bench run at GIL3_S (0.0001 s; it crashed vLLM, 2026-11-27);
 #          GPU2=stream: staggered starts, the engine on a high-priority CUDA stream (TERRA_ENGINE_STREAM_PRIORITY);
 #          GPU2=batchN: staggered starts, the tokenizer encoding and decoding N frames a call (TERRA_TOKENIZER_BATCH);
@@ -277,14 +278,15 @@ case "${1:-}" in
       # 313 TFLOP/s); both. Each variant compiles its own graph (~100 s cold). Two files for all of them:
       # reflayout.log (every run's log, in turn) and reflayout.json ({variant: its bench JSON, null if none})
       if [ "${GPU3:-single}" = reflayout ]; then
-        variants=${REFLAYOUT:-default cl flash clflash}
+        variants=${REFLAYOUT:-nchw cl flash clflash}
         for v in $variants; do
           case $v in
             default) sw=() ;;
             cl) sw=(TERRA_REFINER_CHANNELS_LAST=1) ;;
+            nchw) sw=(TERRA_REFINER_CHANNELS_LAST=0) ;;
             flash) sw=(TERRA_REFINER_ATTENTION=flash) ;;
             clflash) sw=(TERRA_REFINER_CHANNELS_LAST=1 TERRA_REFINER_ATTENTION=flash) ;;
-            *) echo "reflayout: no variant $v (default cl flash clflash)" >> "$STEP_LOG"; continue ;;
+            *) echo "reflayout: no variant $v (default nchw cl flash clflash)" >> "$STEP_LOG"; continue ;;
           esac
           rm -f "/tmp/reflayout-$v.json"
           echo "== reflayout $v: ${sw[*]:-no switches}" >> "$OUT/reflayout.log"

@@ -91,7 +91,7 @@ class VideoRefiner:
             LOG.info(f"refiner: {self.fp8_layers} UNet Linear layers in fp8 (--refiner-dtype fp8: opt-in; on an H100 "
                      f"it measured slower than bf16, docs/refiner.md)")
         self.ignored = ignored or []
-        self.switches = refiner_switches_asked()  # lab switches (TERRA_REFINER_*), applied in `prepare`
+        self.switches = refiner_switches_asked().for_device(device)  # TERRA_REFINER_*, applied in `prepare`
         self.target_device = device  # where refining runs (load_refiner loads on the CPU first)
         self.forward = None  # the UNet, eager or compiled: chosen at the first call, on the device it runs on
         self.compile_mode = "none"  # what the first call resolved `options.compile` to
@@ -197,18 +197,15 @@ class VideoRefiner:
         return self.compile_seconds
 
     def apply_switches(self) -> None:
-        """The lab switches (`runtime.refiner_switches_asked`) on the UNet, before it is compiled: its
-        convolution weights channels-last (its inputs follow in `_call_unet`), its self-attention's SDPA
-        backend. Either way the UNet computes the same values, up to float rounding: only its kernels and memory
-        order change."""
-        done = []
+        """The switches (`runtime.refiner_switches_asked`) on the UNet, before it is compiled: its
+        convolution weights channels-last (its inputs follow in `_call_unet`; on CUDA unless
+        TERRA_REFINER_CHANNELS_LAST=0), its self-attention's SDPA backend (a lab switch). Either way the
+        UNet computes the same values, up to float rounding: only its kernels and memory order change."""
         if self.switches.channels_last:
-            done.append(f"{use_channels_last(self.unet)} convolution weights channels-last")
+            use_channels_last(self.unet)
         if self.switches.attention != "default":
-            done.append(f"{use_sdpa_backend(self.unet, self.switches.attention)} attention layers on SDPA's "
-                        f"{self.switches.attention} backend")
-        if done:
-            LOG.info(f"refiner: lab switches: {', '.join(done)}")
+            LOG.info(f"refiner: lab switch: {use_sdpa_backend(self.unet, self.switches.attention)} attention layers "
+                     f"on SDPA's {self.switches.attention} backend")
 
     @torch.inference_mode()
     def prepare_vae_decoder(self) -> None:

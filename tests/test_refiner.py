@@ -44,11 +44,11 @@ def test_windows_follow_terras_start_end_indices():
         start_end_indices(24)
 
 
-def test_windows_per_call_by_default_two_but_never_more_than_one_videos_windows():
-    from terra_cli.refiner.refiner import WINDOWS_PER_CALL, windows_per_call
+def test_windows_per_call_by_default_four_pooled_two_for_one_video_never_more_than_its_windows():
+    from terra_cli.refiner.refiner import POOLED_WINDOWS_PER_CALL, WINDOWS_PER_CALL, windows_per_call
 
-    assert WINDOWS_PER_CALL == 2
-    assert windows_per_call(None) == 2  # --scenarios: windows of several videos share a call
+    assert (WINDOWS_PER_CALL, POOLED_WINDOWS_PER_CALL) == (2, 4)
+    assert windows_per_call(None) == 4  # --scenarios: windows of several videos share a call
     assert windows_per_call(None, 25) == 1  # one video of one window: a padded second would cost a window
     assert windows_per_call(None, 47) == 2
     assert windows_per_call(None, 100) == 2
@@ -75,7 +75,7 @@ def test_generate_hands_the_refiner_its_windows_per_call(monkeypatch, tmp_path, 
     result = invoke_terra("generate", "--scenarios", tmp_path / "s.jsonl", "--out-dir", tmp_path / "v", "--decoder",
                           "refiner", *extra)
     assert "stop here" in result.stderr
-    assert seen[1] == (3 if extra else 2)  # scenarios: windows of several videos share a call
+    assert seen[1] == (3 if extra else 4)  # scenarios: windows of several videos share a call
 
 
 def test_edm_sigmas_and_guidance_scales():

@@ -111,7 +111,7 @@ def refiner_compile_option():
 
 
 def refiner_windows_option():
-    return typer.Option(None, "--refiner-windows", min=1, show_default="2, or the video's windows if fewer", help=(
+    return typer.Option(None, "--refiner-windows", min=1, show_default="4 with --scenarios; 2 for one video, or its windows if fewer", help=(
         "With the refiner: 25-frame windows per UNet call, fixed for the run (with --scenarios, of several "
         "videos at once). The same seed gives the same video at any value, up to float rounding."))
 

@@ -47,20 +47,24 @@ TERRA_UNET_FLOPS = 28.34e12
 TERRA_VAE_DECODE_FLOPS = 2.85e12
 TERRA_VAE_ENCODE_FLOPS = 1.04e12
 SLOW_CPU_SECONDS = 3600.0
-# --refiner-windows by default: compiled on an H100, 2 windows per UNet call took 1.20 s a window
-# against 1.35 s for 1, in one call (benchmarks/README.md, 2026-11-26; 4 and 8 did not finish
-# compiling in the time measured).
+# --refiner-windows by default, for one video: compiled on an H100, 2 windows per UNet call took 1.20 s
+# a window against 1.35 s for 1, in one call (benchmarks/README.md, 2026-11-26); more would pad its
+# calls (a 5-window video in calls of 4 pays for 8).
 WINDOWS_PER_CALL = 2
+# ... and for many videos, whose windows share calls (--scenarios, `bench --act-bench`): 4, what every
+# end-to-end refiner run measured, 1.147-1.170 s a window on H200s, where 8 a call was no faster in the
+# same call (2026-11-27/28); 2 and 4 were not yet timed in one call (1.196-1.20 s for 2 on H100s).
+POOLED_WINDOWS_PER_CALL = 4
 
 
 def windows_per_call(asked: int | None, frames: int | None = None) -> int:
-    """--refiner-windows as asked; by default WINDOWS_PER_CALL, but no more than one video of
-    `frames` has when only that video is refined (a compiled call pads a short group, and a
-    padded window costs as much as a real one)."""
+    """--refiner-windows as asked; by default POOLED_WINDOWS_PER_CALL for many videos (`frames`
+    None), else WINDOWS_PER_CALL but no more than the one video of `frames` has (a compiled call
+    pads a short group, and a padded window costs as much as a real one)."""
     if asked is not None:
         return asked
     if frames is None:
-        return WINDOWS_PER_CALL
+        return POOLED_WINDOWS_PER_CALL
     from terra_cli.refiner.windows import count_windows
 
     return min(WINDOWS_PER_CALL, count_windows(frames)) if frames >= 25 else 1

@@ -466,14 +466,14 @@ def test_refine_stage_fails_one_video_whose_mp4_fails_and_closes_with_an_mp4_in_
 
     refiner = VideoRefiner.from_checkpoint(str(tiny_pt), device="cpu", options=RefinerOptions(batch_windows=2))
     frames = (torch.rand(25, 3, 36, 64, generator=torch.Generator().manual_seed(2)) * 2 - 1).numpy()
-    calls, encoding = [], threading.Event()
+    calls, encoding, release = [], threading.Event(), threading.Event()
 
     def finish(video):
         calls.append(video.shape)
         if len(calls) == 1:
             raise OSError("ffmpeg exited with 1")
         encoding.set()
-        time.sleep(30)  # an encode still running when the stage is closed
+        release.wait(timeout=30)  # an encode still running when the stage is closed
         return "never used"
 
     stage = RefineStage(PixelTokens(refiner), finish=finish)
@@ -485,8 +485,11 @@ def test_refine_stage_fails_one_video_whose_mp4_fails_and_closes_with_an_mp4_in_
         assert encoding.wait(timeout=600)
     finally:
         stage.close()
-    with pytest.raises(RefinerStopped, match="closed before this video was refined"):
-        slow.result(timeout=5)  # failed by close(), not left waiting on its encode
+    try:
+        with pytest.raises(RefinerStopped, match="closed before this video was refined"):
+            slow.result(timeout=5)  # failed by close(), not left waiting on its encode
+    finally:
+        release.set()  # the encode then ends; its answer finds the video failed already
     assert stage.videos == 0 and len(calls) == 2
 
 

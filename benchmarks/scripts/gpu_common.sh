@@ -8,8 +8,9 @@ STEP_LOG=${STEP_LOG:-$OUT/summary.txt}  # where every step's command, tail and e
 
 # Every `timeout` of the scripts that source this: at its limit a run gets SIGTERM, which terra takes as Ctrl-C,
 # writing what finished first; with the refiner that ran ~60 s past a limit (2026-11-29), device time no one
-# asked for. KILL_AFTER_S (30) later it is killed.
-timeout() { command timeout -k "${KILL_AFTER_S:-30}" "$@"; }
+# asked for. KILL_AFTER_S (30) later it is killed (`env ... timeout` calls the binary: pass -k "$KILL_AFTER_S").
+KILL_AFTER_S=${KILL_AFTER_S:-30}
+timeout() { command timeout -k "$KILL_AFTER_S" "$@"; }
 
 gpu_setup() {  # WHEEL...: unpack these into /tmp/site (what the host lacks), install terra, name the GPU
   local wheel

@@ -290,7 +290,7 @@ case "${1:-}" in
           esac
           rm -f "/tmp/reflayout-$v.json"
           echo "== reflayout $v: ${sw[*]:-no switches}" >> "$OUT/reflayout.log"
-          env CUDA_VISIBLE_DEVICES=3 "${sw[@]}" timeout -k "${KILL_AFTER_S:-30}" 200 python3 -m terra_cli bench --refiner --windows 4 \
+          env CUDA_VISIBLE_DEVICES=3 "${sw[@]}" timeout -k "$KILL_AFTER_S" 200 python3 -m terra_cli bench --refiner --windows 4 \
             --refiner-compile default --out "/tmp/reflayout-$v.json" --overwrite >> "$OUT/reflayout.log" 2>&1
           echo "reflayout $v exit $?" >> "$STEP_LOG"
         done
@@ -374,7 +374,7 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
         what=(--act-bench "${NREF1:-64}" --decoder refiner --refiner-windows 4); env=(TERRA_STAGGER_STARTS=1)
       fi
       if [ "$2" = tokens-inflight ]; then what=(--scenarios "${INFLIGHT:-480}" --frames 47 --max-rollouts "${INFLIGHT:-480}"); fi
-      env CUDA_VISIBLE_DEVICES=$1 "${env[@]}" timeout -k "${KILL_AFTER_S:-30}" "${RUN_S:-600}" python3 -m terra_cli bench "${what[@]}" \
+      env CUDA_VISIBLE_DEVICES=$1 "${env[@]}" timeout -k "$KILL_AFTER_S" "${RUN_S:-600}" python3 -m terra_cli bench "${what[@]}" \
         --kv-cache-dtype fp8 --out "$OUT/$2-gpu$1.json" --overwrite > "$OUT/$2-gpu$1.log" 2>&1 &
       pids+=($!)
     done

@@ -25,7 +25,8 @@
 #   start1 start `runs1` in the background: N1 ACT-Bench-shaped samples tokens only, then with videos
 #          (the same GPU, one after the other, the latter within RUN_S), then `bench --env 64` (issue 42) and
 #          writer_parts.py, or with ONE_AFTER=refiner (carry .gpu/ref with `b`: diffusers) issue 40's overlap
-#          against two stages on NREF1 (64) samples (ONE_PAIR=0 skips the pair before it); `await` collects it
+#          against two stages on NREF1 (64) samples (ONE_PAIR=0 skips the pair before it); ONE_AFTER=refinerx:
+#          the refined run, then the UNet autotuned, then 2 against 4 windows a call; `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -396,11 +397,21 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     # ONE_AFTER=refiner (issue 40 on one GPU, overlap against two stages): NREF1 (64) samples refined beside
     # vLLM in one engine; then the two stages' parts: the same samples tokens only, and the refiner alone
     # (`bench --refiner --windows 4`: s a window, the VAE a frame; Inductor's cache is warm from the first run)
-    if [ "${ONE_AFTER:-probes}" = refiner ]; then
+    # ONE_AFTER=refinerx: the same refined run (the product's pace), then the UNet under Inductor's autotuning
+    # (`--refiner-compile max-autotune-no-cudagraphs`, 4 windows, within AUTOTUNE_S, 540 s), then 2 against 4
+    # windows a call in one call (`--refiner-compile default`)
+    if [ "${ONE_AFTER:-probes}" = refiner ] || [ "${ONE_AFTER:-probes}" = refinerx ]; then
       say_if_no_diffusers
       timeout "${RUN_S:-600}" terra bench --act-bench "${NREF1:-64}" --decoder refiner --refiner-windows 4 \
         --kv-cache-dtype fp8 --out "$OUT/one-refiner1.json" > "$OUT/one-refiner1.log" 2>&1
       echo "one-refiner1 exit $?" >> "$STEP_LOG"
+    fi
+    if [ "${ONE_AFTER:-probes}" = refinerx ]; then
+      timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
+        --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"
+      timeout 300 terra bench --refiner --windows 2,4 --refiner-compile default \
+        --out "$OUT/refiner-windows.json" > "$OUT/refiner-windows.log" 2>&1; echo "refiner windows exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = refiner ]; then
       timeout 270 terra bench --refiner --windows 4 --refiner-compile default \
         --out "$OUT/twostage-refiner.json" > "$OUT/twostage-refiner.log" 2>&1; echo "twostage refiner exit $?" >> "$STEP_LOG"
       timeout "${RUN_S:-600}" terra bench --scenarios "${NREF1:-64}" --frames 47 --kv-cache-dtype fp8 \

@@ -85,6 +85,22 @@ def test_channels_last_defaults_to_the_device_the_attention_switch_to_off_and_ba
         VideoRefiner.random(tiny_refiner_config(), "cpu")
 
 
+def test_switches_follow_the_device_the_weights_move_to(monkeypatch):
+    """The product loads the refiner on the CPU and moves it to the GPU (`load_refiner`); its compile-apart
+    child loads straight onto the GPU. Both must compile the same graph, or the parent misses the child's
+    Inductor cache (it did: the parent resolved channels-last for the CPU, H200, 2026-11-29)."""
+    with_switches(monkeypatch)
+    refiner = VideoRefiner.random(tiny_refiner_config(), "cpu")
+    assert refiner.switches.channels_last is False
+    for module in (refiner.unet, refiner.vae):  # no card here: only the refiner's own record of its device moves
+        monkeypatch.setattr(module, "to", lambda *args, kept=module, **kwargs: kept)
+    refiner.to("cuda:0")
+    assert refiner.switches.channels_last is True
+    assert refiner.switches == runtime.refiner_switches_asked().for_device("cuda:0")  # what a refiner loaded there has
+    refiner.to("cpu")
+    assert refiner.switches.channels_last is False
+
+
 def test_channels_last_changes_memory_order_not_values(monkeypatch, base, reference):
     """float64: these random tiny UNets grow float32 rounding to ~2% of their output (float32 against
     float64 of the same weights: 0.02 in 1.3), which would hide any real difference; in float64 a

@@ -38,7 +38,7 @@ from terra_cli.refiner.fp8 import check_refiner_dtype, quantize_unet_linears
 from terra_cli.refiner.unet import (added_time_ids, build_unet, channels_last_frames, use_channels_last,
                                     use_sdpa_backend, zero_context)
 from terra_cli.refiner.windows import check_frames, kept_frames, start_end_indices
-from terra_cli.runtime import refiner_switches_asked
+from terra_cli.runtime import RefinerSwitches, refiner_switches_asked
 
 LOG = logging.getLogger("terra.refiner")  # the CLI prints it (cli/app.py)
 # Counted with torch.utils.flop_counter for TERRA_REFINER (one 25-frame UNet call, single-token
@@ -95,7 +95,7 @@ class VideoRefiner:
             LOG.info(f"refiner: {self.fp8_layers} UNet Linear layers in fp8 (--refiner-dtype fp8: opt-in; on an H100 "
                      f"it measured slower than bf16, docs/refiner.md)")
         self.ignored = ignored or []
-        self.switches = refiner_switches_asked().for_device(device)  # TERRA_REFINER_*, applied in `prepare`
+        self.switches_asked = refiner_switches_asked()  # TERRA_REFINER_*, read once; `switches` resolves them
         self.target_device = device  # where refining runs (load_refiner loads on the CPU first)
         self.forward = None  # the UNet, eager or compiled: chosen at the first call, on the device it runs on
         self.compile_mode = "none"  # what the first call resolved `options.compile` to
@@ -107,6 +107,14 @@ class VideoRefiner:
         self.unet_calls = 0
         self.sigmas = sampler.edm_sigmas(config.steps, config.sigma_min, config.sigma_max, config.rho)
         self.scales = sampler.guidance_scales(config.window, config.min_scale, config.max_scale)
+
+    @property
+    def switches(self) -> RefinerSwitches:
+        """The switches for the device the weights are on now, not the one they were loaded on: the
+        product loads on the CPU and moves to the GPU (`load_refiner`), while its compile-apart child
+        loads straight onto the GPU. Resolved at load, the parent ran NCHW and the child channels-last:
+        two graphs, so the parent's compile missed the child's cache (118 s, H200, 2026-11-29)."""
+        return self.switches_asked.for_device(self.device)
 
     # -- construction -----------------------------------------------------------------------------
     def to(self, device: str) -> "VideoRefiner":

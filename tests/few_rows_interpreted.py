@@ -74,11 +74,75 @@ def main(checkpoint: str) -> dict:
     codes = decoder.rollout(context, actions, layout.max_frames, Sampling(temperature=0), 0)
     reference = HfBackend(model=model, device="cpu").generate(context, actions, layout.max_frames,
                                                              Sampling(temperature=0))[0]
-    return {"errors": errors, "refused": refused, "layout": decoder.core.logits_layout,
+    kernel.few_rows_matmul, kernel.few_rows_partials = original, original_partials
+    fp8 = fp8_checks(kernel, model, context, actions, layout, gen)
+    return {"fp8": fp8, "errors": errors, "refused": refused, "layout": decoder.core.logits_layout,
             "split_errors": split_errors, "split_repeatable": split_repeatable, "slices": slices,
             "layers": decoder.core.ops.projections, "layer_calls": len(layer_calls),
             "layer_rows": sorted(set(layer_calls)), "logits_calls": len(calls), "model_layers": len(model.model.layers),
             "kernel_rows": sorted(set(calls)), "codes_equal": bool(np.array_equal(codes, reference))}
+
+
+def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
+    """fp8 weights (`quantize_rows_fp8`): the kernel against the product with the weights its values and
+    scales stand for, the rounding against the original weights, the refusals, and a greedy rollout with
+    every decode step's projections and logits from fp8 copies against the reference on the weights those
+    copies stand for (the model's weights first rounded to them, so prompts and steps share one model)."""
+    import numpy as np
+    import torch
+
+    from terra_cli.backends.base import Sampling
+    from terra_cli.backends.hf import HfBackend
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+
+    out = {"errors": {}, "refused": []}
+    weight = torch.randn(300, 700, generator=gen)
+    weight[7] = 0.0  # an all-zero row stays zero
+    values, scale = kernel.quantize_rows_fp8(weight)
+    restored = values.double() * scale.double()[:, None]
+    bound = weight.double().abs() * 2.0 ** -4 + scale.double()[:, None] * 2.0 ** -10
+    out["rounding_within_bound"] = bool(((restored - weight.double()).abs() <= bound).all())
+    out["rounding_error"] = float((restored - weight.double()).abs().max() / weight.abs().max())
+    out["zero_row"] = bool((restored[7] == 0).all())
+    out["dtypes"] = [str(values.dtype), str(scale.dtype)]
+    for rows in (1, 9):
+        hidden = torch.randn(rows, 700, generator=gen)
+        exact = hidden.double() @ restored.t()
+        for splits in (1, 2, 6):
+            got = kernel.few_rows_matmul(hidden, values, splits, scale=scale)
+            out["errors"][f"{rows}-{splits}"] = float((got.double() - exact).abs().max() / exact.abs().max())
+    for call in (lambda: kernel.few_rows_matmul(torch.zeros(2, 700), values),
+                 lambda: kernel.few_rows_matmul(torch.zeros(2, 700), weight, scale=scale),
+                 lambda: kernel.few_rows_matmul(torch.zeros(2, 700), values, scale=scale[:10])):
+        try:
+            call()
+        except ValueError as exc:
+            out["refused"].append(str(exc))
+
+    with torch.no_grad():  # the model's projections and lm_head rounded to what their fp8 copies hold
+        layers = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                  and (name.startswith("model.layers.") or name == "lm_head")]
+        for linear in layers:
+            values, scale = kernel.quantize_rows_fp8(linear.weight)
+            linear.weight.copy_(values.to(torch.float32) * scale[:, None])
+    os.environ["TERRA_SINGLE_STREAM_LOGITS"] = "few-rows-fp8"
+    os.environ["TERRA_SINGLE_STREAM_LAYERS"] = "few-rows-fp8"
+    scaled_calls, logits_calls = [], []
+    original, original_matmul = kernel.few_rows_partials, kernel.few_rows_matmul
+    kernel.few_rows_partials = lambda h, w, splits=None, scale=None: (
+        scaled_calls.append((str(w.dtype), scale is not None)) or original(h, w, splits, scale))
+    kernel.few_rows_matmul = lambda h, w, splits=None, scale=None: (
+        logits_calls.append((str(w.dtype), scale is not None)) or original_matmul(h, w, splits, scale))
+    decoder = SingleStreamDecoder(model, draft_tokens=3)
+    codes = decoder.rollout(context, actions, layout.max_frames, Sampling(temperature=0), 0)
+    kernel.few_rows_partials, kernel.few_rows_matmul = original, original_matmul
+    reference = HfBackend(model=model, device="cpu").generate(context, actions, layout.max_frames,
+                                                             Sampling(temperature=0))[0]
+    out.update(layers=decoder.core.ops.projections, logits=decoder.core.logits_layout,
+               head_fp8=decoder.core.head_fp8 is not None, scaled_calls=sorted(set(scaled_calls)),
+               layer_calls=len(scaled_calls), logits_calls=len(logits_calls),
+               scaled_logits=sorted(set(logits_calls)), codes_equal=bool(np.array_equal(codes, reference)))
+    return out
 
 
 if __name__ == "__main__":

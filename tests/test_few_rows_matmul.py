@@ -1,7 +1,7 @@
 """terra's few-rows kernel (kernels/few_rows_matmul.py), run under Triton's interpreter in a process of
 its own (tests/few_rows_interpreted.py): its products against float64, split-K's too, its refusals,
 and a greedy Jacobi rollout of the single-stream decoder whose every decode step's logits and layer
-projections it computed."""
+projections it computed; then the same with fp8 weights (`quantize_rows_fp8`)."""
 import json
 import os
 import subprocess
@@ -40,3 +40,15 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     # four projections a layer (q, k and v as one; o; gate and up as one; down) on every decode step
     assert result["layer_calls"] == 4 * result["model_layers"] * result["logits_calls"]
     assert result["codes_equal"]
+    fp8 = result["fp8"]
+    assert fp8["dtypes"] == ["torch.float8_e4m3fn", "torch.float32"]
+    # e4m3 keeps 3 bits of mantissa: within 2^-4 of each value (or e4m3's subnormal step, relative to the row)
+    assert fp8["rounding_within_bound"] and 1e-3 < fp8["rounding_error"] < 2 ** -4 and fp8["zero_row"]
+    for case, error in fp8["errors"].items():  # the product with the weights the values and scales stand for
+        assert error < 1e-5, (case, error)
+    assert len(fp8["refused"]) == 3 and all("scale" in message for message in fp8["refused"])
+    assert fp8["layers"] == "few-rows-fp8" and fp8["logits"] == "few-rows-fp8" and fp8["head_fp8"]
+    assert fp8["scaled_calls"] == [["torch.float8_e4m3fn", True]]  # every layer projection read fp8 values
+    assert fp8["scaled_logits"] == [["torch.float8_e4m3fn", True]] and fp8["logits_calls"] > 0
+    assert fp8["layer_calls"] == 4 * result["model_layers"] * fp8["logits_calls"]
+    assert fp8["codes_equal"]

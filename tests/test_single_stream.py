@@ -192,6 +192,9 @@ def test_the_layer_projections_switch_is_checked_and_needs_a_device_that_runs_th
     assert layer_ops.layer_projections(cuda, {layer_ops.LAYERS_ENV: "few-rows"}) == "few-rows"
     assert layer_ops.layer_projections(cpu, {layer_ops.LAYERS_ENV: "few-rows"}) == "linear"
     assert layer_ops.layer_projections(cpu, {layer_ops.LAYERS_ENV: "few-rows", "TRITON_INTERPRET": "1"}) == "few-rows"
+    assert layer_ops.layer_projections(cuda, {layer_ops.LAYERS_ENV: "few-rows-fp8"}) == "few-rows-fp8"
+    assert layer_ops.layer_projections(cpu, {layer_ops.LAYERS_ENV: "few-rows-fp8"}) == "linear"
+    assert layer_ops.projection("few-rows-fp8") is few_rows_linear  # it takes (values, scale) pairs too
     assert layer_ops.projection("few-rows") is few_rows_linear and layer_ops.projection("linear") is F.linear
     with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_LAYERS='cutlass'"):
         layer_ops.layer_projections(cuda, {layer_ops.LAYERS_ENV: "cutlass"})

@@ -63,6 +63,14 @@ VARIANTS = [
     # 11, 12: the layers' projections by terra's split-K kernel too (kernels/few_rows_matmul.py)
     ("plain, layers and logits by terra's few-rows kernel (split-K)", 0, "jacobi", FEW_ROWS),
     ("jacobi K=8, layers and logits by terra's few-rows kernel (split-K)", 8, "jacobi", FEW_ROWS),
+    # 13-15: the same kernel over fp8 copies of the weights (one scale a row): half the bytes a step reads,
+    # an approximation (codes_equal_to_first: agreement with plain bf16 at the same seed)
+    ("plain, layers' projections in fp8 (few-rows kernel), logits bf16 (few-rows)", 0, "jacobi",
+     {**FEW_ROWS, "TERRA_SINGLE_STREAM_LAYERS": "few-rows-fp8"}),
+    ("plain, layers and logits in fp8 (few-rows kernel)", 0, "jacobi",
+     {**FEW_ROWS, "TERRA_SINGLE_STREAM_LAYERS": "few-rows-fp8", "TERRA_SINGLE_STREAM_LOGITS": "few-rows-fp8"}),
+    ("jacobi K=8, layers and logits in fp8 (few-rows kernel)", 8, "jacobi",
+     {**FEW_ROWS, "TERRA_SINGLE_STREAM_LAYERS": "few-rows-fp8", "TERRA_SINGLE_STREAM_LOGITS": "few-rows-fp8"}),
 ]
 TARGET_S_PER_FRAME = 0.5
 

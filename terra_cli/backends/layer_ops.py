@@ -38,9 +38,11 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # TERRA_SINGLE_STREAM_LAYERS=few-rows runs the decode step's four projections a layer through terra's
 # split-K kernel for a few rows (kernels/few_rows_matmul.py) instead of cuBLAS, on CUDA (or under
 # Triton's interpreter: the CPU tests). Measured on an H100: no faster than cuBLAS (benchmarks/README.md,
-# 2026-11-28), so a lab switch. Unset: `linear`.
+# 2026-11-28), so a lab switch. Unset: `linear`. =few-rows-fp8: the same kernel over fp8 copies of the
+# decode step's weights (one scale per row: half the bytes a step reads), an approximation of the
+# weights and so a lab switch only; prompts keep the modules' own weights.
 LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
-LAYER_PROJECTIONS = ("linear", "few-rows")
+LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
 
 
 def layer_projections(device: torch.device, environ=None) -> str:
@@ -57,7 +59,7 @@ def layer_projections(device: torch.device, environ=None) -> str:
 
 def projection(name: str):
     """The F.linear-like function `layer_projections` names."""
-    if name == "few-rows":
+    if name in ("few-rows", "few-rows-fp8"):  # fp8: its weights are (values, scale) pairs, `fp8_weights`
         from terra_cli.kernels.few_rows_matmul import few_rows_linear
 
         return few_rows_linear
@@ -206,8 +208,12 @@ class LayerOps:
         # and so does the few-rows kernel under Triton's interpreter.
         if compiled or fuse_projections or self.projections != "linear":
             functions = CompiledOps(compile_mode(), linear) if compiled else FusedOps(linear)
-            self.decode = BoundOps(functions, [self.fused_attention_weights(layer) for layer in layers],
-                                   [self.fused_output_weights(layer) for layer in layers])
+            attention = [self.fused_attention_weights(layer) for layer in layers]
+            output = [self.fused_output_weights(layer) for layer in layers]
+            if self.projections == "few-rows-fp8":
+                attention = [fp8_weights(weights, ATTENTION_PROJECTIONS) for weights in attention]
+                output = [fp8_weights(weights, OUTPUT_PROJECTIONS) for weights in output]
+            self.decode = BoundOps(functions, attention, output)
         else:
             self.decode = self.eager
 
@@ -245,6 +251,20 @@ class LayerOps:
         return (attention.o_proj.weight, attention.o_proj.bias, norm.weight, norm.variance_epsilon,
                 stacked(mlp.gate_proj.weight, mlp.up_proj.weight), stacked(mlp.gate_proj.bias, mlp.up_proj.bias),
                 mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+# Where the projection weights sit in `fused_attention_weights` (q, k and v) and `fused_output_weights`
+# (o; gate and up; down).
+ATTENTION_PROJECTIONS = (2,)
+OUTPUT_PROJECTIONS = (0, 4, 6)
+
+
+def fp8_weights(weights: tuple, positions: tuple) -> tuple:
+    """`weights` with the projections at `positions` as (fp8 values, row scales) pairs, what
+    `few_rows_linear` reads for `few-rows-fp8`."""
+    from terra_cli.kernels.few_rows_matmul import quantize_rows_fp8
+
+    return tuple(quantize_rows_fp8(w) if i in positions else w for i, w in enumerate(weights))
 
 
 class BoundOps:

@@ -53,10 +53,11 @@ ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 # vocabulary, which cuBLAS tiles differently; =few-rows runs terra's Triton kernel that streams the
 # weight once for up to 16 rows (kernels/few_rows_matmul.py), on every decode step's rows, the
 # plain step's one row too. Candidates for the next GPU comparison; the default stays `linear`, the
-# measured one.
+# measured one. =few-rows-fp8: the kernel over an fp8 copy of lm_head (one scale per vocabulary row,
+# half its 1.07 GB a step), an approximation of the weights and so a lab switch only.
 LOGITS_ENV = "TERRA_SINGLE_STREAM_LOGITS"
 FEW_ROWS = 16  # kernels.few_rows_matmul.MAX_ROWS (a decode step's K + 1 rows; a CPU keeps lm_head)
-LOGITS_LAYOUTS = ("linear", "weight-major", "few-rows")
+LOGITS_LAYOUTS = ("linear", "weight-major", "few-rows", "few-rows-fp8")
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -179,6 +180,8 @@ class StaticKVDecoder:
         self.logits_layout = os.environ.get(LOGITS_ENV) or "linear"
         if self.logits_layout not in LOGITS_LAYOUTS:
             raise ValueError(f"{LOGITS_ENV}={self.logits_layout!r}: expected one of {', '.join(LOGITS_LAYOUTS)}")
+        self.head_fp8 = few_rows.quantize_rows_fp8(model.lm_head.weight) \
+            if self.logits_layout == "few-rows-fp8" and few_rows.runs_on(self.device) else None
 
     @property
     def compiled(self) -> bool:
@@ -208,7 +211,9 @@ class StaticKVDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over a decode step's rows (n, H) -> (n, V), in the layout `logits_layout` names."""
         head = self.model.lm_head
-        if self.logits_layout == "few-rows" and hidden.shape[0] <= FEW_ROWS and few_rows.runs_on(hidden.device):
+        if self.head_fp8 is not None and hidden.shape[0] <= FEW_ROWS:
+            logits = few_rows.few_rows_matmul(hidden.contiguous(), self.head_fp8[0], scale=self.head_fp8[1])
+        elif self.logits_layout == "few-rows" and hidden.shape[0] <= FEW_ROWS and few_rows.runs_on(hidden.device):
             logits = few_rows.few_rows_matmul(hidden.contiguous(), head.weight)
         elif hidden.shape[0] < 2 or self.logits_layout != "weight-major":
             return head(hidden)

@@ -21,6 +21,12 @@ fewest slices that give every SM a few programs. `TERRA_SINGLE_STREAM_LAYERS=few
 decode step's projections through it (`backends/layer_ops.py`): on an H100 (2026-11-28) it read the
 step's 3.0 GB in the same 1.30 ms as cuBLAS, so it stays a lab switch; one tile shape for every
 projection is what it lacks (benchmarks/README.md).
+
+fp8 weights (`quantize_rows_fp8`: float8_e4m3fn with one float32 scale per output row) halve the bytes a
+step reads, and reading the weights is what a one-row step's GEMMs are bound by. The kernel widens each
+fp8 tile to the hidden rows' dtype in registers and multiplies each output column by its row's scale.
+It approximates the weights (about 2^-4 of each value), so it is a lab switch that says so
+(`TERRA_SINGLE_STREAM_LAYERS=few-rows-fp8`, `TERRA_SINGLE_STREAM_LOGITS=few-rows-fp8`), never a default.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import os
 import torch
 
 MAX_ROWS = 16  # a tensor-core tile's rows: every call computes 16, the rows past M masked off
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 BLOCK_N = 128
 BLOCK_K = 128
 PROGRAMS_PER_SM = 4  # split-K's aim: enough programs in flight per SM to hide the weight's latency
@@ -42,8 +50,9 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def few_rows_kernel(h_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_hm, stride_wn, stride_os, stride_om,
-                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    def few_rows_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, stride_hm, stride_wn, stride_os,
+                        stride_om, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        UPCAST: tl.constexpr, SCALED: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         k_from = split * k_per_split
@@ -58,8 +67,12 @@ def _build():
                         mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
             if UPCAST:  # Triton's interpreter (the CPU tests) gets bf16 dots wrong; tf32 holds bf16 exactly
                 acc += tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)))
+            elif SCALED:  # fp8 weights, widened exactly (every e4m3 value is a bf16 value)
+                acc += tl.dot(h, tl.trans(w.to(h.dtype)))
             else:
                 acc += tl.dot(h, tl.trans(w))
+        if SCALED:  # the product is linear in each output row's weights: scaling a partial sum is exact
+            acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
         tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -91,7 +104,18 @@ def programs_wanted(device: torch.device) -> int:
     return 1  # Triton's interpreter (the CPU tests): split only when asked
 
 
-def _checked_slices(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None) -> tuple[int, int]:
+def quantize_rows_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) as float8_e4m3fn values and one float32 scale per row (N,): each row's largest
+    magnitude maps to e4m3's largest, 448. weight ~ values * scale[:, None], to within about 2^-4 of
+    each value (e4m3's 3 bits of mantissa); an all-zero row stays zero."""
+    wide = weight.detach().to(torch.float32)
+    scale = (wide.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    values = (wide / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values.contiguous(), scale.contiguous()
+
+
+def _checked_slices(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None,
+                    scale: torch.Tensor | None = None) -> tuple[int, int]:
     """(slices, depth of each): `splits` (None: `splits_for` this device) made slices of whole blocks,
     none empty."""
     rows, depth = hidden.shape
@@ -99,6 +123,10 @@ def _checked_slices(hidden: torch.Tensor, weight: torch.Tensor, splits: int | No
         raise ValueError(f"few_rows_matmul takes 1 to {MAX_ROWS} rows, got {rows}")
     if weight.shape[1] != depth or hidden.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"shapes/strides do not fit: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}")
+    if (weight.dtype == FP8) != (scale is not None):
+        raise ValueError("few_rows_matmul: fp8 weights take a scale per row (quantize_rows_fp8), others none")
+    if scale is not None and (scale.shape != (weight.shape[0],) or scale.dtype != torch.float32):
+        raise ValueError(f"few_rows_matmul: a float32 scale per weight row, got {scale.dtype} {tuple(scale.shape)}")
     if splits is None:
         splits = splits_for(weight.shape[0], depth, programs_wanted(hidden.device))
     k_blocks = _cdiv(depth, BLOCK_K)
@@ -108,40 +136,47 @@ def _checked_slices(hidden: torch.Tensor, weight: torch.Tensor, splits: int | No
     return _cdiv(depth, k_per_split), k_per_split
 
 
-def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int], out: torch.Tensor) -> torch.Tensor:
+def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int], out: torch.Tensor,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
     global _kernel
     if _kernel is None:
         _kernel = _build()
     depth, outputs = hidden.shape[1], weight.shape[0]
     splits, k_per_split = slices
     _kernel[(_cdiv(outputs, BLOCK_N), splits)](
-        hidden, weight, out, hidden.shape[0], outputs, depth, k_per_split, hidden.stride(0), weight.stride(0),
-        out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, num_stages=4)
+        hidden, weight, weight if scale is None else scale, out, hidden.shape[0], outputs, depth, k_per_split,
+        hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=MAX_ROWS,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        SCALED=scale is not None, num_warps=4, num_stages=4)
     return out
 
 
-def few_rows_partials(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+def few_rows_partials(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None = None,
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
     """hidden (M, K) @ weight (N, K).T as float32 partial sums over slices of K, (slices, M, N): their
     sum over the first dimension is the product. Left to the caller so that a compiled function adds
-    them inside the elementwise kernel that follows, not in kernels of their own."""
-    return _partials(hidden, weight, _checked_slices(hidden, weight, splits))
+    them inside the elementwise kernel that follows, not in kernels of their own. fp8 weights come
+    with their rows' `scale` (`quantize_rows_fp8`)."""
+    return _partials(hidden, weight, _checked_slices(hidden, weight, splits, scale), scale)
 
 
-def _partials(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int]) -> torch.Tensor:
+def _partials(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int],
+              scale: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty((slices[0], hidden.shape[0], weight.shape[0]), dtype=torch.float32, device=hidden.device)
-    return _launch(hidden, weight, slices, out)
+    return _launch(hidden, weight, slices, out, scale)
 
 
-def few_rows_matmul(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+def few_rows_matmul(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None = None,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
     """hidden (M, K) @ weight (N, K).T -> (M, N) in hidden's dtype, for 1 <= M <= 16. Both contiguous
     in K; on CUDA (or under Triton's interpreter, which the tests use). `splits`: slices of K (None:
-    `splits_for` this device; one slice writes the result directly)."""
-    slices = _checked_slices(hidden, weight, splits)
+    `splits_for` this device; one slice writes the result directly). fp8 weights come with their
+    rows' `scale` (`quantize_rows_fp8`)."""
+    slices = _checked_slices(hidden, weight, splits, scale)
     if slices[0] > 1:  # float32 partials, added in one fixed order
-        return _partials(hidden, weight, slices).sum(0).to(hidden.dtype)
+        return _partials(hidden, weight, slices, scale).sum(0).to(hidden.dtype)
     out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
-    return _launch(hidden, weight, slices, out)
+    return _launch(hidden, weight, slices, out, scale)
 
 
 @torch.library.custom_op("terra::few_rows_partials", mutates_args=())
@@ -157,10 +192,29 @@ def _(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return hidden.new_empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@torch.library.custom_op("terra::few_rows_partials_fp8", mutates_args=())
+def few_rows_partials_fp8_op(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`few_rows_partials_op` for fp8 weights and their rows' scale."""
+    return few_rows_partials(hidden, weight, scale=scale)
+
+
+@few_rows_partials_fp8_op.register_fake
+def _(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    splits, _ = _checked_slices(hidden, weight, None, scale)
+    return hidden.new_empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def few_rows_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear for a decode step's few rows (x (..., K), at most 16 rows in all) by the kernel: the
-    slices' sum and the bias in float32, then x's dtype (F.linear rounds once too, at its output)."""
-    out = few_rows_partials_op(x.reshape(-1, x.shape[-1]).contiguous(), weight).sum(0)
+    slices' sum and the bias in float32, then x's dtype (F.linear rounds once too, at its output).
+    `weight`: a tensor, or the pair `quantize_rows_fp8` makes (fp8 values, their rows' scale)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if isinstance(weight, tuple):
+        values, scale = weight
+        out = few_rows_partials_fp8_op(rows, values, scale).sum(0)
+    else:
+        values = weight
+        out = few_rows_partials_op(rows, values).sum(0)
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(x.dtype).reshape(*x.shape[:-1], values.shape[0])

@@ -612,6 +612,9 @@ def test_a_compiled_run_decodes_with_the_compiled_vae_decoder(tiny_pt, monkeypat
     refined = refiner.refine_pixels([video], [3])[0]
     assert len(stand_in.calls) == before + 9  # 25 frames, 3 a call
     assert np.abs(refined.astype(int) - eager.refine_pixels([video], [3])[0].astype(int)).max() <= 1
+    windows = refiner.options.batch_windows  # the UNet's line names its layout (this CPU: NCHW)
+    assert {line.split(" in ")[0] for line in refiner_lines if "UNet compiled" in line} == {
+        f"INFO: refiner: UNet compiled (default, {windows} window(s) per call, NCHW)"}
 
 
 def test_a_compiled_vae_decoder_that_fails_its_first_call_leaves_eager_for_the_run(tiny_pt, monkeypatch,

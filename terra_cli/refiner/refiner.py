@@ -204,7 +204,8 @@ class VideoRefiner:
                             torch.zeros(batch, dtype=torch.float32))
         self._synchronize()
         self.compile_seconds = time.perf_counter() - started
-        LOG.info(f"refiner: UNet compiled ({self.compile_mode}, {batch} window(s) per call) in "
+        layout = "channels-last" if self.switches.channels_last else "NCHW"  # a parent and its child must agree
+        LOG.info(f"refiner: UNet compiled ({self.compile_mode}, {batch} window(s) per call, {layout}) in "
                  f"{self.compile_seconds:.1f} s; Inductor cache {inductor_cache_dir()}")
         return self.compile_seconds
 

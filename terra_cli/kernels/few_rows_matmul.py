@@ -25,7 +25,7 @@ projection is what it lacks (benchmarks/README.md).
 fp8 weights (`quantize_rows_fp8`: float8_e4m3fn with one float32 scale per output row) halve the bytes a
 step reads, and reading the weights is what a one-row step's GEMMs are bound by. The kernel widens each
 fp8 tile to the hidden rows' dtype in registers and multiplies each output column by its row's scale.
-It approximates the weights (about 2^-4 of each value), so it is a lab switch that says so
+It approximates the weights (to about 2^-4 of each value), so it is a lab switch that says so
 (`TERRA_SINGLE_STREAM_LAYERS=few-rows-fp8`, `TERRA_SINGLE_STREAM_LOGITS=few-rows-fp8`), never a default.
 """
 
@@ -106,8 +106,9 @@ def programs_wanted(device: torch.device) -> int:
 
 def quantize_rows_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (N, K) as float8_e4m3fn values and one float32 scale per row (N,): each row's largest
-    magnitude maps to e4m3's largest, 448. weight ~ values * scale[:, None], to within about 2^-4 of
-    each value (e4m3's 3 bits of mantissa); an all-zero row stays zero."""
+    magnitude maps to e4m3's largest, 448. weight ~ values * scale[:, None], to within 2^-4 of each
+    value (e4m3's 3 bits of mantissa), or for values far below their row's largest within e4m3's
+    subnormal step (2^-9 of the scale); an all-zero row stays zero."""
     wide = weight.detach().to(torch.float32)
     scale = (wide.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     values = (wide / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)

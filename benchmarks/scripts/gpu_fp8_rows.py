@@ -11,7 +11,10 @@ variant and replayed, so launches cost nothing and what is timed is the kernels:
 - `few-rows-fp8`: the kernel on fp8 copies with a scale a row (`quantize_rows_fp8`), half the bytes.
 
 For each: ms a step, the layers' share and lm_head's apart, and the bytes read per second; the fp8 rows'
-largest error against the bf16 product of the same row. Needs only torch and Triton (no vLLM):
+largest error against the bf16 product of the same row. Then (`--sweep`, on by default) the kernel's tile
+(BLOCK_N, BLOCK_K, warps, stages: module globals of `kernels/few_rows_matmul.py`, one shape for every
+projection) over a small grid, for bf16 and fp8, each point a step's layers and lm_head again: which tile
+reads fastest, and whether one tile serves both. Needs only torch and Triton (no vLLM):
 
     PYTHONPATH=$PWD python3 benchmarks/scripts/gpu_fp8_rows.py --out $OUT/fp8_rows.json
 """
@@ -63,6 +66,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -105,6 +109,24 @@ def main() -> int:
                "lm_head_tb_per_s": round(head_bytes[dtype] / head_ms / 1e9, 3)}
         result["variants"][variant] = row
         print(json.dumps({variant: row}), flush=True)
+    if not args.no_sweep:
+        result["sweep"] = []
+        default = (kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES)
+        for block_n in (64, 128):
+            for block_k in (128, 256):
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES = block_n, block_k, warps, stages
+                        point = {"block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages}
+                        for variant in ("few-rows", "few-rows-fp8"):
+                            try:
+                                point[variant] = round(timed_graph(products(variant, "layers"), args.replays)
+                                                       + timed_graph(products(variant, "head"), args.replays), 4)
+                            except Exception as error:  # noqa: BLE001 - a tile the card cannot run: say so, go on
+                                point[variant] = f"{type(error).__name__}: {str(error)[:120]}"
+                        result["sweep"].append(point)
+                        print(json.dumps(point), flush=True)
+        kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES = default
     # fp8 against bf16 for one row: the approximation's size (random weights, 0.02 scale)
     x = rows[HIDDEN]
     exact = F.linear(x.float(), head.float())

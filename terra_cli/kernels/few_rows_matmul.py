@@ -41,6 +41,7 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 BLOCK_N = 128
 BLOCK_K = 128
 PROGRAMS_PER_SM = 4  # split-K's aim: enough programs in flight per SM to hide the weight's latency
+NUM_WARPS, NUM_STAGES = 4, 4  # one tile shape for every projection (module globals: a lab probe sweeps them)
 
 _kernel = None
 
@@ -148,7 +149,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int],
         hidden, weight, weight if scale is None else scale, out, hidden.shape[0], outputs, depth, k_per_split,
         hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=MAX_ROWS,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        SCALED=scale is not None, num_warps=4, num_stages=4)
+        SCALED=scale is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 

@@ -111,6 +111,16 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
         for splits in (1, 2, 6):
             got = kernel.few_rows_matmul(hidden, values, splits, scale=scale)
             out["errors"][f"{rows}-{splits}"] = float((got.double() - exact).abs().max() / exact.abs().max())
+    # One row as a plain GEMV (`ONE_ROW_GEMV`, a lab switch): bf16, float32 and fp8 weights, with split-K
+    kernel.ONE_ROW_GEMV = True
+    one = torch.randn(1, 700, generator=gen)
+    for name, w, s, reference in (("fp32", weight, None, weight.double()), ("bf16", weight.bfloat16(), None,
+                                  weight.bfloat16().double()), ("fp8", values, scale, restored)):
+        exact = one.to(w.dtype if s is None else torch.float32).double() @ reference.t()
+        for splits in (1, 3):
+            got = kernel.few_rows_matmul(one.to(w.dtype if s is None else torch.float32), w, splits, scale=s)
+            out["errors"][f"gemv-{name}-{splits}"] = float((got.double() - exact).abs().max() / exact.abs().max())
+    kernel.ONE_ROW_GEMV = False
     for call in (lambda: kernel.few_rows_matmul(torch.zeros(2, 700), values),
                  lambda: kernel.few_rows_matmul(torch.zeros(2, 700), weight, scale=scale),
                  lambda: kernel.few_rows_matmul(torch.zeros(2, 700), values, scale=scale[:10])):

@@ -45,7 +45,10 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     # e4m3 keeps 3 bits of mantissa: within 2^-4 of each value (or e4m3's subnormal step, relative to the row)
     assert fp8["rounding_within_bound"] and 1e-3 < fp8["rounding_error"] < 2 ** -4 and fp8["zero_row"]
     for case, error in fp8["errors"].items():  # the product with the weights the values and scales stand for
-        assert error < 1e-5, (case, error)
+        assert error < (8e-3 if "bf16" in case else 1e-5), (case, error)  # bf16 rows: the output's rounding
+    # one row as a plain GEMV (the lab switch), every weight type, one slice and three
+    assert {case for case in fp8["errors"] if case.startswith("gemv")} == {
+        f"gemv-{name}-{splits}" for name in ("fp32", "bf16", "fp8") for splits in (1, 3)}
     assert len(fp8["refused"]) == 3 and all("scale" in message for message in fp8["refused"])
     assert fp8["layers"] == "few-rows-fp8" and fp8["logits"] == "few-rows-fp8" and fp8["head_fp8"]
     assert fp8["scaled_calls"] == [["torch.float8_e4m3fn", True]]  # every layer projection read fp8 values

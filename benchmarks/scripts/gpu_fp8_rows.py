@@ -13,7 +13,7 @@ variant and replayed, so launches cost nothing and what is timed is the kernels:
 For each: ms a step, the layers' share and lm_head's apart, and the bytes read per second; the fp8 rows'
 largest error against the bf16 product of the same row. Then (`--sweep`, on by default) the kernel's tile
 (BLOCK_N, BLOCK_K, warps, stages: module globals of `kernels/few_rows_matmul.py`, one shape for every
-projection) over a small grid, for bf16 and fp8, each point a step's layers and lm_head again: which tile
+projection; and `ONE_ROW_GEMV`, one row as a plain GEMV) over a small grid, for bf16 and fp8, each point a step's layers and lm_head again: which tile
 reads fastest, and whether one tile serves both. Needs only torch and Triton (no vLLM):
 
     PYTHONPATH=$PWD python3 benchmarks/scripts/gpu_fp8_rows.py --out $OUT/fp8_rows.json
@@ -111,22 +111,22 @@ def main() -> int:
         print(json.dumps({variant: row}), flush=True)
     if not args.no_sweep:
         result["sweep"] = []
-        default = (kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES)
-        for block_n in (64, 128):
-            for block_k in (128, 256):
-                for warps in (4, 8):
-                    for stages in (3, 4):
-                        kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES = block_n, block_k, warps, stages
-                        point = {"block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages}
-                        for variant in ("few-rows", "few-rows-fp8"):
-                            try:
-                                point[variant] = round(timed_graph(products(variant, "layers"), args.replays)
-                                                       + timed_graph(products(variant, "head"), args.replays), 4)
-                            except Exception as error:  # noqa: BLE001 - a tile the card cannot run: say so, go on
-                                point[variant] = f"{type(error).__name__}: {str(error)[:120]}"
-                        result["sweep"].append(point)
-                        print(json.dumps(point), flush=True)
-        kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES = default
+        default = (kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES, kernel.ONE_ROW_GEMV)
+        grid = [(n, k, warps, stages, gemv) for gemv in (False, True) for n in (64, 128) for k in (128, 256)
+                for warps in (4, 8) for stages in (3, 4)]
+        for block_n, block_k, warps, stages, gemv in grid:
+            kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES = block_n, block_k, warps, stages
+            kernel.ONE_ROW_GEMV = gemv
+            point = {"block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages, "one_row_gemv": gemv}
+            for variant in ("few-rows", "few-rows-fp8"):
+                try:
+                    point[variant] = round(timed_graph(products(variant, "layers"), args.replays)
+                                           + timed_graph(products(variant, "head"), args.replays), 4)
+                except Exception as error:  # noqa: BLE001 - a tile the card cannot run: say so, go on
+                    point[variant] = f"{type(error).__name__}: {str(error)[:120]}"
+            result["sweep"].append(point)
+            print(json.dumps(point), flush=True)
+        kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES, kernel.ONE_ROW_GEMV = default
     # fp8 against bf16 for one row: the approximation's size (random weights, 0.02 scale)
     x = rows[HIDDEN]
     exact = F.linear(x.float(), head.float())

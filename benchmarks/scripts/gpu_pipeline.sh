@@ -414,7 +414,7 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     if [ "${ONE_AFTER:-probes}" = next ]; then
       timeout 300 python3 benchmarks/scripts/gpu_vae_decode.py --out "$OUT/vae_decode.json" \
         > "$OUT/vae_decode.log" 2>&1; echo "vae_decode exit $?" >> "$STEP_LOG"
-      timeout 240 python3 benchmarks/scripts/gpu_fp8_rows.py --out "$OUT/fp8_rows.json" \
+      timeout 330 python3 benchmarks/scripts/gpu_fp8_rows.py --out "$OUT/fp8_rows.json" \
         > "$OUT/fp8_rows.log" 2>&1; echo "fp8_rows exit $?" >> "$STEP_LOG"
       timeout 330 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini --variants 0,9,13,14,15 \
         --budget-s 260 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1

@@ -42,6 +42,9 @@ BLOCK_N = 128
 BLOCK_K = 128
 PROGRAMS_PER_SM = 4  # split-K's aim: enough programs in flight per SM to hide the weight's latency
 NUM_WARPS, NUM_STAGES = 4, 4  # one tile shape for every projection (module globals: a lab probe sweeps them)
+# One row (a plain decode step) as a GEMV on the CUDA cores instead of a tensor-core tile of 16 rows, 15 of
+# them masked: a lab switch for the probe (benchmarks/scripts/gpu_fp8_rows.py), off until measured.
+ONE_ROW_GEMV = False
 
 _kernel = None
 
@@ -53,29 +56,41 @@ def _build():
     @triton.jit
     def few_rows_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, stride_hm, stride_wn, stride_os,
                         stride_om, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, SCALED: tl.constexpr):
+                        UPCAST: tl.constexpr, SCALED: tl.constexpr, ONE_ROW: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         k_from = split * k_per_split
         k_to = tl.minimum(K, k_from + k_per_split)
-        rows = tl.arange(0, ROWS)
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for start in range(k_from, k_to, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            h = tl.load(h_ptr + rows[:, None] * stride_hm + ks[None, :],
-                        mask=(rows[:, None] < M) & (ks[None, :] < k_to), other=0.0)
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
-                        mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
-            if UPCAST:  # Triton's interpreter (the CPU tests) gets bf16 dots wrong; tf32 holds bf16 exactly
-                acc += tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)))
-            elif SCALED:  # fp8 weights, widened exactly (every e4m3 value is a bf16 value)
-                acc += tl.dot(h, tl.trans(w.to(h.dtype)))
-            else:
-                acc += tl.dot(h, tl.trans(w))
-        if SCALED:  # the product is linear in each output row's weights: scaling a partial sum is exact
-            acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
-        tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        if ONE_ROW:  # a plain GEMV: products and a row sum on the CUDA cores, no tile of 15 masked rows
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for start in range(k_from, k_to, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                h = tl.load(h_ptr + ks, mask=ks < k_to, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                            mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
+                total += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+            if SCALED:
+                total *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)
+            tl.store(out_ptr + split * stride_os + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+        else:
+            rows = tl.arange(0, ROWS)
+            acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            for start in range(k_from, k_to, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                h = tl.load(h_ptr + rows[:, None] * stride_hm + ks[None, :],
+                            mask=(rows[:, None] < M) & (ks[None, :] < k_to), other=0.0)
+                w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                            mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
+                if UPCAST:  # Triton's interpreter (the CPU tests) gets bf16 dots wrong; tf32 holds bf16 exactly
+                    acc += tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)))
+                elif SCALED:  # fp8 weights, widened exactly (every e4m3 value is a bf16 value)
+                    acc += tl.dot(h, tl.trans(w.to(h.dtype)))
+                else:
+                    acc += tl.dot(h, tl.trans(w))
+            if SCALED:  # the product is linear in each output row's weights: scaling a partial sum is exact
+                acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+            tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     return few_rows_kernel
 
@@ -149,7 +164,8 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int],
         hidden, weight, weight if scale is None else scale, out, hidden.shape[0], outputs, depth, k_per_split,
         hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=MAX_ROWS,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        SCALED=scale is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        SCALED=scale is not None, ONE_ROW=ONE_ROW_GEMV and hidden.shape[0] == 1, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     return out
 
 

@@ -17,12 +17,14 @@ projection; and `ONE_ROW_GEMV`, one row as a plain GEMV) over a small grid, for 
 reads fastest, and whether one tile serves both. Needs only torch and Triton (no vLLM):
 
     PYTHONPATH=$PWD python3 benchmarks/scripts/gpu_fp8_rows.py --out $OUT/fp8_rows.json
+    PYTHONPATH=$PWD python3 benchmarks/scripts/gpu_fp8_rows.py --dry-run --out /tmp/f.json   # CPU: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,11 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from terra_cli.kernels import few_rows_matmul as kernel  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 2048, 5632, 22, 262144
-LAYER_SHAPES = [(2560, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+DRY_RUN_SIZES = (256, 512, 2, 1024)  # --dry-run: the same products at toy sizes, on a CPU under Triton's interpreter
+
+
+def layer_shapes(hidden: int, intermediate: int) -> list[tuple[int, int]]:
+    return [(hidden + hidden // 4, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate)]
 
 
 def timed_graph(calls, replays: int) -> float:
-    """ms per replay of one CUDA graph of `calls`, after a warm-up outside the graph (Triton compiles)."""
+    """ms per replay of one CUDA graph of `calls`, after a warm-up outside the graph (Triton compiles).
+    On a CPU (the dry run): ms per plain pass."""
+    if not torch.cuda.is_available():
+        started = time.perf_counter()
+        for call in calls:
+            call()
+        return 1e3 * (time.perf_counter() - started)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -67,16 +79,25 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    parser.add_argument("--dry-run", action="store_true", help="toy sizes on a CPU under Triton's interpreter "
+                        "(checks the script, not a speed)")
     args = parser.parse_args()
-    device = torch.device("cuda")
+    if args.out.exists():  # a file this run did not make stays
+        parser.error(f"{args.out} exists; remove it or name another --out")
+    hidden_size, intermediate, layer_count, vocab = DRY_RUN_SIZES if args.dry_run else (HIDDEN, INTERMEDIATE, LAYERS, VOCAB)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is first built, and per call
+        args.replays = 1
+    device = torch.device("cpu" if args.dry_run else "cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     started = time.perf_counter()
-    layers = [[torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02 for n, k in LAYER_SHAPES]
-              for _ in range(LAYERS)]
-    head = torch.randn(VOCAB, HIDDEN, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+    dtype = torch.float32 if args.dry_run else torch.bfloat16  # the interpreter's dots want float32
+    layers = [[torch.randn(n, k, device=device, generator=gen).to(dtype) * 0.02
+               for n, k in layer_shapes(hidden_size, intermediate)] for _ in range(layer_count)]
+    head = torch.randn(vocab, hidden_size, device=device, generator=gen).to(dtype) * 0.02
     layers8 = [[kernel.quantize_rows_fp8(w) for w in weights] for weights in layers]
     head8 = kernel.quantize_rows_fp8(head)
-    rows = {k: torch.randn(1, k, device=device, dtype=torch.bfloat16, generator=gen) for k in (HIDDEN, INTERMEDIATE)}
+    rows = {k: torch.randn(1, k, device=device, generator=gen).to(dtype) for k in (hidden_size, intermediate)}
     layer_bytes = {"bf16": sum(w.numel() * 2 for ws in layers for w in ws), "fp8": sum(w.numel() for ws in layers for w in ws)}
     head_bytes = {"bf16": head.numel() * 2, "fp8": head.numel()}
 
@@ -93,13 +114,13 @@ def main() -> int:
                     else:
                         calls.append(lambda x=x, w=w8, s=scale: kernel.few_rows_matmul(x, w, scale=s))
         else:
-            x = rows[HIDDEN]
+            x = rows[hidden_size]
             calls.append({"cublas": lambda: F.linear(x, head), "few-rows": lambda: kernel.few_rows_matmul(x, head),
                           "few-rows-fp8": lambda: kernel.few_rows_matmul(x, head8[0], scale=head8[1])}[variant])
         return calls
 
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "replays": args.replays,
-              "sms": torch.cuda.get_device_properties(device).multi_processor_count, "variants": {}}
+    result = {"device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(), "torch": torch.__version__,
+              "replays": args.replays, "variants": {}, "sizes": [hidden_size, intermediate, layer_count, vocab]}
     for variant in ("cublas", "few-rows", "few-rows-fp8"):
         dtype = "fp8" if variant.endswith("fp8") else "bf16"
         layers_ms = timed_graph(products(variant, "layers"), args.replays)
@@ -128,7 +149,7 @@ def main() -> int:
             print(json.dumps(point), flush=True)
         kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES, kernel.ONE_ROW_GEMV = default
     # fp8 against bf16 for one row: the approximation's size (random weights, 0.02 scale)
-    x = rows[HIDDEN]
+    x = rows[hidden_size]
     exact = F.linear(x.float(), head.float())
     got = kernel.few_rows_matmul(x, head8[0], scale=head8[1]).float()
     result["lm_head_fp8_max_error_relative"] = round(float((got - exact).abs().max() / exact.abs().max()), 5)

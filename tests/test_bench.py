@@ -412,6 +412,16 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     assert "decoder_compiled_apart_s" not in loop_since({**later, "decoder_compiled_apart_s": 30.0}, later)
     assert "decode_first_batch_cache" not in loop_since({**later, "decode_first_batch_cache": [1, 0]}, later)
     assert describe_engine_loop(minute).endswith("; the refiner made 2 videos in 0 UNet batches, its thread busy 8.0 s")
+    # the refiner's wall from its first UNet batch to its last video: in a minute's line, that minute's share
+    walled = {**apart, "refiner_wall_s": 30.0}
+    assert describe_engine_loop(walled).endswith(
+        "compiled apart first in 230.0 s; 30.0 s from its first UNet batch to its last video (10.00 s a video)")
+    before_any = loop_since(walled, {**apart, "refined_videos": 0, "refiner_busy_s": 0.0, "refiner_wall_s": None,
+                                     "steps": 500, "seconds": 20.0})
+    assert before_any["refiner_wall_s"] == 30.0  # None before the first video counts from 0
+    minute = loop_since(walled, {**walled, "refined_videos": 1, "refiner_busy_s": 4.0, "refiner_wall_s": 12.0,
+                                 "steps": 500, "seconds": 20.0})
+    assert describe_engine_loop(minute).endswith("18.0 s from its first UNet batch to its last video (9.00 s a video)")
     assert describe_engine_loop(None) is None and describe_engine_loop({"seconds": 0}) is None
     idle_only = {"steps": 0, "seconds": 5.0, "in_engine_step_s": 0.0, "admitting_jobs_s": 0.0, "handling_frames_s": 0.0,
                  "idle_s": 5.0, "other_s": 0.0, "ms_per_step": None}  # an engine that got no job

@@ -448,12 +448,17 @@ def test_refine_stage_encodes_mp4s_beside_its_gpu_thread_and_splits_its_time(tin
 
     stage = RefineStage(PixelTokens(refiner), finish=finish)
     try:
+        assert stage.decode_stats()["refiner_wall_s"] is None  # no video yet
+        started = time.perf_counter()
         first, second = stage.submit("a", a, 3), stage.submit("b", b, 5)
         assert (first.result(timeout=600), second.result(timeout=600)) == (26, 25)
+        elapsed = time.perf_counter() - started
         stats = stage.decode_stats()
     finally:
         stage.close()
     assert stats["refined_videos"] == 2 and stats["refiner_mp4_s"] >= 0.4  # two encodes of >= 0.2 s each
+    # from the first UNet batch to the last mp4: at least the UNet's batches and the last encode, within the run
+    assert stats["refiner_unet_s"] + 0.2 <= stats["refiner_wall_s"] <= elapsed
     parts = stats["refiner_take_in_s"] + stats["refiner_unet_s"] + stats["refiner_vae_decode_s"]
     assert min(stats["refiner_take_in_s"], stats["refiner_unet_s"], stats["refiner_vae_decode_s"]) > 0
     assert stats["refiner_busy_s"] == pytest.approx(parts, abs=0.002)

@@ -80,7 +80,8 @@ NOT_CUMULATIVE = ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full
 def loop_since(loop: dict, earlier: dict | None) -> dict:
     """An engine loop's times between two of its cumulative snapshots (`LoopTimes.as_dict`)."""
     earlier = earlier or {}
-    since = {k: v - earlier.get(k, 0) for k, v in loop.items()
+    # (a value still None in the earlier snapshot, such as the refiner's wall before its first video, counts from 0)
+    since = {k: v - (earlier.get(k) or 0) for k, v in loop.items()
              if k not in NOT_CUMULATIVE and isinstance(v, (int, float))}
     since["ms_per_step"] = 1000 * since["in_engine_step_s"] / since["steps"] if since.get("steps") else None
     if since.get("rollout_steps") and since.get("steps"):
@@ -143,6 +144,9 @@ def describe_engine_loop(loop: dict | None) -> str | None:
             stages += f", compiled apart first in {loop['refiner_compiled_apart_s']:.1f} s"
         if loop.get("refiner_compile_cache") is not None:
             stages += f", compiled here in {loop.get('refiner_compile_s', 0.0):.1f} s{cache_counts(loop['refiner_compile_cache'])}"
+        if loop.get("refiner_wall_s") and loop["refined_videos"]:  # refiner.stage.RefineStage.wall_s
+            stages += (f"; {loop['refiner_wall_s']:.1f} s from its first UNet batch to its last video "
+                       f"({loop['refiner_wall_s'] / loop['refined_videos']:.2f} s a video)")
         if loop.get("refiner_unet_s") is not None:  # its parts (refiner.stage), and what ran beside the thread
             stages += (f"; its thread's parts: taking videos in {loop['refiner_take_in_s']:.1f} s, "
                        f"UNet {loop['refiner_unet_s']:.1f} s, VAE decoding {loop['refiner_vae_decode_s']:.1f} s; "

@@ -80,6 +80,10 @@ class RefineStage:
         # while no window was left. The mp4s' seconds are the encoder threads'. Taking in launches GPU work that
         # the next part's copy to the host waits for, so these split the thread's time, not the GPU's.
         self.take_in_s = self.unet_s = self.vae_decode_s = self.starved_s = self.mp4_s = 0.0
+        # When its first UNet batch began (after the compile) and its last mp4 was made: the refiner's own
+        # pace on the wall, one-time waits left out (the 2026-11-29 lease read it off the GPU timeline)
+        self.first_batch_at: float | None = None
+        self.last_video_at: float | None = None
         self.encoders = ThreadPoolExecutor(ENCODERS, thread_name_prefix="terra-refiner-mp4")
         self._count = 0
         from terra_cli.refiner.compile_apart import start_compile_apart
@@ -116,6 +120,13 @@ class RefineStage:
         """The GPU thread's seconds on videos (its parts summed), compiling and waiting not included."""
         return self.take_in_s + self.unet_s + self.vae_decode_s
 
+    @property
+    def wall_s(self) -> float | None:
+        """Wall seconds from its first UNet batch to its last finished video (None before one)."""
+        if self.first_batch_at is None or self.last_video_at is None:
+            return None
+        return round(max(0.0, self.last_video_at - self.first_batch_at), 3)
+
     def decode_stats(self) -> dict:
         """What the stage did so far, reported with its engine loop's times (as a writer's
         decode-ahead is): videos refined, the GPU thread's busy seconds on them and their parts, its
@@ -127,7 +138,7 @@ class RefineStage:
                 "refiner_busy_s": round(self.busy_s, 3), "refiner_take_in_s": round(self.take_in_s, 3),
                 "refiner_unet_s": round(self.unet_s, 3), "refiner_vae_decode_s": round(self.vae_decode_s, 3),
                 "refiner_starved_s": round(self.starved_s, 3), "refiner_mp4_s": round(self.mp4_s, 3),
-                "refiner_unet_batches": self.unet_batches,
+                "refiner_unet_batches": self.unet_batches, "refiner_wall_s": self.wall_s,
                 "refiner_compile_mode": refiner.compile_mode,
                 "refiner_compile_s": round(refiner.compile_seconds, 2),
                 "refiner_vae_compile_s": round(refiner.vae_decoder_compile_seconds, 2),
@@ -230,6 +241,8 @@ class RefineStage:
 
     def _sample(self, group: list) -> None:
         started = time.perf_counter()
+        if self.first_batch_at is None:
+            self.first_batch_at = started
         latents = self.refiner.sample_windows(group)
         self.unet_s += time.perf_counter() - started
         self.unet_batches += 1
@@ -279,7 +292,8 @@ class RefineStage:
                 video.future.set_exception(VideoFailed(" ".join(f"{type(error).__name__}: {error}".split())))
                 return
             self.videos += 1
-            self.video_seconds += time.perf_counter() - video.submitted
+            self.last_video_at = time.perf_counter()
+            self.video_seconds += self.last_video_at - video.submitted
             video.future.set_result(result)
 
     def _fail_open(self, error: BaseException) -> None:  # under self.lock

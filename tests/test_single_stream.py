@@ -1,14 +1,11 @@
 """The single-stream decoder (backends/single_stream.py) on the CPU in float32: its static cache and
 device sampler give the reference's codes, greedy and sampled, under the per-frame seed rule."""
 
-import inspect
-
 import numpy as np
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from terra_cli.backends import hf
 from terra_cli.backends.base import Sampling
 from terra_cli.backends.device_sampling import next_codes
 from terra_cli.backends.hf import HfBackend, sample_next

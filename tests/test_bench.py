@@ -227,11 +227,16 @@ def test_act_bench_with_the_refiner_writes_refined_videos_from_a_random_checkpoi
     steady = run["seconds_per_sample_steady"]  # one sample: its seconds after start-up
     assert run["refined_videos_per_s"] == pytest.approx(1 / steady, rel=0.01)
     assert 0 < run["refiner_s_per_sample"] <= run["seconds_wall"]
+    # one video: its wall from the first UNet batch to the mp4, at least its thread's UNet and VAE work
+    loop = run["engine_loop"]
+    assert loop["refiner_unet_s"] + loop["refiner_vae_decode_s"] <= run["refiner_pace_s_per_sample"] \
+        == loop["refiner_wall_s"] <= run["seconds_wall"]
     assert run["engine_loop"]["refined_videos"] == 1 and run["writers"] == 0  # refined in the engine's process
     for key in ("generated_frames_per_s", "writer_s_per_video", "projected_act_bench_hours",
                 "projected_act_bench_hours_pipelined", "phases_s", "gpu_busy"):
         assert key in run, key
     assert "refined videos/s after start-up" in result.stdout and "refiner s/sample" in result.stdout
+    assert "refiner s/sample, wall" in result.stdout
     frames = np.stack(read_frames(keep / "outputs" / "NUSCENES_ACTION_000000.mp4"))
     assert frames.shape == (25, 32, 64, 3)  # the tiny refiner's 64x32, not the token decoder's 512x288
     assert np.load(keep / "outputs" / "NUSCENES_ACTION_000000.npy").shape == (25, 576)
@@ -556,6 +561,13 @@ def test_the_refiner_report_takes_each_ray_engines_stage_and_one_engines_own():
     assert [s["refined_videos"] for s in stages] == [10, 6]
     assert refiner_stages(stage(4, 8.0, 0.0), [{"engine": 0, "startup_s": 1.0}], on_ray=False)[0]["refined_videos"] == 4
     assert refiner_stages({"seconds": 5.0}, [{"engine": 0}], on_ray=False) == []  # the frame-wise decoder's loop
+    # their pace together: each stage at its wall from first batch to last video, else its busy seconds
+    from terra_cli.bench.act_bench import refiner_pace_s
+
+    assert refiner_pace_s(stages) == pytest.approx(1 / (10 / 50.0 + 6 / 30.0))  # no walls: busy seconds
+    walled = [{**stages[0], "refiner_wall_s": 40.0}, {**stages[1], "refiner_wall_s": None}]
+    assert refiner_pace_s(walled) == pytest.approx(1 / (10 / 40.0 + 6 / 30.0))
+    assert refiner_pace_s([]) is None and refiner_pace_s([{**stages[0], "refined_videos": 0}]) is None
     choice = RefinerChoice("w", options=RefinerOptions(batch_windows=4, compile="auto"))
     assert refiner_plan(choice, stages) == {"weights": "w", "windows_per_call": 4, "compile": "auto", "dtype": "auto",
                                             "compile_mode": ["default"], "compile_s": [90.0, 20.0],

@@ -224,9 +224,11 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
         }
         in_flight = sum(e.get("in_flight") or 0 for e in engines) or plan.samples
         if plan.refiner is not None:
-            # each engine's refiner thread makes its videos one UNet batch at a time: its busy time per
-            # video is the pace (writer_s_per_video is a refined video's wait in the queue as well)
-            pace = refiner_s_per_sample / len(stages) if refiner_s_per_sample is not None else None
+            # each engine's refiner makes its videos one UNet batch at a time: its pace is its wall from
+            # the first batch to the last video (busy time where a stage has no wall yet); engines in parallel
+            # (writer_s_per_video is a refined video's wait in the queue as well)
+            pace = refiner_pace_s(stages)
+            results["run"]["refiner_pace_s_per_sample"] = None if pace is None else round(pace, 3)
         else:
             per_video = results["run"]["writer_s_per_video"]  # None on Ray: the engines make the videos
             pace = per_video / max(1, run.writers) if per_video is not None else None
@@ -248,6 +250,19 @@ def refiner_stages(engine_loop: dict | None, engines: list[dict], on_ray: bool) 
     engine's in this process, else each Ray engine's last (one that never reported has none)."""
     loops = [e.get("engine_loop") for e in engines] if on_ray else [engine_loop]
     return [loop for loop in loops if loop and loop.get("refined_videos") is not None]
+
+
+def refiner_pace_s(stages: list[dict]) -> float | None:
+    """Seconds a refined video with every engine's refiner at work: each stage makes its videos at its
+    wall from its first UNet batch to its last video (`refiner_wall_s`), a compile's and the first
+    videos' waits left out, or where it has none at its busy seconds; the engines add their rates."""
+    rates = []
+    for stage in stages:
+        videos = stage.get("refined_videos") or 0
+        seconds = stage.get("refiner_wall_s") or stage.get("refiner_busy_s")
+        if videos and seconds:
+            rates.append(videos / seconds)
+    return 1.0 / sum(rates) if rates else None
 
 
 def refiner_plan(choice, stages: list[dict]) -> dict:

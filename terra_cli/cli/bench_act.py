@@ -69,7 +69,9 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
                    f"{'/'.join(refiner['compile_mode']) or refiner['compile']}" + (f" ({compiled})" if compiled else "")),
                   ("refined videos/s after start-up", f"{run['refined_videos_per_s']:.3f}"),
                   ("refiner s/sample (its thread's work)",
-                   "-" if run["refiner_s_per_sample"] is None else f"{run['refiner_s_per_sample']:.2f}"))
+                   "-" if run["refiner_s_per_sample"] is None else f"{run['refiner_s_per_sample']:.2f}"),
+                  ("refiner s/sample, wall (first UNet batch to last video, all engines)",
+                   "-" if run.get("refiner_pace_s_per_sample") is None else f"{run['refiner_pace_s_per_sample']:.2f}"))
     for name, value in (
         ("samples x frames (rounds)", f"{plan.samples} x {plan.frames} ({run['rounds_per_sample']})"),
         ("engines (share of samples)", engine_shares(results["engines"])),

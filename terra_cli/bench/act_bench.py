@@ -18,7 +18,9 @@ With `--decoder refiner` (`ActBenchPlan.refiner`, a `refiner.decoder.RefinerChoi
 Terra's video refiner's, made as `generate --scenarios --decoder refiner` makes them: each engine
 loads the refiner before itself and refines its own videos in a thread beside generation
 (`refiner.stage`). Then also reported: refined videos/s after start-up, the refiner thread's busy
-seconds per sample, and per engine the refiner's compile (`plan.refiner`).
+seconds per sample, the refiner's pace on the wall (`refiner_pace_s`: from each engine's first UNet
+batch to its last video, so a compile's wait is left out; what the pipelined projection uses), and per
+engine the refiner's compile (`plan.refiner`).
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ class RefineStage:
                 pixels = self.decoder.token_frames(tokens)
                 windows = self.refiner.windows(self.refiner.condition_latents(pixels), seed, number)
             except Exception as exc:  # this video's own failure (tokens its decoder cannot take)
-                video.future.set_exception(VideoFailed(" ".join(f"{type(exc).__name__}: {exc}".split())))
+                self._answer(number, video, error=exc)
                 continue
             finally:
                 self.take_in_s += time.perf_counter() - started

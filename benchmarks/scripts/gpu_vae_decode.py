@@ -9,7 +9,8 @@ refined video's ~4 s. This times the product's decoder beside variants that keep
 - `center-taps`: the decoder's 29 temporal [3, 1, 1] convolutions as 1x1 ones of their centre taps. In a
   one-frame clip the other taps only ever meet zero padding, so this is the same sum with 11.6% fewer
   FLOPs (2.52 TFLOP a frame, counted on the meta device), and 2D kernels instead of 3D ones;
-- `channels-last`: the decoder's convolution weights and its input channels-last (as the UNet's are);
+- `channels-last`: the decoder's convolution weights (`refiner.unet.use_channels_last`, as the UNet's) and
+  its input channels-last;
 - `both`; and `product` at twice the chunk.
 
 Each variant is built from the same random weights (Terra's VAE shapes), compiled as the product
@@ -59,15 +60,6 @@ def use_center_taps(decoder) -> int:
     return moved
 
 
-def use_channels_last(decoder) -> int:
-    moved = 0
-    for module in decoder.modules():
-        if isinstance(module, torch.nn.Conv2d):
-            module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
-            moved += 1
-    return moved
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -85,6 +77,7 @@ def main() -> int:
     from terra_cli.refiner.compiled import compile_vae_decoder
     from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config
     from terra_cli.refiner.refiner import pixels_to_uint8
+    from terra_cli.refiner.unet import use_channels_last  # the UNet's: Conv2d and the time Conv3d weights
 
     on_gpu = args.device.startswith("cuda")
     config = tiny_refiner_config() if args.tiny else TERRA_REFINER

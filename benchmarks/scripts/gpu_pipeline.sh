@@ -402,12 +402,12 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     # ONE_AFTER=refinerx: the same refined run (the product's pace), then the UNet under Inductor's autotuning
     # (`--refiner-compile max-autotune-no-cudagraphs`, 4 windows, within AUTOTUNE_S, 540 s), then 2 against 4
     # windows a call in one call (`--refiner-compile default`)
-    if [ "${ONE_AFTER:-probes}" = refiner ] || [ "${ONE_AFTER:-probes}" = refinerx ] || [ "${ONE_AFTER:-probes}" = next ]; then
+    case "${ONE_AFTER:-probes}" in refiner|refinerx|next)
       say_if_no_diffusers
       timeout "${RUN_S:-600}" terra bench --act-bench "${NREF1:-64}" --decoder refiner --refiner-windows 4 \
         --kv-cache-dtype fp8 --out "$OUT/one-refiner1.json" > "$OUT/one-refiner1.log" 2>&1
-      echo "one-refiner1 exit $?" >> "$STEP_LOG"
-    fi
+      echo "one-refiner1 exit $?" >> "$STEP_LOG" ;;
+    esac
     # ONE_AFTER=next (2026-11-29's plan for one GPU): the same refined run (channels-last in the product now,
     # and the parent's compile from the child's cache), then issue 40's VAE decoder probe, then issue 41's fp8
     # weight reads, the single-stream decoder with fp8 weights, and a `terra serve` session on it

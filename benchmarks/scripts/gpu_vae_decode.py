@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -137,11 +138,11 @@ def main() -> int:
             with torch.profiler.profile(activities=activities) as prof, torch.inference_mode():
                 decode()
                 sync()
-            trace = Path(args.out).with_suffix(".trace.json")
-            prof.export_chrome_trace(str(trace))
-            events = [e for e in json.loads(trace.read_text())["traceEvents"]
-                      if e.get("ph") == "X" and e.get("cat") == "kernel"]
-            trace.unlink()
+            with tempfile.TemporaryDirectory() as folder:  # never a file beside --out that the run did not make
+                trace = Path(folder) / "trace.json"
+                prof.export_chrome_trace(str(trace))
+                events = [e for e in json.loads(trace.read_text())["traceEvents"]
+                          if e.get("ph") == "X" and e.get("cat") == "kernel"]
             groups, names = defaultdict(float), defaultdict(float)
             for e in events:
                 groups[group_of(e.get("name", ""))] += e["dur"] / 1e3 / args.frames

@@ -26,9 +26,9 @@
 #          (the same GPU, one after the other, the latter within RUN_S), then `bench --env 64` (issue 42) and
 #          writer_parts.py, or with ONE_AFTER=refiner (carry .gpu/ref with `b`: diffusers) issue 40's overlap
 #          against two stages on NREF1 (64) samples (ONE_PAIR=0 skips the pair before it); ONE_AFTER=refinerx:
-#          the refined run, then the UNet autotuned, then 2 against 4 windows a call; ONE_AFTER=next: the
-#          refined run, then gpu_vae_decode.py, gpu_fp8_rows.py, gpu_single_stream.py's fp8 variants and one
-#          `terra serve` session on single-stream with fp8 weights (~25 minutes); `await` collects it
+#          the refined run, then the UNet autotuned, then 2 against 4 windows a call; ONE_AFTER=next:
+#          gpu_fp8_rows.py, gpu_single_stream.py's fp8 variants, one `terra serve` session on single-stream with
+#          fp8 weights, gpu_vae_decode.py, then the refined run within RUN_S (~25 minutes); `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -402,26 +402,29 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     # ONE_AFTER=refinerx: the same refined run (the product's pace), then the UNet under Inductor's autotuning
     # (`--refiner-compile max-autotune-no-cudagraphs`, 4 windows, within AUTOTUNE_S, 540 s), then 2 against 4
     # windows a call in one call (`--refiner-compile default`)
-    case "${ONE_AFTER:-probes}" in refiner|refinerx|next)
+    refined_run() {
       say_if_no_diffusers
       timeout "${RUN_S:-600}" terra bench --act-bench "${NREF1:-64}" --decoder refiner --refiner-windows 4 \
         --kv-cache-dtype fp8 --out "$OUT/one-refiner1.json" > "$OUT/one-refiner1.log" 2>&1
-      echo "one-refiner1 exit $?" >> "$STEP_LOG" ;;
-    esac
-    # ONE_AFTER=next (2026-11-29's plan for one GPU): the same refined run (channels-last in the product now,
-    # and the parent's compile from the child's cache), then issue 40's VAE decoder probe, then issue 41's fp8
-    # weight reads, the single-stream decoder with fp8 weights, and a `terra serve` session on it
+      echo "one-refiner1 exit $?" >> "$STEP_LOG"
+    }
+    case "${ONE_AFTER:-probes}" in refiner|refinerx) refined_run ;; esac
+    # ONE_AFTER=next (2026-11-29's plan for one GPU): issue 41's fp8 weight reads, the single-stream decoder
+    # with fp8 weights and a `terra serve` session on it, then issue 40's VAE decoder probe, then, with what
+    # the lease has left, the same refined run (channels-last in the product now, and the parent's compile
+    # from the child's cache)
     if [ "${ONE_AFTER:-probes}" = next ]; then
-      timeout 300 python3 benchmarks/scripts/gpu_vae_decode.py --out "$OUT/vae_decode.json" \
-        > "$OUT/vae_decode.log" 2>&1; echo "vae_decode exit $?" >> "$STEP_LOG"
       timeout 330 python3 benchmarks/scripts/gpu_fp8_rows.py --out "$OUT/fp8_rows.json" \
         > "$OUT/fp8_rows.log" 2>&1; echo "fp8_rows exit $?" >> "$STEP_LOG"
-      timeout 330 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini --variants 0,9,13,14,15 \
+      timeout 330 python3 benchmarks/scripts/gpu_single_stream.py --models terra,mini --variants 0,13,14,9,11,15 \
         --budget-s 260 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
       echo "single_stream exit $?" >> "$STEP_LOG"
       TERRA_SINGLE_STREAM_LAYERS=few-rows-fp8 TERRA_SINGLE_STREAM_LOGITS=few-rows-fp8 timeout 200 \
         python3 benchmarks/scripts/gpu_serve.py --only terra-size --serve-args "--backend single-stream" \
         --concurrency 1 --out "$OUT/serve-fp8" > "$OUT/serve-fp8.log" 2>&1; echo "serve fp8 exit $?" >> "$STEP_LOG"
+      timeout 300 python3 benchmarks/scripts/gpu_vae_decode.py --out "$OUT/vae_decode.json" \
+        > "$OUT/vae_decode.log" 2>&1; echo "vae_decode exit $?" >> "$STEP_LOG"
+      refined_run
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

@@ -22,7 +22,7 @@ def main(checkpoint: str) -> dict:
 
     from terra_cli.backends.base import Sampling
     from terra_cli.backends.hf import HfBackend
-    from terra_cli.backends.single_stream import SingleStreamDecoder
+    from terra_cli.backends.single_stream import SingleStreamBackend, SingleStreamDecoder
     from terra_cli.kernels import few_rows_matmul as kernel
     from terra_cli.models.modeling_hf import load_model
 
@@ -93,7 +93,7 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
 
     from terra_cli.backends.base import Sampling
     from terra_cli.backends.hf import HfBackend
-    from terra_cli.backends.single_stream import SingleStreamDecoder
+    from terra_cli.backends.single_stream import SingleStreamBackend, SingleStreamDecoder
 
     out = {"errors": {}, "refused": []}
     weight = torch.randn(300, 700, generator=gen)
@@ -111,8 +111,11 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
         for splits in (1, 2, 6):
             got = kernel.few_rows_matmul(hidden, values, splits, scale=scale)
             out["errors"][f"{rows}-{splits}"] = float((got.double() - exact).abs().max() / exact.abs().max())
-    # One row as a plain GEMV (`ONE_ROW_GEMV`, a lab switch): bf16, float32 and fp8 weights, with split-K
-    kernel.ONE_ROW_GEMV = True
+    # One row of fp8 weights runs as a plain GEMV (the errors above for rows=1); any weights can, through
+    # a lab probe's tile: bf16, float32 and fp8 weights, with split-K
+    out["fp8_one_row_tile"] = kernel.tile_for(1, fp8=True).one_row_gemv
+    out["other_tiles"] = [kernel.tile_for(1, fp8=False).one_row_gemv, kernel.tile_for(9, fp8=True).one_row_gemv]
+    kernel.tile_override = kernel.Tile(block_n=64, block_k=128, warps=8, stages=3, one_row_gemv=True)
     one = torch.randn(1, 700, generator=gen)
     for name, w, s, reference in (("fp32", weight, None, weight.double()), ("bf16", weight.bfloat16(), None,
                                   weight.bfloat16().double()), ("fp8", values, scale, restored)):
@@ -120,7 +123,7 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
         for splits in (1, 3):
             got = kernel.few_rows_matmul(one.to(w.dtype if s is None else torch.float32), w, splits, scale=s)
             out["errors"][f"gemv-{name}-{splits}"] = float((got.double() - exact).abs().max() / exact.abs().max())
-    kernel.ONE_ROW_GEMV = False
+    kernel.tile_override = None
     for call in (lambda: kernel.few_rows_matmul(torch.zeros(2, 700), values),
                  lambda: kernel.few_rows_matmul(torch.zeros(2, 700), weight, scale=scale),
                  lambda: kernel.few_rows_matmul(torch.zeros(2, 700), values, scale=scale[:10])):
@@ -135,15 +138,15 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
         for linear in layers:
             values, scale = kernel.quantize_rows_fp8(linear.weight)
             linear.weight.copy_(values.to(torch.float32) * scale[:, None])
-    os.environ["TERRA_SINGLE_STREAM_LOGITS"] = "few-rows-fp8"
-    os.environ["TERRA_SINGLE_STREAM_LAYERS"] = "few-rows-fp8"
+    # the product's option (`--quantization fp8` on single-stream), not the lab switches
+    del os.environ["TERRA_SINGLE_STREAM_LOGITS"], os.environ["TERRA_SINGLE_STREAM_LAYERS"]
     scaled_calls, logits_calls = [], []
     original, original_matmul = kernel.few_rows_partials, kernel.few_rows_matmul
     kernel.few_rows_partials = lambda h, w, splits=None, scale=None: (
         scaled_calls.append((str(w.dtype), scale is not None)) or original(h, w, splits, scale))
     kernel.few_rows_matmul = lambda h, w, splits=None, scale=None: (
         logits_calls.append((str(w.dtype), scale is not None)) or original_matmul(h, w, splits, scale))
-    decoder = SingleStreamDecoder(model, draft_tokens=3)
+    decoder = SingleStreamBackend(model=model, device="cpu", draft_tokens=3, quantization="fp8").decoder
     codes = decoder.rollout(context, actions, layout.max_frames, Sampling(temperature=0), 0)
     kernel.few_rows_partials, kernel.few_rows_matmul = original, original_matmul
     reference = HfBackend(model=model, device="cpu").generate(context, actions, layout.max_frames,

@@ -46,7 +46,9 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     assert fp8["rounding_within_bound"] and 1e-3 < fp8["rounding_error"] < 2 ** -4 and fp8["zero_row"]
     for case, error in fp8["errors"].items():  # the product with the weights the values and scales stand for
         assert error < (8e-3 if "bf16" in case else 1e-5), (case, error)  # bf16 rows: the output's rounding
-    # one row as a plain GEMV (the lab switch), every weight type, one slice and three
+    # one row of fp8 weights is a GEMV by default (its errors are the rows=1 cases above), other calls a
+    # tensor-core tile; any weights as a GEMV through a probe's tile, one slice and three
+    assert fp8["fp8_one_row_tile"] is True and fp8["other_tiles"] == [False, False]
     assert {case for case in fp8["errors"] if case.startswith("gemv")} == {
         f"gemv-{name}-{splits}" for name in ("fp32", "bf16", "fp8") for splits in (1, 3)}
     assert len(fp8["refused"]) == 3 and all("scale" in message for message in fp8["refused"])

@@ -286,3 +286,37 @@ def test_an_unknown_logits_layout_is_refused(model, monkeypatch):
     monkeypatch.setenv(static_kv.LOGITS_ENV, "padded")
     with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_LOGITS"):
         SingleStreamDecoder(model, draft_tokens=3)
+
+
+def test_the_logits_layout_is_the_kernel_on_cuda_and_fp8_weights_ask_for_fp8_everywhere(model, monkeypatch):
+    """Few-rows logits by default on CUDA (measured faster there, the same codes), the module's lm_head
+    on a CPU; fp8 weights (`--quantization fp8`) ask for the fp8 kernel for the layers and the logits,
+    and the lab switches still name another."""
+    from terra_cli.backends import layer_ops, static_kv
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert static_kv.default_logits_layout(cuda) == "few-rows" and static_kv.default_logits_layout(cpu) == "linear"
+    assert static_kv.default_logits_layout(cuda, fp8_weights=True) == "few-rows-fp8"
+    assert layer_ops.layer_projections(cuda, {}, asked="few-rows-fp8") == "few-rows-fp8"
+    assert layer_ops.layer_projections(cuda, {layer_ops.LAYERS_ENV: "linear"}, asked="few-rows-fp8") == "linear"
+    monkeypatch.delenv(static_kv.LOGITS_ENV, raising=False)
+    assert SingleStreamBackend(model=model, device="cpu").decoder.core.logits_layout == "linear"
+
+
+def test_fp8_weights_are_refused_where_the_kernel_cannot_run(checkpoint, monkeypatch):
+    """`--quantization fp8` reaches the single-stream decoder through load_backend; on a plain CPU the
+    request layer refuses it in one line, and a library caller that skips it gets the backend's error."""
+    from terra_cli.backends import load_backend
+    from terra_cli.pipeline.engine_request import check_backend_options, engine_options
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    options = engine_options(quantization="fp8")
+    with pytest.raises(InputError, match="--quantization fp8 on --backend single-stream runs terra's Triton kernel"):
+        check_backend_options("single-stream", options, "cpu")
+    check_backend_options("single-stream", options, "cuda:0")
+    with pytest.raises(InputError, match="--quantization: vLLM engine option"):
+        check_backend_options("hf", options, "cuda:0")
+    with pytest.raises(ValueError, match="fp8 weights run through terra's Triton kernel, on CUDA"):
+        load_backend("single-stream", checkpoint, device="cpu", dtype="float32", **options)
+    with pytest.raises(ValueError, match="quantization: None or 'fp8'"):
+        SingleStreamBackend(checkpoint, device="cpu", quantization="int4")

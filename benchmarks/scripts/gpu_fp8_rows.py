@@ -12,9 +12,10 @@ variant and replayed, so launches cost nothing and what is timed is the kernels:
 
 For each: ms a step, the layers' share and lm_head's apart, and the bytes read per second; the fp8 rows'
 largest error against the bf16 product of the same row. Then (`--sweep`, on by default) the kernel's tile
-(BLOCK_N, BLOCK_K, warps, stages: module globals of `kernels/few_rows_matmul.py`, one shape for every
-projection; and `ONE_ROW_GEMV`, one row as a plain GEMV) over a small grid, for bf16 and fp8, each point a step's layers and lm_head again: which tile
-reads fastest, and whether one tile serves both. Needs only torch and Triton (no vLLM):
+(a `Tile` of `kernels/few_rows_matmul.py`: BLOCK_N, BLOCK_K, warps, stages, and one row as a plain GEMV
+or not, set for every projection through `tile_override`) over a small grid, for bf16 and fp8, each point a
+step's layers and lm_head again: which tile reads fastest, and whether one tile serves both. The
+variants above run the kernel's own choice (`tile_for`). Needs only torch and Triton (no vLLM):
 
     PYTHONPATH=$PWD python3 benchmarks/scripts/gpu_fp8_rows.py --out $OUT/fp8_rows.json
     PYTHONPATH=$PWD python3 benchmarks/scripts/gpu_fp8_rows.py --dry-run --out /tmp/f.json   # CPU: checks the script
@@ -132,12 +133,10 @@ def main() -> int:
         print(json.dumps({variant: row}), flush=True)
     if not args.no_sweep:
         result["sweep"] = []
-        default = (kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES, kernel.ONE_ROW_GEMV)
         grid = [(n, k, warps, stages, gemv) for gemv in (False, True) for n in (64, 128) for k in (128, 256)
                 for warps in (4, 8) for stages in (3, 4)]
         for block_n, block_k, warps, stages, gemv in grid:
-            kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES = block_n, block_k, warps, stages
-            kernel.ONE_ROW_GEMV = gemv
+            kernel.tile_override = kernel.Tile(block_n, block_k, warps, stages, one_row_gemv=gemv)
             point = {"block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages, "one_row_gemv": gemv}
             for variant in ("few-rows", "few-rows-fp8"):
                 try:
@@ -147,7 +146,7 @@ def main() -> int:
                     point[variant] = f"{type(error).__name__}: {str(error)[:120]}"
             result["sweep"].append(point)
             print(json.dumps(point), flush=True)
-        kernel.BLOCK_N, kernel.BLOCK_K, kernel.NUM_WARPS, kernel.NUM_STAGES, kernel.ONE_ROW_GEMV = default
+        kernel.tile_override = None
     # fp8 against bf16 for one row: the approximation's size (random weights, 0.02 scale)
     x = rows[hidden_size]
     exact = F.linear(x.float(), head.float())

@@ -71,6 +71,12 @@ VARIANTS = [
      {**FEW_ROWS, "TERRA_SINGLE_STREAM_LAYERS": "few-rows-fp8", "TERRA_SINGLE_STREAM_LOGITS": "few-rows-fp8"}),
     ("jacobi K=8, layers and logits in fp8 (few-rows kernel)", 8, "jacobi",
      {**FEW_ROWS, "TERRA_SINGLE_STREAM_LAYERS": "few-rows-fp8", "TERRA_SINGLE_STREAM_LOGITS": "few-rows-fp8"}),
+    # 16-18 (2026-11-29): "plain" now runs few-rows logits, the CUDA default; 16 is the default before it.
+    # 17, 18: the product's `--quantization fp8` (a fifth element: the backend's options), whose one-row
+    # steps read fp8 weights as a GEMV (kernels/few_rows_matmul.py's tile_for), not 13-15's one tile
+    ("plain, logits by cuBLAS (the default before 2026-11-29)", 0, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "linear"}),
+    ("plain, --quantization fp8", 0, "jacobi", NEW, {"quantization": "fp8"}),
+    ("jacobi K=8, --quantization fp8", 8, "jacobi", NEW, {"quantization": "fp8"}),
 ]
 TARGET_S_PER_FRAME = 0.5
 
@@ -167,9 +173,11 @@ def gpu_busy(decoder, frame: int, device: str) -> dict:
             "top_kernels": top_kernels}
 
 
-def run_variant(model, context, frames, sampling, draft_tokens, draft, device, variant_s) -> tuple[dict, np.ndarray]:
+def run_variant(model, context, frames, sampling, draft_tokens, draft, device, variant_s,
+                options=None) -> tuple[dict, np.ndarray]:
     graphs = device.startswith("cuda")
-    backend = SingleStreamBackend(device=device, model=model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=graphs)
+    backend = SingleStreamBackend(device=device, model=model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=graphs,
+                                  **(options or {}))
     decoder = backend.decoder
     try:
         actions = preset_actions("left", frames, 30.0)
@@ -290,7 +298,7 @@ def main() -> int:
             record({**base, "error": traceback.format_exc(limit=4)})
             continue
         first = None
-        for label, draft_tokens, draft, env in chosen:
+        for label, draft_tokens, draft, env, *options in chosen:
             row = {**base, "variant": label, "draft_tokens": draft_tokens, "draft": draft if draft_tokens else None,
                    "frames": CONTEXT_FRAMES + args.frames}
             if time.perf_counter() - started > args.budget_s:
@@ -299,7 +307,7 @@ def main() -> int:
             os.environ.update(env)
             try:
                 result, codes = run_variant(model, context, CONTEXT_FRAMES + args.frames, sampling, draft_tokens, draft,
-                                            args.device, args.variant_s)
+                                            args.device, args.variant_s, *options)
                 row.update(result)
                 if first is None:
                     first = codes

@@ -40,18 +40,20 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # Triton's interpreter: the CPU tests). Measured on an H100: no faster than cuBLAS (benchmarks/README.md,
 # 2026-11-28), so a lab switch. Unset: `linear`. =few-rows-fp8: the same kernel over fp8 copies of the
 # decode step's weights (one scale per row: half the bytes a step reads), an approximation of the
-# weights and so a lab switch only; prompts keep the modules' own weights.
+# weights: what `--quantization fp8` asks for on this backend (`LayerOps(projections=...)`), never a
+# default; prompts keep the modules' own weights.
 LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
 LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
 
 
-def layer_projections(device: torch.device, environ=None) -> str:
+def layer_projections(device: torch.device, environ=None, asked: str | None = None) -> str:
     """How the decode step's projections are computed: `linear` (cuBLAS), or `few-rows` where the
-    kernel can run (CUDA, or Triton's interpreter); elsewhere the switch is ignored, as the logits' is."""
+    kernel can run (CUDA, or Triton's interpreter); elsewhere the switch is ignored, as the logits' is.
+    `asked`: the decoder's own choice (few-rows-fp8 for fp8 weights), unless the switch names one."""
     from terra_cli.kernels.few_rows_matmul import runs_on
 
     environ = os.environ if environ is None else environ
-    choice = environ.get(LAYERS_ENV, "").strip() or "linear"
+    choice = environ.get(LAYERS_ENV, "").strip() or asked or "linear"
     if choice not in LAYER_PROJECTIONS:
         raise ValueError(f"{LAYERS_ENV}={choice!r}: expected one of {', '.join(LAYER_PROJECTIONS)}")
     return choice if runs_on(device, environ) else "linear"
@@ -190,7 +192,8 @@ class LayerOps:
     the modules' own weights); both are called as `attention_inputs(layer_index, x, cos, sin)` and
     `attention_output_and_mlp(layer_index, x, attended)`."""
 
-    def __init__(self, model, *, compile_layers: bool, fuse_projections: bool | None = None):
+    def __init__(self, model, *, compile_layers: bool, fuse_projections: bool | None = None,
+                 projections: str | None = None):
         config = model.config
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
@@ -202,7 +205,7 @@ class LayerOps:
         self.eager = BoundOps(EagerOps(), [self.attention_weights(layer) for layer in layers],
                               [self.output_weights(layer) for layer in layers])
         compiled = compile_wanted(compile_layers)
-        self.projections = layer_projections(next(model.parameters()).device)
+        self.projections = layer_projections(next(model.parameters()).device, asked=projections)
         linear = projection(self.projections)
         # Fusing is what the compiled path runs; `fuse_projections` alone (eager) lets a CPU check it,
         # and so does the few-rows kernel under Triton's interpreter.

@@ -105,12 +105,12 @@ class SingleStreamDecoder:
     """One rollout's static cache and device state; `rollout` generates one video round."""
 
     def __init__(self, model: LlamaActionForCausalLM, *, draft_tokens: int = 0, draft: str = "jacobi",
-                 cuda_graphs: bool = False, compile_layers: bool | None = None):
+                 cuda_graphs: bool = False, compile_layers: bool | None = None, fp8_weights: bool = False):
         if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise InputError(f"draft_tokens must be from 0 (plain decoding) to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         if draft not in DRAFTS:
             raise InputError(f"draft must be {' or '.join(DRAFTS)} on this backend, got {draft!r}")
-        self.core = StaticKVDecoder(model, compile_layers=compile_layers)
+        self.core = StaticKVDecoder(model, compile_layers=compile_layers, fp8_weights=fp8_weights)
         device = self.core.device
         if cuda_graphs and device.type != "cuda":
             raise InputError(f"CUDA graphs need a CUDA device; the model is on {device}")
@@ -228,22 +228,29 @@ class SingleStreamBackend:
     `draft_tokens=K`: speculative Jacobi decoding (`draft`: jacobi or previous-frame); greedy codes
     are the reference's, sampled codes follow the model's distribution exactly and repeat for a
     seed, but are not the codes plain sampling draws for that seed. `cuda_graphs`: replay each
-    decode step as a CUDA graph (a CUDA device only; None: wherever the model is on CUDA). `stats`: per rollout, steps, codes per step,
-    kept drafts and per-frame seconds of the last `generate`.
+    decode step as a CUDA graph (a CUDA device only; None: wherever the model is on CUDA).
+    `quantization="fp8"`: the decode steps read fp8 copies of the layers' and lm_head's weights (one
+    scale a row, terra's Triton kernel, CUDA only), an approximation of the model, opt-in. `stats`: per
+    rollout, steps, codes per step, kept drafts and per-frame seconds of the last `generate`.
     """
 
     name = "single-stream"
 
     def __init__(self, checkpoint_dir=None, *, device: str | None = None, dtype: str | None = None, model=None,
-                 draft_tokens: int = 0, draft: str = "jacobi", cuda_graphs: bool | None = False):
+                 draft_tokens: int = 0, draft: str = "jacobi", cuda_graphs: bool | None = False,
+                 quantization: str | None = None):
         from terra_cli.runtime import resolve_device, resolve_dtype
+
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization: None or 'fp8' on the single-stream backend, got {quantization!r}")
 
         self.device = resolve_device(device)
         self.model = model if model is not None else load_model(checkpoint_dir, self.device, resolve_dtype(dtype, self.device))
         self.config = self.model.config
         if cuda_graphs is None:  # on wherever they can run
             cuda_graphs = self.model.lm_head.weight.device.type == "cuda"
-        self.decoder = SingleStreamDecoder(self.model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=cuda_graphs)
+        self.decoder = SingleStreamDecoder(self.model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=cuda_graphs,
+                                           fp8_weights=quantization == "fp8")
         self.stats: list[dict] = []
 
     def generate(self, context_tokens, action_waypoints, num_frames, sampling: Sampling,

@@ -52,12 +52,20 @@ ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 # TERRA_SINGLE_STREAM_LOGITS=weight-major computes them as W @ h.T, one tall GEMM over the
 # vocabulary, which cuBLAS tiles differently; =few-rows runs terra's Triton kernel that streams the
 # weight once for up to 16 rows (kernels/few_rows_matmul.py), on every decode step's rows, the
-# plain step's one row too. Candidates for the next GPU comparison; the default stays `linear`, the
-# measured one. =few-rows-fp8: the kernel over an fp8 copy of lm_head (one scale per vocabulary row,
-# half its 1.07 GB a step), an approximation of the weights and so a lab switch only.
+# plain step's one row too. `few-rows` is the default on CUDA: on H200s it took 3.5% (2026-11-27) and
+# 4.4% (2026-11-29) off a plain step and 25% off a K=8 Jacobi step, with the same codes
+# (benchmarks/README.md); elsewhere `linear`. =few-rows-fp8: the kernel over an fp8 copy of lm_head
+# (one scale per vocabulary row, half its 1.07 GB a step), an approximation of the weights: what
+# `--quantization fp8` asks for (`fp8_weights`), never a default.
 LOGITS_ENV = "TERRA_SINGLE_STREAM_LOGITS"
 FEW_ROWS = 16  # kernels.few_rows_matmul.MAX_ROWS (a decode step's K + 1 rows; a CPU keeps lm_head)
 LOGITS_LAYOUTS = ("linear", "weight-major", "few-rows", "few-rows-fp8")
+
+
+def default_logits_layout(device: torch.device, fp8_weights: bool = False) -> str:
+    if fp8_weights:
+        return "few-rows-fp8"
+    return "few-rows" if device.type == "cuda" else "linear"
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -151,7 +159,7 @@ class StaticKVDecoder:
     elementwise work runs through torch.compile.
     """
 
-    def __init__(self, model: LlamaActionForCausalLM, *, compile_layers: bool | None = None):
+    def __init__(self, model: LlamaActionForCausalLM, *, compile_layers: bool | None = None, fp8_weights: bool = False):
         config = model.config
         self.model = model
         self.layout = model.layout
@@ -176,8 +184,11 @@ class StaticKVDecoder:
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.key_positions = torch.arange(self.cache_positions, device=self.device)
-        self.ops = LayerOps(model, compile_layers=self.device.type == "cuda" if compile_layers is None else compile_layers)
-        self.logits_layout = os.environ.get(LOGITS_ENV) or "linear"
+        if fp8_weights and not few_rows.runs_on(self.device):
+            raise ValueError(f"fp8 weights run through terra's Triton kernel, on CUDA; the model is on {self.device}")
+        self.ops = LayerOps(model, compile_layers=self.device.type == "cuda" if compile_layers is None else compile_layers,
+                            projections="few-rows-fp8" if fp8_weights else None)
+        self.logits_layout = os.environ.get(LOGITS_ENV) or default_logits_layout(self.device, fp8_weights)
         if self.logits_layout not in LOGITS_LAYOUTS:
             raise ValueError(f"{LOGITS_ENV}={self.logits_layout!r}: expected one of {', '.join(LOGITS_LAYOUTS)}")
         self.head_fp8 = few_rows.quantize_rows_fp8(model.lm_head.weight) \

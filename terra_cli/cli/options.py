@@ -93,8 +93,9 @@ def kv_cache_dtype_option():
 
 def quantization_option():
     return typer.Option("none", "--quantization", help=(
-        "vLLM weight quantization: none, or fp8 (a GPU; weights cast to fp8 at load, see "
-        "benchmarks/README.md for speed and agreement)."))
+        "Weight quantization: none, or fp8 (a GPU; weights cast to fp8 at load: vLLM's, or on --backend "
+        "single-stream fp8 copies of the decode steps' weights, one scale a row). An approximation of the model: "
+        "benchmarks/README.md gives speed and agreement."))
 
 
 def attention_option():

@@ -32,19 +32,42 @@ It approximates the weights (to about 2^-4 of each value), so it is a lab switch
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 MAX_ROWS = 16  # a tensor-core tile's rows: every call computes 16, the rows past M masked off
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-BLOCK_N = 128
-BLOCK_K = 128
 PROGRAMS_PER_SM = 4  # split-K's aim: enough programs in flight per SM to hide the weight's latency
-NUM_WARPS, NUM_STAGES = 4, 4  # one tile shape for every projection (module globals: a lab probe sweeps them)
-# One row (a plain decode step) as a GEMV on the CUDA cores instead of a tensor-core tile of 16 rows, 15 of
-# them masked: a lab switch for the probe (benchmarks/scripts/gpu_fp8_rows.py), off until measured.
-ONE_ROW_GEMV = False
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A launch's shape: output columns and depth a program takes per loop, warps, pipeline stages, and
+    whether one row runs as a plain GEMV on the CUDA cores instead of a tensor-core tile of 16 rows, 15
+    of them masked."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    one_row_gemv: bool = False
+
+
+# Measured on an H200 (benchmarks/README.md, 2026-11-29: gpu_fp8_rows.py's sweep of 32 tiles over a
+# Terra-size step's weight reads, one row, CUDA graphs). bf16 weights: this tile, as measured in the
+# decoder (lm_head at 4.4 TB/s). fp8 weights at one row: the GEMV with 8 warps read the step in 0.95 ms
+# against 1.29 ms for the tensor-core tile; the tensor core's masked rows cost more than the widening.
+TENSOR_CORE_TILE = Tile(block_n=128, block_k=128, warps=4, stages=4)
+FP8_ONE_ROW_TILE = Tile(block_n=64, block_k=128, warps=8, stages=3, one_row_gemv=True)
+tile_override: Tile | None = None  # a lab probe's one tile for every call (gpu_fp8_rows.py's sweep)
+
+
+def tile_for(rows: int, fp8: bool) -> Tile:
+    if tile_override is not None:
+        return tile_override
+    return FP8_ONE_ROW_TILE if fp8 and rows == 1 else TENSOR_CORE_TILE
 
 _kernel = None
 
@@ -99,11 +122,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def splits_for(outputs: int, depth: int, programs_wanted: int) -> int:
+def splits_for(outputs: int, depth: int, programs_wanted: int, tile: Tile = TENSOR_CORE_TILE) -> int:
     """How many slices of K a product of `outputs` columns over `depth` is cut into: the fewest that
-    give `programs_wanted` programs, each slice at least one BLOCK_K, none empty. 1 for a tall weight
-    (Terra's lm_head has 2,048 column blocks already)."""
-    columns, k_blocks = _cdiv(outputs, BLOCK_N), _cdiv(depth, BLOCK_K)
+    give `programs_wanted` programs, each slice at least one block of the tile's depth, none empty. 1
+    for a tall weight (Terra's lm_head has 2,048 column blocks already)."""
+    columns, k_blocks = _cdiv(outputs, tile.block_n), _cdiv(depth, tile.block_k)
     wanted = max(1, min(k_blocks, _cdiv(programs_wanted, columns)))
     return _cdiv(k_blocks, _cdiv(k_blocks, wanted))  # equal slices of whole blocks: no empty last one
 
@@ -132,9 +155,9 @@ def quantize_rows_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _checked_slices(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None,
-                    scale: torch.Tensor | None = None) -> tuple[int, int]:
-    """(slices, depth of each): `splits` (None: `splits_for` this device) made slices of whole blocks,
-    none empty."""
+                    scale: torch.Tensor | None = None) -> tuple[int, int, Tile]:
+    """(slices, depth of each, the tile): `splits` (None: `splits_for` this device) made slices of
+    whole blocks, none empty."""
     rows, depth = hidden.shape
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"few_rows_matmul takes 1 to {MAX_ROWS} rows, got {rows}")
@@ -144,28 +167,29 @@ def _checked_slices(hidden: torch.Tensor, weight: torch.Tensor, splits: int | No
         raise ValueError("few_rows_matmul: fp8 weights take a scale per row (quantize_rows_fp8), others none")
     if scale is not None and (scale.shape != (weight.shape[0],) or scale.dtype != torch.float32):
         raise ValueError(f"few_rows_matmul: a float32 scale per weight row, got {scale.dtype} {tuple(scale.shape)}")
+    tile = tile_for(rows, weight.dtype == FP8)
     if splits is None:
-        splits = splits_for(weight.shape[0], depth, programs_wanted(hidden.device))
-    k_blocks = _cdiv(depth, BLOCK_K)
+        splits = splits_for(weight.shape[0], depth, programs_wanted(hidden.device), tile)
+    k_blocks = _cdiv(depth, tile.block_k)
     if not 1 <= splits <= k_blocks:
         raise ValueError(f"few_rows_matmul: {splits} slices of a depth of {depth} (1 to {k_blocks})")
-    k_per_split = _cdiv(k_blocks, splits) * BLOCK_K
-    return _cdiv(depth, k_per_split), k_per_split
+    k_per_split = _cdiv(k_blocks, splits) * tile.block_k
+    return _cdiv(depth, k_per_split), k_per_split, tile
 
 
-def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int], out: torch.Tensor,
+def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int, Tile], out: torch.Tensor,
             scale: torch.Tensor | None = None) -> torch.Tensor:
     global _kernel
     if _kernel is None:
         _kernel = _build()
     depth, outputs = hidden.shape[1], weight.shape[0]
-    splits, k_per_split = slices
-    _kernel[(_cdiv(outputs, BLOCK_N), splits)](
+    splits, k_per_split, tile = slices
+    _kernel[(_cdiv(outputs, tile.block_n), splits)](
         hidden, weight, weight if scale is None else scale, out, hidden.shape[0], outputs, depth, k_per_split,
         hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=MAX_ROWS,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        SCALED=scale is not None, ONE_ROW=ONE_ROW_GEMV and hidden.shape[0] == 1, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        SCALED=scale is not None, ONE_ROW=tile.one_row_gemv and hidden.shape[0] == 1, num_warps=tile.warps,
+        num_stages=tile.stages)
     return out
 
 
@@ -178,7 +202,7 @@ def few_rows_partials(hidden: torch.Tensor, weight: torch.Tensor, splits: int | 
     return _partials(hidden, weight, _checked_slices(hidden, weight, splits, scale), scale)
 
 
-def _partials(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int],
+def _partials(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int, Tile],
               scale: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty((slices[0], hidden.shape[0], weight.shape[0]), dtype=torch.float32, device=hidden.device)
     return _launch(hidden, weight, slices, out, scale)
@@ -206,7 +230,7 @@ def few_rows_partials_op(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Te
 
 @few_rows_partials_op.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    splits, _ = _checked_slices(hidden, weight, None)
+    splits, _, _ = _checked_slices(hidden, weight, None)
     return hidden.new_empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
@@ -218,7 +242,7 @@ def few_rows_partials_fp8_op(hidden: torch.Tensor, weight: torch.Tensor, scale: 
 
 @few_rows_partials_fp8_op.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    splits, _ = _checked_slices(hidden, weight, None, scale)
+    splits, _, _ = _checked_slices(hidden, weight, None, scale)
     return hidden.new_empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
 
 

@@ -93,11 +93,20 @@ def engine_options(kv_cache_dtype: str = "auto", quantization: str = "none", dra
                        attention=None if attention == "auto" else attention, draft="jacobi" if draft == "jacobi" else None)
 
 
-def check_backend_options(name: str, options: Mapping) -> None:
+def check_backend_options(name: str, options: Mapping, device: str | None = None) -> None:
     """Engine options each backend takes, checked before anything loads: vLLM's for vllm, a draft
-    (jacobi or previous-frame) for single-stream, none for hf."""
+    (jacobi or previous-frame) and fp8 weights for single-stream, none for hf. `device`: the resolved
+    device, where an option needs a kind of device."""
     if options.get("draft") == "jacobi" and name != "single-stream":
         raise InputError(f"--draft jacobi runs on --backend single-stream, not on {name}")
     other = sorted(OPTION_FLAGS.get(option, option) for option in options_not_taken(name, options))
     if other:
         raise InputError(f"{', '.join(other)}: vLLM engine option(s), not for the {name} backend; use --backend vllm")
+    if name == "single-stream" and options.get("quantization") and device is not None:
+        import torch
+
+        from terra_cli.kernels.few_rows_matmul import runs_on
+
+        if not runs_on(torch.device(device)):
+            raise InputError(f"--quantization fp8 on --backend single-stream runs terra's Triton kernel on a CUDA "
+                             f"GPU; the device is {device}: use --quantization none")

@@ -154,7 +154,7 @@ def generate_video(
     device = resolve_device(engine.device)
     resolve_dtype_name(engine.dtype, device)  # a bad --dtype fails before anything loads
     backend_name = resolve_backend_name(engine.backend)
-    check_backend_options(backend_name, engine.options)
+    check_backend_options(backend_name, engine.options, device)
 
     config = load_config(model.world_model_dir)
     layout = config.layout

@@ -80,7 +80,7 @@ def load_world_model(choice: ModelChoice, engine: Engine = Engine(), *, needs_to
     device = resolve_device(engine.device)
     resolve_dtype_name(engine.dtype, device)
     name = resolve_backend_name(engine.backend)
-    check_backend_options(name, engine.options)
+    check_backend_options(name, engine.options, device)
     config = load_config(choice.world_model_dir)
     if needs_tokenizer and choice.tokenizer is None:
         raise InputError(f"--model {choice.label} comes without an image tokenizer: pass --tokenizer DIR_OR_HUB_ID")

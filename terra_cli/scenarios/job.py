@@ -80,7 +80,7 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
     file = read_scenarios(job.scenarios, job.defaults, job.rollouts)  # every line, before any model
     check_scenarios(file, job.skip_invalid)
     backend = resolve_backend_name(job.engine.backend)
-    check_backend_options(backend, job.engine.options)
+    check_backend_options(backend, job.engine.options, device)
     if job.decode:
         check_video_writer()
     if job.refiner is not None:

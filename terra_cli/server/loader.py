@@ -34,7 +34,7 @@ def check_engine_config(config: EngineConfig):
     device = resolve_device(config.device)
     resolve_dtype_name(config.dtype, device)
     backend = resolve_backend_name(config.backend)
-    check_backend_options(backend, config.options)
+    check_backend_options(backend, config.options, device)
     if config.max_in_flight < 1:
         raise InputError(f"--max-in-flight must be at least 1, got {config.max_in_flight}")
     choice = resolve_model(config.model, config.variant, config.tokenizer)

@@ -5,10 +5,12 @@ The product decodes each refined latent frame as its own one-frame clip (Terra's
 H200s (2026-11-29), 2.85 TFLOP a frame, so about 12% of the card's bf16 peak; 47 frames are ~1.1 s of a
 refined video's ~4 s. This times the product's decoder beside variants that keep its math:
 
-- `product`: `compile_vae_decoder` on `one_frame_clips`, NCHW, `--chunk` frames a call;
-- `center-taps`: the decoder's 29 temporal [3, 1, 1] convolutions as 1x1 ones of their centre taps. In a
-  one-frame clip the other taps only ever meet zero padding, so this is the same sum with 11.6% fewer
-  FLOPs (2.52 TFLOP a frame, counted on the meta device), and 2D kernels instead of 3D ones;
+- `product`: `compile_vae_decoder` on `one_frame_clips` of diffusers' decoder as built, NCHW, `--chunk`
+  frames a call (the product before 2026-11-29's lease: `VideoRefiner` now runs `both` below);
+- `center-taps`: the decoder's 29 temporal [3, 1, 1] convolutions as 1x1 ones of their centre taps
+  (`autoencoder.use_center_taps`). In a one-frame clip the other taps only ever meet zero padding, so
+  this is the same sum with 11.6% fewer FLOPs (2.52 TFLOP a frame, counted on the meta device), and 2D
+  kernels instead of 3D ones;
 - `channels-last`: the decoder's convolution weights (`refiner.unet.use_channels_last`, as the UNet's) and
   its input channels-last;
 - `both`; and `product` at twice the chunk.
@@ -33,32 +35,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_refiner_profile import busy_seconds, group_of  # noqa: E402
-
-
-class CenterTapTimeConv(torch.nn.Conv3d):
-    """A [3, 1, 1] time convolution that, on a one-frame clip, runs as the 1x1 convolution of its centre
-    taps (the others multiply the zero padding only); on longer clips, as itself. Same parameters and
-    state-dict keys as the Conv3d whose class it takes over."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[2] == 1:
-            return F.conv2d(x.squeeze(2), self.weight[:, :, 1], self.bias).unsqueeze(2)
-        return super().forward(x)
-
-
-def use_center_taps(decoder) -> int:
-    moved = 0
-    for module in decoder.modules():
-        if type(module) is torch.nn.Conv3d and module.kernel_size == (3, 1, 1) and module.padding == (1, 0, 0):
-            module.__class__ = CenterTapTimeConv
-            moved += 1
-    return moved
 
 
 def main() -> int:
@@ -74,7 +55,7 @@ def main() -> int:
     if args.out.exists():  # a file this run did not make stays
         parser.error(f"{args.out} exists; remove it or name another --out")
 
-    from terra_cli.refiner.autoencoder import build_vae, decode_latents, one_frame_clips
+    from terra_cli.refiner.autoencoder import build_vae, decode_latents, one_frame_clips, use_center_taps
     from terra_cli.refiner.compiled import compile_vae_decoder
     from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config
     from terra_cli.refiner.refiner import pixels_to_uint8

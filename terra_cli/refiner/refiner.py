@@ -7,14 +7,12 @@ are dropped; the remaining latents are decoded frame by frame (`autoencoder.py`)
 
 Speed: windows of several videos (and, with `same_uncond=False`, both halves of the guidance
 pair) go through the UNet in one call (`batch_windows`, fixed per run); `compile` hands the UNet
-to torch.compile (`compiled.py`: `auto` compiles on a GPU; "reduce-overhead" and "max-autotune"
-add CUDA graphs); a compiled run pads a short group to `batch_windows` so every call has the
-same shapes. A compiled run also decodes with the VAE decoder under torch.compile
-(`compiled.compile_vae_decoder`, `vae_chunk` frames per call, a short last chunk padded); if
-that decoder's first call fails, the eager decoder decodes for the rest of the run. Each
-window's noise comes from its own CPU generator, seeded `seeds.draw_seed(video seed, window
-index)`, so a video's result does not depend on which videos share its UNet calls, nor on how
-many windows a call takes.
+to torch.compile (`compiled.py`: `auto` compiles on a GPU), padding a short group to
+`batch_windows` so every call has the same shapes, and the VAE decoder too (`vae_chunk` frames a
+call; if its first call fails, the eager decoder decodes the rest of the run). Each window's
+noise comes from its own CPU generator, seeded `seeds.draw_seed(video seed, window index)`, so a
+video's result does not depend on which videos share its UNet calls, nor on how many windows a
+call takes.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import torch
 
 from terra_cli.errors import InputError, error_summary
 from terra_cli.refiner import sampler
-from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_latents, encode_condition
+from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_latents, encode_condition, use_center_taps
 from terra_cli.refiner.compiled import (COMPILE_MODES, VAE_DECODER_MODE, compile_unet, compile_vae_decoder,
                                         resolve_compile_mode, tracing_quietly, uses_cuda_graphs)
 from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
@@ -89,6 +87,7 @@ class VideoRefiner:
             raise InputError(f"--refiner-windows (windows per UNet call) must be at least 1, got {options.batch_windows}")
         self.config, self.device, self.dtype, self.source, self.options = config, device, dtype, source, options
         self.unet, self.vae = unet, vae
+        self.center_tap_convs = use_center_taps(vae.decoder)  # every decode is of one-frame clips: the same sum
         self.fp8_layers = 0  # Linear layers turned into fp8.Fp8Linear (--refiner-dtype fp8)
         if check_refiner_dtype(options.dtype) == "fp8":
             self.fp8_layers = quantize_unet_linears(unet)
@@ -115,6 +114,10 @@ class VideoRefiner:
         loads straight onto the GPU. Resolved at load, the parent ran NCHW and the child channels-last:
         two graphs, so the parent's compile missed the child's cache (118 s, H200, 2026-11-29)."""
         return self.switches_asked.for_device(self.device)
+
+    @property
+    def vae_memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.switches.channels_last else torch.contiguous_format
 
     # -- construction -----------------------------------------------------------------------------
     def to(self, device: str) -> "VideoRefiner":
@@ -229,6 +232,8 @@ class VideoRefiner:
         if self.vae_decoder_chosen:
             return
         self.vae_decoder_chosen = True
+        if self.switches.channels_last:  # as the UNet's (`apply_switches`); its latents follow in `decode_pixels`
+            use_channels_last(self.vae.decoder)
         if self.vae_decoder_error is not None or resolve_compile_mode(self.options.compile, self.device) == "none":
             return
         config, chunk = self.config, self.options.vae_chunk
@@ -238,7 +243,8 @@ class VideoRefiner:
         try:
             with tracing_quietly():
                 decoder(torch.zeros(chunk, config.latent_channels, h, w, device=self.device,
-                                    dtype=self.vae.decoder.conv_in.weight.dtype))
+                                    dtype=self.vae.decoder.conv_in.weight.dtype).contiguous(
+                                        memory_format=self.vae_memory_format))
             self._synchronize()
         except Exception as error:  # noqa: BLE001 - no compiler or Triton here: the eager decoder is correct too
             self.vae_decoder_error = error_summary(error)
@@ -308,7 +314,7 @@ class VideoRefiner:
         a compiled run (`prepare_vae_decoder`), else eager."""
         self.prepare_vae_decoder()
         return decode_latents(self.vae, latents, self.config, self.options.vae_chunk, on_frames,
-                              decoder=self.vae_decoder)
+                              decoder=self.vae_decoder, memory_format=self.vae_memory_format)
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, on_frames: Callable[[int], None] | None = None) -> np.ndarray:

@@ -239,6 +239,45 @@ def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch
     np.testing.assert_array_equal(codes, reference)
 
 
+def test_one_flash_plan_a_step_reaches_every_layer_and_keeps_the_codes(model, monkeypatch):
+    """TERRA_SINGLE_STREAM_FLASH_PLAN=step: FlashAttention-3's scheduler plan is made once a step, from the
+    step's rows and `seqused_k`, and every layer's call of that step gets that one plan; the codes stay the
+    reference's. Unset, no plan is made and none is passed; a value it does not know is refused."""
+    from terra_cli.backends import static_kv
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+
+    plans, handed = [], []
+
+    def planner(*, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
+                qkv_dtype, cu_seqlens_q, page_size, causal):
+        assert batch_size == 1 and causal and page_size == static_kv.FLASH_BLOCK and qkv_dtype == torch.float32
+        assert cu_seqlens_q.tolist() == [0, max_seqlen_q] and num_heads_q % num_heads_kv == 0
+        plans.append(torch.tensor([int(cache_seqlens[0]), max_seqlen_q]))
+        return plans[-1]
+
+    def kernel(q, k, v, scheduler_metadata=None, **contract):
+        handed.append(scheduler_metadata)
+        return paged_varlen_attention(q, k, v, **contract)
+
+    monkeypatch.setattr(static_kv, "flash_varlen_kernel", lambda device, dtype: (kernel, 3))
+    monkeypatch.setattr(static_kv, "flash_planner", lambda version: planner if version == 3 else None)
+    context, actions = inputs(seed=5)
+    decoder = SingleStreamDecoder(model, draft_tokens=0)
+    decoder.core = static_kv.StaticKVDecoder(model, compile_layers=False)
+    codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
+    reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
+    np.testing.assert_array_equal(codes, reference)
+    layers = model.config.num_hidden_layers
+    assert plans and len(handed) == layers * len(plans)
+    for step, plan in enumerate(plans):  # each step's layers got that step's plan, the very tensor
+        assert all(got is plan for got in handed[step * layers: (step + 1) * layers])
+    assert [int(p[0]) for p in plans] == sorted(int(p[0]) for p in plans)  # keys seen only grow
+    monkeypatch.undo()
+    assert static_kv.flash_planner(3, {}) is None and static_kv.flash_planner(2, {static_kv.FLASH_PLAN_ENV: "step"}) is None
+    with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_FLASH_PLAN='layer'"):
+        static_kv.flash_planner(3, {static_kv.FLASH_PLAN_ENV: "layer"})
+
+
 @pytest.mark.parametrize("draft_tokens", [0, 4])
 def test_fused_projections_give_the_reference_codes(model, draft_tokens):
     """The decode steps' fused projections (q, k, v as one GEMM, gate and up as one: what the

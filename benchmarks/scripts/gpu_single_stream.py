@@ -44,7 +44,7 @@ from terra_cli.backends.single_stream import SingleStreamBackend  # noqa: E402
 CONTEXT_FRAMES = 3
 # name, draft_tokens, draft, environment (attention / layer compile switches read at decoder start).
 NEW = {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": "", "TERRA_SINGLE_STREAM_LOGITS": "",
-       "TERRA_SINGLE_STREAM_COMPILE_MODE": "", "TERRA_SINGLE_STREAM_LAYERS": ""}
+       "TERRA_SINGLE_STREAM_COMPILE_MODE": "", "TERRA_SINGLE_STREAM_LAYERS": "", "TERRA_SINGLE_STREAM_FLASH_PLAN": ""}
 FEW_ROWS = {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "few-rows", "TERRA_SINGLE_STREAM_LAYERS": "few-rows"}
 VARIANTS = [
     ("plain", 0, "jacobi", NEW),
@@ -77,6 +77,10 @@ VARIANTS = [
     ("plain, logits by cuBLAS (the default before 2026-11-29)", 0, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "linear"}),
     ("plain, --quantization fp8", 0, "jacobi", NEW, {"quantization": "fp8"}),
     ("jacobi K=8, --quantization fp8", 8, "jacobi", NEW, {"quantization": "fp8"}),
+    # 19, 20: FlashAttention-3's scheduler plan once a step, not once a layer (static_kv.FLASH_PLAN_ENV)
+    ("plain, one FlashAttention plan a step", 0, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_FLASH_PLAN": "step"}),
+    ("plain, --quantization fp8, one FlashAttention plan a step", 0, "jacobi",
+     {**NEW, "TERRA_SINGLE_STREAM_FLASH_PLAN": "step"}, {"quantization": "fp8"}),
 ]
 TARGET_S_PER_FRAME = 0.5
 

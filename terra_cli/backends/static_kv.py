@@ -58,6 +58,12 @@ ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 # (one scale per vocabulary row, half its 1.07 GB a step), an approximation of the weights: what
 # `--quantization fp8` asks for (`fp8_weights`), never a default.
 LOGITS_ENV = "TERRA_SINGLE_STREAM_LOGITS"
+# FlashAttention-3 plans each call's split of the keys with a kernel of its own
+# (`prepare_varlen_num_blocks`, 2.2 us, 22 a step: 48 us of a 1.44 ms fp8 step on an H200, 2026-11-29).
+# The plan depends only on the step's shapes and `seqused_k`, the same for every layer, so
+# TERRA_SINGLE_STREAM_FLASH_PLAN=step makes it once a step (`get_scheduler_metadata`, as vLLM's own
+# decode does) and hands it to every layer. A lab switch until measured; unset: each call plans.
+FLASH_PLAN_ENV = "TERRA_SINGLE_STREAM_FLASH_PLAN"
 FEW_ROWS = 16  # kernels.few_rows_matmul.MAX_ROWS (a decode step's K + 1 rows; a CPU keeps lm_head)
 LOGITS_LAYOUTS = ("linear", "weight-major", "few-rows", "few-rows-fp8")
 
@@ -123,30 +129,56 @@ def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
     return None
 
 
+def flash_planner(version: int, environ=None):
+    """FlashAttention-3's `get_scheduler_metadata` where TERRA_SINGLE_STREAM_FLASH_PLAN=step asks for one
+    plan a step, else None (each call plans)."""
+    environ = os.environ if environ is None else environ
+    choice = environ.get(FLASH_PLAN_ENV, "").strip() or "call"
+    if choice not in ("call", "step"):
+        raise ValueError(f"{FLASH_PLAN_ENV}={choice!r}: expected call or step")
+    if choice == "call" or version != 3:
+        return None
+    from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
+
+    return get_scheduler_metadata
+
+
 class FlashCacheAttention:
     """One rollout's attention over the static cache through FlashAttention's paged kernel (the
     one vLLM's decode runs): the cache (1, positions, KV, d) is read as blocks of FLASH_BLOCK
     positions in order, and `seqused_k` (on the device) says how many keys are written, so one
     kernel reads exactly the keys so far and one CUDA graph serves every step of every frame."""
 
-    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device):
-        self.kernel, self.version = kernel, version
+    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None):
+        self.kernel, self.version, self.planner = kernel, version, planner
         blocks = cache_positions // FLASH_BLOCK
         self.block_table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
         self.query_starts: dict[int, torch.Tensor] = {}
         self.max_keys = cache_positions
 
+    def starts(self, n: int, device) -> torch.Tensor:
+        if n not in self.query_starts:
+            self.query_starts[n] = torch.tensor([0, n], dtype=torch.int32, device=device)
+        return self.query_starts[n]
+
+    def plan(self, n: int, seen: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        """One step's plan for every layer's call (`FLASH_PLAN_ENV`), or None: each call makes its own."""
+        if self.planner is None:
+            return None
+        return self.planner(batch_size=1, max_seqlen_q=n, max_seqlen_k=self.max_keys, num_heads_q=heads,
+                            num_heads_kv=kv_heads, headdim=head_dim, cache_seqlens=seen, qkv_dtype=dtype,
+                            cu_seqlens_q=self.starts(n, seen.device), page_size=FLASH_BLOCK, causal=True)
+
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, plan: torch.Tensor | None = None) -> torch.Tensor:
         """q (1, n, heads, d); keys/values (1, positions, KV, d); seen (1,) int32 -> (1, n, heads * d)."""
         n = q.shape[1]
-        starts = self.query_starts.get(n)
-        if starts is None:
-            starts = self.query_starts[n] = torch.tensor([0, n], dtype=torch.int32, device=q.device)
         paged = (-1, FLASH_BLOCK) + tuple(keys.shape[2:])
-        out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n, cu_seqlens_q=starts,
-                          max_seqlen_k=self.max_keys, seqused_k=seen, block_table=self.block_table,
-                          softmax_scale=scale, causal=True, fa_version=self.version)
+        planned = {} if plan is None else {"scheduler_metadata": plan}
+        out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n,
+                          cu_seqlens_q=self.starts(n, q.device), max_seqlen_k=self.max_keys, seqused_k=seen,
+                          block_table=self.block_table, softmax_scale=scale, causal=True, fa_version=self.version,
+                          **planned)
         return out.reshape(1, n, -1)
 
 
@@ -174,7 +206,8 @@ class StaticKVDecoder:
         flash = flash_varlen_kernel(self.device, self.dtype)
         if flash is not None:
             self.cache_positions = -(-self.cache_positions // FLASH_BLOCK) * FLASH_BLOCK
-        self.flash = FlashCacheAttention(*flash, self.cache_positions, self.device) if flash is not None else None
+        self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]))
+                      if flash is not None else None)
         self.attention = "flash" if self.flash is not None else "torch"
         # FlashAttention reads (1, positions, KV, d); the torch path keeps (1, KV, positions, d),
         # each KV head's keys contiguous for its matmuls.
@@ -245,6 +278,7 @@ class StaticKVDecoder:
         if self.flash is not None:
             # Keys [0, last position] are the ones so far; causal aligns the n rows to the end.
             seen = (positions[-1:] + 1).to(torch.int32)
+            plan = self.flash.plan(n, seen, self.heads, self.kv_heads, self.head_dim, self.dtype)
         else:
             visible = self.key_positions[None, :key_length] <= positions[:, None]  # (n, L)
             group = self.heads // self.kv_heads
@@ -256,7 +290,7 @@ class StaticKVDecoder:
             values.index_copy_(self.position_dim, positions, v if self.flash is not None else v.transpose(1, 2))
             scale = layer.self_attn.scaling
             if self.flash is not None:
-                out = self.flash(q, keys, values, seen, scale)
+                out = self.flash(q, keys, values, seen, scale, plan)
             else:
                 q = q.transpose(1, 2).reshape(1, self.kv_heads, group * n, self.head_dim)
                 out = attend(q, keys[:, :, :key_length], values[:, :, :key_length], mask, scale)

@@ -13,7 +13,9 @@ refined video's ~4 s. This times the product's decoder beside variants that keep
   kernels instead of 3D ones;
 - `channels-last`: the decoder's convolution weights (`refiner.unet.use_channels_last`, as the UNet's) and
   its input channels-last;
-- `both`; and `product` at twice the chunk.
+- `both` (what `VideoRefiner` runs on a GPU since 2026-11-29); `product` at twice the chunk; and
+  `both-bf16`, `both` with the decoder in bf16: not Terra's float32 math, so its PSNR against the
+  product says what an opt-in would cost in pixels.
 
 Each variant is built from the same random weights (Terra's VAE shapes), compiled as the product
 compiles its decoder, timed over `--repeats` calls of `--frames` frames (the best call), and compared with
@@ -50,7 +52,7 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=4, help="frames a decoder call (the product's vae_chunk)")
     parser.add_argument("--frames", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default="product,center-taps,channels-last,both,product-2x")
+    parser.add_argument("--variants", default="product,center-taps,channels-last,both,product-2x,both-bf16")
     args = parser.parse_args()
     if args.out.exists():  # a file this run did not make stays
         parser.error(f"{args.out} exists; remove it or name another --out")
@@ -79,17 +81,18 @@ def main() -> int:
         vae = build_vae(config, args.device, torch.float32)
         chunk = args.chunk * (2 if name == "product-2x" else 1)
         row = {"chunk": chunk}
-        if name in ("center-taps", "both"):
+        if name in ("center-taps", "both", "both-bf16"):
             row["center_tap_convs"] = use_center_taps(vae.decoder)
-        if name in ("channels-last", "both"):
+        if name in ("channels-last", "both", "both-bf16"):
             row["channels_last_convs"] = use_channels_last(vae.decoder)
+        if name == "both-bf16":  # not Terra's math: the pixels' PSNR says how far it moves them
+            vae.decoder.to(torch.bfloat16)
         compiled = compile_vae_decoder(vae) if on_gpu else one_frame_clips(vae)
+        memory_format = torch.channels_last if "channels_last_convs" in row else torch.contiguous_format
 
-        def decode(vae=vae, compiled=compiled, chunk=chunk, name=name):
-            parts = latents
-            if name in ("channels-last", "both"):
-                parts = parts.contiguous(memory_format=torch.channels_last)
-            return decode_latents(vae, parts, config, chunk, decoder=compiled if on_gpu else None)
+        def decode(vae=vae, compiled=compiled, chunk=chunk, memory_format=memory_format):
+            return decode_latents(vae, latents, config, chunk, decoder=compiled if on_gpu else None,
+                                  memory_format=memory_format)
 
         started = time.perf_counter()
         with torch.inference_mode():

@@ -278,6 +278,40 @@ def test_one_flash_plan_a_step_reaches_every_layer_and_keeps_the_codes(model, mo
         static_kv.flash_planner(3, {static_kv.FLASH_PLAN_ENV: "layer"})
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_k_and_v_written_inside_the_layer_function_give_the_reference_codes(model, monkeypatch, compiled):
+    """TERRA_SINGLE_STREAM_CACHE_WRITE=fused: on FlashAttention's layout, a decode step's k and v go into
+    the cache inside the (fused, or compiled) layer function, with no `index_copy_` of the step's own;
+    prompts keep the separate writes. Jacobi windows (K=3) included: the reference's greedy codes."""
+    from terra_cli.backends import layer_ops, static_kv
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+
+    monkeypatch.setattr(static_kv, "flash_varlen_kernel", lambda device, dtype: (paged_varlen_attention, 3))
+    monkeypatch.setenv(layer_ops.CACHE_WRITE_ENV, "fused")
+    context, actions = inputs(seed=6)
+    decoder = SingleStreamDecoder(model, draft_tokens=3)
+    decoder.core = static_kv.StaticKVDecoder(model, compile_layers=compiled)
+    if not compiled:
+        decoder.core.ops = layer_ops.LayerOps(model, compile_layers=False, fuse_projections=True)
+    assert decoder.core.fused_cache_write and decoder.core.ops.for_rows(True).writes_cache
+    assert not decoder.core.ops.for_rows(False).writes_cache
+    steps = decoder.core.ops.for_rows(True)
+    calls = {"written": 0, "separate": 0}
+    for name in calls:
+        method = getattr(steps, "attention_inputs_written" if name == "written" else "attention_inputs")
+        setattr(steps, method.__name__, lambda *args, method=method, name=name: calls.update({name: calls[name] + 1})
+                or method(*args))
+    frames = 4 if compiled else FRAMES
+    codes = decoder.rollout(context[0], actions[0], frames, Sampling(temperature=0), 0)
+    assert not compiled or decoder.core.compiled, decoder.core.ops.compile_error
+    reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], frames, Sampling(temperature=0))[0]
+    np.testing.assert_array_equal(codes, reference)
+    # every decode step's layers wrote their own k and v; none went the separate way
+    assert calls["written"] > 0 and calls["written"] % model.config.num_hidden_layers == 0 and calls["separate"] == 0
+    with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_CACHE_WRITE='both'"):
+        layer_ops.cache_write({layer_ops.CACHE_WRITE_ENV: "both"})
+
+
 @pytest.mark.parametrize("draft_tokens", [0, 4])
 def test_fused_projections_give_the_reference_codes(model, draft_tokens):
     """The decode steps' fused projections (q, k, v as one GEMM, gate and up as one: what the

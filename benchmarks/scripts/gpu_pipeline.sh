@@ -30,9 +30,10 @@
 #          gpu_fp8_rows.py, gpu_single_stream.py's fp8 variants, one `terra serve` session on single-stream with
 #          fp8 weights, gpu_vae_decode.py, then the refined run within RUN_S (~25 minutes); ONE_AFTER=serve41:
 #          issue 41's fp8 weight reads at the kernel's own tiles, single-stream plain / cuBLAS logits /
-#          `--quantization fp8` (plain, Jacobi K=8; SINGLE_VARIANTS, default 0,17,19,20: with one FlashAttention
-#          plan a step too), and a `terra serve` session with and without it (FLASH_PLAN=step: with one plan a
-#          step) (~6 minutes); `await` collects it
+#          `--quantization fp8` (SINGLE_VARIANTS, default 0,17,19-23: with one FlashAttention plan a step, with
+#          k and v written in the layer function, both), and a `terra serve` session with and without it
+#          (FLASH_PLAN=step, CACHE_WRITE=fused: the servers with those lab switches) (~7 minutes); `await`
+#          collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -434,11 +435,11 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       # as the CUDA default, `--quantization fp8` on single-stream, and a `terra serve` session on each
       timeout 120 python3 benchmarks/scripts/gpu_fp8_rows.py --no-sweep --out "$OUT/fp8_rows.json" \
         > "$OUT/fp8_rows.log" 2>&1; echo "fp8_rows exit $?" >> "$STEP_LOG"
-      timeout 240 python3 benchmarks/scripts/gpu_single_stream.py --models terra --variants "${SINGLE_VARIANTS:-0,17,19,20}" \
-        --budget-s 150 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
+      timeout 300 python3 benchmarks/scripts/gpu_single_stream.py --models terra --variants "${SINGLE_VARIANTS:-0,17,19,20,21,22,23}" \
+        --budget-s 200 --out "$OUT/single_stream.json" > "$OUT/single_stream.log" 2>&1
       echo "single_stream exit $?" >> "$STEP_LOG"
       for quantization in fp8 none; do
-        env TERRA_SINGLE_STREAM_FLASH_PLAN="${FLASH_PLAN:-}" timeout 150 python3 benchmarks/scripts/gpu_serve.py \
+        env TERRA_SINGLE_STREAM_FLASH_PLAN="${FLASH_PLAN:-}" TERRA_SINGLE_STREAM_CACHE_WRITE="${CACHE_WRITE:-}" timeout 150 python3 benchmarks/scripts/gpu_serve.py \
           --only terra-size --concurrency 1 --serve-args "--backend single-stream --quantization $quantization" \
           --out "$OUT/serve-$quantization" > "$OUT/serve-$quantization.log" 2>&1
         echo "serve $quantization exit $?" >> "$STEP_LOG"

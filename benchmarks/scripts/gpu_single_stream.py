@@ -44,7 +44,8 @@ from terra_cli.backends.single_stream import SingleStreamBackend  # noqa: E402
 CONTEXT_FRAMES = 3
 # name, draft_tokens, draft, environment (attention / layer compile switches read at decoder start).
 NEW = {"TERRA_SINGLE_STREAM_ATTENTION": "", "TERRA_SINGLE_STREAM_COMPILE": "", "TERRA_SINGLE_STREAM_LOGITS": "",
-       "TERRA_SINGLE_STREAM_COMPILE_MODE": "", "TERRA_SINGLE_STREAM_LAYERS": "", "TERRA_SINGLE_STREAM_FLASH_PLAN": ""}
+       "TERRA_SINGLE_STREAM_COMPILE_MODE": "", "TERRA_SINGLE_STREAM_LAYERS": "", "TERRA_SINGLE_STREAM_FLASH_PLAN": "",
+       "TERRA_SINGLE_STREAM_CACHE_WRITE": ""}
 FEW_ROWS = {**NEW, "TERRA_SINGLE_STREAM_LOGITS": "few-rows", "TERRA_SINGLE_STREAM_LAYERS": "few-rows"}
 VARIANTS = [
     ("plain", 0, "jacobi", NEW),
@@ -81,6 +82,13 @@ VARIANTS = [
     ("plain, one FlashAttention plan a step", 0, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_FLASH_PLAN": "step"}),
     ("plain, --quantization fp8, one FlashAttention plan a step", 0, "jacobi",
      {**NEW, "TERRA_SINGLE_STREAM_FLASH_PLAN": "step"}, {"quantization": "fp8"}),
+    # 21-23: k and v written into the cache inside the compiled layer function (layer_ops.CACHE_WRITE_ENV)
+    ("plain, k and v written in the layer function", 0, "jacobi", {**NEW, "TERRA_SINGLE_STREAM_CACHE_WRITE": "fused"}),
+    ("plain, one plan a step and k and v written in the layer function", 0, "jacobi",
+     {**NEW, "TERRA_SINGLE_STREAM_FLASH_PLAN": "step", "TERRA_SINGLE_STREAM_CACHE_WRITE": "fused"}),
+    ("plain, --quantization fp8, one plan a step and k and v written in the layer function", 0, "jacobi",
+     {**NEW, "TERRA_SINGLE_STREAM_FLASH_PLAN": "step", "TERRA_SINGLE_STREAM_CACHE_WRITE": "fused"},
+     {"quantization": "fp8"}),
 ]
 TARGET_S_PER_FRAME = 0.5
 

@@ -43,6 +43,19 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # weights: what `--quantization fp8` asks for on this backend (`LayerOps(projections=...)`), never a
 # default; prompts keep the modules' own weights.
 LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
+# TERRA_SINGLE_STREAM_CACHE_WRITE=fused: a decode step's k and v go into the cache inside the compiled
+# function that makes them (`attention_inputs_written`), not by two `index_copy_` kernels a layer
+# (1.7 us each, 76 us of a 1.44 ms fp8 step on an H200, 2026-11-29). FlashAttention's cache layout
+# only. A lab switch until measured; unset: `separate`.
+CACHE_WRITE_ENV = "TERRA_SINGLE_STREAM_CACHE_WRITE"
+
+
+def cache_write(environ=None) -> str:
+    environ = os.environ if environ is None else environ
+    choice = environ.get(CACHE_WRITE_ENV, "").strip() or "separate"
+    if choice not in ("separate", "fused"):
+        raise ValueError(f"{CACHE_WRITE_ENV}={choice!r}: expected separate or fused")
+    return choice
 LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
 
 
@@ -124,6 +137,16 @@ def attention_inputs_fused(x, cos, sin, norm_weight, eps: float, wqkv, bqkv, hea
     return (*rotated(q, k, cos, sin), v)
 
 
+def attention_inputs_written(x, cos, sin, keys, values, positions, *weights, linear=F.linear):
+    """`attention_inputs_fused` that also writes k and v into the cache (1, positions, KV, d) at
+    `positions` and returns q alone: compiled, the writes join the kernel that makes k and v instead of
+    two `index_copy_` kernels of their own a layer (`CACHE_WRITE_ENV`)."""
+    q, k, v = attention_inputs_fused(x, cos, sin, *weights, linear=linear)
+    keys.index_copy_(1, positions, k)
+    values.index_copy_(1, positions, v)
+    return q
+
+
 def attention_output_and_mlp_fused(x, attended, wo, bo, norm_weight, eps: float, wgu, bgu, wd, bd, linear=F.linear):
     """`attention_output_and_mlp` with gate and up projected by one GEMM (gate's rows first)."""
     x = x + linear(attended, wo, bo)
@@ -151,6 +174,7 @@ class FusedOps:
 
     def __init__(self, linear=F.linear):
         self.attention_inputs = functools.partial(attention_inputs_fused, linear=linear)
+        self.attention_inputs_written = functools.partial(attention_inputs_written, linear=linear)
         self.attention_output_and_mlp = functools.partial(attention_output_and_mlp_fused, linear=linear)
 
 
@@ -163,6 +187,7 @@ class CompiledOps:
         self.error: str | None = None
         self._eager = FusedOps(linear)
         self._inputs = torch.compile(self._eager.attention_inputs, dynamic=False, fullgraph=True, mode=mode)
+        self._written = torch.compile(self._eager.attention_inputs_written, dynamic=False, fullgraph=True, mode=mode)
         self._output = torch.compile(self._eager.attention_output_and_mlp, dynamic=False, fullgraph=True, mode=mode)
 
     def _call(self, compiled, eager, *args):
@@ -175,6 +200,9 @@ class CompiledOps:
 
     def attention_inputs(self, *args):
         return self._call(self._inputs, self._eager.attention_inputs, *args)
+
+    def attention_inputs_written(self, *args):
+        return self._call(self._written, self._eager.attention_inputs_written, *args)
 
     def attention_output_and_mlp(self, *args):
         return self._call(self._output, self._eager.attention_output_and_mlp, *args)
@@ -280,6 +308,13 @@ class BoundOps:
 
     def attention_inputs(self, index: int, x, cos, sin):
         return self.functions.attention_inputs(x, cos, sin, *self.attention[index])
+
+    def attention_inputs_written(self, index: int, x, cos, sin, keys, values, positions):
+        return self.functions.attention_inputs_written(x, cos, sin, keys, values, positions, *self.attention[index])
+
+    @property
+    def writes_cache(self) -> bool:
+        return hasattr(self.functions, "attention_inputs_written")
 
     def attention_output_and_mlp(self, index: int, x, attended):
         return self.functions.attention_output_and_mlp(x, attended, *self.output[index])

@@ -31,7 +31,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from terra_cli.backends.layer_ops import LayerOps
+from terra_cli.backends.layer_ops import LayerOps, cache_write
 from terra_cli.kernels import few_rows_matmul as few_rows
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
 
@@ -219,6 +219,7 @@ class StaticKVDecoder:
         self.key_positions = torch.arange(self.cache_positions, device=self.device)
         if fp8_weights and not few_rows.runs_on(self.device):
             raise ValueError(f"fp8 weights run through terra's Triton kernel, on CUDA; the model is on {self.device}")
+        self.fused_cache_write = cache_write() == "fused"
         self.ops = LayerOps(model, compile_layers=self.device.type == "cuda" if compile_layers is None else compile_layers,
                             projections="few-rows-fp8" if fp8_weights else None)
         self.logits_layout = os.environ.get(LOGITS_ENV) or default_logits_layout(self.device, fp8_weights)
@@ -284,10 +285,14 @@ class StaticKVDecoder:
             group = self.heads // self.kv_heads
             mask = visible.repeat(group, 1)  # query rows are (group, n) flattened per KV head
         x = embeds
+        written = self.fused_cache_write and self.flash is not None and ops.writes_cache
         for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
-            q, k, v = ops.attention_inputs(index, x, cos, sin)
-            keys.index_copy_(self.position_dim, positions, k if self.flash is not None else k.transpose(1, 2))
-            values.index_copy_(self.position_dim, positions, v if self.flash is not None else v.transpose(1, 2))
+            if written:
+                q = ops.attention_inputs_written(index, x, cos, sin, keys, values, positions)
+            else:
+                q, k, v = ops.attention_inputs(index, x, cos, sin)
+                keys.index_copy_(self.position_dim, positions, k if self.flash is not None else k.transpose(1, 2))
+                values.index_copy_(self.position_dim, positions, v if self.flash is not None else v.transpose(1, 2))
             scale = layer.self_attn.scaling
             if self.flash is not None:
                 out = self.flash(q, keys, values, seen, scale, plan)

@@ -8,9 +8,9 @@ a kernel that streams the weight once at the card's bandwidth is the floor for a
 16. Here each program owns `BLOCK_N` vocabulary rows and walks K with the hidden rows (a few KB,
 from L2) as the left operand of one tensor-core tile of 16 rows, accumulating in float32.
 
-`TERRA_SINGLE_STREAM_LOGITS=few-rows` puts it on the single-stream decoder's decode steps (one row,
-or a Jacobi step's K + 1; `backends/static_kv.py`): 3.5% off a plain step, 25% off a K=8 Jacobi step
-on an H200 (benchmarks/README.md, 2026-11-27); not yet the default.
+It computes the single-stream decoder's logits on CUDA by default (one row, or a Jacobi step's K + 1;
+`backends/static_kv.py`): 3.5-4.7% off a plain step, 25% off a K=8 Jacobi step on H200s
+(benchmarks/README.md, 2026-11-27 and 2026-11-29); `TERRA_SINGLE_STREAM_LOGITS=linear` keeps cuBLAS's.
 
 The layers' projections are short by comparison (Terra's: 2,560 to 11,264 outputs over 2,048 or
 5,632 inputs), so `BLOCK_N` columns a program would give 16 to 88 programs, too few to keep an H100's
@@ -25,8 +25,10 @@ projection is what it lacks (benchmarks/README.md).
 fp8 weights (`quantize_rows_fp8`: float8_e4m3fn with one float32 scale per output row) halve the bytes a
 step reads, and reading the weights is what a one-row step's GEMMs are bound by. The kernel widens each
 fp8 tile to the hidden rows' dtype in registers and multiplies each output column by its row's scale.
-It approximates the weights (to about 2^-4 of each value), so it is a lab switch that says so
-(`TERRA_SINGLE_STREAM_LAYERS=few-rows-fp8`, `TERRA_SINGLE_STREAM_LOGITS=few-rows-fp8`), never a default.
+It approximates the weights (to about 2^-4 of each value), so it runs only when asked: `--quantization
+fp8` on the single-stream backend (0.83 against 1.05 s a frame on an H200, 2026-11-29), or the lab
+switches `TERRA_SINGLE_STREAM_LAYERS=few-rows-fp8` and `TERRA_SINGLE_STREAM_LOGITS=few-rows-fp8`. One row
+of fp8 weights runs as a plain GEMV on the CUDA cores (`tile_for`).
 """
 
 from __future__ import annotations

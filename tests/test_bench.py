@@ -264,6 +264,10 @@ def test_act_bench_refiner_options_are_refused_in_one_line_before_anything_is_bu
         # the product's checks on the random Terra-size refiner, before its 3 GB (or the world model) are built
         ([*act, "--decoder", "refiner", "--frames", 24], "the refiner needs at least 25 frames"),
         ([*act, "--decoder", "refiner", "--device", "cpu"], "use a GPU (--device cuda), or pass --allow-slow"),
+        # the single-stream rows' fp8 weights need terra's Triton kernel on CUDA
+        (["bench", "--hf-vs-vllm", "--quantization", "fp8", "--device", "cpu"],
+         "--quantization fp8 on --backend single-stream runs terra's Triton kernel on a CUDA GPU"),
+        (["bench", "--hf-vs-vllm", "--quantization", "int8"], "--quantization must be none or fp8"),
     ]
     for args, message in cases:
         result = invoke_terra(*args)

@@ -179,18 +179,20 @@ def timed_generate(backend, context, actions, frames, sampling, log=lambda msg: 
 def run_single_stream(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callable[[str], None],
                       draft_tokens: int = 0) -> RunResult:
     """One rollout on the single-stream backend (CUDA graphs on a GPU). Its start-up includes
-    capturing the graphs (and torch.compile of the layers) for the frames it will generate."""
+    capturing the graphs (and torch.compile of the layers) for the frames it will generate. With
+    `--quantization fp8` (in `plan.vllm_options`) its decode steps read fp8 weights, as vLLM's rows do."""
     import torch
 
     from terra_cli.backends.single_stream import SingleStreamBackend
 
-    label = "single-stream" + (f" jacobi K={draft_tokens}" if draft_tokens else "")
+    quantization = plan.vllm_options.get("quantization")
+    label = "single-stream" + (f" {quantization}" if quantization else "") + (f" jacobi K={draft_tokens}" if draft_tokens else "")
     sampling = Sampling(temperature=plan.temperature, seed=plan.seed)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     backend = SingleStreamBackend(checkpoint_dir, device=plan.device, dtype=plan.dtype, draft_tokens=draft_tokens,
-                                  draft="jacobi", cuda_graphs=None)
+                                  draft="jacobi", cuda_graphs=None, quantization=quantization)
     try:
         backend.decoder.prepare(range(plan.context_frames, plan.frames), sampling)
         startup = time.perf_counter() - started

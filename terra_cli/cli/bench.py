@@ -22,6 +22,7 @@ EPILOG = (
     "  terra bench --draft-acceptance --seeds 3 --frames 8 --out acceptance.json --heatmap acceptance.png\n\n"
     "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft previous-frame --draft-tokens 4   # codes/step column\n\n"
     "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft jacobi --draft-tokens 8   # single-stream rows, plain and Jacobi\n\n"
+    "  terra bench --hf-vs-vllm --skip-hf --batch 1 --quantization fp8   # one rollout on fp8 weights, vLLM and single-stream\n\n"
     "  terra bench --scenarios 256 --max-rollouts 128 --lockstep 64 --out scen.json      # continuous batching (GPU)\n\n"
     "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2   # 2 GPUs (Ray)\n\n"
     "  CUDA_VISIBLE_DEVICES=0 terra bench --scenarios 256 --ray local --kv-cache-dtype fp8   # 1 engine, as a Ray actor\n\n"
@@ -81,6 +82,7 @@ def bench(
     ray_address: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="--scenarios/--act-bench: run the --data-parallel engines as Ray actors, also one: local (a cluster of this machine), auto, ray://HOST:10001 or HOST:6379, as `generate --scenarios --ray`."),
     lockstep: int = typer.Option(0, "--lockstep", min=0, help="--scenarios: also measure this many rollouts in lockstep (0: skip)."),
     kv_cache_dtype: str = opts.kv_cache_dtype_option(),
+    quantization: str = opts.quantization_option(),
     attention: str = opts.attention_option(),
     backend: str = typer.Option("vllm", "--backend", help="--scenarios: vllm, or hf for a CPU smoke test."),
     keep_outputs: Optional[Path] = typer.Option(None, "--keep-outputs", help="--scenarios/--act-bench: keep the inputs (scenario file, images) and every output in this folder (new or empty; --overwrite to reuse one)."),
@@ -126,8 +128,8 @@ def bench(
     from terra_cli.pipeline.outputs import OutputPlan
 
     vllm_options = _parse_vllm_args(vllm_arg)
-    chosen = engine_options(kv_cache_dtype=kv_cache_dtype, draft=draft, draft_tokens=draft_tokens,
-                            torch_compile=torch_compile, attention=attention)
+    chosen = engine_options(kv_cache_dtype=kv_cache_dtype, quantization=quantization, draft=draft,
+                            draft_tokens=draft_tokens, torch_compile=torch_compile, attention=attention)
     jacobi_draft_tokens = 0
     if hf_vs_vllm and chosen.get("draft") == "jacobi":  # the single-stream rows' draft, not vLLM's
         jacobi_draft_tokens = chosen["draft_tokens"]
@@ -213,6 +215,11 @@ def bench(
         return _scenario_bench(model, plan, keep_outputs, out_json, overwrite)
     if context_frames < 1 or frames <= context_frames:
         raise InputError(f"--frames ({frames}) must be more than --context-frames ({context_frames}), which must be >= 1")
+    if not skip_single_stream and vllm_options.get("quantization"):  # the single-stream rows read fp8 weights too
+        from terra_cli.pipeline.engine_request import check_backend_options
+        from terra_cli.runtime import resolve_device
+
+        check_backend_options("single-stream", {"quantization": vllm_options["quantization"]}, resolve_device(device))
     plan = BenchPlan(
         frames=frames, context_frames=context_frames, batches=_parse_batches(batch), hf_frames=hf_frames,
         temperature=temperature, seed=seed, device=device, dtype=dtype, run_hf=not skip_hf,

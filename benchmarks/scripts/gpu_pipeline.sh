@@ -32,8 +32,9 @@
 #          issue 41's fp8 weight reads at the kernel's own tiles, single-stream plain / cuBLAS logits /
 #          `--quantization fp8` (SINGLE_VARIANTS, default 0,17,19-23: with one FlashAttention plan a step, with
 #          k and v written in the layer function, both), and a `terra serve` session with and without it
-#          (FLASH_PLAN=step, CACHE_WRITE=fused: the servers with those lab switches) (~7 minutes); `await`
-#          collects it
+#          (FLASH_PLAN=step, CACHE_WRITE=fused: the servers with those lab switches) (~7 minutes);
+#          ONE_AFTER=next2: serve41, a third session with both switches, gpu_vae_decode.py's product, both and
+#          both-bf16, then the refined run within RUN_S (~20 minutes with NREF1=32); `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -430,7 +431,7 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       timeout 300 python3 benchmarks/scripts/gpu_vae_decode.py --out "$OUT/vae_decode.json" \
         > "$OUT/vae_decode.log" 2>&1; echo "vae_decode exit $?" >> "$STEP_LOG"
       refined_run
-    elif [ "${ONE_AFTER:-probes}" = serve41 ]; then
+    elif [ "${ONE_AFTER:-probes}" = serve41 ] || [ "${ONE_AFTER:-probes}" = next2 ]; then
       # issue 41 after 2026-11-29's sweep: the kernel's own tiles (fp8 one row as a GEMV), few-rows logits
       # as the CUDA default, `--quantization fp8` on single-stream, and a `terra serve` session on each
       timeout 120 python3 benchmarks/scripts/gpu_fp8_rows.py --no-sweep --out "$OUT/fp8_rows.json" \
@@ -444,6 +445,17 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
           --out "$OUT/serve-$quantization" > "$OUT/serve-$quantization.log" 2>&1
         echo "serve $quantization exit $?" >> "$STEP_LOG"
       done
+      if [ "${ONE_AFTER:-probes}" = next2 ]; then
+        # the serving session again with both of issue 41's exact lab switches, then issue 40: the VAE decoder as
+        # the product now runs it (centre taps, channels-last) and in bf16, and the refined run with it
+        env TERRA_SINGLE_STREAM_FLASH_PLAN=step TERRA_SINGLE_STREAM_CACHE_WRITE=fused timeout 150 python3 \
+          benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1 \
+          --serve-args "--backend single-stream --quantization fp8" --out "$OUT/serve-fp8-lab" \
+          > "$OUT/serve-fp8-lab.log" 2>&1; echo "serve fp8 lab exit $?" >> "$STEP_LOG"
+        timeout 200 python3 benchmarks/scripts/gpu_vae_decode.py --variants product,both,both-bf16 \
+          --out "$OUT/vae_decode.json" > "$OUT/vae_decode.log" 2>&1; echo "vae_decode exit $?" >> "$STEP_LOG"
+        refined_run
+      fi
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

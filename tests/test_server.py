@@ -25,12 +25,16 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint, frame_tokenizer):
+    import torch
+
     from terra_cli.server.loader import EngineConfig, load_engine
 
+    threads = torch.get_num_threads()  # threads=1 sets the process's; later modules' CPU decoding rounds with the default
     service = load_engine(EngineConfig(model=str(checkpoint), tokenizer=frame_tokenizer, backend="hf",
                                        device="cpu", dtype="float32", threads=1))
     yield service
     service.close()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +45,18 @@ def client(engine):
 
     with TestClient(create_app(engine, Settings(max_sessions=4, session_timeout=120))) as test_client:
         yield test_client  # leaving runs the app's shutdown, which closes the engine
+
+
+def test_health_and_the_client_say_when_the_weights_are_an_approximation(engine, monkeypatch):
+    """A server whose backend reads fp8 weights (`--quantization fp8`) says so in /health, and
+    `terra generate --server`'s line repeats it; the checkpoint's own weights add nothing."""
+    from terra_cli.backends.base import weights_note
+
+    assert weights_note(None) == ""
+    monkeypatch.setattr(engine, "quantization", "fp8")
+    health = side_app(engine).get("/health").json()
+    assert health["quantization"] == "fp8"
+    assert weights_note(health["quantization"]) == ", fp8 weights (an approximation of the model)"
 
 
 def side_app(engine, **settings):
@@ -61,7 +77,8 @@ def png_b64(width=64, height=36, color=(90, 120, 160)) -> str:
 
 
 def test_health_openapi_and_page(client):
-    assert client.get("/health").json()["status"] == "ok"
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["backend"] == "hf" and health["quantization"] is None
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/videos", "/v1/videos/{video_id}/content", "/v1/sessions/{session_id}/step"} <= set(paths)
     assert "swagger" in client.get("/docs").text.lower()

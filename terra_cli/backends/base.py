@@ -53,6 +53,7 @@ class Sampling:
 class WorldModelBackend(Protocol):
     name: str
     config: LlamaActionConfig
+    quantization: str | None  # fp8: weights approximated at load (`--quantization`); None: the checkpoint's own
 
     def driver(self, max_in_flight: int = 1, stagger_starts: bool = False):
         """The one driver interface over this backend (backends/driver.py): what every front-end runs.
@@ -75,6 +76,11 @@ class WorldModelBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def weights_note(quantization: str | None) -> str:
+    """What a run's lines add when the weights are not the checkpoint's own (a backend's `quantization`)."""
+    return f", {quantization} weights (an approximation of the model)" if quantization else ""
 
 
 def check_generation_inputs(

@@ -111,6 +111,7 @@ def generate_frames(
 
 class HfBackend:
     name = "hf"
+    quantization = None  # the checkpoint's own weights, always
 
     def __init__(self, checkpoint_dir=None, *, device: str | None = None, dtype: str | None = None, model=None):
         from terra_cli.runtime import resolve_device, resolve_dtype

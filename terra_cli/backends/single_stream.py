@@ -244,6 +244,7 @@ class SingleStreamBackend:
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization: None or 'fp8' on the single-stream backend, got {quantization!r}")
 
+        self.quantization = quantization
         self.device = resolve_device(device)
         self.model = model if model is not None else load_model(checkpoint_dir, self.device, resolve_dtype(dtype, self.device))
         self.config = self.model.config

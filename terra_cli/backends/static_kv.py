@@ -220,8 +220,8 @@ class StaticKVDecoder:
         if fp8_weights and not few_rows.runs_on(self.device):
             raise ValueError(f"fp8 weights run through terra's Triton kernel, on CUDA; the model is on {self.device}")
         self.fused_cache_write = cache_write() == "fused"
-        self.ops = LayerOps(model, compile_layers=self.device.type == "cuda" if compile_layers is None else compile_layers,
-                            projections="few-rows-fp8" if fp8_weights else None)
+        compile_layers = self.device.type == "cuda" if compile_layers is None else compile_layers
+        self.ops = LayerOps(model, compile_layers=compile_layers, projections="few-rows-fp8" if fp8_weights else None)
         self.logits_layout = os.environ.get(LOGITS_ENV) or default_logits_layout(self.device, fp8_weights)
         if self.logits_layout not in LOGITS_LAYOUTS:
             raise ValueError(f"{LOGITS_ENV}={self.logits_layout!r}: expected one of {', '.join(LOGITS_LAYOUTS)}")

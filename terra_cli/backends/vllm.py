@@ -184,6 +184,7 @@ class VllmBackend:
 
         self.checkpoint_dir = Path(checkpoint_dir)
         self.config = load_config(self.checkpoint_dir)
+        self.quantization = engine_kwargs.get("quantization")  # fp8: vLLM's weights, an approximation of the model
         check_checkpoint(self.checkpoint_dir)
         layout = self.config.layout
         device = resolve_device(device)

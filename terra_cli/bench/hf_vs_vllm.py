@@ -186,7 +186,8 @@ def run_single_stream(checkpoint_dir: Path, plan: BenchPlan, context, actions, l
     from terra_cli.backends.single_stream import SingleStreamBackend
 
     quantization = plan.vllm_options.get("quantization")
-    label = "single-stream" + (f" {quantization}" if quantization else "") + (f" jacobi K={draft_tokens}" if draft_tokens else "")
+    label = ("single-stream" + (f" {quantization}" if quantization else "")
+             + (f" jacobi K={draft_tokens}" if draft_tokens else ""))
     sampling = Sampling(temperature=plan.temperature, seed=plan.seed)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

@@ -22,7 +22,7 @@ EPILOG = (
     "  terra bench --draft-acceptance --seeds 3 --frames 8 --out acceptance.json --heatmap acceptance.png\n\n"
     "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft previous-frame --draft-tokens 4   # codes/step column\n\n"
     "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft jacobi --draft-tokens 8   # single-stream rows, plain and Jacobi\n\n"
-    "  terra bench --hf-vs-vllm --skip-hf --batch 1 --quantization fp8   # one rollout on fp8 weights, vLLM and single-stream\n\n"
+    "  terra bench --hf-vs-vllm --skip-hf --batch 1 --quantization fp8   # one rollout, fp8 weights (vLLM, single-stream)\n\n"
     "  terra bench --scenarios 256 --max-rollouts 128 --lockstep 64 --out scen.json      # continuous batching (GPU)\n\n"
     "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2   # 2 GPUs (Ray)\n\n"
     "  CUDA_VISIBLE_DEVICES=0 terra bench --scenarios 256 --ray local --kv-cache-dtype fp8   # 1 engine, as a Ray actor\n\n"

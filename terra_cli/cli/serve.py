@@ -69,6 +69,7 @@ def serve(
     """Serve a warm world model: video jobs, interactive sessions (HTTP and WebSocket) and a page to drive it at /."""
     import uvicorn
 
+    from terra_cli.backends.base import weights_note
     from terra_cli.pipeline.engine_request import engine_options
     from terra_cli.server.app import Settings, create_app
     from terra_cli.server.loader import EngineConfig, check_engine_config, load_engine
@@ -102,7 +103,8 @@ def serve(
     server = draining_server(uvicorn.Config(web, host=host, port=port, log_level="warning", ws="auto",
                                            timeout_graceful_shutdown=max(int(drain_grace), 1)), web)
     shown = f"[{host}]" if ":" in host else host
-    say(f"terra serve: {engine.name} backend, up to {max_sessions} sessions; page http://{shown}:{port}/ , "
+    say(f"terra serve: {engine.name} backend{weights_note(engine.quantization)}, up to {max_sessions} sessions; page "
+        f"http://{shown}:{port}/ , "
         f"API docs http://{shown}:{port}/docs" + (" (API key required)" if api_key else ""))
     # uvicorn re-raises the signal it drained on; after a drain that is a clean exit, not an interrupt.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

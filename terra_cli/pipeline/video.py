@@ -143,6 +143,7 @@ def generate_video(
     the world model runs."""
     from dataclasses import replace
 
+    from terra_cli.backends.base import weights_note
     from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.runtime import generation_threads, resolve_device, resolve_dtype_name
@@ -182,8 +183,10 @@ def generate_video(
     default_threads = torch.get_num_threads()
     loop_threads = generation_threads(engine.threads, config.hidden_size, world.backend.name, world.device)
     auto = " (auto)" if engine.backend == "auto" else ""
+    weights = weights_note(getattr(world.backend, "quantization", None))
     observer.message(
-        f"backend: {world.backend.name}{auto}  model: {model.world_model_dir}  ({world.load_seconds:.1f} s to load)"
+        f"backend: {world.backend.name}{auto}{weights}  model: {model.world_model_dir}  "
+        f"({world.load_seconds:.1f} s to load)"
         + (f", {loop_threads} CPU thread(s)" if loop_threads else "")
     )
     if world.startup and owns_world:

@@ -112,7 +112,10 @@ def generate_remote(url: str, request: VideoRequest, observer: Observer | None =
     request.check()
     remote = Remote(url)
     health = remote.json("GET", "/health")
-    observer.message(f"server: {remote.url} ({health.get('backend')} backend, model {health.get('model', '?')})")
+    from terra_cli.backends.base import weights_note
+
+    weights = weights_note(health.get("quantization"))
+    observer.message(f"server: {remote.url} ({health.get('backend')} backend{weights}, model {health.get('model', '?')})")
     job = remote.json("POST", "/v1/videos", request_body(request))
     started = time.perf_counter()
     try:

@@ -61,6 +61,7 @@ class EngineService:
         self.backend, self.tokenizer, self.model_label = backend, tokenizer, model_label
         self.owns_backend = owns_backend  # False: someone else closes it (a test's shared engine)
         self.name = backend.name
+        self.quantization = getattr(backend, "quantization", None)
         self.layout = backend.config.layout
         self.media = ThreadPoolExecutor(1, thread_name_prefix="terra-media")
         self.stats = EngineStats()

@@ -43,6 +43,7 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # weights: what `--quantization fp8` asks for on this backend (`LayerOps(projections=...)`), never a
 # default; prompts keep the modules' own weights.
 LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
+LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
 # TERRA_SINGLE_STREAM_CACHE_WRITE=fused: a decode step's k and v go into the cache inside the compiled
 # function that makes them (`attention_inputs_written`), not by two `index_copy_` kernels a layer
 # (1.7 us each, 76 us of a 1.44 ms fp8 step on an H200, 2026-11-29). FlashAttention's cache layout
@@ -56,7 +57,6 @@ def cache_write(environ=None) -> str:
     if choice not in ("separate", "fused"):
         raise ValueError(f"{CACHE_WRITE_ENV}={choice!r}: expected separate or fused")
     return choice
-LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
 
 
 def layer_projections(device: torch.device, environ=None, asked: str | None = None) -> str:

@@ -50,7 +50,7 @@ def engine_stream_priority(on_gpu: bool, environ=None) -> str:
     fills the SMs the engine's kernels leave; at one priority the engine's steps ran 17% slower beside
     it (15.99 vs 13.62 ms, 4 x H200, 2026-11-27), while the decoder alone needs ~7% of the card.
     Returns the engine stream's priority: "high" or "default"."""
-    if _choice_switch(ENGINE_STREAM_ENV, ("default", "high"), "high", environ) in (None, "default"):
+    if choice_switch(ENGINE_STREAM_ENV, ("default", "high"), "high", environ) in (None, "default"):
         return "default"
     if not on_gpu:
         return "default"
@@ -68,7 +68,7 @@ def decode_stream_asked(environ=None) -> str:
     """Where the in-process writer's decode-ahead runs its kernels: "own" (a stream of its own, the
     default) or "engine" (TERRA_DECODE_STREAM=engine, a lab switch: the device's default stream, in line
     behind the engine's kernels; `local_writer.InProcessWriter`)."""
-    return _choice_switch(DECODE_STREAM_ENV, ("own", "engine"), "own or engine", environ) or "own"
+    return choice_switch(DECODE_STREAM_ENV, ("own", "engine"), "own or engine", environ) or "own"
 
 
 DECODE_SMS_ENV = "TERRA_DECODE_SMS"
@@ -92,7 +92,7 @@ def decode_after_asked(environ=None) -> bool:
     Why try it: beside the engine the decoder made its steps 12% slower, ~79 s of a 512-sample run on an
     H200, while alone it needs 37-52 s for those frames (benchmarks/README.md, 2026-11-28, afternoon).
     The price: every video is written at the end, and a run stopped before then writes none of them."""
-    return _choice_switch(DECODE_AFTER_ENV, ("0", "1"), "1 (decode when the engine is done) or 0", environ) == "1"
+    return choice_switch(DECODE_AFTER_ENV, ("0", "1"), "1 (decode when the engine is done) or 0", environ) == "1"
 
 
 GRAPH_SIZES_ENV = "TERRA_CUDA_GRAPH_SIZES"
@@ -103,7 +103,7 @@ def sparse_graph_sizes_asked(environ=None) -> bool:
     instead of its own (TERRA_CUDA_GRAPH_SIZES=sparse, a lab switch; `vllm` or unset: vLLM's). Why try it:
     vLLM captures 51 sizes for 256 rollouts in flight, 36-42 s of each engine's start on an H200
     (2026-11-28), and a terra step's time follows its rollouts, not the padding (benchmarks/README.md)."""
-    return _choice_switch(GRAPH_SIZES_ENV, ("sparse", "vllm"), "sparse (terra's sizes) or vllm", environ) == "sparse"
+    return choice_switch(GRAPH_SIZES_ENV, ("sparse", "vllm"), "sparse (terra's sizes) or vllm", environ) == "sparse"
 
 
 TOKENIZER_BATCH_ENV = "TERRA_TOKENIZER_BATCH"
@@ -131,7 +131,7 @@ def decoder_compile_mode_asked(environ=None) -> str | None:
     convolutions: beside the engine, what slows its steps follows how much of the card the decoder
     holds (benchmarks/README.md, 2026-11-27), so a cheaper decoder a frame may cost the engine less.
     Pixels depend on it (other kernels round differently): deterministic for a seed at one mode."""
-    mode = _choice_switch(DECODER_COMPILE_MODE_ENV, DECODER_COMPILE_MODES, " or ".join(DECODER_COMPILE_MODES), environ)
+    mode = choice_switch(DECODER_COMPILE_MODE_ENV, DECODER_COMPILE_MODES, " or ".join(DECODER_COMPILE_MODES), environ)
     return None if mode == "default" else mode
 
 
@@ -170,13 +170,13 @@ def refiner_switches_asked(environ=None) -> RefinerSwitches:
     TERRA_REFINER_ATTENTION=flash|efficient|cudnn|math (a lab switch, default off: `flash` measured 5.5%
     slower): its self-attention held to that torch SDPA backend (torch chose cuDNN's there, 313 TFLOP/s
     at head dim 64); a backend that cannot run the call fails it rather than falling back."""
-    layout = _choice_switch(REFINER_CHANNELS_LAST_ENV, ("0", "1"), "1 (on) or 0", environ)
-    attention = _choice_switch(REFINER_ATTENTION_ENV, REFINER_ATTENTION_BACKENDS, ", ".join(REFINER_ATTENTION_BACKENDS),
+    layout = choice_switch(REFINER_CHANNELS_LAST_ENV, ("0", "1"), "1 (on) or 0", environ)
+    attention = choice_switch(REFINER_ATTENTION_ENV, REFINER_ATTENTION_BACKENDS, ", ".join(REFINER_ATTENTION_BACKENDS),
                                environ) or "default"
     return RefinerSwitches(channels_last=None if layout is None else layout == "1", attention=attention)
 
 
-def _choice_switch(variable: str, choices: tuple, what: str, environ=None) -> str | None:
+def choice_switch(variable: str, choices: tuple, what: str, environ=None) -> str | None:
     """A lab switch holding one of `choices` (case and spaces ignored); None when unset. A bad value
     is one InputError saying `what` to use."""
     environ = os.environ if environ is None else environ

@@ -1,6 +1,9 @@
 """The single-stream decoder (backends/single_stream.py) on the CPU in float32: its static cache and
 device sampler give the reference's codes, greedy and sampled, under the per-frame seed rule."""
 
+import sys
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -203,11 +206,14 @@ def test_the_layer_projections_switch_is_checked_and_needs_a_device_that_runs_th
 
 
 def paged_varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table,
-                           softmax_scale, causal, fa_version):
+                           softmax_scale, causal, fa_version, scheduler_metadata=None):
     """FlashAttention's `flash_attn_varlen_func` contract for one sequence, written plainly: keys
     are the cache's blocks in `block_table`'s order, the first `seqused_k` of them are real, query
-    heads share KV heads in groups, and the causal mask is aligned to the bottom right."""
+    heads share KV heads in groups, and the causal mask is aligned to the bottom right. A plan
+    (`plan_for_keys_seen`'s) must have been made for this call's keys and rows."""
     assert causal and fa_version in (2, 3) and cu_seqlens_q.tolist() == [0, q.shape[0]] == [0, max_seqlen_q]
+    if scheduler_metadata is not None:
+        assert scheduler_metadata.tolist() == [int(seqused_k[0]), max_seqlen_q]
     assert max_seqlen_k == block_table.shape[1] * k.shape[1]
     used = int(seqused_k[0])
     keys = k[block_table[0].long()].flatten(0, 1)[:used]  # (used, KV, d)
@@ -221,6 +227,22 @@ def paged_varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
     return torch.einsum("hqk,khd->qhd", weights, values.float()).to(q.dtype)
 
 
+def plan_for_keys_seen(*, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
+                       qkv_dtype, cu_seqlens_q, page_size, causal):
+    """FlashAttention-3's `get_scheduler_metadata` contract, standing in for it on the CPU: the plan
+    records what it was made for, which `paged_varlen_attention` checks."""
+    assert batch_size == 1 and causal and page_size == 16 and cu_seqlens_q.tolist() == [0, max_seqlen_q]
+    return torch.tensor([int(cache_seqlens[0]), max_seqlen_q])
+
+
+def fake_flash_attention(monkeypatch, kernel=paged_varlen_attention, planner=plan_for_keys_seen):
+    """The decoder's FlashAttention-3 path (its kernel and its plan a step) as their contracts, on the CPU."""
+    from terra_cli.backends import static_kv
+
+    monkeypatch.setattr(static_kv, "flash_varlen_kernel", lambda device, dtype: (kernel, 3))
+    monkeypatch.setattr(static_kv, "flash_planner", lambda version: planner if version == 3 else None)
+
+
 @pytest.mark.parametrize("draft_tokens", [0, 4])
 def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch, draft_tokens):
     """The cache as FlashAttention's paged layout (what CUDA runs when vLLM's kernel is present),
@@ -230,7 +252,7 @@ def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch
     from terra_cli.backends import static_kv
     from terra_cli.backends.single_stream import SingleStreamDecoder
 
-    monkeypatch.setattr(static_kv, "flash_varlen_kernel", lambda device, dtype: (paged_varlen_attention, 3))
+    fake_flash_attention(monkeypatch)
     context, actions = inputs(seed=4)
     decoder = SingleStreamDecoder(model, draft_tokens=draft_tokens)
     decoder.core = static_kv.StaticKVDecoder(model, compile_layers=False)
@@ -241,9 +263,10 @@ def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch
 
 
 def test_one_flash_plan_a_step_reaches_every_layer_and_keeps_the_codes(model, monkeypatch):
-    """TERRA_SINGLE_STREAM_FLASH_PLAN=step: FlashAttention-3's scheduler plan is made once a step, from the
-    step's rows and `seqused_k`, and every layer's call of that step gets that one plan; the codes stay the
-    reference's. Unset, no plan is made and none is passed; a value it does not know is refused."""
+    """FlashAttention-3's scheduler plan is made once a step (the default), from the step's rows and
+    `seqused_k`, and every layer's call of that step gets that one plan; the codes stay the reference's.
+    TERRA_SINGLE_STREAM_FLASH_PLAN=call (and FlashAttention-2) make no plan; a value it does not know is
+    refused."""
     from terra_cli.backends import static_kv
     from terra_cli.backends.single_stream import SingleStreamDecoder
 
@@ -260,8 +283,7 @@ def test_one_flash_plan_a_step_reaches_every_layer_and_keeps_the_codes(model, mo
         handed.append(scheduler_metadata)
         return paged_varlen_attention(q, k, v, **contract)
 
-    monkeypatch.setattr(static_kv, "flash_varlen_kernel", lambda device, dtype: (kernel, 3))
-    monkeypatch.setattr(static_kv, "flash_planner", lambda version: planner if version == 3 else None)
+    fake_flash_attention(monkeypatch, kernel, planner)
     context, actions = inputs(seed=5)
     decoder = SingleStreamDecoder(model, draft_tokens=0)
     decoder.core = static_kv.StaticKVDecoder(model, compile_layers=False)
@@ -274,21 +296,29 @@ def test_one_flash_plan_a_step_reaches_every_layer_and_keeps_the_codes(model, mo
         assert all(got is plan for got in handed[step * layers: (step + 1) * layers])
     assert [int(p[0]) for p in plans] == sorted(int(p[0]) for p in plans)  # keys seen only grow
     monkeypatch.undo()
-    assert static_kv.flash_planner(3, {}) is None and static_kv.flash_planner(2, {static_kv.FLASH_PLAN_ENV: "step"}) is None
+    interface = types.ModuleType("vllm.vllm_flash_attn.flash_attn_interface")
+    interface.get_scheduler_metadata = planner
+    monkeypatch.setitem(sys.modules, interface.__name__, interface)
+    assert static_kv.flash_planner(3, {}) is planner and static_kv.flash_planner(3, {static_kv.FLASH_PLAN_ENV: "Step"}) is planner
+    assert static_kv.flash_planner(3, {static_kv.FLASH_PLAN_ENV: "call"}) is None
+    assert static_kv.flash_planner(2, {static_kv.FLASH_PLAN_ENV: "step"}) is None
+    monkeypatch.setitem(sys.modules, interface.__name__, None)  # a build without it: each call plans
+    assert static_kv.flash_planner(3, {}) is None
     with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_FLASH_PLAN='layer'"):
         static_kv.flash_planner(3, {static_kv.FLASH_PLAN_ENV: "layer"})
 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_k_and_v_written_inside_the_layer_function_give_the_reference_codes(model, monkeypatch, compiled):
-    """TERRA_SINGLE_STREAM_CACHE_WRITE=fused: on FlashAttention's layout, a decode step's k and v go into
-    the cache inside the (fused, or compiled) layer function, with no `index_copy_` of the step's own;
-    prompts keep the separate writes. Jacobi windows (K=3) included: the reference's greedy codes."""
+    """On FlashAttention's layout (by default; TERRA_SINGLE_STREAM_CACHE_WRITE=separate turns it off), a
+    decode step's k and v go into the cache inside the (fused, or compiled) layer function, with no
+    `index_copy_` of the step's own; prompts keep the separate writes. Jacobi windows (K=3) included: the
+    reference's greedy codes."""
     from terra_cli.backends import layer_ops, static_kv
     from terra_cli.backends.single_stream import SingleStreamDecoder
 
-    monkeypatch.setattr(static_kv, "flash_varlen_kernel", lambda device, dtype: (paged_varlen_attention, 3))
-    monkeypatch.setenv(layer_ops.CACHE_WRITE_ENV, "fused")
+    fake_flash_attention(monkeypatch)
+    monkeypatch.delenv(layer_ops.CACHE_WRITE_ENV, raising=False)
     context, actions = inputs(seed=6)
     decoder = SingleStreamDecoder(model, draft_tokens=3)
     decoder.core = static_kv.StaticKVDecoder(model, compile_layers=compiled)
@@ -309,6 +339,9 @@ def test_k_and_v_written_inside_the_layer_function_give_the_reference_codes(mode
     np.testing.assert_array_equal(codes, reference)
     # every decode step's layers wrote their own k and v; none went the separate way
     assert calls["written"] > 0 and calls["written"] % model.config.num_hidden_layers == 0 and calls["separate"] == 0
+    assert layer_ops.cache_write({layer_ops.CACHE_WRITE_ENV: " Separate"}) == "separate"
+    monkeypatch.setenv(layer_ops.CACHE_WRITE_ENV, "separate")
+    assert not static_kv.StaticKVDecoder(model, compile_layers=False).fused_cache_write
     with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_CACHE_WRITE='both'"):
         layer_ops.cache_write({layer_ops.CACHE_WRITE_ENV: "both"})
 

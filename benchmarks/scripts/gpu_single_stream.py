@@ -89,6 +89,12 @@ VARIANTS = [
     ("plain, --quantization fp8, one plan a step and k and v written in the layer function", 0, "jacobi",
      {**NEW, "TERRA_SINGLE_STREAM_FLASH_PLAN": "step", "TERRA_SINGLE_STREAM_CACHE_WRITE": "fused"},
      {"quantization": "fp8"}),
+    # 24, 25 (since 2026-11-29's lease 6, 22 and 23 are the defaults, so "plain" is 22): the steps as before it
+    ("plain, each call plans and k and v copied apart (the default before lease 6)", 0, "jacobi",
+     {**NEW, "TERRA_SINGLE_STREAM_FLASH_PLAN": "call", "TERRA_SINGLE_STREAM_CACHE_WRITE": "separate"}),
+    ("plain, --quantization fp8, each call plans and k and v copied apart", 0, "jacobi",
+     {**NEW, "TERRA_SINGLE_STREAM_FLASH_PLAN": "call", "TERRA_SINGLE_STREAM_CACHE_WRITE": "separate"},
+     {"quantization": "fp8"}),
 ]
 TARGET_S_PER_FRAME = 0.5
 

@@ -18,13 +18,12 @@ Terra's size); prompts keep the modules' own.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 from terra_cli.errors import error_summary
-from terra_cli.runtime import switched_off
+from terra_cli.runtime import choice_switch, switched_off
 
 # TERRA_SINGLE_STREAM_COMPILE=0 keeps the eager functions on CUDA too (to compare, or where
 # Inductor cannot build).
@@ -44,19 +43,15 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # default; prompts keep the modules' own weights.
 LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
 LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
-# TERRA_SINGLE_STREAM_CACHE_WRITE=fused: a decode step's k and v go into the cache inside the compiled
+# On FlashAttention's cache layout a decode step's k and v go into the cache inside the compiled
 # function that makes them (`attention_inputs_written`), not by two `index_copy_` kernels a layer
-# (1.7 us each, 76 us of a 1.44 ms fp8 step on an H200, 2026-11-29). FlashAttention's cache layout
-# only. A lab switch until measured; unset: `separate`.
+# (1.7 us each). With one FlashAttention plan a step beside it, 4% off a step on an H200, the same
+# bf16 codes (2026-11-29, lease 6). TERRA_SINGLE_STREAM_CACHE_WRITE=separate keeps the copies (to compare).
 CACHE_WRITE_ENV = "TERRA_SINGLE_STREAM_CACHE_WRITE"
 
 
 def cache_write(environ=None) -> str:
-    environ = os.environ if environ is None else environ
-    choice = environ.get(CACHE_WRITE_ENV, "").strip() or "separate"
-    if choice not in ("separate", "fused"):
-        raise ValueError(f"{CACHE_WRITE_ENV}={choice!r}: expected separate or fused")
-    return choice
+    return choice_switch(CACHE_WRITE_ENV, ("fused", "separate"), "fused (the default) or separate", environ) or "fused"
 
 
 def layer_projections(device: torch.device, environ=None, asked: str | None = None) -> str:
@@ -65,10 +60,7 @@ def layer_projections(device: torch.device, environ=None, asked: str | None = No
     `asked`: the decoder's own choice (few-rows-fp8 for fp8 weights), unless the switch names one."""
     from terra_cli.kernels.few_rows_matmul import runs_on
 
-    environ = os.environ if environ is None else environ
-    choice = environ.get(LAYERS_ENV, "").strip() or asked or "linear"
-    if choice not in LAYER_PROJECTIONS:
-        raise ValueError(f"{LAYERS_ENV}={choice!r}: expected one of {', '.join(LAYER_PROJECTIONS)}")
+    choice = choice_switch(LAYERS_ENV, LAYER_PROJECTIONS, ", ".join(LAYER_PROJECTIONS), environ) or asked or "linear"
     return choice if runs_on(device, environ) else "linear"
 
 
@@ -83,10 +75,7 @@ def projection(name: str):
 
 def compile_mode(environ=None) -> str | None:
     """The torch.compile mode of the decode step's layer functions (None: the default)."""
-    environ = os.environ if environ is None else environ
-    mode = environ.get(COMPILE_MODE_ENV, "").strip() or None
-    if mode is not None and mode not in COMPILE_MODES:
-        raise ValueError(f"{COMPILE_MODE_ENV}={mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    mode = choice_switch(COMPILE_MODE_ENV, COMPILE_MODES, ", ".join(COMPILE_MODES), environ)
     return None if mode == "default" else mode
 
 

@@ -26,7 +26,6 @@ Grouped-query attention folds each KV head's query heads into the query length: 
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from terra_cli.backends.layer_ops import LayerOps, cache_write
 from terra_cli.kernels import few_rows_matmul as few_rows
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
+from terra_cli.runtime import choice_switch
 
 
 # Up to this many query rows per KV head, attention runs as two batched matmuls around a softmax:
@@ -59,10 +59,10 @@ ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 # `--quantization fp8` asks for (`fp8_weights`), never a default.
 LOGITS_ENV = "TERRA_SINGLE_STREAM_LOGITS"
 # FlashAttention-3 plans each call's split of the keys with a kernel of its own
-# (`prepare_varlen_num_blocks`, 2.2 us, 22 a step: 48 us of a 1.44 ms fp8 step on an H200, 2026-11-29).
-# The plan depends only on the step's shapes and `seqused_k`, the same for every layer, so
-# TERRA_SINGLE_STREAM_FLASH_PLAN=step makes it once a step (`get_scheduler_metadata`, as vLLM's own
-# decode does) and hands it to every layer. A lab switch until measured; unset: each call plans.
+# (`prepare_varlen_num_blocks`, 2.3 us, 22 a step). The plan depends only on the step's shapes and
+# `seqused_k`, the same for every layer, so the decoder makes it once a step (`get_scheduler_metadata`,
+# as vLLM's own decode does) and hands it to every layer: 1.4% off a step on an H200, the same codes
+# (2026-11-29, lease 6). TERRA_SINGLE_STREAM_FLASH_PLAN=call lets each call plan again (to compare).
 FLASH_PLAN_ENV = "TERRA_SINGLE_STREAM_FLASH_PLAN"
 FEW_ROWS = 16  # kernels.few_rows_matmul.MAX_ROWS (a decode step's K + 1 rows; a CPU keeps lm_head)
 LOGITS_LAYOUTS = ("linear", "weight-major", "few-rows", "few-rows-fp8")
@@ -114,7 +114,7 @@ def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
     by TERRA_SINGLE_STREAM_ATTENTION=torch), else None."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return None
-    if os.environ.get(ATTENTION_ENV, "").strip().lower() == "torch":
+    if choice_switch(ATTENTION_ENV, ("flash", "torch"), "torch (to compare) or flash") == "torch":
         return None
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
@@ -130,16 +130,15 @@ def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
 
 
 def flash_planner(version: int, environ=None):
-    """FlashAttention-3's `get_scheduler_metadata` where TERRA_SINGLE_STREAM_FLASH_PLAN=step asks for one
-    plan a step, else None (each call plans)."""
-    environ = os.environ if environ is None else environ
-    choice = environ.get(FLASH_PLAN_ENV, "").strip() or "call"
-    if choice not in ("call", "step"):
-        raise ValueError(f"{FLASH_PLAN_ENV}={choice!r}: expected call or step")
+    """FlashAttention-3's `get_scheduler_metadata`, for one plan a step; None (each call plans) on
+    FlashAttention-2 or where TERRA_SINGLE_STREAM_FLASH_PLAN=call asks for it."""
+    choice = choice_switch(FLASH_PLAN_ENV, ("step", "call"), "step (the default) or call", environ) or "step"
     if choice == "call" or version != 3:
         return None
-    from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
-
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
+    except ImportError:  # a build without the planner: each call plans, as before
+        return None
     return get_scheduler_metadata
 
 
@@ -222,9 +221,8 @@ class StaticKVDecoder:
         self.fused_cache_write = cache_write() == "fused"
         compile_layers = self.device.type == "cuda" if compile_layers is None else compile_layers
         self.ops = LayerOps(model, compile_layers=compile_layers, projections="few-rows-fp8" if fp8_weights else None)
-        self.logits_layout = os.environ.get(LOGITS_ENV) or default_logits_layout(self.device, fp8_weights)
-        if self.logits_layout not in LOGITS_LAYOUTS:
-            raise ValueError(f"{LOGITS_ENV}={self.logits_layout!r}: expected one of {', '.join(LOGITS_LAYOUTS)}")
+        self.logits_layout = (choice_switch(LOGITS_ENV, LOGITS_LAYOUTS, ", ".join(LOGITS_LAYOUTS))
+                              or default_logits_layout(self.device, fp8_weights))
         self.head_fp8 = few_rows.quantize_rows_fp8(model.lm_head.weight) \
             if self.logits_layout == "few-rows-fp8" and few_rows.runs_on(self.device) else None
 

@@ -1,0 +1,251 @@
+"""Issue 41's 32-session target: what one decode step costs when B rollouts share it.
+
+A `terra serve` session on vLLM gets ~0.4 frames/s at 32 sessions (benchmarks/README.md: ~4.3 ms a step,
+well above what the step reads). 0.6 frames/s a session needs a step of at most 1 / (0.6 * 582) = 2.86 ms.
+This probe measures the step a batched static-KV decoder would run, before building one: B rows, each
+row's keys in a region of its own of one cache (FlashAttention's paged layout, a block table a row,
+`seqused_k` a row), one code a row at the row's own position, the product's decode-step pieces
+(`StaticKVDecoder`'s compiled layer functions with fused projections and k and v written in them,
+one FlashAttention plan a step, lm_head over the B rows), and per-row seeded sampling (one generator
+a row, the exponential race of `device_sampling`), the whole step one CUDA graph replayed back to back.
+
+For each B in --rows and each context (frames already in the rows' caches) in --contexts: ms a step,
+frames/s a session (1 / (582 * step)), the bytes a step must read (weights once, each row's keys and
+values) and the step's time at the card's bandwidth. Random weights in Terra's shapes, bf16.
+
+--check (CPU, a tiny model, FlashAttention's paged contract written plainly): the batched step's
+logits equal each row's own single-row decoder's at the same position, to float32 rounding.
+
+    python3 benchmarks/scripts/gpu_batched_step.py --rows 1,8,32 --contexts 3,12,24 --out $OUT/batched_step.json
+    python3 benchmarks/scripts/gpu_batched_step.py --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from terra_cli.backends import static_kv  # noqa: E402
+from terra_cli.models.config import LlamaActionConfig  # noqa: E402
+from terra_cli.models.modeling_hf import build_model  # noqa: E402
+from terra_cli.models.testing import TERRA_WORLD_MODEL_CONFIG, tiny_config  # noqa: E402
+
+MID_FRAME = 300  # the rows' position inside their frame: keys read = context frames' + this many
+
+
+class BatchedStep:
+    """B rows of one decode step over `core`'s weights and layer functions; the rows' caches are
+    (1, B * P, KV, d), row b's positions at [b * P, (b + 1) * P)."""
+
+    def __init__(self, core: static_kv.StaticKVDecoder, rows: int, kernel, version: int, planner=None,
+                 head: str = "linear"):
+        self.core, self.rows, self.kernel, self.version, self.planner = core, rows, kernel, version, planner
+        self.head = head  # lm_head: "linear" (cuBLAS), "weight-major" (W @ h.T), "decoder" (`core.logits`)
+        self.layers_only = False  # time the layers alone: no lm_head, no sampling
+        device = core.device
+        # whole FlashAttention blocks a row (a CPU's single-row cache need not be)
+        self.P = P = -(-core.cache_positions // static_kv.FLASH_BLOCK) * static_kv.FLASH_BLOCK
+        shape = (1, rows * P, core.kv_heads, core.head_dim)
+        self.keys = [torch.zeros(shape, dtype=core.dtype, device=device) for _ in core.layers]
+        self.values = [torch.zeros(shape, dtype=core.dtype, device=device) for _ in core.layers]
+        blocks = P // static_kv.FLASH_BLOCK
+        self.block_table = (torch.arange(rows, device=device)[:, None] * blocks
+                            + torch.arange(blocks, device=device)[None]).to(torch.int32)
+        self.query_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.row_offsets = torch.arange(rows, device=device) * P
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.codes = torch.zeros(rows, dtype=torch.long, device=device)
+        self.generators = [torch.Generator(device=device) for _ in range(rows)]
+        self.noise = torch.empty(rows, core.layout.image_vocab_size, dtype=torch.float32, device=device)
+        self.ops = core.ops.for_rows(True)
+
+    def logits(self) -> torch.Tensor:
+        core, B = self.core, self.rows
+        embeds = core.embed_codes(self.codes, self.positions)  # (1, B, H)
+        cos, sin = core.model.model.rotary_emb(embeds, self.positions[None])
+        flat = self.row_offsets + self.positions
+        seen = (self.positions + 1).to(torch.int32)
+        planned = {}
+        if self.planner is not None:
+            planned["scheduler_metadata"] = self.planner(
+                batch_size=B, max_seqlen_q=1, max_seqlen_k=self.P, num_heads_q=core.heads,
+                num_heads_kv=core.kv_heads, headdim=core.head_dim, cache_seqlens=seen, qkv_dtype=core.dtype,
+                cu_seqlens_q=self.query_starts, page_size=static_kv.FLASH_BLOCK, causal=True)
+        x = embeds
+        paged = (-1, static_kv.FLASH_BLOCK, core.kv_heads, core.head_dim)
+        for index, (layer, keys, values) in enumerate(zip(core.layers, self.keys, self.values)):
+            q = self.ops.attention_inputs_written(index, x, cos, sin, keys, values, flat)
+            out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=1, cu_seqlens_q=self.query_starts,
+                              max_seqlen_k=self.P, seqused_k=seen, block_table=self.block_table,
+                              softmax_scale=layer.self_attn.scaling, causal=True, fa_version=self.version, **planned)
+            x = self.ops.attention_output_and_mlp(index, x, out.reshape(1, B, -1))
+        hidden = core.model.model.norm(x)[0]
+        if self.layers_only:
+            return hidden
+        if self.head == "decoder":
+            return core.logits(hidden)
+        if self.head == "weight-major":
+            return (core.model.lm_head.weight @ hidden.t()).t()
+        return core.model.lm_head(hidden)
+
+    def step(self, temperature: float = 0.9) -> None:
+        """One code a row, drawn from its own generator (the exponential race), then the next position."""
+        if self.layers_only:
+            self.logits()
+            self.positions.add_(1)
+            return
+        probabilities = (self.logits()[:, : self.noise.shape[1]].float() / temperature).softmax(dim=-1)
+        for row, generator in enumerate(self.generators):
+            self.noise[row].exponential_(generator=generator)
+        self.codes.copy_((probabilities / self.noise).argmax(dim=-1))
+        self.positions.add_(1)
+
+
+def paged_rows_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table, softmax_scale,
+                         causal, fa_version, scheduler_metadata=None):
+    """FlashAttention's paged varlen contract at one query a row, written plainly (the CPU check)."""
+    assert max_seqlen_q == 1 and causal and cu_seqlens_q.tolist() == list(range(q.shape[0] + 1))
+    rows = []
+    for b in range(q.shape[0]):
+        used = int(seqused_k[b])
+        keys = k[block_table[b].long()].flatten(0, 1)[:used]
+        values = v[block_table[b].long()].flatten(0, 1)[:used]
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,khd->hk", q[b].float(), keys.float()) * softmax_scale).softmax(-1)
+        rows.append(torch.einsum("hk,khd->hd", weights, values.float()).to(q.dtype))
+    return torch.stack(rows)
+
+
+def place_rows(batched: BatchedStep, context_positions: list[int], random_cache: bool = False, seed: int = 0) -> None:
+    """Each row's position (the keys before it count as written) and code; with `random_cache`, random
+    keys and values everywhere (the CPU check; the timing reads the same bytes whatever they hold)."""
+    assert max(context_positions) < batched.core.max_positions
+    generator = torch.Generator().manual_seed(seed)
+    if random_cache:
+        for keys, values in zip(batched.keys, batched.values):
+            for tensor in (keys, values):
+                tensor.copy_((torch.randn(tensor.shape, generator=generator) * 0.5).to(tensor.dtype))
+    batched.positions.copy_(torch.tensor(context_positions))
+    codes = torch.randint(0, batched.core.layout.image_vocab_size, (batched.rows,), generator=generator)
+    batched.codes.copy_(codes)
+
+
+@torch.inference_mode()
+def check() -> dict:
+    """Each row's logits from the batched step against a single-row decoder holding that row's cache."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config(layers=2, hidden_size=64, heads=4, kv_heads=2), "cpu", torch.float32)
+    core = static_kv.StaticKVDecoder(model, compile_layers=False)
+    core.ops = static_kv.LayerOps(model, compile_layers=False, fuse_projections=True)
+    batched = BatchedStep(core, 3, paged_rows_attention, 3)
+    place_rows(batched, [700, 1500, 40], random_cache=True)
+    codes, positions = batched.codes.clone(), batched.positions.clone()
+    got = batched.logits()
+    P, kept = batched.P, core.cache_positions
+    worst = 0.0
+    for b in range(3):
+        for layer, (keys, values) in enumerate(zip(batched.keys, batched.values)):
+            # the single-row torch path keeps (1, KV, P, d)
+            core.keys[layer].copy_(keys[:, b * P:b * P + kept].transpose(1, 2))
+            core.values[layer].copy_(values[:, b * P:b * P + kept].transpose(1, 2))
+        position = positions[b: b + 1]
+        want = core.forward_codes(codes[b: b + 1], position, int(position) + 1)
+        worst = max(worst, float((got[b] - want[0]).abs().max()))
+    assert worst < 1e-4, f"batched logits differ from the single-row decoder's by {worst}"
+    batched.step()  # the sampler runs and every row moves one position on
+    assert batched.positions.tolist() == (positions + 1).tolist()
+    return {"check": "batched step's logits equal each row's single-row decoder's", "max_abs_diff": worst}
+
+
+def time_step(batched: BatchedStep, replays: int) -> float:
+    graph = torch.cuda.CUDAGraph()
+    for generator in batched.generators:
+        graph.register_generator_state(generator)
+    saved = batched.positions.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            batched.step()
+    torch.cuda.current_stream().wait_stream(side)
+    batched.positions.copy_(saved)
+    with torch.cuda.graph(graph):
+        batched.step()
+    batched.positions.copy_(saved)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / replays
+
+
+@torch.inference_mode()
+def measure(rows_list: list[int], contexts: list[int], replays: int, heads: list[str]) -> dict:
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build_model(LlamaActionConfig(**TERRA_WORLD_MODEL_CONFIG), device, torch.bfloat16)
+    core = static_kv.StaticKVDecoder(model)
+    kernel, version = static_kv.flash_varlen_kernel(device, core.dtype)
+    planner = static_kv.flash_planner(version)
+    stride = core.layout.frame_stride
+    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
+    kv_bytes_per_position = 2 * len(core.layers) * core.kv_heads * core.head_dim * 2
+    bandwidth = 4.8e12  # H200's HBM3e, bytes/s
+    results = []
+    for rows in rows_list:
+        batched = BatchedStep(core, rows, kernel, version, planner)
+        for context, head in [(c, h) for c in contexts for h in heads + ["layers only"]]:
+            position = context * stride + MID_FRAME
+            place_rows(batched, [position] * rows)
+            batched.layers_only, batched.head = head == "layers only", head
+            started = time.perf_counter()
+            seconds = time_step(batched, replays)
+            read = weight_bytes + rows * (position + 1) * kv_bytes_per_position
+            results.append({"rows": rows, "context_frames": context, "head": head, "keys_a_row": position + 1,
+                            "ms_per_step": round(seconds * 1e3, 4),
+                            "frames_per_s_per_session": round(1 / (stride * seconds), 3),
+                            "frames_per_s_all": round(rows / (stride * seconds), 2),
+                            "gb_read_per_step": round(read / 1e9, 3),
+                            "ms_at_bandwidth": round(read / bandwidth * 1e3, 4),
+                            "capture_and_time_s": round(time.perf_counter() - started, 1)})
+            print(json.dumps(results[-1]), flush=True)
+        del batched
+        torch.cuda.empty_cache()
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "replays": replays,
+            "compiled_layers": core.compiled, "compile_error": core.ops.compile_error,
+            "flash_plan_a_step": planner is not None, "weight_gb": round(weight_bytes / 1e9, 3),
+            "target_ms_for_0_6_frames_per_s": round(1 / (0.6 * stride) * 1e3, 3), "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--contexts", default="3,12,24", help="frames already in each row's cache")
+    parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--heads", default="linear,decoder,weight-major",
+                        help="lm_head's kernels to time (each point also times the layers alone)")
+    parser.add_argument("--check", action="store_true", help="the CPU check of the batched step's math")
+    parser.add_argument("--out", type=Path)
+    options = parser.parse_args()
+    if options.check:
+        result = check()
+    else:
+        result = measure([int(r) for r in options.rows.split(",")], [int(c) for c in options.contexts.split(",")],
+                         options.replays, options.heads.split(","))
+    print(json.dumps(result, indent=1))
+    if options.out:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -34,7 +34,9 @@
 #          k and v written in the layer function, both), and a `terra serve` session with and without it
 #          (FLASH_PLAN=step, CACHE_WRITE=fused: the servers with those lab switches) (~7 minutes);
 #          ONE_AFTER=next2: serve41, a third session with both switches, gpu_vae_decode.py's product, both and
-#          both-bf16, then the refined run within RUN_S (~20 minutes with NREF1=32); `await` collects it
+#          both-bf16, then the refined run within RUN_S (~20 minutes with NREF1=32); ONE_AFTER=next3: `terra
+#          serve` on vLLM at 1, 8 and 32 sessions with its logits weight-major and then as vLLM computes them,
+#          and gpu_batched_step.py at 3, 6 and 12 frames of context (~10 minutes); `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -456,6 +458,16 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
           --out "$OUT/vae_decode.json" > "$OUT/vae_decode.log" 2>&1; echo "vae_decode exit $?" >> "$STEP_LOG"
         refined_run
       fi
+    elif [ "${ONE_AFTER:-probes}" = next3 ]; then
+      # issue 41 after lease 7: `terra serve` on vLLM (the default backend) with 1, 8 and 32 sessions, its logits
+      # weight-major at 2-32 rows (the default since) and then vLLM's own head (TERRA_VLLM_LOGITS=linear)
+      for logits in weight-major linear; do
+        env TERRA_VLLM_LOGITS=$logits timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size \
+          --concurrency 1,8,32 --out "$OUT/serve-vllm-$logits" > "$OUT/serve-vllm-$logits.log" 2>&1
+        echo "serve vllm $logits exit $?" >> "$STEP_LOG"
+      done
+      timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --rows 8,32 --contexts 3,6,12 --heads weight-major \
+        --out "$OUT/batched_step.json" > "$OUT/batched_step.log" 2>&1; echo "batched_step exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

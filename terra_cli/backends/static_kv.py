@@ -143,54 +143,63 @@ def flash_planner(version: int, environ=None):
 
 
 class FlashCacheAttention:
-    """One rollout's attention over the static cache through FlashAttention's paged kernel (the
-    one vLLM's decode runs): the cache (1, positions, KV, d) is read as blocks of FLASH_BLOCK
-    positions in order, and `seqused_k` (on the device) says how many keys are written, so one
-    kernel reads exactly the keys so far and one CUDA graph serves every step of every frame."""
+    """Attention over the static cache through FlashAttention's paged kernel (the one vLLM's decode
+    runs): each row's region of the cache (`rows` regions of `cache_positions`, (1, positions, KV, d))
+    is read as blocks of FLASH_BLOCK positions in order, and `seqused_k` (on the device) says how many
+    keys a row has written, so one kernel reads exactly the keys so far and one CUDA graph serves
+    every step of every frame. `sequences` rows of the block table go into a call: one rollout's
+    (its row's), or a batched step's first `sequences` rows, one query each."""
 
-    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None):
+    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None, rows: int = 1):
         self.kernel, self.version, self.planner = kernel, version, planner
         blocks = cache_positions // FLASH_BLOCK
-        self.block_table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
-        self.query_starts: dict[int, torch.Tensor] = {}
+        self.block_table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
+        self.query_starts: dict[tuple[int, int], torch.Tensor] = {}
         self.max_keys = cache_positions
 
-    def starts(self, n: int, device) -> torch.Tensor:
-        if n not in self.query_starts:
-            self.query_starts[n] = torch.tensor([0, n], dtype=torch.int32, device=device)
-        return self.query_starts[n]
+    def starts(self, n: int, device, sequences: int = 1) -> torch.Tensor:
+        """`cu_seqlens_q` for `sequences` sequences of n queries each."""
+        if (n, sequences) not in self.query_starts:
+            self.query_starts[n, sequences] = torch.arange(sequences + 1, dtype=torch.int32, device=device) * n
+        return self.query_starts[n, sequences]
 
     def plan(self, n: int, seen: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         """One step's plan for every layer's call (`FLASH_PLAN_ENV`), or None: each call makes its own."""
         if self.planner is None:
             return None
-        return self.planner(batch_size=1, max_seqlen_q=n, max_seqlen_k=self.max_keys, num_heads_q=heads,
+        return self.planner(batch_size=seen.shape[0], max_seqlen_q=n, max_seqlen_k=self.max_keys, num_heads_q=heads,
                             num_heads_kv=kv_heads, headdim=head_dim, cache_seqlens=seen, qkv_dtype=dtype,
-                            cu_seqlens_q=self.starts(n, seen.device), page_size=FLASH_BLOCK, causal=True)
+                            cu_seqlens_q=self.starts(n, seen.device, seen.shape[0]), page_size=FLASH_BLOCK, causal=True)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
-                 scale: float, plan: torch.Tensor | None = None) -> torch.Tensor:
-        """q (1, n, heads, d); keys/values (1, positions, KV, d); seen (1,) int32 -> (1, n, heads * d)."""
-        n = q.shape[1]
+                 scale: float, plan: torch.Tensor | None = None, first_row: int = 0) -> torch.Tensor:
+        """q (1, S * n, heads, d) for S = len(seen) rows from `first_row` on, n queries each; keys/values
+        (1, positions, KV, d); seen (S,) int32 -> (1, S * n, heads * d)."""
+        sequences = seen.shape[0]
+        n = q.shape[1] // sequences
         paged = (-1, FLASH_BLOCK) + tuple(keys.shape[2:])
         planned = {} if plan is None else {"scheduler_metadata": plan}
         out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n,
-                          cu_seqlens_q=self.starts(n, q.device), max_seqlen_k=self.max_keys, seqused_k=seen,
-                          block_table=self.block_table, softmax_scale=scale, causal=True, fa_version=self.version,
-                          **planned)
-        return out.reshape(1, n, -1)
+                          cu_seqlens_q=self.starts(n, q.device, sequences), max_seqlen_k=self.max_keys, seqused_k=seen,
+                          block_table=self.block_table[first_row:first_row + sequences], softmax_scale=scale,
+                          causal=True, fa_version=self.version, **planned)
+        return out.reshape(1, q.shape[1], -1)
 
 
 class StaticKVDecoder:
-    """One rollout's cache plus a forward over `model`'s weights.
+    """One rollout's cache (or `rows` rollouts', a region each) plus a forward over `model`'s weights.
 
     `forward_codes` takes image codes only (every decode step); `forward_with_actions` takes a
-    sequence with action slots (the prompt, and the step that closes a frame). `attention`:
-    "flash" (FlashAttention's paged kernel) or "torch"; `compiled`: whether the layers'
-    elementwise work runs through torch.compile.
+    sequence with action slots (the prompt, and the step that closes a frame); both work on one
+    row's region (`row`). `forward_rows` is one decode step of the first S rows, a code each at
+    the row's own position (`row_batch.RowBatchDecoder`). `attention`: "flash" (FlashAttention's
+    paged kernel) or "torch"; `compiled`: whether the layers' elementwise work runs through
+    torch.compile. `ops_from`: another decoder of the same model whose layer functions (and their
+    weight copies, compiled code) this one shares.
     """
 
-    def __init__(self, model: LlamaActionForCausalLM, *, compile_layers: bool | None = None, fp8_weights: bool = False):
+    def __init__(self, model: LlamaActionForCausalLM, *, compile_layers: bool | None = None, fp8_weights: bool = False,
+                 rows: int = 1, ops_from: "StaticKVDecoder | None" = None):
         config = model.config
         self.model = model
         self.layout = model.layout
@@ -205,20 +214,26 @@ class StaticKVDecoder:
         flash = flash_varlen_kernel(self.device, self.dtype)
         if flash is not None:
             self.cache_positions = -(-self.cache_positions // FLASH_BLOCK) * FLASH_BLOCK
-        self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]))
+        self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]), rows)
                       if flash is not None else None)
+        self.rows = rows
+        self.row_offsets = torch.arange(rows, device=self.device) * self.cache_positions
         self.attention = "flash" if self.flash is not None else "torch"
         # FlashAttention reads (1, positions, KV, d); the torch path keeps (1, KV, positions, d),
         # each KV head's keys contiguous for its matmuls.
         self.position_dim = 1 if self.flash is not None else 2
-        shape = ((1, self.cache_positions, self.kv_heads, self.head_dim) if self.flash is not None
-                 else (1, self.kv_heads, self.cache_positions, self.head_dim))
+        positions = rows * self.cache_positions
+        shape = ((1, positions, self.kv_heads, self.head_dim) if self.flash is not None
+                 else (1, self.kv_heads, positions, self.head_dim))
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.key_positions = torch.arange(self.cache_positions, device=self.device)
         if fp8_weights and not few_rows.runs_on(self.device):
             raise ValueError(f"fp8 weights run through terra's Triton kernel, on CUDA; the model is on {self.device}")
         self.fused_cache_write = cache_write() == "fused"
+        if ops_from is not None:
+            self.ops, self.logits_layout, self.head_fp8 = ops_from.ops, ops_from.logits_layout, ops_from.head_fp8
+            return
         compile_layers = self.device.type == "cuda" if compile_layers is None else compile_layers
         self.ops = LayerOps(model, compile_layers=compile_layers, projections="few-rows-fp8" if fp8_weights else None)
         self.logits_layout = (choice_switch(LOGITS_ENV, LOGITS_LAYOUTS, ", ".join(LOGITS_LAYOUTS))
@@ -240,12 +255,16 @@ class StaticKVDecoder:
         return self.run(self.embed_codes(codes, positions), positions, key_length, decode=True)
 
     def forward_with_actions(self, ids: torch.Tensor, positions: torch.Tensor, waypoints: torch.Tensor,
-                             logits_to_keep: int = 1) -> torch.Tensor:
+                             logits_to_keep: int = 1, row: int = 0) -> torch.Tensor:
         """ids (n,) with action slots holding the placeholder, waypoints (slots, 3) -> last logits."""
         embeds = self.model.embed(ids[None], waypoints[None], positions[None])
         key_length = min(self.max_positions, int(positions[-1]) + 1)
-        hidden = self.hidden(embeds, positions, key_length)
+        hidden = self.hidden(embeds, positions, key_length, row=row)
         return self.model.lm_head(hidden[-logits_to_keep:])
+
+    def forward_rows(self, codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step of rows 0..S-1: codes (S,) at the rows' own positions (S,) -> logits (S, V)."""
+        return self.logits(self.hidden(self.embed_codes(codes, positions), positions, 0, decode=True, batched=True))
 
     def run(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False) -> torch.Tensor:
         hidden = self.hidden(embeds, positions, key_length, decode)
@@ -258,26 +277,35 @@ class StaticKVDecoder:
             logits = few_rows.few_rows_matmul(hidden.contiguous(), self.head_fp8[0], scale=self.head_fp8[1])
         elif self.logits_layout == "few-rows" and hidden.shape[0] <= FEW_ROWS and few_rows.runs_on(hidden.device):
             logits = few_rows.few_rows_matmul(hidden.contiguous(), head.weight)
-        elif hidden.shape[0] < 2 or self.logits_layout != "weight-major":
+        elif hidden.shape[0] < 2 or (self.logits_layout != "weight-major"
+                                     and not (hidden.is_cuda and hidden.shape[0] > FEW_ROWS)):
             return head(hidden)
         else:
             logits = (head.weight @ hidden.t()).t().contiguous()
         return logits if head.bias is None else logits + head.bias
 
-    def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False) -> torch.Tensor:
+    def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False,
+               row: int = 0, batched: bool = False) -> torch.Tensor:
         """Final hidden states (n, H): every layer writes its K/V at `positions` first, then attends.
-        `positions` are consecutive (a prompt, a step's window); `decode`: a decode step's few rows
-        (the compiled functions' shapes), not a prompt."""
+        `positions` are consecutive (a prompt, a step's window) in row `row`'s region; `decode`: a
+        decode step's few rows (the compiled functions' shapes), not a prompt. `batched`: instead,
+        query i is row i's one code at its own position `positions[i]` (`forward_rows`)."""
         # Positions past the table only come from draft rows that run off the last frame; their
         # outputs are never used. Rotary takes them clamped; their K/V go to the spare rows.
         rotary_positions = positions.clamp(max=self.max_positions - 1)
         cos, sin = self.model.model.rotary_emb(embeds, rotary_positions[None])
         ops = self.ops.for_rows(decode)
         n = embeds.shape[1]
+        if batched:
+            cache_at = positions + self.row_offsets[:n]
+        else:
+            cache_at = positions if row == 0 else positions + row * self.cache_positions
         if self.flash is not None:
             # Keys [0, last position] are the ones so far; causal aligns the n rows to the end.
-            seen = (positions[-1:] + 1).to(torch.int32)
-            plan = self.flash.plan(n, seen, self.heads, self.kv_heads, self.head_dim, self.dtype)
+            seen = (positions + 1 if batched else positions[-1:] + 1).to(torch.int32)
+            plan = self.flash.plan(1 if batched else n, seen, self.heads, self.kv_heads, self.head_dim, self.dtype)
+        elif batched:
+            group = self.heads // self.kv_heads
         else:
             visible = self.key_positions[None, :key_length] <= positions[:, None]  # (n, L)
             group = self.heads // self.kv_heads
@@ -286,20 +314,35 @@ class StaticKVDecoder:
         written = self.fused_cache_write and self.flash is not None and ops.writes_cache
         for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
             if written:
-                q = ops.attention_inputs_written(index, x, cos, sin, keys, values, positions)
+                q = ops.attention_inputs_written(index, x, cos, sin, keys, values, cache_at)
             else:
                 q, k, v = ops.attention_inputs(index, x, cos, sin)
-                keys.index_copy_(self.position_dim, positions, k if self.flash is not None else k.transpose(1, 2))
-                values.index_copy_(self.position_dim, positions, v if self.flash is not None else v.transpose(1, 2))
+                keys.index_copy_(self.position_dim, cache_at, k if self.flash is not None else k.transpose(1, 2))
+                values.index_copy_(self.position_dim, cache_at, v if self.flash is not None else v.transpose(1, 2))
             scale = layer.self_attn.scaling
             if self.flash is not None:
-                out = self.flash(q, keys, values, seen, scale, plan)
+                out = self.flash(q, keys, values, seen, scale, plan, first_row=0 if batched else row)
+            elif batched:
+                out = self.attend_rows(q, keys, values, positions, scale, group)
             else:
+                base = row * self.cache_positions
                 q = q.transpose(1, 2).reshape(1, self.kv_heads, group * n, self.head_dim)
-                out = attend(q, keys[:, :, :key_length], values[:, :, :key_length], mask, scale)
+                out = attend(q, keys[:, :, base:base + key_length], values[:, :, base:base + key_length], mask, scale)
                 out = out.view(1, self.kv_heads, group, n, self.head_dim).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
             x = ops.attention_output_and_mlp(index, x, out)
         return self.model.model.norm(x)[0]
+
+    def attend_rows(self, q, keys, values, positions, scale: float, group: int) -> torch.Tensor:
+        """The torch path of a batched step: row i's query (1, i, heads, d) against its own keys so far,
+        one row at a time (a CPU's, or a GPU without FlashAttention: it reads each row's length)."""
+        out = []
+        for i, seen in enumerate((positions + 1).tolist()):
+            base = i * self.cache_positions
+            qi = q[:, i:i + 1].transpose(1, 2).reshape(1, self.kv_heads, group, self.head_dim)
+            mask = torch.ones(group, seen, dtype=torch.bool, device=q.device)
+            attended = attend(qi, keys[:, :, base:base + seen], values[:, :, base:base + seen], mask, scale)
+            out.append(attended.reshape(1, 1, -1))
+        return torch.cat(out, dim=1)
 
     def frame_key_length(self, frame: int, spill: int = 0) -> int:
         """Keys every step of frame `frame` reads: up to the frame's end (plus `spill` positions a

@@ -1,0 +1,186 @@
+"""Several rollouts' frames decided together, one decode step for all of them (many sessions at once).
+
+`RowBatchDecoder` keeps each rollout of a batch in a region of its own of one static cache (a row of
+`StaticKVDecoder(rows=...)`) and runs their frames in lockstep: every step feeds each row's last code
+at the row's own position and decides each row's next code, with one forward for all rows and, on
+CUDA, one CUDA graph. A row's prompt and the step that closes its frame run for that row alone.
+
+Each row draws from a generator of its own under the seed rule of `terra_cli/seeds.py` (frame f of a
+rollout seeded s from `draw_seed(s, f)`), with the reference's sampling rule (`device_sampling`): a
+rollout gets the codes it gets alone on `SingleStreamDecoder`, whatever shares its batch (on a GPU the
+batched GEMMs may round differently from one row's, as any two batch sizes do).
+
+A batch starts together; a row whose frames are done idles (its step rewrites its last position with
+the same code) until the batch's last row is done. Batches of 2-32 rows run at the next size of
+`ROW_BUCKETS` (idle rows fill the rest), so a few CUDA graphs and compiled shapes serve every batch.
+What a step costs at 1-64 rows: benchmarks/README.md, "One decode step for B rollouts at once".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from terra_cli.backends.base import Sampling
+from terra_cli.backends.device_sampling import filtered_probabilities, greedy_codes, next_codes
+from terra_cli.backends.static_kv import StaticKVDecoder
+from terra_cli.seeds import draw_seed
+
+ROW_BUCKETS = (2, 4, 8, 16, 32)
+MAX_ROWS = ROW_BUCKETS[-1]
+
+
+def bucket(rows: int) -> int:
+    """The rows a batch of `rows` rollouts runs at."""
+    for size in ROW_BUCKETS:
+        if rows <= size:
+            return size
+    raise ValueError(f"a row batch holds at most {MAX_ROWS} rollouts, got {rows}")
+
+
+@dataclass
+class RowWork:
+    """One rollout's round: context (K, T) int64, actions (num_frames - 1, A, 3) float32 (checked by the
+    caller), `seed` the rollout's own, `first_frame` the video frame of its first context frame."""
+
+    context: np.ndarray
+    actions: np.ndarray
+    num_frames: int
+    seed: int
+    first_frame: int = 0
+
+
+class RowBatchDecoder:
+    """Up to `rows` rollouts' caches over the weights and layer functions of `single` (a
+    `StaticKVDecoder` of the same model, whose compiled code and weight copies are shared)."""
+
+    def __init__(self, single: StaticKVDecoder, rows: int, cuda_graphs: bool = False):
+        self.core = StaticKVDecoder(single.model, rows=rows, ops_from=single)
+        self.layout = single.layout
+        self.rows = rows
+        device = self.core.device
+        long = dict(dtype=torch.long, device=device)
+        self.codes = torch.zeros(rows, **long)  # each row's last decided code, fed by the next step
+        self.positions = torch.zeros(rows, **long)  # where each row's code is fed
+        self.moving = torch.zeros(rows, **long)  # 1: the row has a frame in progress; 0: it idles
+        self.next_index = torch.zeros(1, **long)  # the code of the frame the step decides (all rows alike)
+        self.frame_codes = torch.zeros(rows, self.layout.image_tokens, **long)
+        self.noise = torch.zeros(rows, self.layout.image_vocab_size, dtype=torch.float32, device=device)
+        self.generators = [torch.Generator(device=device) for _ in range(rows)]
+        self.placeholders = torch.full((self.layout.action_tokens,), self.layout.action_placeholder_id, **long)
+        self.sampling = Sampling()
+        # a graph needs FlashAttention's path: the torch one reads each row's length on the host
+        self.cuda_graphs = cuda_graphs and self.core.flash is not None
+        self.graphs: dict = {}
+        self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.steps = 0
+
+    def step(self, n: int) -> None:
+        """Rows 0..n-1: feed each row's code at its position and decide its next code (no host sync)."""
+        logits = self.core.forward_rows(self.codes[:n], self.positions[:n])
+        if self.sampling.greedy:
+            codes = greedy_codes(logits, self.layout)
+        else:
+            probabilities = filtered_probabilities(logits, self.layout, self.sampling)
+            for row in range(n):  # the draws a row alone takes (`device_sampling.race_sample`), from its own stream
+                self.noise[row].exponential_(generator=self.generators[row])
+            codes = (probabilities / self.noise[:n]).argmax(dim=-1)
+        self.frame_codes[:n].index_copy_(1, self.next_index, codes[:, None])
+        self.codes[:n].copy_(codes)
+        self.positions[:n].add_(self.moving[:n])
+        self.next_index.add_(1)
+
+    def run_steps(self, n: int, times: int) -> None:
+        self.steps += times
+        if not self.cuda_graphs:
+            for _ in range(times):
+                self.step(n)
+            return
+        key = (n, self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
+        graph = self.graphs.get(key) or self.graphs.setdefault(key, self.capture(n))
+        for _ in range(times):
+            graph.replay()
+
+    def capture(self, n: int):
+        """One step of n rows as a CUDA graph. The warm-up steps run for real on scratch generators and
+        the state they change is put back: their cache writes sit where the next real steps write the
+        same inputs again (as `single_stream.StepGraphs.capture`)."""
+        state = [self.codes, self.positions, self.next_index, self.frame_codes]
+        saved = [t.clone() for t in state]
+        generators = self.generators
+        self.generators = [torch.Generator(device=self.core.device) for _ in generators]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step(n)
+        torch.cuda.current_stream().wait_stream(side)
+        for tensor, value in zip(state, saved):
+            tensor.copy_(value)
+        self.generators = generators
+        graph = torch.cuda.CUDAGraph()
+        for generator in generators[:n]:
+            graph.register_generator_state(generator)
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.step(n)
+        return graph
+
+    @torch.inference_mode()
+    def rollouts(self, work: list[RowWork], sampling: Sampling, on_frame=None, on_row_done=None) -> list[np.ndarray]:
+        """Each rollout's frames (num_frames, T). `on_frame(i, f, tokens)` after frame f of work[i] (f within
+        its round); returning False drops that rollout (cancelled): it idles from then on. `on_row_done(i,
+        frames)` when work[i]'s last frame is in."""
+        layout, core = self.layout, self.core
+        device, stride, codes = core.device, layout.frame_stride, layout.image_tokens
+        n = bucket(len(work)) if len(work) > 1 else 1
+        if n > self.rows:
+            raise ValueError(f"{len(work)} rollouts need {n} rows; this decoder holds {self.rows}")
+        self.sampling = sampling
+        out = [np.empty((w.num_frames, codes), dtype=np.int64) for w in work]
+        waypoints = [torch.tensor(w.actions, device=device) for w in work]
+        pending: list[torch.Tensor | None] = []
+        for row, w in enumerate(work):
+            known = w.context.shape[0]
+            out[row][:known] = w.context
+            context = torch.tensor(w.context, device=device)
+            prompt = torch.cat([context, self.placeholders.expand(known, -1)], dim=1).reshape(-1)
+            pending.append(core.forward_with_actions(prompt, torch.arange(prompt.shape[0], device=device),
+                                                     waypoints[row][:known].reshape(-1, 3), row=row))
+        self.moving.zero_()
+        live = [True] * len(work)
+        for g in range(max(w.num_frames - w.context.shape[0] for w in work)):
+            frames = {}  # row -> the frame it decides now
+            for row, w in enumerate(work):
+                f = w.context.shape[0] + g
+                if not live[row] or f >= w.num_frames:
+                    self.moving[row] = 0
+                    continue
+                frames[row] = f
+                generator = self.generators[row]
+                generator.manual_seed(draw_seed(w.seed, w.first_frame + f))
+                code = next_codes(pending[row], layout, sampling, generator)
+                self.frame_codes[row, :1].copy_(code)
+                self.codes[row:row + 1].copy_(code)
+                self.positions[row] = f * stride
+                self.moving[row] = 1
+            if not frames:
+                break
+            self.next_index.fill_(1)
+            self.run_steps(n, codes - 1)
+            decided = self.frame_codes[:len(work)].cpu().numpy()  # the frames' one copy to the host
+            for row, f in frames.items():
+                w = work[row]
+                out[row][f] = decided[row]
+                if f < w.num_frames - 1:
+                    tail = torch.cat([self.frame_codes[row, codes - 1:codes], self.placeholders])
+                    base = f * stride
+                    pending[row] = core.forward_with_actions(tail, torch.arange(base + codes - 1, base + stride, device=device),
+                                                             waypoints[row][f], row=row)
+                if on_frame is not None and on_frame(row, f, out[row][f]) is False:
+                    live[row] = False
+                    continue
+                if f == w.num_frames - 1 and on_row_done is not None:
+                    on_row_done(row, out[row])
+        return out

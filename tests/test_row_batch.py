@@ -1,0 +1,128 @@
+"""Several rollouts decided together (backends/row_batch.py) on the CPU in float32: each rollout of a
+batch gets the codes it gets alone on the single-stream decoder (greedy and sampled, per-row seeds and
+frame offsets), whatever its context length, frame count or place in the batch; a dropped rollout idles
+while the others go on."""
+
+import numpy as np
+import pytest
+import torch
+
+from terra_cli.backends.base import Sampling
+from terra_cli.backends.row_batch import ROW_BUCKETS, RowBatchDecoder, RowWork, bucket
+from terra_cli.backends.single_stream import SingleStreamDecoder
+from terra_cli.models.modeling_hf import load_model
+from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+
+CODES, VOCAB, FRAMES = 40, 64, 5
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    config = tiny_config(image_vocab=VOCAB, image_tokens=CODES, max_frames=FRAMES)
+    return load_model(write_tiny_checkpoint(tmp_path_factory.mktemp("row_batch"), config, seed=3), "cpu", torch.float32)
+
+
+def work(seed: int, context_frames: int, num_frames: int, first_frame: int = 0) -> RowWork:
+    rng = np.random.default_rng(seed)
+    context = rng.integers(0, VOCAB, size=(context_frames, CODES))
+    actions = rng.normal(scale=2.0, size=(num_frames - 1, 6, 3)).astype(np.float32)
+    return RowWork(context, actions, num_frames, seed=100 + seed, first_frame=first_frame)
+
+
+def alone(model, w: RowWork, sampling: Sampling) -> np.ndarray:
+    return SingleStreamDecoder(model).rollout(w.context, w.actions, w.num_frames, sampling, w.seed, w.first_frame)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=0.9),
+                                      Sampling(temperature=1.2, top_k=9), Sampling(temperature=0.8, top_p=0.9)])
+def test_each_rollout_of_a_batch_gets_its_own_codes_alone(model, sampling):
+    # three rollouts (run at 4 rows): other context lengths, frame counts and frame offsets
+    batch = [work(0, 2, 5), work(1, 1, 3, first_frame=7), work(2, 3, 5, first_frame=2)]
+    decoder = RowBatchDecoder(SingleStreamDecoder(model).core, rows=4)
+    seen, done = [], []
+    got = decoder.rollouts(batch, sampling, on_frame=lambda i, f, tokens: seen.append((i, f)),
+                           on_row_done=lambda i, frames: done.append(i))
+    for w, frames in zip(batch, got):
+        np.testing.assert_array_equal(frames, alone(model, w, sampling))
+    assert sorted(seen) == [(0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (2, 3), (2, 4)]
+    assert done == [1, 2, 0]  # 1 and 2 decide two frames, in row order; 0 decides three
+    assert decoder.steps == 3 * (CODES - 1)  # one step a code for all rows: the longest rollout's frames
+
+
+def test_a_dropped_rollout_idles_and_the_batch_goes_on(model):
+    sampling = Sampling(temperature=0.9)
+    batch = [work(3, 2, 5), work(4, 2, 5)]
+    decoder = RowBatchDecoder(SingleStreamDecoder(model).core, rows=2)
+    frames_of = {0: [], 1: []}
+
+    def on_frame(i, f, tokens):
+        frames_of[i].append(f)
+        return not (i == 0 and f == 2)  # drop rollout 0 after its first frame
+
+    got = decoder.rollouts(batch, sampling, on_frame=on_frame)
+    assert frames_of == {0: [2], 1: [2, 3, 4]}
+    np.testing.assert_array_equal(got[1], alone(model, batch[1], sampling))
+
+
+def test_batches_run_at_a_few_sizes():
+    assert [bucket(n) for n in (2, 3, 4, 5, 9, 17, 32)] == [2, 4, 4, 8, 16, 32, 32]
+    with pytest.raises(ValueError, match="at most 32"):
+        bucket(ROW_BUCKETS[-1] + 1)
+
+
+def test_a_batch_larger_than_the_decoder_is_refused(model):
+    decoder = RowBatchDecoder(SingleStreamDecoder(model).core, rows=2)
+    with pytest.raises(ValueError, match="3 rollouts need 4 rows"):
+        decoder.rollouts([work(5, 2, 3)] * 3, Sampling(temperature=0))
+
+
+def paged_varlen_sequences(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table, softmax_scale,
+                           causal, fa_version, scheduler_metadata=None):
+    """FlashAttention's `flash_attn_varlen_func` contract for several sequences, written plainly: sequence s
+    has queries cu_seqlens_q[s]..cu_seqlens_q[s + 1], its keys are block_table[s]'s blocks in order, the
+    first seqused_k[s] of them real, and its causal mask is aligned to the bottom right."""
+    assert causal and block_table.shape[0] == seqused_k.shape[0] == cu_seqlens_q.shape[0] - 1
+    assert max_seqlen_k == block_table.shape[1] * k.shape[1]
+    if scheduler_metadata is not None:  # made for these sequences' keys
+        assert scheduler_metadata.tolist() == seqused_k.tolist()
+    out = []
+    for s in range(block_table.shape[0]):
+        qs = q[int(cu_seqlens_q[s]):int(cu_seqlens_q[s + 1])]
+        used, n = int(seqused_k[s]), qs.shape[0]
+        assert n <= max_seqlen_q
+        keys = k[block_table[s].long()].flatten(0, 1)[:used]
+        values = v[block_table[s].long()].flatten(0, 1)[:used]
+        group = qs.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs.float(), keys.float()) * softmax_scale
+        visible = torch.arange(used)[None, :] <= (used - n + torch.arange(n))[:, None]
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", weights, values.float()).to(q.dtype))
+    return torch.cat(out)
+
+
+def test_the_flash_attention_layout_gives_each_rollout_its_own_codes(model, monkeypatch):
+    """On FlashAttention's paged layout (the kernel's contract standing in for it), with one plan a step and
+    k and v written inside the layer functions at each row's region: the codes of each rollout alone."""
+    from terra_cli.backends import layer_ops, static_kv
+
+    plans = []
+
+    def planner(*, batch_size, max_seqlen_q, cache_seqlens, cu_seqlens_q, **contract):
+        assert cache_seqlens.shape == (batch_size,) and cu_seqlens_q.tolist() == [i * max_seqlen_q for i in range(batch_size + 1)]
+        plans.append(batch_size)
+        return cache_seqlens.clone()
+
+    monkeypatch.setattr(static_kv, "flash_varlen_kernel", lambda device, dtype: (paged_varlen_sequences, 3))
+    monkeypatch.setattr(static_kv, "flash_planner", lambda version: planner)
+    sampling = Sampling(temperature=0.9)
+    batch = [work(6, 2, 4), work(7, 3, 5, first_frame=4), work(8, 1, 3)]
+    single = static_kv.StaticKVDecoder(model, compile_layers=False)
+    single.ops = layer_ops.LayerOps(model, compile_layers=False, fuse_projections=True)
+    decoder = RowBatchDecoder(single, rows=4)
+    assert decoder.core.attention == "flash" and decoder.core.fused_cache_write
+    got = decoder.rollouts(batch, sampling)
+    monkeypatch.undo()
+    for w, frames in zip(batch, got):
+        np.testing.assert_array_equal(frames, alone(model, w, sampling))
+    assert 4 in plans and 1 in plans  # the batched steps' four rows, and each prompt's and frame end's one

@@ -83,6 +83,57 @@ def test_a_cancelled_job_stops_and_a_bad_job_fails_alone(backends):
     assert list(done) == ["last"] and done["last"].shape == (4, CODES)
 
 
+def test_one_round_jobs_waiting_together_run_as_one_row_batch_with_the_reference_drivers_tokens(backends):
+    """With `max_in_flight` above 1, jobs that fit one round and sample alike run as one row batch
+    (row_batch.py): one decode step for all, frames reported as each comes, each job the reference's tokens."""
+    single, reference = backends
+    jobs = [job("a", 21, total=4), job("b", 22, total=3, offset=5), job("c", 2**33 + 23, total=4, offset=2)]
+    expected, _ = run(reference.driver(1), jobs)
+    feed = JobFeed()
+    for j in jobs:
+        feed.put(j)
+    feed.close()
+    driver = single.driver(8)
+    got, frames = run(driver, feed)
+    assert sorted(got) == ["a", "b", "c"]
+    for key in got:
+        np.testing.assert_array_equal(got[key], expected[key])
+    assert frames == [("a", 2), ("b", 2), ("c", 2), ("a", 3), ("c", 3)]  # frame by frame, together
+    assert driver.loop.steps == 2 * (CODES - 1) and single.rows.rows == 8
+
+
+def test_a_job_cancelled_in_a_row_batch_stops_and_the_others_go_on(backends):
+    single, reference = backends
+    jobs = [job("x", 31, total=4), job("y", 32, total=4)]
+    expected, _ = run(reference.driver(1), jobs[1:])
+    feed = JobFeed()
+    for j in jobs:
+        feed.put(j)
+    feed.close()
+    cancelled, seen, done = [], [], {}
+
+    def on_frame(j, index, tokens):
+        seen.append((j.key, index))
+        if j.key == "x":
+            feed.cancel("x")
+
+    single.driver(2).run(feed, on_frame=on_frame, on_done=lambda j, t: done.__setitem__(j.key, t),
+                         on_cancelled=lambda j: cancelled.append(j.key))
+    assert cancelled == ["x"] and list(done) == ["y"]
+    assert seen == [("x", 2), ("y", 2), ("y", 3)]  # x's second frame was not reported
+    np.testing.assert_array_equal(done["y"], expected["y"])
+
+
+def test_jobs_of_several_rounds_or_other_sampling_do_not_join_a_row_batch(backends):
+    single, _ = backends
+    driver = single.driver(8)
+    one, other_seed = job("p", 1, total=4), job("q", 2, total=3, offset=9)
+    assert driver.compatible(one, other_seed)
+    assert not driver.compatible(one, job("r", 3, total=5))  # two rounds of at most 4 frames
+    assert not driver.compatible(one, job("s", 4, total=4, temperature=0.5))
+    assert single.driver(1).batch_limit() == 1 and driver.batch_limit() == 8
+
+
 def test_jacobi_drafts_through_load_backend_keep_greedy_codes(checkpoint, backends):
     single, _ = backends
     options = engine_options(draft="jacobi", draft_tokens=4)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import collections
 import time
 
-from terra_cli.backends.driver import JobFeed, LoopTimes, RolloutJob, admit, compatible, timed_get
+from terra_cli.backends import driver
+from terra_cli.backends.driver import JobFeed, LoopTimes, RolloutJob, admit, timed_get
 
 
 class BatchAtATimeDriver:
@@ -29,6 +30,10 @@ class BatchAtATimeDriver:
         """Jobs a batch takes at most."""
         return self.max_in_flight
 
+    def compatible(self, first: RolloutJob, job: RolloutJob) -> bool:
+        """Whether `job` may join the batch `first` opened (the reference's lockstep: `driver.compatible`)."""
+        return driver.compatible(first, job)
+
     def run(self, jobs, on_frame=None, on_done=None, on_cancelled=None, idle_wait: float = 0.05, on_start=None,
             on_error=None) -> None:
         feed = jobs if isinstance(jobs, JobFeed) else None
@@ -39,9 +44,9 @@ class BatchAtATimeDriver:
 
         def take_compatible(first):
             if feed is not None:
-                return feed.take_if(lambda job: compatible(first, job))
+                return feed.take_if(lambda job: self.compatible(first, job))
             for index, job in enumerate(pending):
-                if compatible(first, job):
+                if self.compatible(first, job):
                     del pending[index]
                     return job
             return None

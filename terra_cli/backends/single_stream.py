@@ -253,6 +253,17 @@ class SingleStreamBackend:
         self.decoder = SingleStreamDecoder(self.model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=cuda_graphs,
                                            fp8_weights=quantization == "fp8")
         self.stats: list[dict] = []
+        self.rows = None  # the row batch's decoder, made when a driver first batches jobs
+
+    def row_batch(self, rows: int):
+        """The decoder of batches of up to `rows` rollouts (`row_batch.RowBatchDecoder`), sharing the
+        single decoder's weights and compiled layers; its caches take rows x one rollout's."""
+        from terra_cli.backends.row_batch import RowBatchDecoder, bucket
+
+        if self.rows is None or self.rows.rows < bucket(rows):
+            self.rows = None  # the smaller one's caches go before the larger one's are taken
+            self.rows = RowBatchDecoder(self.decoder.core, bucket(rows), cuda_graphs=self.decoder.graphs.enabled)
+        return self.rows
 
     def generate(self, context_tokens, action_waypoints, num_frames, sampling: Sampling,
                  on_frame: FrameCallback | None = None, *, first_frame: int = 0) -> np.ndarray:
@@ -280,8 +291,9 @@ class SingleStreamBackend:
         return SingleStreamDriver(self, max_in_flight)  # one rollout at a time: nothing to stagger
 
     def auto_in_flight(self, longest_frames: int, cap: int) -> tuple[int, str]:
-        return 1, "the single-stream backend runs one rollout at a time"
+        return 1, "the single-stream backend runs one rollout at a time unless --max-in-flight asks for a row batch"
 
     def close(self) -> None:
+        self.rows = None
         self.decoder = None
         self.model = None

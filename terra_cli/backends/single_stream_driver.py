@@ -1,10 +1,13 @@
 """The single-stream decoder behind the one driver interface (backends/driver.py).
 
-`SingleStreamDriver` runs one rollout at a time: a job's rounds (pipeline/rounds.py) go through
-`SingleStreamDecoder.rollout` with the seed rule of terra_cli/seeds.py (frame f of the video, over
-all rounds and `frame_offset`, drawn from `draw_seed(job seed, f)`), so plain decoding gives the
-reference's codes for a seed. Jobs that arrive meanwhile wait in the feed (urgent ones, a
-session's next frame, first). A cancelled job stops at its next frame's end.
+`SingleStreamDriver` runs a job's rounds (pipeline/rounds.py) through `SingleStreamDecoder.rollout`
+with the seed rule of terra_cli/seeds.py (frame f of the video, over all rounds and `frame_offset`,
+drawn from `draw_seed(job seed, f)`), so plain decoding gives the reference's codes for a seed.
+With `max_in_flight` above 1 and plain decoding, jobs waiting together that fit one round and
+sample alike (a server's sessions' next frames) run as one batch (`row_batch.RowBatchDecoder`, at
+most `row_batch.MAX_ROWS`): one decode step for all of them, each job the codes it gets alone.
+Jobs that arrive meanwhile wait in the feed (urgent ones, a session's next frame, first). A
+cancelled job stops at its next frame's end.
 """
 
 from __future__ import annotations
@@ -22,14 +25,69 @@ class _JobCancelled(Exception):
 
 
 class SingleStreamDriver(BatchAtATimeDriver):
-    """`max_in_flight` is accepted for the interface; the decoder holds one rollout's cache, so
-    jobs run one after the other whatever it says."""
+    """One job at a time, or up to `max_in_flight` (at most `row_batch.MAX_ROWS`) one-round jobs as a
+    row batch when the backend decodes plainly (Jacobi drafts run one rollout at a time)."""
 
     def batch_limit(self) -> int:
-        return 1
+        from terra_cli.backends.row_batch import MAX_ROWS
+
+        return min(self.max_in_flight, MAX_ROWS) if self.backend.decoder.draft_tokens == 0 else 1
+
+    def compatible(self, first, job) -> bool:
+        """Jobs that sample alike and fit one round each (pipeline/rounds.py: at most the model's frames)."""
+        from dataclasses import replace
+
+        return (replace(first.sampling, seed=0) == replace(job.sampling, seed=0)
+                and max(first.total_frames, job.total_frames) <= self.layout.max_frames)
 
     def _run_batch(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
-        self._run_job(batch[0], feed, on_frame, on_done, on_cancelled, on_error)
+        if len(batch) == 1:
+            self._run_job(batch[0], feed, on_frame, on_done, on_cancelled, on_error)
+        else:
+            self._run_rows(batch, feed, on_frame, on_done, on_cancelled, on_error)
+
+    def _run_rows(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
+        from terra_cli.backends.row_batch import RowWork
+
+        clock = time.perf_counter
+        decoder = self.backend.row_batch(self.batch_limit())
+        work = [RowWork(job.context, np.asarray(job.actions[: job.total_frames - 1], dtype=np.float32),
+                        job.total_frames, job.sampling.seed, job.frame_offset) for job in batch]
+        handling, ended = [0.0], set()
+        steps_before = decoder.steps
+
+        def frame_done(row: int, index: int, tokens: np.ndarray) -> bool:
+            started = clock()
+            try:
+                if take_cancelled(feed, batch[row], on_cancelled):
+                    ended.add(row)
+                    return False
+                if on_frame is not None:
+                    on_frame(batch[row], index, tokens)
+                return True
+            finally:
+                handling[0] += clock() - started
+
+        def row_done(row: int, frames: np.ndarray) -> None:
+            started = clock()
+            ended.add(row)
+            if on_done is not None:
+                on_done(batch[row], frames)
+            handling[0] += clock() - started
+
+        started = clock()
+        try:
+            decoder.rollouts(work, batch[0].sampling, frame_done, row_done)
+        except Exception as exc:  # these jobs failed; the engine goes on
+            if on_error is None:
+                raise
+            for row, job in enumerate(batch):
+                if row not in ended:
+                    on_error(job, exc)
+        finally:
+            self.loop.steps += decoder.steps - steps_before
+            self.loop.frames_s += handling[0]
+            self.loop.step_s += clock() - started - handling[0]
 
     def _run_job(self, job, feed, on_frame, on_done, on_cancelled, on_error) -> None:
         from terra_cli.pipeline.rounds import plan_rounds

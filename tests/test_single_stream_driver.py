@@ -2,6 +2,8 @@
 the reference driver's tokens for the same jobs (rounds, frame offsets, seeds), cancellation and
 a failing job on their own, Jacobi drafts through `load_backend`, and its options checked once."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -122,6 +124,35 @@ def test_a_job_cancelled_in_a_row_batch_stops_and_the_others_go_on(backends):
     assert cancelled == ["x"] and list(done) == ["y"]
     assert seen == [("x", 2), ("y", 2), ("y", 3)]  # x's second frame was not reported
     np.testing.assert_array_equal(done["y"], expected["y"])
+
+
+def test_a_row_batch_waits_briefly_for_as_many_jobs_as_the_last_one_held(backends, monkeypatch):
+    """Sessions answered by one batch ask again a little apart: the next batch waits for them (up to
+    GATHER_S, here made generous) instead of starting with the first alone; a lone job never waits."""
+    from terra_cli.backends import single_stream_driver
+
+    monkeypatch.setattr(single_stream_driver, "GATHER_S", 5.0)
+    single, _ = backends
+    feed = JobFeed()
+    feed.put(job("s1", 41, total=3))
+    feed.put(job("s2", 42, total=3))
+    next_of = {"s1": (job("s1+", 43, total=3), 0.05), "s2": (job("s2+", 44, total=3), 0.3)}
+    frames, ended = [], []
+
+    def on_done(j, tokens):
+        ended.append(j.key)
+        if j.key in next_of:
+            follow, delay = next_of[j.key]
+            threading.Timer(delay, feed.put, args=(follow,)).start()
+        if len(ended) == 4:
+            feed.close()
+
+    driver = single.driver(4)
+    driver.run(feed, on_frame=lambda j, i, t: frames.append(j.key), on_done=on_done)
+    assert frames == ["s1", "s2", "s1+", "s2+"] and driver.loop.steps == 2 * (CODES - 1)  # two batches of two
+    assert driver.gather() == (5.0, 2)
+    lone = single.driver(4)
+    assert lone.gather() == (0.0, 0)  # nothing batched yet: no wait
 
 
 def test_jobs_of_several_rounds_or_other_sampling_do_not_join_a_row_batch(backends):

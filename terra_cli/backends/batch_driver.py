@@ -11,6 +11,9 @@ from terra_cli.backends import driver
 from terra_cli.backends.driver import JobFeed, LoopTimes, RolloutJob, admit, timed_get
 
 
+GATHER_POLL_S = 0.002  # how often a gathering batch looks at the feed again
+
+
 class BatchAtATimeDriver:
     """A driver that runs one batch of jobs to its end before it takes the next: the reference's
     lockstep batches of compatible jobs (`hf.ReferenceDriver`) and the single-stream decoder's one
@@ -29,6 +32,11 @@ class BatchAtATimeDriver:
     def batch_limit(self) -> int:
         """Jobs a batch takes at most."""
         return self.max_in_flight
+
+    def gather(self) -> tuple[float, int]:
+        """How long a batch that could take more waits for compatible jobs still to come from a feed, and
+        how many jobs it waits for at most: (0, 0) here, never (lockstep batches take what is there)."""
+        return 0.0, 0
 
     def compatible(self, first: RolloutJob, job: RolloutJob) -> bool:
         """Whether `job` may join the batch `first` opened (the reference's lockstep: `driver.compatible`)."""
@@ -58,9 +66,14 @@ class BatchAtATimeDriver:
                 admitting, idle_before = clock(), self.loop.idle_s
                 first = (pending.popleft() if pending else None) if feed is None else timed_get(feed, idle_wait, self.loop)
                 batch = [first] if admitted(first) else []
+                wait_s, wanted = self.gather() if feed is not None else (0.0, 0)
+                until = clock() + wait_s
                 while batch and len(batch) < self.batch_limit():
                     job = take_compatible(first)
                     if job is None:
+                        if len(batch) < wanted and clock() < until and not feed.finished:
+                            time.sleep(GATHER_POLL_S)
+                            continue
                         break
                     if admitted(job):
                         batch.append(job)

@@ -24,9 +24,21 @@ class _JobCancelled(Exception):
     pass
 
 
+# Sessions answered by one batch ask for their next frames a few milliseconds apart; without waiting
+# for them, the first to ask would start a batch alone and the rest would wait a whole frame for the
+# next, splitting the sessions into batches out of step. So a batch waits up to this long for as many
+# jobs as the last batch held (a lone rollout, whose last batch held one, never waits).
+GATHER_S = 0.03
+
+
 class SingleStreamDriver(BatchAtATimeDriver):
     """One job at a time, or up to `max_in_flight` (at most `row_batch.MAX_ROWS`) one-round jobs as a
     row batch when the backend decodes plainly (Jacobi drafts run one rollout at a time)."""
+
+    last_batch = 1
+
+    def gather(self) -> tuple[float, int]:
+        return (GATHER_S, self.last_batch) if self.last_batch > 1 and self.batch_limit() > 1 else (0.0, 0)
 
     def batch_limit(self) -> int:
         from terra_cli.backends.row_batch import MAX_ROWS
@@ -41,6 +53,7 @@ class SingleStreamDriver(BatchAtATimeDriver):
                 and max(first.total_frames, job.total_frames) <= self.layout.max_frames)
 
     def _run_batch(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
+        self.last_batch = len(batch)
         if len(batch) == 1:
             self._run_job(batch[0], feed, on_frame, on_done, on_cancelled, on_error)
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -105,13 +106,30 @@ def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_s
 
     engine = load_engine(EngineConfig(model=str(model), tokenizer=frame_tokenizer, backend="single-stream",
                                       device="cpu", dtype="float32", threads=1))
-    with TestClient(create_app(engine, Settings(max_sessions=2, session_timeout=120))) as client:
+
+    def session_tokens(client, seed):
         created = client.post("/v1/sessions", json={"context": {"tokens": np.load(folder / "ctx.npy").tolist()},
-                                                    "seed": SEED})
+                                                    "seed": seed})
         assert created.status_code == 201, created.text
         session = created.json()["id"]
         for _ in range(FRAMES - 2):
             step = client.post(f"/v1/sessions/{session}/step", json={"action": "straight"})
             assert step.status_code == 200, step.text
-        tokens = np.load(io.BytesIO(client.get(f"/v1/sessions/{session}/tokens").content))
-    np.testing.assert_array_equal(tokens, reference)
+        return np.load(io.BytesIO(client.get(f"/v1/sessions/{session}/tokens").content))
+
+    with TestClient(create_app(engine, Settings(max_sessions=3, session_timeout=120))) as client:
+        np.testing.assert_array_equal(session_tokens(client, SEED), reference)
+        # two sessions at once: their steps that wait together run as one row batch (row_batch.py),
+        # and each keeps the tokens it gets alone. The batch's wait for the other session's next step
+        # (GATHER_S) is made long enough for this machine's round trip, so a batch surely forms.
+        from terra_cli.backends import single_stream_driver
+
+        gather, single_stream_driver.GATHER_S = single_stream_driver.GATHER_S, 2.0
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                together = list(pool.map(lambda seed: session_tokens(client, seed), (SEED, SEED + 1)))
+        finally:
+            single_stream_driver.GATHER_S = gather
+        assert engine.driver.backend.rows is not None  # a row batch ran
+    np.testing.assert_array_equal(together[0], reference)
+    np.testing.assert_array_equal(together[1], one_videos[1])

@@ -126,33 +126,37 @@ def test_a_job_cancelled_in_a_row_batch_stops_and_the_others_go_on(backends):
     np.testing.assert_array_equal(done["y"], expected["y"])
 
 
-def test_a_row_batch_waits_briefly_for_as_many_jobs_as_the_last_one_held(backends, monkeypatch):
-    """Sessions answered by one batch ask again a little apart: the next batch waits for them (up to
-    GATHER_S, here made generous) instead of starting with the first alone; a lone job never waits."""
+def test_a_row_batch_waits_briefly_for_a_job_of_every_recent_session(backends, monkeypatch):
+    """Sessions ask for their next frames a little apart: a batch waits for one job of every session
+    (affinity) that ran lately (up to GATHER_S, here made generous) instead of starting with the first
+    alone, so sessions that began out of step run together from then on; with no other session, no wait."""
+    from dataclasses import replace
+
     from terra_cli.backends import single_stream_driver
 
     monkeypatch.setattr(single_stream_driver, "GATHER_S", 5.0)
     single, _ = backends
     feed = JobFeed()
-    feed.put(job("s1", 41, total=3))
-    feed.put(job("s2", 42, total=3))
-    next_of = {"s1": (job("s1+", 43, total=3), 0.05), "s2": (job("s2+", 44, total=3), 0.3)}
+    a1, a2 = replace(job("a1", 41, total=3), affinity="A"), replace(job("a2", 43, total=3), affinity="A")
+    b1, b2 = replace(job("b1", 42, total=3), affinity="B"), replace(job("b2", 44, total=3), affinity="B")
+    feed.put(a1)
     frames, ended = [], []
+    driver = single.driver(4)
+    assert driver.gather() == (0.0, 0)  # no session ran yet: no wait
 
     def on_done(j, tokens):
         ended.append(j.key)
-        if j.key in next_of:
-            follow, delay = next_of[j.key]
-            threading.Timer(delay, feed.put, args=(follow,)).start()
+        if j.key == "a1":  # b1 comes while a1 runs: it runs alone after it, out of step
+            feed.put(b1)
+        if j.key == "b1":  # then A asks again at once and B 0.3 s later: the batch waits for B
+            feed.put(a2)
+            threading.Timer(0.3, feed.put, args=(b2,)).start()
         if len(ended) == 4:
             feed.close()
 
-    driver = single.driver(4)
     driver.run(feed, on_frame=lambda j, i, t: frames.append(j.key), on_done=on_done)
-    assert frames == ["s1", "s2", "s1+", "s2+"] and driver.loop.steps == 2 * (CODES - 1)  # two batches of two
+    assert frames == ["a1", "b1", "a2", "b2"] and driver.loop.steps == 3 * (CODES - 1)  # a1, b1, then a2+b2 together
     assert driver.gather() == (5.0, 2)
-    lone = single.driver(4)
-    assert lone.gather() == (0.0, 0)  # nothing batched yet: no wait
 
 
 def test_jobs_of_several_rounds_or_other_sampling_do_not_join_a_row_batch(backends):

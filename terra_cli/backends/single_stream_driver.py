@@ -24,21 +24,28 @@ class _JobCancelled(Exception):
     pass
 
 
-# Sessions answered by one batch ask for their next frames a few milliseconds apart; without waiting
-# for them, the first to ask would start a batch alone and the rest would wait a whole frame for the
-# next, splitting the sessions into batches out of step. So a batch waits up to this long for as many
-# jobs as the last batch held (a lone rollout, whose last batch held one, never waits).
-GATHER_S = 0.03
+# Sessions ask for their next frames a few milliseconds after their last one is answered. Taking only
+# what is there, the first to ask would start a batch alone and the rest would wait a whole frame for
+# the next one: the sessions would run in batches out of step, or one at a time. So a batch waits up to
+# GATHER_S for a job from every session (job affinity) that ran within the last RECENT_S; a lone
+# session never waits.
+GATHER_S = 0.05
+RECENT_S = 5.0
 
 
 class SingleStreamDriver(BatchAtATimeDriver):
     """One job at a time, or up to `max_in_flight` (at most `row_batch.MAX_ROWS`) one-round jobs as a
     row batch when the backend decodes plainly (Jacobi drafts run one rollout at a time)."""
 
-    last_batch = 1
+    def __init__(self, backend, max_in_flight: int = 1):
+        super().__init__(backend, max_in_flight)
+        self.recent: dict[str, float] = {}  # a session's affinity -> when its last job ran
 
     def gather(self) -> tuple[float, int]:
-        return (GATHER_S, self.last_batch) if self.last_batch > 1 and self.batch_limit() > 1 else (0.0, 0)
+        now = time.perf_counter()
+        self.recent = {key: ran for key, ran in self.recent.items() if now - ran < RECENT_S}
+        wanted = min(len(self.recent), self.batch_limit())
+        return (GATHER_S, wanted) if wanted > 1 else (0.0, 0)
 
     def batch_limit(self) -> int:
         from terra_cli.backends.row_batch import MAX_ROWS
@@ -53,7 +60,8 @@ class SingleStreamDriver(BatchAtATimeDriver):
                 and max(first.total_frames, job.total_frames) <= self.layout.max_frames)
 
     def _run_batch(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
-        self.last_batch = len(batch)
+        now = time.perf_counter()
+        self.recent.update((job.affinity, now) for job in batch if job.affinity is not None)
         if len(batch) == 1:
             self._run_job(batch[0], feed, on_frame, on_done, on_cancelled, on_error)
         else:

@@ -16,6 +16,12 @@ values) and the step's time at the card's bandwidth. Random weights in Terra's s
 --check (CPU, a tiny model, FlashAttention's paged contract written plainly): the batched step's
 logits equal each row's own single-row decoder's at the same position, to float32 rounding.
 
+--product: the product's row batch (`backends/row_batch.RowBatchDecoder`, what `terra serve` on
+`--backend single-stream` runs for sessions that ask together) for each B in --rows: B rollouts with a
+3-frame context, 2 frames each, at temperature 0.9; s for the second frame (prompts and the first
+frame's graph capture and compile before it), frames/s a rollout and in all, beside one rollout alone
+on `SingleStreamDecoder`.
+
     python3 benchmarks/scripts/gpu_batched_step.py --rows 1,8,32 --contexts 3,12,24 --out $OUT/batched_step.json
     python3 benchmarks/scripts/gpu_batched_step.py --check
 """
@@ -226,6 +232,51 @@ def measure(rows_list: list[int], contexts: list[int], replays: int, heads: list
             "target_ms_for_0_6_frames_per_s": round(1 / (0.6 * stride) * 1e3, 3), "results": results}
 
 
+@torch.inference_mode()
+def measure_product(rows_list: list[int]) -> dict:
+    import numpy as np
+
+    from terra_cli.backends.base import Sampling
+    from terra_cli.backends.row_batch import RowBatchDecoder, RowWork
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+
+    cuda = torch.cuda.is_available()  # without one: a tiny model on the CPU, a dry run of this script
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    config = LlamaActionConfig(**TERRA_WORLD_MODEL_CONFIG) if cuda else tiny_config(image_vocab=64, image_tokens=40)
+    model = build_model(config, device, torch.bfloat16 if cuda else torch.float32)
+    single = SingleStreamDecoder(model, cuda_graphs=cuda)
+    layout, sampling = model.layout, Sampling(temperature=0.9)
+    rng = np.random.default_rng(0)
+
+    def work(seed: int) -> RowWork:
+        context = rng.integers(0, layout.image_vocab_size, size=(3, layout.image_tokens))
+        return RowWork(context, rng.normal(size=(4, layout.action_tokens, 3)).astype(np.float32), 5, seed)
+
+    results = []
+    alone = work(0)
+    single.rollout(alone.context, alone.actions, 5, sampling, 0)
+    results.append({"rows": 1, "path": "SingleStreamDecoder", "s_per_frame": round(float(np.mean(single.stats["frame_seconds"][1:])), 4)})
+    print(json.dumps(results[-1]), flush=True)
+    batch = RowBatchDecoder(single.core, max(rows_list), cuda_graphs=cuda)
+    for rows in rows_list:
+        stamps = []
+
+        def on_frame(i, f, tokens):
+            if i == 0:
+                if cuda:
+                    torch.cuda.synchronize()
+                stamps.append(time.perf_counter())
+
+        batch.rollouts([work(r) for r in range(rows)], sampling, on_frame=on_frame)
+        frame_s = stamps[-1] - stamps[-2]
+        results.append({"rows": rows, "path": "RowBatchDecoder", "s_per_frame": round(frame_s, 4),
+                        "frames_per_s_per_rollout": round(1 / frame_s, 3), "frames_per_s_all": round(rows / frame_s, 2)})
+        print(json.dumps(results[-1]), flush=True)
+    return {"gpu": torch.cuda.get_device_name() if cuda else "none (a CPU dry run)", "compiled_layers": single.core.compiled, "attention": single.core.attention,
+            "note": "s_per_frame: the last frame of 2 (from rollout 0's report to the next)", "results": results}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,32")
@@ -234,10 +285,13 @@ def main() -> None:
     parser.add_argument("--heads", default="linear,decoder,weight-major",
                         help="lm_head's kernels to time (each point also times the layers alone)")
     parser.add_argument("--check", action="store_true", help="the CPU check of the batched step's math")
+    parser.add_argument("--product", action="store_true", help="time the product's row batch (row_batch.py)")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
     if options.check:
         result = check()
+    elif options.product:
+        result = measure_product([int(r) for r in options.rows.split(",")])
     else:
         result = measure([int(r) for r in options.rows.split(",")], [int(c) for c in options.contexts.split(",")],
                          options.replays, options.heads.split(","))

@@ -36,8 +36,8 @@
 #          ONE_AFTER=next2: serve41, a third session with both switches, gpu_vae_decode.py's product, both and
 #          both-bf16, then the refined run within RUN_S (~20 minutes with NREF1=32); ONE_AFTER=next3: `terra
 #          serve` on vLLM at 1, 8 and 32 sessions with its logits weight-major and then as vLLM computes them,
-#          the same on single-stream (its row batches), and gpu_batched_step.py at 3, 6 and 12 frames of
-#          context (~14 minutes); `await` collects it
+#          the same on single-stream (its row batches), the product's row batch alone (`gpu_batched_step.py
+#          --product`), and the batched step at 3, 6 and 12 frames of context (~16 minutes); `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -471,6 +471,8 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       timeout 300 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
         --serve-args "--backend single-stream" --out "$OUT/serve-rows" > "$OUT/serve-rows.log" 2>&1
       echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --product --rows 8,32 \
+        --out "$OUT/row_batch.json" > "$OUT/row_batch.log" 2>&1; echo "row_batch exit $?" >> "$STEP_LOG"
       timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --rows 8,32 --contexts 3,6,12 --heads weight-major \
         --out "$OUT/batched_step.json" > "$OUT/batched_step.log" 2>&1; echo "batched_step exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then

@@ -24,9 +24,8 @@ import numpy as np
 import torch
 
 from terra_cli.backends.base import Sampling
-from terra_cli.backends.device_sampling import filtered_probabilities, greedy_codes, next_codes
+from terra_cli.backends.device_sampling import FrameGenerators, filtered_probabilities, greedy_codes, next_codes
 from terra_cli.backends.static_kv import StaticKVDecoder
-from terra_cli.seeds import draw_seed
 
 ROW_BUCKETS = (2, 4, 8, 16, 32)
 MAX_ROWS = ROW_BUCKETS[-1]
@@ -69,12 +68,11 @@ class RowBatchDecoder:
         self.frame_codes = torch.zeros(rows, self.layout.image_tokens, **long)
         self.noise = torch.zeros(rows, self.layout.image_vocab_size, dtype=torch.float32, device=device)
         self.generators = [torch.Generator(device=device) for _ in range(rows)]
-        self.placeholders = torch.full((self.layout.action_tokens,), self.layout.action_placeholder_id, **long)
         self.sampling = Sampling()
         # a graph needs FlashAttention's path: the torch one reads each row's length on the host
         self.cuda_graphs = cuda_graphs and self.core.flash is not None
         self.graphs: dict = {}
-        self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.steps = 0
 
     def step(self, n: int) -> None:
@@ -104,28 +102,14 @@ class RowBatchDecoder:
             graph.replay()
 
     def capture(self, n: int):
-        """One step of n rows as a CUDA graph. The warm-up steps run for real on scratch generators and
-        the state they change is put back: their cache writes sit where the next real steps write the
-        same inputs again (as `single_stream.StepGraphs.capture`)."""
-        state = [self.codes, self.positions, self.next_index, self.frame_codes]
-        saved = [t.clone() for t in state]
-        generators = self.generators
-        self.generators = [torch.Generator(device=self.core.device) for _ in generators]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.step(n)
-        torch.cuda.current_stream().wait_stream(side)
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
-        self.generators = generators
-        graph = torch.cuda.CUDAGraph()
-        for generator in generators[:n]:
-            graph.register_generator_state(generator)
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.step(n)
-        return graph
+        """One step of n rows as a CUDA graph (`single_stream.capture_step`), drawing from rows 0..n-1's generators."""
+        from terra_cli.backends.single_stream import capture_step
+
+        def use_generators(generators):
+            self.generators[:n] = generators
+
+        return capture_step(lambda: self.step(n), [self.codes, self.positions, self.next_index, self.frame_codes],
+                            self.generators[:n], use_generators, self.pool)
 
     @torch.inference_mode()
     def rollouts(self, work: list[RowWork], sampling: Sampling, on_frame=None, on_row_done=None) -> list[np.ndarray]:
@@ -140,14 +124,11 @@ class RowBatchDecoder:
         self.sampling = sampling
         out = [np.empty((w.num_frames, codes), dtype=np.int64) for w in work]
         waypoints = [torch.tensor(w.actions, device=device) for w in work]
-        pending: list[torch.Tensor | None] = []
+        seeds = [FrameGenerators(self.generators[row], w.seed, w.first_frame) for row, w in enumerate(work)]
+        pending = []
         for row, w in enumerate(work):
-            known = w.context.shape[0]
-            out[row][:known] = w.context
-            context = torch.tensor(w.context, device=device)
-            prompt = torch.cat([context, self.placeholders.expand(known, -1)], dim=1).reshape(-1)
-            pending.append(core.forward_with_actions(prompt, torch.arange(prompt.shape[0], device=device),
-                                                     waypoints[row][:known].reshape(-1, 3), row=row))
+            out[row][:w.context.shape[0]] = w.context
+            pending.append(core.forward_prompt(torch.tensor(w.context, device=device), waypoints[row], row=row))
         self.moving.zero_()
         live = [True] * len(work)
         for g in range(max(w.num_frames - w.context.shape[0] for w in work)):
@@ -158,9 +139,7 @@ class RowBatchDecoder:
                     self.moving[row] = 0
                     continue
                 frames[row] = f
-                generator = self.generators[row]
-                generator.manual_seed(draw_seed(w.seed, w.first_frame + f))
-                code = next_codes(pending[row], layout, sampling, generator)
+                code = next_codes(pending[row], layout, sampling, seeds[row].start_frame(f))
                 self.frame_codes[row, :1].copy_(code)
                 self.codes[row:row + 1].copy_(code)
                 self.positions[row] = f * stride
@@ -174,10 +153,7 @@ class RowBatchDecoder:
                 w = work[row]
                 out[row][f] = decided[row]
                 if f < w.num_frames - 1:
-                    tail = torch.cat([self.frame_codes[row, codes - 1:codes], self.placeholders])
-                    base = f * stride
-                    pending[row] = core.forward_with_actions(tail, torch.arange(base + codes - 1, base + stride, device=device),
-                                                             waypoints[row][f], row=row)
+                    pending[row] = core.forward_frame_end(self.frame_codes[row, codes - 1:codes], f, waypoints[row][f], row=row)
                 if on_frame is not None and on_frame(row, f, out[row][f]) is False:
                     live[row] = False
                     continue

@@ -76,29 +76,40 @@ class StepGraphs:
 
     def capture(self, step, key_length: int):
         decoder = self.decoder
-        # Warm-up steps execute for real: they draw from a scratch generator and the state they
-        # change is put back, so capturing changes no code and no draw. Their cache writes sit at
-        # positions the next real step rewrites with the same inputs.
-        saved = [t.clone() for t in decoder.state_tensors()]
-        generator = decoder.generator
-        decoder.generator = torch.Generator(device=decoder.core.device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step(decoder, key_length)
-        torch.cuda.current_stream().wait_stream(side)
-        for tensor, value in zip(decoder.state_tensors(), saved):
-            tensor.copy_(value)
-        decoder.generator = generator
-        graph = torch.cuda.CUDAGraph()
-        # A generator other than the device's default must be registered, so that each replay
-        # advances its offset (and a reseed between replays takes effect).
-        graph.register_generator_state(generator)
-        with torch.cuda.graph(graph, pool=self.pool):
-            step(decoder, key_length)
+
+        def use_generators(generators):
+            decoder.generator = generators[0]
+
+        graph = capture_step(lambda: step(decoder, key_length), decoder.state_tensors(), [decoder.generator],
+                             use_generators, self.pool)
         self.captures += 1
         return graph
+
+
+def capture_step(step, state: list[torch.Tensor], generators: list[torch.Generator], use_generators, pool):
+    """`step()` as a CUDA graph that draws from `generators`. Warm-up steps execute for real: they draw
+    from scratch generators (put in place by `use_generators(list)`) and the `state` they change is put
+    back, so capturing changes no code and no draw. Their cache writes sit at positions the next real
+    step rewrites with the same inputs."""
+    saved = [t.clone() for t in state]
+    use_generators([torch.Generator(device=g.device) for g in generators])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for tensor, value in zip(state, saved):
+        tensor.copy_(value)
+    use_generators(generators)
+    graph = torch.cuda.CUDAGraph()
+    # A generator other than the device's default must be registered, so that each replay
+    # advances its offset (and a reseed between replays takes effect).
+    for generator in generators:
+        graph.register_generator_state(generator)
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph
 
 
 class SingleStreamDecoder:
@@ -126,7 +137,6 @@ class SingleStreamDecoder:
         self.drafts = torch.zeros(k, **long)
         self.accepted = torch.zeros((), **long)
         self.window = torch.arange(k + 1, **long)
-        self.placeholders = torch.full((self.layout.action_tokens,), self.layout.action_placeholder_id, **long)
         self.sampling = Sampling()
         self.generator = torch.Generator(device=device)
         self.graphs = StepGraphs(self, cuda_graphs)
@@ -149,9 +159,7 @@ class SingleStreamDecoder:
         frames = np.empty((num_frames, codes), dtype=np.int64)
         frames[:known] = context
         context_t = torch.tensor(context, device=device)
-        prompt = torch.cat([context_t, self.placeholders.expand(known, -1)], dim=1).reshape(-1)
-        pending = core.forward_with_actions(prompt, torch.arange(prompt.shape[0], device=device),
-                                            waypoints[:known].reshape(-1, 3))
+        pending = core.forward_prompt(context_t, waypoints)
         self.frame_codes[:codes].copy_(context_t[-1])
         steps, frame_seconds = 0, []
         self.accepted.zero_()
@@ -168,10 +176,7 @@ class SingleStreamDecoder:
             frame = self.frame_codes[:codes].cpu().numpy()  # the frame's one copy to the host
             frames[f] = frame
             if f < num_frames - 1:
-                base = f * stride
-                tail = torch.cat([self.frame_codes[codes - 1:codes], self.placeholders])
-                pending = core.forward_with_actions(tail, torch.arange(base + codes - 1, base + stride, device=device),
-                                                    waypoints[f])
+                pending = core.forward_frame_end(self.frame_codes[codes - 1:codes], f, waypoints[f])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             frame_seconds.append(time.perf_counter() - started)

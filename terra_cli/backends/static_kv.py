@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from terra_cli.backends.layer_ops import LayerOps, cache_write
 from terra_cli.kernels import few_rows_matmul as few_rows
-from terra_cli.models.modeling_hf import LlamaActionForCausalLM
+from terra_cli.models.modeling_hf import LlamaActionForCausalLM, weight_major_logits
 from terra_cli.runtime import choice_switch
 
 
@@ -228,6 +228,8 @@ class StaticKVDecoder:
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.key_positions = torch.arange(self.cache_positions, device=self.device)
+        self.placeholders = torch.full((self.layout.action_tokens,), self.layout.action_placeholder_id,
+                                       dtype=torch.long, device=self.device)
         if fp8_weights and not few_rows.runs_on(self.device):
             raise ValueError(f"fp8 weights run through terra's Triton kernel, on CUDA; the model is on {self.device}")
         self.fused_cache_write = cache_write() == "fused"
@@ -262,6 +264,22 @@ class StaticKVDecoder:
         hidden = self.hidden(embeds, positions, key_length, row=row)
         return self.model.lm_head(hidden[-logits_to_keep:])
 
+    def forward_prompt(self, context: torch.Tensor, waypoints: torch.Tensor, row: int = 0) -> torch.Tensor:
+        """A round's prompt into row `row`: context (K, T) codes, each frame followed by its action slots
+        with waypoints (>= K, A, 3) -> the logits of the first generated frame's code 0."""
+        known = context.shape[0]
+        prompt = torch.cat([context, self.placeholders.expand(known, -1)], dim=1).reshape(-1)
+        return self.forward_with_actions(prompt, torch.arange(prompt.shape[0], device=self.device),
+                                         waypoints[:known].reshape(-1, 3), row=row)
+
+    def forward_frame_end(self, last_code: torch.Tensor, frame: int, waypoints: torch.Tensor, row: int = 0) -> torch.Tensor:
+        """The step that closes frame `frame` of row `row`: its last code (1,) and its action slots with
+        waypoints (A, 3) -> the logits of the next frame's code 0."""
+        base, codes = frame * self.layout.frame_stride, self.layout.image_tokens
+        return self.forward_with_actions(torch.cat([last_code, self.placeholders]),
+                                         torch.arange(base + codes - 1, base + self.layout.frame_stride, device=self.device),
+                                         waypoints, row=row)
+
     def forward_rows(self, codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step of rows 0..S-1: codes (S,) at the rows' own positions (S,) -> logits (S, V)."""
         return self.logits(self.hidden(self.embed_codes(codes, positions), positions, 0, decode=True, batched=True))
@@ -281,7 +299,7 @@ class StaticKVDecoder:
                                      and not (hidden.is_cuda and hidden.shape[0] > FEW_ROWS)):
             return head(hidden)
         else:
-            logits = (head.weight @ hidden.t()).t().contiguous()
+            logits = weight_major_logits(head.weight, hidden)
         return logits if head.bias is None else logits + head.bias
 
     def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False,

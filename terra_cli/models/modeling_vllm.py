@@ -36,7 +36,7 @@ from vllm.model_executor.models.llama import LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from terra_cli.models.config import LlamaActionConfig
-from terra_cli.models.modeling_hf import SpatioTemporalEmbedding, build_action_projection
+from terra_cli.models.modeling_hf import SpatioTemporalEmbedding, build_action_projection, weight_major_logits
 from terra_cli.runtime import WEIGHT_MAJOR_LOGITS_ROWS, vllm_weight_major_logits
 
 
@@ -135,12 +135,6 @@ class LlamaActionForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
-
-
-def weight_major_logits(weight: torch.Tensor, hidden_states: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """hidden (rows, H) @ weight (>= vocab, H).T computed as weight @ hidden.T, which cuBLAS tiles over the
-    vocabulary (`runtime.VLLM_LOGITS_ENV`): the same sums; the head's padding rows dropped, as vLLM does."""
-    return (weight[:vocab_size] @ hidden_states.t()).t().contiguous()
 
 
 class LlamaActionV2ForCausalLM(LlamaActionForCausalLM):

@@ -40,6 +40,15 @@ def job(key, seed, total=6, offset=0, temperature=0.9):
                       total, Sampling(temperature=temperature, top_k=20, seed=seed), frame_offset=offset)
 
 
+def closed_feed(jobs):
+    """A feed holding `jobs`, closed: a driver returns once they are done."""
+    feed = JobFeed()
+    for j in jobs:
+        feed.put(j)
+    feed.close()
+    return feed
+
+
 def run(driver, jobs, **callbacks):
     done, frames = {}, []
     driver.run(jobs, on_frame=lambda j, i, t: frames.append((j.key, i)),
@@ -51,10 +60,7 @@ def test_jobs_draw_the_reference_drivers_tokens_over_rounds_and_frame_offsets(ba
     single, reference = backends
     jobs = [job("a", 7, total=6), job("b", 2**40 + 5, total=5, offset=3)]  # 6 frames: two rounds of at most 4
     expected, _ = run(reference.driver(1), jobs)
-    feed = JobFeed()
-    for j in jobs:
-        feed.put(j)
-    feed.close()
+    feed = closed_feed(jobs)
     driver = single.driver(4)
     got, frames = run(driver, feed)
     assert sorted(got) == ["a", "b"]
@@ -66,11 +72,8 @@ def test_jobs_draw_the_reference_drivers_tokens_over_rounds_and_frame_offsets(ba
 
 def test_a_cancelled_job_stops_and_a_bad_job_fails_alone(backends):
     single, _ = backends
-    feed = JobFeed()
     bad = RolloutJob("bad", np.full((2, CODES), VOCAB + 5), np.zeros((5, 6, 3), np.float32), 5, Sampling())
-    for j in (job("first", 1), bad, job("last", 3, total=4)):
-        feed.put(j)
-    feed.close()
+    feed = closed_feed([job("first", 1), bad, job("last", 3, total=4)])
     cancelled, errors = [], []
 
     def on_frame(j, index, tokens):
@@ -91,10 +94,7 @@ def test_one_round_jobs_waiting_together_run_as_one_row_batch_with_the_reference
     single, reference = backends
     jobs = [job("a", 21, total=4), job("b", 22, total=3, offset=5), job("c", 2**33 + 23, total=4, offset=2)]
     expected, _ = run(reference.driver(1), jobs)
-    feed = JobFeed()
-    for j in jobs:
-        feed.put(j)
-    feed.close()
+    feed = closed_feed(jobs)
     driver = single.driver(8)
     got, frames = run(driver, feed)
     assert sorted(got) == ["a", "b", "c"]
@@ -108,10 +108,7 @@ def test_a_job_cancelled_in_a_row_batch_stops_and_the_others_go_on(backends):
     single, reference = backends
     jobs = [job("x", 31, total=4), job("y", 32, total=4)]
     expected, _ = run(reference.driver(1), jobs[1:])
-    feed = JobFeed()
-    for j in jobs:
-        feed.put(j)
-    feed.close()
+    feed = closed_feed(jobs)
     cancelled, seen, done = [], [], {}
 
     def on_frame(j, index, tokens):

@@ -106,20 +106,6 @@ def sparse_graph_sizes_asked(environ=None) -> bool:
     return choice_switch(GRAPH_SIZES_ENV, ("sparse", "vllm"), "sparse (terra's sizes) or vllm", environ) == "sparse"
 
 
-# A step's logits at 2-32 rollouts (a server's sessions, a run's last rollouts) read Terra's 1.07 GB lm_head
-# at about a quarter of the card's pace when computed as h @ W.T: cuBLAS picks a poor kernel for so few rows
-# (262,144 x 2,048 at 8-32 rows on an H200: 0.75-0.9 ms a step more than W @ h.T, 2026-11-29, lease 7,
-# `benchmarks/scripts/gpu_batched_step.py`). So terra's vLLM model computes them weight-major there, on CUDA;
-# TERRA_VLLM_LOGITS=linear keeps vLLM's own head (to compare).
-VLLM_LOGITS_ENV = "TERRA_VLLM_LOGITS"
-WEIGHT_MAJOR_LOGITS_ROWS = (2, 32)  # the rows where it was measured faster; one row is a GEMV either way
-
-
-def vllm_weight_major_logits(environ=None) -> bool:
-    return choice_switch(VLLM_LOGITS_ENV, ("weight-major", "linear"), "weight-major (the default) or linear",
-                         environ) != "linear"
-
-
 TOKENIZER_BATCH_ENV = "TERRA_TOKENIZER_BATCH"
 
 

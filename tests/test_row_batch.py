@@ -6,9 +6,10 @@ while the others go on."""
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from terra_cli.backends.base import Sampling
-from terra_cli.backends.row_batch import ROW_BUCKETS, RowBatchDecoder, RowWork, bucket
+from terra_cli.backends.row_batch import MAX_ROWS, ROW_BUCKETS, RowBatchDecoder, RowWork, bucket
 from terra_cli.backends.single_stream import SingleStreamDecoder
 from terra_cli.models.modeling_hf import load_model
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
@@ -126,3 +127,30 @@ def test_the_flash_attention_layout_gives_each_rollout_its_own_codes(model, monk
     for w, frames in zip(batch, got):
         np.testing.assert_array_equal(frames, alone(model, w, sampling))
     assert 4 in plans and 1 in plans  # the batched steps' four rows, and each prompt's and frame end's one
+
+
+def test_compiled_layer_functions_keep_a_graph_for_every_row_count(model, monkeypatch):
+    # Dynamo's eager backend guards and counts shapes as Inductor would, without a C++ build; running
+    # past the recompile limit raises here (it would only log and go eager in a server).
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compile(fn, backend="eager", dynamic=False,
+                                                                        fullgraph=True))
+    torch._dynamo.reset()
+    # dynamo's default limit, whatever ran before
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8):
+        single = SingleStreamDecoder(model, compile_layers=True)
+        assert single.core.compiled
+        batch = [work(seed, 2, 3) for seed in range(MAX_ROWS)]
+        decoder = RowBatchDecoder(single.core, rows=MAX_ROWS)
+        assert decoder.warm_up(Sampling(temperature=0.9)) > 0
+        graphs = counters["stats"]["unique_graphs"]
+        for rows in ROW_BUCKETS:
+            expected = [alone(model, w, Sampling(temperature=0)) for w in batch[:rows]] if rows <= 2 else None
+            got = decoder.rollouts(batch[:rows], Sampling(temperature=0))
+            if expected is not None:  # the compiled functions are the eager ones' math
+                for frames, want in zip(got, expected):
+                    np.testing.assert_array_equal(frames, want)
+        assert counters["stats"]["unique_graphs"] == graphs  # the warm-up compiled every row count a batch runs at
+        single.rollout(batch[0].context, batch[0].actions, 3, Sampling(temperature=0), batch[0].seed)
+        assert single.core.ops.compile_error is None and single.core.compiled
+    torch._dynamo.reset()

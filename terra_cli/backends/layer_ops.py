@@ -167,17 +167,30 @@ class FusedOps:
         self.attention_output_and_mlp = functools.partial(attention_output_and_mlp_fused, linear=linear)
 
 
+# Dynamo keeps at most `recompile_limit` (8) compiled shapes a code object, then runs new shapes
+# eagerly without a word but a log line. A decoder asks for one row count a step kind (1, a draft
+# window's K) and row batches for five more (2-32): `terra serve` with row batches ran past 8 on an H200
+# (2026-11-29, lease 8) and its batched steps went eager.
+RECOMPILE_LIMIT = 32
+
+
 class CompiledOps:
-    """The two functions through torch.compile (static shapes: a decoder's decode steps have one
-    row count). If compiling fails on the first call (a warm-up step, before any CUDA graph
-    capture), the eager functions take over and `error` says why."""
+    """The functions through torch.compile (static shapes: one compiled graph a row count). If
+    compiling fails on the first call (a warm-up step, before any CUDA graph capture), the eager
+    functions take over and `error` says why."""
 
     def __init__(self, mode: str | None = None, linear=F.linear):
         self.error: str | None = None
         self._eager = FusedOps(linear)
-        self._inputs = torch.compile(self._eager.attention_inputs, dynamic=False, fullgraph=True, mode=mode)
-        self._written = torch.compile(self._eager.attention_inputs_written, dynamic=False, fullgraph=True, mode=mode)
-        self._output = torch.compile(self._eager.attention_output_and_mlp, dynamic=False, fullgraph=True, mode=mode)
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+        # The module's functions themselves where they can be: partials all run through one wrapper of
+        # dynamo's, whose one code object would hold every function's shapes under one limit.
+        plain = linear is F.linear
+        compile = functools.partial(torch.compile, dynamic=False, fullgraph=True, mode=mode)
+        self._inputs = compile(attention_inputs_fused if plain else self._eager.attention_inputs)
+        self._written = compile(attention_inputs_written if plain else self._eager.attention_inputs_written)
+        self._output = compile(attention_output_and_mlp_fused if plain else self._eager.attention_output_and_mlp)
 
     def _call(self, compiled, eager, *args):
         if self.error is None:

@@ -270,6 +270,13 @@ class SingleStreamBackend:
             self.rows = RowBatchDecoder(self.decoder.core, bucket(rows), cuda_graphs=self.decoder.graphs.enabled)
         return self.rows
 
+    def warm_row_batch(self, rows: int) -> float:
+        """Where steps are compiled or captured (CUDA), the row batch's every row count up to `rows`
+        now rather than on the first sessions' frames (`RowBatchDecoder.warm_up`): seconds taken."""
+        if rows < 2 or not (self.decoder.graphs.enabled or self.decoder.core.compiled):
+            return 0.0
+        return self.row_batch(rows).warm_up(Sampling())
+
     def generate(self, context_tokens, action_waypoints, num_frames, sampling: Sampling,
                  on_frame: FrameCallback | None = None, *, first_frame: int = 0) -> np.ndarray:
         """As `HfBackend.generate`; `first_frame`: the video frame index of the round's first

@@ -40,6 +40,7 @@ class SingleStreamDriver(BatchAtATimeDriver):
     def __init__(self, backend, max_in_flight: int = 1):
         super().__init__(backend, max_in_flight)
         self.recent: dict[str, float] = {}  # a session's affinity -> when its last job ran
+        self.warm_up_s = backend.warm_row_batch(self.batch_limit())
 
     def gather(self) -> tuple[float, int]:
         now = time.perf_counter()

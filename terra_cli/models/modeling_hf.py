@@ -140,11 +140,11 @@ class LlamaActionV2ForCausalLM(LlamaActionForCausalLM):
 MODEL_CLASSES = {ARCH_V1: LlamaActionForCausalLM, ARCH_V2: LlamaActionV2ForCausalLM}
 
 
-def weight_major_logits(weight: torch.Tensor, hidden: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """hidden (rows, H) @ weight (>= vocab, H).T computed as weight @ hidden.T, which cuBLAS tiles over the
-    vocabulary: the same sums, faster for a few rows (`runtime.VLLM_LOGITS_ENV`, `static_kv.LOGITS_ENV`); a
-    padded head's rows past `vocab_size` dropped, as vLLM does."""
-    return (weight[:vocab_size] @ hidden.t()).t().contiguous()
+def weight_major_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden (rows, H) @ weight (V, H).T computed as weight @ hidden.T, which cuBLAS tiles over the
+    vocabulary: the same sums, faster for a few rows (`static_kv.LOGITS_ENV`). Inside vLLM it gained
+    nothing at 1-32 sessions (benchmarks/README.md, 2026-11-29 lease 8), so vLLM keeps its own head."""
+    return (weight @ hidden.t()).t().contiguous()
 
 
 def build_model(config: LlamaActionConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):

@@ -29,15 +29,13 @@ import numpy as np
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.llama import LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from terra_cli.models.config import LlamaActionConfig
-from terra_cli.models.modeling_hf import SpatioTemporalEmbedding, build_action_projection, weight_major_logits
-from terra_cli.runtime import WEIGHT_MAJOR_LOGITS_ROWS, vllm_weight_major_logits
+from terra_cli.models.modeling_hf import SpatioTemporalEmbedding, build_action_projection
 
 
 def action_table_rows(config: LlamaActionConfig, max_num_seqs: int) -> int:
@@ -98,7 +96,6 @@ class LlamaActionForCausalLM(nn.Module):
         self.model = TerraDecoder(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.weight_major_logits = vllm_weight_major_logits() and get_tensor_model_parallel_world_size() == 1
         self.action_projection = build_action_projection(config, self.mlp_action_projection)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -124,11 +121,7 @@ class LlamaActionForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        if (self.weight_major_logits and hidden_states.is_cuda and isinstance(self.lm_head.quant_method, UnquantizedEmbeddingMethod)
-                and WEIGHT_MAJOR_LOGITS_ROWS[0] <= hidden_states.shape[0] <= WEIGHT_MAJOR_LOGITS_ROWS[1]):
-            logits = weight_major_logits(self.lm_head.weight, hidden_states, self.config.vocab_size)
-        else:
-            logits = self.logits_processor(self.lm_head, hidden_states)
+        logits = self.logits_processor(self.lm_head, hidden_states)
         if logits is not None:
             logits[..., self.layout.image_vocab_size :] = float("-inf")
         return logits

@@ -131,5 +131,6 @@ def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_s
         finally:
             single_stream_driver.GATHER_S = gather
         assert engine.driver.backend.rows is not None  # a row batch ran
+        assert engine.driver.backend.rows.prompts_reused > 0  # a next frame started from its row's cache
     np.testing.assert_array_equal(together[0], reference)
     np.testing.assert_array_equal(together[1], one_videos[1])

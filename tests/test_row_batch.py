@@ -65,6 +65,30 @@ def test_a_dropped_rollout_idles_and_the_batch_goes_on(model):
     np.testing.assert_array_equal(got[1], alone(model, batch[1], sampling))
 
 
+def next_frame_of(w: RowWork, frames: np.ndarray, seed: int) -> RowWork:
+    """A session's next frame: its frames so far as the context and one action more."""
+    action = np.random.default_rng(seed).normal(scale=2.0, size=(1, 6, 3)).astype(np.float32)
+    return RowWork(frames, np.concatenate([w.actions, action]), w.num_frames + 1, w.seed, w.first_frame)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=0.9, top_k=20)])
+def test_a_rollout_continuing_a_rows_frames_starts_from_that_rows_cache(model, sampling):
+    decoder = RowBatchDecoder(SingleStreamDecoder(model).core, rows=4)
+    first = [work(10, 2, 3), work(11, 2, 3, first_frame=5), work(12, 1, 2)]
+    got = decoder.rollouts(first, sampling)
+    prompts = []
+    forward_prompt = decoder.core.forward_prompt
+    decoder.core.forward_prompt = lambda *args, **kwargs: prompts.append(kwargs["row"]) or forward_prompt(*args, **kwargs)
+    edited = next_frame_of(first[1], got[1], 1)
+    edited.actions[0] += 1.0  # an earlier action differs: its row's cache does not hold this context
+    second = [next_frame_of(first[2], got[2], 2), work(13, 2, 3), next_frame_of(first[0], got[0], 3), edited]
+    assert decoder.place(second) == [2, 1, 0, 3]  # each continuation on its own row; the rest on free ones
+    again = decoder.rollouts(second, sampling)
+    assert sorted(prompts) == [1, 3] and decoder.prompts_reused == 2
+    for w, frames in zip(second, again):
+        np.testing.assert_array_equal(frames, alone(model, w, sampling))
+
+
 def test_batches_run_at_a_few_sizes():
     assert [bucket(n) for n in (2, 3, 4, 5, 9, 17, 32)] == [2, 4, 4, 8, 16, 32, 32]
     with pytest.raises(ValueError, match="at most 32"):

@@ -4,6 +4,9 @@
 `StaticKVDecoder(rows=...)`) and runs their frames in lockstep: every step feeds each row's last code
 at the row's own position and decides each row's next code, with one forward for all rows and, on
 CUDA, one CUDA graph. A row's prompt and the step that closes its frame run for that row alone.
+A row keeps what its last rollout wrote (`Resident`): a rollout that continues it (a server session's
+next frame, whose context is the frames so far) goes to that row and skips its prompt, which at 24
+frames of context is 14,000 positions a session.
 
 Each row draws from a generator of its own under the seed rule of `terra_cli/seeds.py` (frame f of a
 rollout seeded s from `draw_seed(s, f)`), with the reference's sampling rule (`device_sampling`): a
@@ -41,6 +44,23 @@ def bucket(rows: int) -> int:
 
 
 @dataclass
+class Resident:
+    """What a row's cache holds after a rollout: every frame's codes (F, T) but the last frame's last
+    code, and the action slots after each frame but the last (F - 1, A, 3). A later rollout whose
+    context is exactly those frames with those actions first (a session's next frame) needs only the
+    step that closes its last frame, not its whole prompt again."""
+
+    frames: np.ndarray
+    actions: np.ndarray
+
+    def holds(self, work: "RowWork") -> bool:
+        known = self.frames.shape[0]
+        return (work.context.shape == self.frames.shape and work.actions.shape[0] >= known
+                and np.array_equal(work.context, self.frames)
+                and np.array_equal(work.actions[:known - 1], self.actions))
+
+
+@dataclass
 class RowWork:
     """One rollout's round: context (K, T) int64, actions (num_frames - 1, A, 3) float32 (checked by the
     caller), `seed` the rollout's own, `first_frame` the video frame of its first context frame."""
@@ -75,6 +95,8 @@ class RowBatchDecoder:
         self.graphs: dict = {}
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.steps = 0
+        self.resident: list[Resident | None] = [None] * rows
+        self.prompts_reused = 0  # rollouts that started from a row's resident frames
 
     @torch.inference_mode()  # as `rollouts` runs: dynamo guards on it
     def warm_up(self, sampling: Sampling) -> float:
@@ -86,6 +108,7 @@ class RowBatchDecoder:
             return 0.0
         started = time.perf_counter()
         self.sampling = sampling
+        self.resident = [None] * self.rows  # its steps write at position 0 of every row
         state = [self.codes, self.positions, self.next_index, self.frame_codes]
         for n in (size for size in ROW_BUCKETS if size <= self.rows):
             if self.cuda_graphs:
@@ -133,6 +156,20 @@ class RowBatchDecoder:
         return capture_step(lambda: self.step(n), [self.codes, self.positions, self.next_index, self.frame_codes],
                             self.generators[:n], use_generators, self.pool)
 
+    def place(self, work: list[RowWork]) -> list[int]:
+        """Each rollout's row: the row whose cache already holds its context (`Resident.holds`), else
+        the lowest row no other rollout of the batch takes."""
+        rows: list[int | None] = [None] * len(work)
+        taken: set[int] = set()
+        for i, w in enumerate(work):
+            for row, resident in enumerate(self.resident):
+                if row not in taken and resident is not None and resident.holds(w):
+                    rows[i] = row
+                    taken.add(row)
+                    break
+        free = (row for row in range(self.rows) if row not in taken)
+        return [row if row is not None else next(free) for row in rows]
+
     @torch.inference_mode()
     def rollouts(self, work: list[RowWork], sampling: Sampling, on_frame=None, on_row_done=None) -> list[np.ndarray]:
         """Each rollout's frames (num_frames, T). `on_frame(i, f, tokens)` after frame f of work[i] (f within
@@ -140,28 +177,37 @@ class RowBatchDecoder:
         frames)` when work[i]'s last frame is in."""
         layout, core = self.layout, self.core
         device, stride, codes = core.device, layout.frame_stride, layout.image_tokens
-        n = bucket(len(work)) if len(work) > 1 else 1
-        if n > self.rows:
-            raise ValueError(f"{len(work)} rollouts need {n} rows; this decoder holds {self.rows}")
+        if len(work) > self.rows:
+            raise ValueError(f"{len(work)} rollouts need {bucket(len(work))} rows; this decoder holds {self.rows}")
+        row_of = self.place(work)
+        n = min(bucket(max(row_of) + 1), self.rows) if max(row_of) > 0 else 1
         self.sampling = sampling
         out = [np.empty((w.num_frames, codes), dtype=np.int64) for w in work]
         waypoints = [torch.tensor(w.actions, device=device) for w in work]
-        seeds = [FrameGenerators(self.generators[row], w.seed, w.first_frame) for row, w in enumerate(work)]
+        seeds = [FrameGenerators(self.generators[row_of[i]], w.seed, w.first_frame) for i, w in enumerate(work)]
         pending = []
-        for row, w in enumerate(work):
-            out[row][:w.context.shape[0]] = w.context
-            pending.append(core.forward_prompt(torch.tensor(w.context, device=device), waypoints[row], row=row))
+        for i, w in enumerate(work):
+            row, known = row_of[i], w.context.shape[0]
+            out[i][:known] = w.context
+            if self.resident[row] is not None and self.resident[row].holds(w):
+                # only the context's last code and action slots are new: the step that closes its last frame
+                last = torch.tensor(w.context[-1, -1:], device=device)
+                pending.append(core.forward_frame_end(last, known - 1, waypoints[i][known - 1], row=row))
+                self.prompts_reused += 1
+            else:
+                pending.append(core.forward_prompt(torch.tensor(w.context, device=device), waypoints[i], row=row))
+            self.resident[row] = None  # until the rollout's last frame is in
         self.moving.zero_()
         live = [True] * len(work)
         for g in range(max(w.num_frames - w.context.shape[0] for w in work)):
-            frames = {}  # row -> the frame it decides now
-            for row, w in enumerate(work):
-                f = w.context.shape[0] + g
-                if not live[row] or f >= w.num_frames:
+            frames = {}  # work index -> the frame it decides now
+            for i, w in enumerate(work):
+                row, f = row_of[i], w.context.shape[0] + g
+                if not live[i] or f >= w.num_frames:
                     self.moving[row] = 0
                     continue
-                frames[row] = f
-                code = next_codes(pending[row], layout, sampling, seeds[row].start_frame(f))
+                frames[i] = f
+                code = next_codes(pending[i], layout, sampling, seeds[i].start_frame(f))
                 self.frame_codes[row, :1].copy_(code)
                 self.codes[row:row + 1].copy_(code)
                 self.positions[row] = f * stride
@@ -170,15 +216,17 @@ class RowBatchDecoder:
                 break
             self.next_index.fill_(1)
             self.run_steps(n, codes - 1)
-            decided = self.frame_codes[:len(work)].cpu().numpy()  # the frames' one copy to the host
-            for row, f in frames.items():
-                w = work[row]
-                out[row][f] = decided[row]
+            decided = self.frame_codes[:n].cpu().numpy()  # the frames' one copy to the host
+            for i, f in frames.items():
+                w, row = work[i], row_of[i]
+                out[i][f] = decided[row]
                 if f < w.num_frames - 1:
-                    pending[row] = core.forward_frame_end(self.frame_codes[row, codes - 1:codes], f, waypoints[row][f], row=row)
-                if on_frame is not None and on_frame(row, f, out[row][f]) is False:
-                    live[row] = False
+                    pending[i] = core.forward_frame_end(self.frame_codes[row, codes - 1:codes], f, waypoints[i][f], row=row)
+                if on_frame is not None and on_frame(i, f, out[i][f]) is False:
+                    live[i] = False
                     continue
-                if f == w.num_frames - 1 and on_row_done is not None:
-                    on_row_done(row, out[row])
+                if f == w.num_frames - 1:
+                    self.resident[row] = Resident(out[i].copy(), np.array(w.actions[:w.num_frames - 1]))
+                    if on_row_done is not None:
+                        on_row_done(i, out[i])
         return out

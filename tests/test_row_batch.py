@@ -147,10 +147,15 @@ def test_the_flash_attention_layout_gives_each_rollout_its_own_codes(model, monk
     decoder = RowBatchDecoder(single, rows=4)
     assert decoder.core.attention == "flash" and decoder.core.fused_cache_write
     got = decoder.rollouts(batch, sampling)
+    # the next frame of each: the rows' caches hold their contexts (their frame ends in one forward)
+    continued = [next_frame_of(w, frames, seed) for seed, (w, frames) in enumerate(zip(batch, got))
+                 if w.num_frames < FRAMES]
+    again = decoder.rollouts(continued, sampling)
     monkeypatch.undo()
-    for w, frames in zip(batch, got):
+    assert decoder.prompts_reused == 2
+    for w, frames in zip(batch + continued, got + again):
         np.testing.assert_array_equal(frames, alone(model, w, sampling))
-    assert 4 in plans and 1 in plans  # the batched steps' four rows, and each prompt's and frame end's one
+    assert 4 in plans and 1 in plans  # the batched steps' four rows, and each prompt's one
 
 
 def test_compiled_layer_functions_keep_a_graph_for_every_row_count(model, monkeypatch):

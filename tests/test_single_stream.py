@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
+from terra_cli.backends import flash_cache
 from terra_cli.backends.base import Sampling
 from terra_cli.backends.device_sampling import next_codes
 from terra_cli.backends.hf import HfBackend, sample_next
@@ -256,7 +257,7 @@ def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch
     context, actions = inputs(seed=4)
     decoder = SingleStreamDecoder(model, draft_tokens=draft_tokens)
     decoder.core = static_kv.StaticKVDecoder(model, compile_layers=False)
-    assert decoder.core.attention == "flash" and decoder.core.cache_positions % static_kv.FLASH_BLOCK == 0
+    assert decoder.core.attention == "flash" and decoder.core.cache_positions % flash_cache.FLASH_BLOCK == 0
     codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
     reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
     np.testing.assert_array_equal(codes, reference)
@@ -274,7 +275,7 @@ def test_one_flash_plan_a_step_reaches_every_layer_and_keeps_the_codes(model, mo
 
     def planner(*, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
                 qkv_dtype, cu_seqlens_q, page_size, causal):
-        assert batch_size == 1 and causal and page_size == static_kv.FLASH_BLOCK and qkv_dtype == torch.float32
+        assert batch_size == 1 and causal and page_size == flash_cache.FLASH_BLOCK and qkv_dtype == torch.float32
         assert cu_seqlens_q.tolist() == [0, max_seqlen_q] and num_heads_q % num_heads_kv == 0
         plans.append(torch.tensor([int(cache_seqlens[0]), max_seqlen_q]))
         return plans[-1]
@@ -299,13 +300,13 @@ def test_one_flash_plan_a_step_reaches_every_layer_and_keeps_the_codes(model, mo
     interface = types.ModuleType("vllm.vllm_flash_attn.flash_attn_interface")
     interface.get_scheduler_metadata = planner
     monkeypatch.setitem(sys.modules, interface.__name__, interface)
-    assert static_kv.flash_planner(3, {}) is planner and static_kv.flash_planner(3, {static_kv.FLASH_PLAN_ENV: "Step"}) is planner
-    assert static_kv.flash_planner(3, {static_kv.FLASH_PLAN_ENV: "call"}) is None
-    assert static_kv.flash_planner(2, {static_kv.FLASH_PLAN_ENV: "step"}) is None
+    assert flash_cache.flash_planner(3, {}) is planner and flash_cache.flash_planner(3, {flash_cache.FLASH_PLAN_ENV: "Step"}) is planner
+    assert flash_cache.flash_planner(3, {flash_cache.FLASH_PLAN_ENV: "call"}) is None
+    assert flash_cache.flash_planner(2, {flash_cache.FLASH_PLAN_ENV: "step"}) is None
     monkeypatch.setitem(sys.modules, interface.__name__, None)  # a build without it: each call plans
-    assert static_kv.flash_planner(3, {}) is None
+    assert flash_cache.flash_planner(3, {}) is None
     with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_FLASH_PLAN='layer'"):
-        static_kv.flash_planner(3, {static_kv.FLASH_PLAN_ENV: "layer"})
+        flash_cache.flash_planner(3, {flash_cache.FLASH_PLAN_ENV: "layer"})
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from terra_cli.backends import static_kv  # noqa: E402
+from terra_cli.backends import flash_cache, static_kv  # noqa: E402
 from terra_cli.models.config import LlamaActionConfig  # noqa: E402
 from terra_cli.models.modeling_hf import build_model  # noqa: E402
 from terra_cli.models.testing import TERRA_WORLD_MODEL_CONFIG, tiny_config  # noqa: E402
@@ -57,11 +57,11 @@ class BatchedStep:
         self.layers_only = False  # time the layers alone: no lm_head, no sampling
         device = core.device
         # whole FlashAttention blocks a row (a CPU's single-row cache need not be)
-        self.P = P = -(-core.cache_positions // static_kv.FLASH_BLOCK) * static_kv.FLASH_BLOCK
+        self.P = P = -(-core.cache_positions // flash_cache.FLASH_BLOCK) * flash_cache.FLASH_BLOCK
         shape = (1, rows * P, core.kv_heads, core.head_dim)
         self.keys = [torch.zeros(shape, dtype=core.dtype, device=device) for _ in core.layers]
         self.values = [torch.zeros(shape, dtype=core.dtype, device=device) for _ in core.layers]
-        blocks = P // static_kv.FLASH_BLOCK
+        blocks = P // flash_cache.FLASH_BLOCK
         self.block_table = (torch.arange(rows, device=device)[:, None] * blocks
                             + torch.arange(blocks, device=device)[None]).to(torch.int32)
         self.query_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
@@ -83,9 +83,9 @@ class BatchedStep:
             planned["scheduler_metadata"] = self.planner(
                 batch_size=B, max_seqlen_q=1, max_seqlen_k=self.P, num_heads_q=core.heads,
                 num_heads_kv=core.kv_heads, headdim=core.head_dim, cache_seqlens=seen, qkv_dtype=core.dtype,
-                cu_seqlens_q=self.query_starts, page_size=static_kv.FLASH_BLOCK, causal=True)
+                cu_seqlens_q=self.query_starts, page_size=flash_cache.FLASH_BLOCK, causal=True)
         x = embeds
-        paged = (-1, static_kv.FLASH_BLOCK, core.kv_heads, core.head_dim)
+        paged = (-1, flash_cache.FLASH_BLOCK, core.kv_heads, core.head_dim)
         for index, (layer, keys, values) in enumerate(zip(core.layers, self.keys, self.values)):
             q = self.ops.attention_inputs_written(index, x, cos, sin, keys, values, flat)
             out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=1, cu_seqlens_q=self.query_starts,
@@ -200,8 +200,8 @@ def measure(rows_list: list[int], contexts: list[int], replays: int, heads: list
     torch.manual_seed(0)
     model = build_model(LlamaActionConfig(**TERRA_WORLD_MODEL_CONFIG), device, torch.bfloat16)
     core = static_kv.StaticKVDecoder(model)
-    kernel, version = static_kv.flash_varlen_kernel(device, core.dtype)
-    planner = static_kv.flash_planner(version)
+    kernel, version = flash_cache.flash_varlen_kernel(device, core.dtype)
+    planner = flash_cache.flash_planner(version)
     stride = core.layout.frame_stride
     weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
     kv_bytes_per_position = 2 * len(core.layers) * core.kv_heads * core.head_dim * 2

@@ -185,18 +185,24 @@ class RowBatchDecoder:
         out = [np.empty((w.num_frames, codes), dtype=np.int64) for w in work]
         waypoints = [torch.tensor(w.actions, device=device) for w in work]
         seeds = [FrameGenerators(self.generators[row_of[i]], w.seed, w.first_frame) for i, w in enumerate(work)]
-        pending = []
+        pending: list[torch.Tensor | None] = [None] * len(work)
+        continuing = []  # rollouts whose row holds their context: only its last frame's closing step is new
         for i, w in enumerate(work):
-            row, known = row_of[i], w.context.shape[0]
-            out[i][:known] = w.context
+            row = row_of[i]
+            out[i][:w.context.shape[0]] = w.context
             if self.resident[row] is not None and self.resident[row].holds(w):
-                # only the context's last code and action slots are new: the step that closes its last frame
-                last = torch.tensor(w.context[-1, -1:], device=device)
-                pending.append(core.forward_frame_end(last, known - 1, waypoints[i][known - 1], row=row))
-                self.prompts_reused += 1
+                continuing.append(i)
             else:
-                pending.append(core.forward_prompt(torch.tensor(w.context, device=device), waypoints[i], row=row))
+                pending[i] = core.forward_prompt(torch.tensor(w.context, device=device), waypoints[i], row=row)
             self.resident[row] = None  # until the rollout's last frame is in
+        if continuing:
+            last = [work[i].context.shape[0] - 1 for i in continuing]
+            logits = core.forward_frame_ends(torch.tensor([work[i].context[-1, -1] for i in continuing], device=device),
+                                             last, torch.stack([waypoints[i][f] for i, f in zip(continuing, last)]),
+                                             [row_of[i] for i in continuing])
+            for i, row_logits in zip(continuing, logits):
+                pending[i] = row_logits[None]
+            self.prompts_reused += len(continuing)
         self.moving.zero_()
         live = [True] * len(work)
         for g in range(max(w.num_frames - w.context.shape[0] for w in work)):
@@ -217,11 +223,16 @@ class RowBatchDecoder:
             self.next_index.fill_(1)
             self.run_steps(n, codes - 1)
             decided = self.frame_codes[:n].cpu().numpy()  # the frames' one copy to the host
+            closing = [i for i, f in frames.items() if f < work[i].num_frames - 1]
+            if closing:  # the frames that go on are closed in one forward
+                rows = [row_of[i] for i in closing]
+                logits = core.forward_frame_ends(self.frame_codes[rows, codes - 1], [frames[i] for i in closing],
+                                                 torch.stack([waypoints[i][frames[i]] for i in closing]), rows)
+                for i, row_logits in zip(closing, logits):
+                    pending[i] = row_logits[None]
             for i, f in frames.items():
                 w, row = work[i], row_of[i]
                 out[i][f] = decided[row]
-                if f < w.num_frames - 1:
-                    pending[i] = core.forward_frame_end(self.frame_codes[row, codes - 1:codes], f, waypoints[i][f], row=row)
                 if on_frame is not None and on_frame(i, f, out[i][f]) is False:
                     live[i] = False
                     continue

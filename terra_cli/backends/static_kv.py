@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from terra_cli.backends.flash_cache import FLASH_BLOCK, FlashCacheAttention, flash_planner, flash_varlen_kernel
 from terra_cli.backends.layer_ops import LayerOps, cache_write
 from terra_cli.kernels import few_rows_matmul as few_rows
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM, weight_major_logits
@@ -44,8 +45,6 @@ MATMUL_ATTENTION_ROWS = 256
 # Rows past the last position a draft window may write to (jacobi.MAX_DRAFT_TOKENS + 1): their
 # outputs are never used, and writing them there keeps them off every real position.
 SPARE_POSITIONS = 33
-# TERRA_SINGLE_STREAM_ATTENTION=torch keeps the torch attention on CUDA too (to compare).
-ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 # A Jacobi step's logits come from a few rows (K + 1). On the H100 cuBLAS runs 9 rows of Terra's
 # lm_head (262,144 x 2,048), and 16 rows as well (padding them was tried and measured, 2026-11-27),
 # as one sm75 CUTLASS kernel at about 1 ms a step, 2.5x the one-row GEMV (benchmarks/README.md).
@@ -58,12 +57,6 @@ ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 # (one scale per vocabulary row, half its 1.07 GB a step), an approximation of the weights: what
 # `--quantization fp8` asks for (`fp8_weights`), never a default.
 LOGITS_ENV = "TERRA_SINGLE_STREAM_LOGITS"
-# FlashAttention-3 plans each call's split of the keys with a kernel of its own
-# (`prepare_varlen_num_blocks`, 2.3 us, 22 a step). The plan depends only on the step's shapes and
-# `seqused_k`, the same for every layer, so the decoder makes it once a step (`get_scheduler_metadata`,
-# as vLLM's own decode does) and hands it to every layer: 1.4% off a step on an H200, the same codes
-# (2026-11-29, lease 6). TERRA_SINGLE_STREAM_FLASH_PLAN=call lets each call plan again (to compare).
-FLASH_PLAN_ENV = "TERRA_SINGLE_STREAM_FLASH_PLAN"
 FEW_ROWS = 16  # kernels.few_rows_matmul.MAX_ROWS (a decode step's K + 1 rows; a CPU keeps lm_head)
 LOGITS_LAYOUTS = ("linear", "weight-major", "few-rows", "few-rows-fp8")
 
@@ -102,88 +95,6 @@ def _scores(q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
         except (RuntimeError, TypeError):
             _FLOAT_SCORES["bmm_out_dtype"] = False
     return torch.bmm(q, keys_t).float()
-
-
-# The cache seen as FlashAttention's paged layout: blocks of this many positions, in order.
-FLASH_BLOCK = 16
-
-
-def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
-    """vLLM's FlashAttention `flash_attn_varlen_func` and the version to run (3 on Hopper, else 2)
-    where it can run here (a CUDA device, 16-bit cache, vLLM's GPU build installed, not turned off
-    by TERRA_SINGLE_STREAM_ATTENTION=torch), else None."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return None
-    if choice_switch(ATTENTION_ENV, ("flash", "torch"), "torch (to compare) or flash") == "torch":
-        return None
-    try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
-    except Exception:  # noqa: BLE001 - not installed, or a build without it: torch's attention
-        return None
-    for version in (3, 2):
-        try:
-            if is_fa_version_supported(version):
-                return flash_attn_varlen_func, version
-        except Exception:  # noqa: BLE001 - a build that cannot say: try the next version
-            continue
-    return None
-
-
-def flash_planner(version: int, environ=None):
-    """FlashAttention-3's `get_scheduler_metadata`, for one plan a step; None (each call plans) on
-    FlashAttention-2 or where TERRA_SINGLE_STREAM_FLASH_PLAN=call asks for it."""
-    choice = choice_switch(FLASH_PLAN_ENV, ("step", "call"), "step (the default) or call", environ) or "step"
-    if choice == "call" or version != 3:
-        return None
-    try:
-        from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
-    except ImportError:  # a build without the planner: each call plans, as before
-        return None
-    return get_scheduler_metadata
-
-
-class FlashCacheAttention:
-    """Attention over the static cache through FlashAttention's paged kernel (the one vLLM's decode
-    runs): each row's region of the cache (`rows` regions of `cache_positions`, (1, positions, KV, d))
-    is read as blocks of FLASH_BLOCK positions in order, and `seqused_k` (on the device) says how many
-    keys a row has written, so one kernel reads exactly the keys so far and one CUDA graph serves
-    every step of every frame. `sequences` rows of the block table go into a call: one rollout's
-    (its row's), or a batched step's first `sequences` rows, one query each."""
-
-    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None, rows: int = 1):
-        self.kernel, self.version, self.planner = kernel, version, planner
-        blocks = cache_positions // FLASH_BLOCK
-        self.block_table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
-        self.query_starts: dict[tuple[int, int], torch.Tensor] = {}
-        self.max_keys = cache_positions
-
-    def starts(self, n: int, device, sequences: int = 1) -> torch.Tensor:
-        """`cu_seqlens_q` for `sequences` sequences of n queries each."""
-        if (n, sequences) not in self.query_starts:
-            self.query_starts[n, sequences] = torch.arange(sequences + 1, dtype=torch.int32, device=device) * n
-        return self.query_starts[n, sequences]
-
-    def plan(self, n: int, seen: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
-        """One step's plan for every layer's call (`FLASH_PLAN_ENV`), or None: each call makes its own."""
-        if self.planner is None:
-            return None
-        return self.planner(batch_size=seen.shape[0], max_seqlen_q=n, max_seqlen_k=self.max_keys, num_heads_q=heads,
-                            num_heads_kv=kv_heads, headdim=head_dim, cache_seqlens=seen, qkv_dtype=dtype,
-                            cu_seqlens_q=self.starts(n, seen.device, seen.shape[0]), page_size=FLASH_BLOCK, causal=True)
-
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
-                 scale: float, plan: torch.Tensor | None = None, first_row: int = 0) -> torch.Tensor:
-        """q (1, S * n, heads, d) for S = len(seen) rows from `first_row` on, n queries each; keys/values
-        (1, positions, KV, d); seen (S,) int32 -> (1, S * n, heads * d)."""
-        sequences = seen.shape[0]
-        n = q.shape[1] // sequences
-        paged = (-1, FLASH_BLOCK) + tuple(keys.shape[2:])
-        planned = {} if plan is None else {"scheduler_metadata": plan}
-        out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n,
-                          cu_seqlens_q=self.starts(n, q.device, sequences), max_seqlen_k=self.max_keys, seqused_k=seen,
-                          block_table=self.block_table[first_row:first_row + sequences], softmax_scale=scale,
-                          causal=True, fa_version=self.version, **planned)
-        return out.reshape(1, q.shape[1], -1)
 
 
 class StaticKVDecoder:
@@ -280,6 +191,19 @@ class StaticKVDecoder:
                                          torch.arange(base + codes - 1, base + self.layout.frame_stride, device=self.device),
                                          waypoints, row=row)
 
+    def forward_frame_ends(self, last_codes: torch.Tensor, frames: list[int], waypoints: torch.Tensor,
+                           rows: list[int]) -> torch.Tensor:
+        """`forward_frame_end` of several rows in one forward: row rows[i] closes frame frames[i] with its
+        last code last_codes[i] and action slots waypoints[i] (S, A, 3) -> the next frames' code-0 logits (S, V)."""
+        stride, codes = self.layout.frame_stride, self.layout.image_tokens
+        width = stride - codes + 1  # the last code and the action slots
+        ids = torch.cat([last_codes[:, None], self.placeholders.expand(len(rows), -1)], dim=1).reshape(-1)
+        starts = torch.tensor([f * stride + codes - 1 for f in frames], device=self.device)
+        positions = (starts[:, None] + torch.arange(width, device=self.device)).reshape(-1)
+        embeds = self.model.embed(ids[None], waypoints.reshape(1, -1, 3), positions[None])
+        hidden = self.hidden(embeds, positions, 0, segment_rows=rows)
+        return self.model.lm_head(hidden[width - 1::width])
+
     def forward_rows(self, codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step of rows 0..S-1: codes (S,) at the rows' own positions (S,) -> logits (S, V)."""
         return self.logits(self.hidden(self.embed_codes(codes, positions), positions, 0, decode=True, batched=True))
@@ -303,26 +227,40 @@ class StaticKVDecoder:
         return logits if head.bias is None else logits + head.bias
 
     def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False,
-               row: int = 0, batched: bool = False) -> torch.Tensor:
+               row: int = 0, batched: bool = False, segment_rows: list[int] | None = None) -> torch.Tensor:
         """Final hidden states (n, H): every layer writes its K/V at `positions` first, then attends.
         `positions` are consecutive (a prompt, a step's window) in row `row`'s region; `decode`: a
         decode step's few rows (the compiled functions' shapes), not a prompt. `batched`: instead,
-        query i is row i's one code at its own position `positions[i]` (`forward_rows`)."""
+        query i is row i's one code at its own position `positions[i]` (`forward_rows`).
+        `segment_rows`: instead, S equal runs of consecutive positions, run i in row segment_rows[i]
+        (`forward_frame_ends`)."""
+        if batched:
+            segment_rows = list(range(embeds.shape[1]))
         # Positions past the table only come from draft rows that run off the last frame; their
         # outputs are never used. Rotary takes them clamped; their K/V go to the spare rows.
         rotary_positions = positions.clamp(max=self.max_positions - 1)
         cos, sin = self.model.model.rotary_emb(embeds, rotary_positions[None])
         ops = self.ops.for_rows(decode)
         n = embeds.shape[1]
+        table_rows = None  # the flash kernel's block-table rows: 0..S-1 when batched, these otherwise
         if batched:
             cache_at = positions + self.row_offsets[:n]
+        elif segment_rows is not None:
+            width = n // len(segment_rows)
+            table_rows = torch.tensor(segment_rows, device=self.device)
+            cache_at = positions + (table_rows * self.cache_positions).repeat_interleave(width)
         else:
             cache_at = positions if row == 0 else positions + row * self.cache_positions
         if self.flash is not None:
-            # Keys [0, last position] are the ones so far; causal aligns the n rows to the end.
-            seen = (positions + 1 if batched else positions[-1:] + 1).to(torch.int32)
-            plan = self.flash.plan(1 if batched else n, seen, self.heads, self.kv_heads, self.head_dim, self.dtype)
-        elif batched:
+            # Keys [0, last position] are the ones so far; causal aligns each run's queries to its end.
+            if segment_rows is not None:
+                seen = (positions.view(len(segment_rows), -1)[:, -1] + 1).to(torch.int32)
+                plan = None if not batched else self.flash.plan(1, seen, self.heads, self.kv_heads, self.head_dim,
+                                                                self.dtype)
+            else:
+                seen = (positions[-1:] + 1).to(torch.int32)
+                plan = self.flash.plan(n, seen, self.heads, self.kv_heads, self.head_dim, self.dtype)
+        elif segment_rows is not None:
             group = self.heads // self.kv_heads
         else:
             visible = self.key_positions[None, :key_length] <= positions[:, None]  # (n, L)
@@ -339,9 +277,9 @@ class StaticKVDecoder:
                 values.index_copy_(self.position_dim, cache_at, v if self.flash is not None else v.transpose(1, 2))
             scale = layer.self_attn.scaling
             if self.flash is not None:
-                out = self.flash(q, keys, values, seen, scale, plan, first_row=0 if batched else row)
-            elif batched:
-                out = self.attend_rows(q, keys, values, positions, scale, group)
+                out = self.flash(q, keys, values, seen, scale, plan, first_row=0 if batched else row, rows=table_rows)
+            elif segment_rows is not None:
+                out = self.attend_rows(q, keys, values, positions, scale, group, segment_rows)
             else:
                 base = row * self.cache_positions
                 q = q.transpose(1, 2).reshape(1, self.kv_heads, group * n, self.head_dim)
@@ -350,16 +288,20 @@ class StaticKVDecoder:
             x = ops.attention_output_and_mlp(index, x, out)
         return self.model.model.norm(x)[0]
 
-    def attend_rows(self, q, keys, values, positions, scale: float, group: int) -> torch.Tensor:
-        """The torch path of a batched step: row i's query (1, i, heads, d) against its own keys so far,
-        one row at a time (a CPU's, or a GPU without FlashAttention: it reads each row's length)."""
+    def attend_rows(self, q, keys, values, positions, scale: float, group: int, rows: list[int]) -> torch.Tensor:
+        """The torch path of runs in rows of their own (a batched step's one query a row, or frame ends'
+        equal runs): run i's queries (1, w, heads, d) against row rows[i]'s keys so far, one run at a time
+        (a CPU's, or a GPU without FlashAttention: it reads each run's length)."""
+        width = q.shape[1] // len(rows)
         out = []
-        for i, seen in enumerate((positions + 1).tolist()):
-            base = i * self.cache_positions
-            qi = q[:, i:i + 1].transpose(1, 2).reshape(1, self.kv_heads, group, self.head_dim)
-            mask = torch.ones(group, seen, dtype=torch.bool, device=q.device)
+        for i, row in enumerate(rows):
+            at = positions[i * width:(i + 1) * width]
+            seen, base = int(at[-1]) + 1, row * self.cache_positions
+            qi = q[:, i * width:(i + 1) * width].transpose(1, 2).reshape(1, self.kv_heads, group * width, self.head_dim)
+            mask = (self.key_positions[None, :seen] <= at[:, None]).repeat(group, 1)
             attended = attend(qi, keys[:, :, base:base + seen], values[:, :, base:base + seen], mask, scale)
-            out.append(attended.reshape(1, 1, -1))
+            out.append(attended.view(1, self.kv_heads, group, width, self.head_dim).permute(0, 3, 1, 2, 4)
+                       .reshape(1, width, -1))
         return torch.cat(out, dim=1)
 
     def frame_key_length(self, frame: int, spill: int = 0) -> int:

@@ -1,0 +1,104 @@
+"""FlashAttention's paged varlen kernel over `StaticKVDecoder`'s cache (the kernel vLLM's decode runs).
+
+The static cache is read as FlashAttention's paged layout: each row's region is a run of blocks of
+`FLASH_BLOCK` positions in order, and `seqused_k` (on the device) says how many keys a row has, so one
+kernel reads exactly the keys so far and one CUDA graph serves every step of every frame.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from terra_cli.runtime import choice_switch
+
+# TERRA_SINGLE_STREAM_ATTENTION=torch keeps the torch attention on CUDA too (to compare).
+ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
+# FlashAttention-3 plans each call's split of the keys with a kernel of its own
+# (`prepare_varlen_num_blocks`, 2.3 us, 22 a step). The plan depends only on the step's shapes and
+# `seqused_k`, the same for every layer, so the decoder makes it once a step (`get_scheduler_metadata`,
+# as vLLM's own decode does) and hands it to every layer: 1.4% off a step on an H200, the same codes
+# (2026-11-29, lease 6). TERRA_SINGLE_STREAM_FLASH_PLAN=call lets each call plan again (to compare).
+FLASH_PLAN_ENV = "TERRA_SINGLE_STREAM_FLASH_PLAN"
+
+# The cache seen as FlashAttention's paged layout: blocks of this many positions, in order.
+FLASH_BLOCK = 16
+
+
+def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
+    """vLLM's FlashAttention `flash_attn_varlen_func` and the version to run (3 on Hopper, else 2)
+    where it can run here (a CUDA device, 16-bit cache, vLLM's GPU build installed, not turned off
+    by TERRA_SINGLE_STREAM_ATTENTION=torch), else None."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if choice_switch(ATTENTION_ENV, ("flash", "torch"), "torch (to compare) or flash") == "torch":
+        return None
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
+    except Exception:  # noqa: BLE001 - not installed, or a build without it: torch's attention
+        return None
+    for version in (3, 2):
+        try:
+            if is_fa_version_supported(version):
+                return flash_attn_varlen_func, version
+        except Exception:  # noqa: BLE001 - a build that cannot say: try the next version
+            continue
+    return None
+
+
+def flash_planner(version: int, environ=None):
+    """FlashAttention-3's `get_scheduler_metadata`, for one plan a step; None (each call plans) on
+    FlashAttention-2 or where TERRA_SINGLE_STREAM_FLASH_PLAN=call asks for it."""
+    choice = choice_switch(FLASH_PLAN_ENV, ("step", "call"), "step (the default) or call", environ) or "step"
+    if choice == "call" or version != 3:
+        return None
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
+    except ImportError:  # a build without the planner: each call plans, as before
+        return None
+    return get_scheduler_metadata
+
+
+class FlashCacheAttention:
+    """Attention over the static cache through FlashAttention's paged kernel (the one vLLM's decode
+    runs): each row's region of the cache (`rows` regions of `cache_positions`, (1, positions, KV, d))
+    is read as blocks of FLASH_BLOCK positions in order, and `seqused_k` (on the device) says how many
+    keys a row has written, so one kernel reads exactly the keys so far and one CUDA graph serves
+    every step of every frame. `sequences` rows of the block table go into a call: one rollout's
+    (its row's), or a batched step's first `sequences` rows, one query each."""
+
+    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None, rows: int = 1):
+        self.kernel, self.version, self.planner = kernel, version, planner
+        blocks = cache_positions // FLASH_BLOCK
+        self.block_table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
+        self.query_starts: dict[tuple[int, int], torch.Tensor] = {}
+        self.max_keys = cache_positions
+
+    def starts(self, n: int, device, sequences: int = 1) -> torch.Tensor:
+        """`cu_seqlens_q` for `sequences` sequences of n queries each."""
+        if (n, sequences) not in self.query_starts:
+            self.query_starts[n, sequences] = torch.arange(sequences + 1, dtype=torch.int32, device=device) * n
+        return self.query_starts[n, sequences]
+
+    def plan(self, n: int, seen: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        """One step's plan for every layer's call (`FLASH_PLAN_ENV`), or None: each call makes its own."""
+        if self.planner is None:
+            return None
+        return self.planner(batch_size=seen.shape[0], max_seqlen_q=n, max_seqlen_k=self.max_keys, num_heads_q=heads,
+                            num_heads_kv=kv_heads, headdim=head_dim, cache_seqlens=seen, qkv_dtype=dtype,
+                            cu_seqlens_q=self.starts(n, seen.device, seen.shape[0]), page_size=FLASH_BLOCK, causal=True)
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
+                 scale: float, plan: torch.Tensor | None = None, first_row: int = 0,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """q (1, S * n, heads, d) for S = len(seen) rows from `first_row` on (or the rows `rows` names), n
+        queries each; keys/values (1, positions, KV, d); seen (S,) int32 -> (1, S * n, heads * d)."""
+        sequences = seen.shape[0]
+        n = q.shape[1] // sequences
+        paged = (-1, FLASH_BLOCK) + tuple(keys.shape[2:])
+        planned = {} if plan is None else {"scheduler_metadata": plan}
+        out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n,
+                          cu_seqlens_q=self.starts(n, q.device, sequences), max_seqlen_k=self.max_keys, seqused_k=seen,
+                          block_table=(self.block_table[first_row:first_row + sequences] if rows is None
+                                       else self.block_table[rows]), softmax_scale=scale,
+                          causal=True, fa_version=self.version, **planned)
+        return out.reshape(1, q.shape[1], -1)

@@ -37,7 +37,9 @@
 #          both-bf16, then the refined run within RUN_S (~20 minutes with NREF1=32); ONE_AFTER=next3: `terra
 #          serve` on vLLM at 1, 8 and 32 sessions with its logits weight-major and then as vLLM computes them,
 #          the same on single-stream (its row batches), the product's row batch alone (`gpu_batched_step.py
-#          --product`), and the batched step at 3, 6 and 12 frames of context (~16 minutes); `await` collects it
+#          --product`), and the batched step at 3, 6 and 12 frames of context (~16 minutes; lease 8, in git's
+#          history since); ONE_AFTER=next4: `terra serve` on single-stream and on vLLM, 1, 8 and 32 sessions of
+#          SERVE_STEPS (8) frames, then the product's row batch (~14 minutes); `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -459,22 +461,19 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
           --out "$OUT/vae_decode.json" > "$OUT/vae_decode.log" 2>&1; echo "vae_decode exit $?" >> "$STEP_LOG"
         refined_run
       fi
-    elif [ "${ONE_AFTER:-probes}" = next3 ]; then
-      # issue 41 after lease 7: `terra serve` on vLLM (the default backend) with 1, 8 and 32 sessions, its logits
-      # weight-major at 2-32 rows (the default since) and then vLLM's own head (TERRA_VLLM_LOGITS=linear)
-      for logits in weight-major linear; do
-        env TERRA_VLLM_LOGITS=$logits timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size \
-          --concurrency 1,8,32 --out "$OUT/serve-vllm-$logits" > "$OUT/serve-vllm-$logits.log" 2>&1
-        echo "serve vllm $logits exit $?" >> "$STEP_LOG"
-      done
-      # the single-stream backend's row batches: 8 and 32 sessions' next frames as one batch (row_batch.py)
-      timeout 300 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
-        --serve-args "--backend single-stream" --out "$OUT/serve-rows" > "$OUT/serve-rows.log" 2>&1
-      echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = next4 ]; then
+      # issue 41 after lease 8 (next3 there: vLLM's logits weight-major against its own head, the row batches
+      # going eager past dynamo's recompile limit): `terra serve` on single-stream (row batches compiled and
+      # captured at start, a session's next frame from its row's cache, frame ends in one forward) and on vLLM,
+      # 1, 8 and 32 sessions of SERVE_STEPS (8) frames each; then the product's row batch alone
+      timeout 420 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
+        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
+        --steps "${SERVE_STEPS:-8}" --out "$OUT/serve-vllm" > "$OUT/serve-vllm.log" 2>&1
+      echo "serve vllm exit $?" >> "$STEP_LOG"
       timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --product --rows 8,32 \
         --out "$OUT/row_batch.json" > "$OUT/row_batch.log" 2>&1; echo "row_batch exit $?" >> "$STEP_LOG"
-      timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --rows 8,32 --contexts 3,6,12 --heads weight-major \
-        --out "$OUT/batched_step.json" > "$OUT/batched_step.log" 2>&1; echo "batched_step exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

@@ -83,6 +83,10 @@ def sessions_load(url: str, concurrent: int, steps: int, context: dict) -> dict:
             "aggregate_frames_per_s": round(concurrent * steps / wall, 3),
             "per_session_frames_per_s_min": round(min(per_session), 3),
             "per_session_frames_per_s_mean": round(sum(per_session) / len(per_session), 3),
+            # without each session's first step (its whole prompt): the rate a session keeps
+            "per_session_frames_per_s_after_first_mean": (round(sum((steps - 1) / sum(r["latencies"][1:])
+                                                                    for r in results) / len(results), 3)
+                                                          if steps > 1 else None),
             "step_latency_max_s": round(max(max(r["latencies"]) for r in results), 3)}
 
 
@@ -175,6 +179,8 @@ def main() -> None:
                         "'--backend single-stream --draft jacobi --draft-tokens 8' (issue 41)")
     parser.add_argument("--concurrency", default=None, help="sessions at once to measure, comma-separated "
                         "(default 1,8,32,128; the single-stream backend runs one rollout at a time)")
+    parser.add_argument("--steps", type=int, default=None, help="frames a session asks for, one at a time "
+                        "(default 3; more measures sessions whose context has grown)")
     options = parser.parse_args()
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,13 +194,15 @@ def main() -> None:
         models = {"tiny": ["--model", str(tiny), "--tokenizer", str(default_tokenizer_dir()), "--backend", "vllm",
                            "--dtype", "float32"]}
     else:
-        plan = {"concurrency": [1, 8, 32, 128], "steps": 3, "frames": 25, "ready_s": 150}
+        plan = {"concurrency": [1, 8, 32, 128], "steps": 3, "frames": 25, "ready_s": 300}
         models = {"terra-mini": []}
         if options.only != "terra-mini":
             checkpoint, tokenizer = terra_size_model(Path(tempfile.gettempdir()) / "terra-serve-bench")
             models["terra-size"] = ["--model", str(checkpoint), "--tokenizer", str(tokenizer)]
         if options.only == "terra-size":
             models.pop("terra-mini")
+    if options.steps:
+        plan["steps"] = options.steps
     if options.concurrency:
         plan["concurrency"] = [int(n) for n in options.concurrency.split(",")]
     extra = shlex.split(options.serve_args)

@@ -39,7 +39,8 @@
 #          the same on single-stream (its row batches), the product's row batch alone (`gpu_batched_step.py
 #          --product`), and the batched step at 3, 6 and 12 frames of context (~16 minutes; lease 8, in git's
 #          history since); ONE_AFTER=next4: `terra serve` on single-stream and on vLLM, 1, 8 and 32 sessions of
-#          SERVE_STEPS (8) frames, then the product's row batch (~14 minutes); `await` collects it
+#          SERVE_STEPS (8) frames, the product's row batch, single-stream with fp8 weights at 1 and 32 sessions
+#          (~14 minutes); `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -474,6 +475,9 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       echo "serve vllm exit $?" >> "$STEP_LOG"
       timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --product --rows 8,32 \
         --out "$OUT/row_batch.json" > "$OUT/row_batch.log" 2>&1; echo "row_batch exit $?" >> "$STEP_LOG"
+      timeout 300 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,32 \
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream --quantization fp8" --out "$OUT/serve-rows-fp8" \
+        > "$OUT/serve-rows-fp8.log" 2>&1; echo "serve single-stream fp8 rows exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

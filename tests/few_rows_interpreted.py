@@ -146,6 +146,8 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
         scaled_calls.append((str(w.dtype), scale is not None)) or original(h, w, splits, scale))
     kernel.few_rows_matmul = lambda h, w, splits=None, scale=None: (
         logits_calls.append((str(w.dtype), scale is not None)) or original_matmul(h, w, splits, scale))
+    backend = SingleStreamBackend(model=model, device="cpu", quantization="fp8")
+    out["row_batch_limit"] = backend.driver(128).batch_limit()  # the kernel's tile: 16 rows
     decoder = SingleStreamBackend(model=model, device="cpu", draft_tokens=3, quantization="fp8").decoder
     codes = decoder.rollout(context, actions, layout.max_frames, Sampling(temperature=0), 0)
     kernel.few_rows_partials, kernel.few_rows_matmul = original, original_matmul

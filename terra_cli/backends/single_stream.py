@@ -270,6 +270,15 @@ class SingleStreamBackend:
             self.rows = RowBatchDecoder(self.decoder.core, bucket(rows), cuda_graphs=self.decoder.graphs.enabled)
         return self.rows
 
+    @property
+    def max_row_batch(self) -> int:
+        """Rollouts a row batch takes at most: fp8 weights' projections run through the few-rows kernel,
+        whose tile holds 16 rows (a 32-row batch failed to start on an H200, 2026-11-29, lease 9)."""
+        from terra_cli.backends.row_batch import MAX_ROWS
+        from terra_cli.kernels.few_rows_matmul import MAX_ROWS as FEW_ROWS
+
+        return FEW_ROWS if self.quantization == "fp8" else MAX_ROWS
+
     def warm_row_batch(self, rows: int) -> float:
         """Where steps are compiled or captured (CUDA), the row batch's every row count up to `rows`
         now rather than on the first sessions' frames (`RowBatchDecoder.warm_up`): seconds taken."""

@@ -34,7 +34,7 @@ RECENT_S = 5.0
 
 
 class SingleStreamDriver(BatchAtATimeDriver):
-    """One job at a time, or up to `max_in_flight` (at most `row_batch.MAX_ROWS`) one-round jobs as a
+    """One job at a time, or up to `max_in_flight` (at most the backend's `max_row_batch`) one-round jobs as a
     row batch when the backend decodes plainly (Jacobi drafts run one rollout at a time)."""
 
     def __init__(self, backend, max_in_flight: int = 1):
@@ -49,9 +49,7 @@ class SingleStreamDriver(BatchAtATimeDriver):
         return (GATHER_S, wanted) if wanted > 1 else (0.0, 0)
 
     def batch_limit(self) -> int:
-        from terra_cli.backends.row_batch import MAX_ROWS
-
-        return min(self.max_in_flight, MAX_ROWS) if self.backend.decoder.draft_tokens == 0 else 1
+        return min(self.max_in_flight, self.backend.max_row_batch) if self.backend.decoder.draft_tokens == 0 else 1
 
     def compatible(self, first, job) -> bool:
         """Jobs that sample alike and fit one round each (pipeline/rounds.py: at most the model's frames)."""

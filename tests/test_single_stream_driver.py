@@ -132,6 +132,7 @@ def test_a_row_batch_waits_briefly_for_a_job_of_every_recent_session(backends, m
     from terra_cli.backends import single_stream_driver
 
     monkeypatch.setattr(single_stream_driver, "GATHER_S", 5.0)
+    monkeypatch.setattr(single_stream_driver, "GATHER_MAX_S", 5.0)
     single, _ = backends
     feed = JobFeed()
     a1, a2 = replace(job("a1", 41, total=3), affinity="A"), replace(job("a2", 43, total=3), affinity="A")
@@ -139,7 +140,7 @@ def test_a_row_batch_waits_briefly_for_a_job_of_every_recent_session(backends, m
     feed.put(a1)
     frames, ended = [], []
     driver = single.driver(4)
-    assert driver.gather() == (0.0, 0)  # no session ran yet: no wait
+    assert driver.gather() == (0.0, 0, 0.0)  # no session ran yet: no wait
 
     def on_done(j, tokens):
         ended.append(j.key)
@@ -153,7 +154,38 @@ def test_a_row_batch_waits_briefly_for_a_job_of_every_recent_session(backends, m
 
     driver.run(feed, on_frame=lambda j, i, t: frames.append(j.key), on_done=on_done)
     assert frames == ["a1", "b1", "a2", "b2"] and driver.loop.steps == 3 * (CODES - 1)  # a1, b1, then a2+b2 together
-    assert driver.gather() == (5.0, 2)
+    assert driver.gather() == (5.0, 2, 5.0)
+
+
+def test_a_batch_waits_on_while_sessions_keep_asking(backends, monkeypatch):
+    """Four sessions' next frames come 0.3 s apart (a server answering them in turn): each within the
+    0.5 s gap of the one before, so the batch waits through all of them, 0.9 s in all, and runs them as one."""
+    from dataclasses import replace
+
+    from terra_cli.backends import single_stream_driver
+
+    monkeypatch.setattr(single_stream_driver, "GATHER_S", 0.5)
+    monkeypatch.setattr(single_stream_driver, "GATHER_MAX_S", 5.0)
+    single, _ = backends
+    feed = JobFeed()
+    first = [replace(job(f"{s}1", 50 + i, total=3), affinity=s) for i, s in enumerate("ABCD")]
+    second = [replace(job(f"{s}2", 60 + i, total=3), affinity=s) for i, s in enumerate("ABCD")]
+    for j in first:  # all there at once: one batch without waiting
+        feed.put(j)
+    ended = []
+
+    def on_done(j, tokens):
+        ended.append(j.key)
+        if len(ended) == 4:
+            for i, later in enumerate(second):
+                threading.Timer(0.3 * i, feed.put, args=(later,)).start()
+        if len(ended) == 8:
+            feed.close()
+
+    driver = single.driver(4)
+    driver.run(feed, on_done=on_done)
+    assert sorted(ended[4:]) == ["A2", "B2", "C2", "D2"]
+    assert driver.loop.steps == 2 * (CODES - 1)  # two row batches of four, one frame each
 
 
 def test_jobs_of_several_rounds_or_other_sampling_do_not_join_a_row_batch(backends):

@@ -40,7 +40,8 @@
 #          --product`), and the batched step at 3, 6 and 12 frames of context (~16 minutes; lease 8, in git's
 #          history since); ONE_AFTER=next4: `terra serve` on single-stream and on vLLM, 1, 8 and 32 sessions of
 #          SERVE_STEPS (8) frames, the product's row batch, single-stream with fp8 weights at 1 and 32 sessions
-#          (~14 minutes); `await` collects it
+#          (~14 minutes); ONE_AFTER=next5: `terra serve` on single-stream at 1, 8 and 32 sessions, and with fp8
+#          weights at 1 and 16 (~10 minutes); `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -476,6 +477,15 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --product --rows 8,32 \
         --out "$OUT/row_batch.json" > "$OUT/row_batch.log" 2>&1; echo "row_batch exit $?" >> "$STEP_LOG"
       timeout 300 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,32 \
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream --quantization fp8" --out "$OUT/serve-rows-fp8" \
+        > "$OUT/serve-rows-fp8.log" 2>&1; echo "serve single-stream fp8 rows exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = next5 ]; then
+      # issue 41 after lease 9: the server's row batches waiting on while sessions keep asking, the sessions'
+      # pictures decoded together; /metrics' counts of both are in each load's "metrics"
+      timeout 330 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
+        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,16 \
         --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream --quantization fp8" --out "$OUT/serve-rows-fp8" \
         > "$OUT/serve-rows-fp8.log" 2>&1; echo "serve single-stream fp8 rows exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then

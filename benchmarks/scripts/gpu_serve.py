@@ -40,6 +40,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+METRICS = ("terra_pictures_total", "terra_picture_batches_total", "terra_picture_seconds_total",
+           "terra_engine_batches_total", "terra_engine_batched_jobs_total")
+
+
+def server_metrics(url: str) -> dict:
+    """The counters of /metrics that say how a load ran: pictures a decode call, jobs a batch."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    values = dict(line.split(" ", 1) for line in lines if line and not line.startswith("#"))
+    return {name: float(values[name]) for name in METRICS if name in values}
+
+
 def start_server(name: str, args: list[str], out: Path, ready_s: float):
     port = free_port()
     log = open(out / f"serve_{name}.log", "w")
@@ -130,7 +142,11 @@ def bench_model(name: str, serve_args: list[str], generate_args: list[str] | Non
         call(f"{url}/v1/sessions/{session['id']}", method="DELETE")
         result["sessions"] = []
         for n in plan["concurrency"]:
-            result["sessions"].append(sessions_load(url, n, plan["steps"], {"tokens": tokens.tolist()}))
+            before = server_metrics(url)
+            load = sessions_load(url, n, plan["steps"], {"tokens": tokens.tolist()})
+            after = server_metrics(url)
+            load["metrics"] = {name: round(after[name] - before.get(name, 0.0), 3) for name in after}
+            result["sessions"].append(load)
             save()
         frames = plan["frames"]
         with tempfile.TemporaryDirectory() as tmp:

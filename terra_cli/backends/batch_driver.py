@@ -84,6 +84,8 @@ class BatchAtATimeDriver:
                         until = min(max(until, clock() + gap_s), gathering + longest_s)
                 self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
                 if batch:
+                    self.loop.batches += 1
+                    self.loop.batched_jobs += len(batch)
                     self._run_batch(batch, feed, on_frame, on_done, on_cancelled, on_error)
                 elif first is None and (not pending if feed is None else feed.finished):
                     break

@@ -189,6 +189,9 @@ class LoopTimes:
     # and when the slots were first all held, in seconds from the first run's start.
     in_flight_sum: int = 0
     full_after_s: float | None = None
+    # Batch-at-a-time drivers only (the reference's, single-stream's): batches run and the jobs in them.
+    batches: int = 0
+    batched_jobs: int = 0
 
     def as_dict(self) -> dict:
         run_s = self.run_s + (time.perf_counter() - self.running_since if self.running_since is not None else 0.0)
@@ -199,7 +202,9 @@ class LoopTimes:
                 "ms_per_step": round(1000 * self.step_s / self.steps, 3) if self.steps else None,
                 **({"rollout_steps": self.in_flight_sum, "mean_in_flight": round(self.in_flight_sum / self.steps, 1),
                     "full_after_s": None if self.full_after_s is None else round(self.full_after_s, 2)}
-                   if self.in_flight_sum and self.steps else {})}
+                   if self.in_flight_sum and self.steps else {}),
+                **({"batches": self.batches, "mean_batch": round(self.batched_jobs / self.batches, 2)}
+                   if self.batches else {})}
 
 
 def take_cancelled(feed: "JobFeed | None", job: RolloutJob, on_cancelled: JobCancelled | None) -> bool:

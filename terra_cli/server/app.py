@@ -273,6 +273,13 @@ def prometheus_text(app: FastAPI) -> str:
         ("terra_engine_utilisation", "gauge", "Fraction of time since start with work in the engine.",
          round(stats.utilisation(), 4)),
         ("terra_requests_rejected_total", "counter", "Requests refused with 429 (caps).", app.state.rejected),
+        ("terra_pictures_total", "counter", "Session frames decoded to pictures.", engine.pictures.pictures),
+        ("terra_picture_batches_total", "counter", "Tokenizer calls that decoded them.", engine.pictures.calls),
+        ("terra_picture_seconds_total", "counter", "Seconds the media thread spent decoding and encoding them.",
+         round(engine.pictures.seconds, 3)),
+        ("terra_engine_batches_total", "counter", "Batches run one at a time (reference and single-stream backends).",
+         engine.driver.loop.batches),
+        ("terra_engine_batched_jobs_total", "counter", "Jobs in those batches.", engine.driver.loop.batched_jobs),
     ]
     lines = []
     for name, kind, help_text, value in rows:

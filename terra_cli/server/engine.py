@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from terra_cli.backends.driver import JobFeed, RolloutJob
+from terra_cli.server.pictures import PictureBatcher
 
 
 @dataclass
@@ -64,6 +65,7 @@ class EngineService:
         self.quantization = getattr(backend, "quantization", None)
         self.layout = backend.config.layout
         self.media = ThreadPoolExecutor(1, thread_name_prefix="terra-media")
+        self.pictures = PictureBatcher(self.media, self.decode)
         self.stats = EngineStats()
         self.failure: BaseException | None = None
         self._lock = threading.Condition()

@@ -78,7 +78,6 @@ async def video_content(video_id: str, request: Request, format: str = "mp4"):
 @videos.get("/{video_id}/frames/{index}", summary="One frame of a finished job as PNG (jobs that kept tokens)")
 async def video_frame(video_id: str, index: int, request: Request):
     from terra_cli.server.app import ApiError
-    from terra_cli.server.sessions import encode_picture
 
     job = _job(request, video_id)
     if job.status != "done" or job.tokens is None:
@@ -86,9 +85,7 @@ async def video_frame(video_id: str, index: int, request: Request):
     tokens = np.load(job.tokens, allow_pickle=False)
     if not 0 <= index < tokens.shape[0]:
         raise FieldError("index", f"the video has frames 0..{tokens.shape[0] - 1}", 404)
-    engine = _state(request).engine
-    picture = await asyncio.get_running_loop().run_in_executor(
-        engine.media, lambda: encode_picture(engine.decode(tokens[index:index + 1])[0], "png"))
+    picture = await _state(request).engine.pictures.picture(tokens[index], "png")
     return Response(picture, media_type="image/png")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import math
 import secrets
 import time
@@ -89,18 +88,6 @@ def manoeuvre_waypoints(action, speed: float, layout) -> tuple[np.ndarray, float
     except Exception as exc:
         raise FieldError("action", f"waypoints must be numbers of shape ({layout.action_tokens}, 3): {exc}") from None
     return waypoints, speed
-
-
-def encode_picture(picture: np.ndarray, fmt: str) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    image = Image.fromarray(picture)
-    if fmt == "png":
-        image.save(buffer, format="PNG")
-    else:
-        image.save(buffer, format="JPEG", quality=88)
-    return buffer.getvalue()
 
 
 class Sessions:
@@ -237,7 +224,7 @@ class Sessions:
             session.in_flight = None
         if session.closed or generation != session.generation:
             raise SessionGone(session.id)
-        picture = await loop.run_in_executor(self.engine.media, self._picture, frame_tokens, fmt)
+        picture = await self.engine.pictures.picture(frame_tokens, fmt)
         session.tokens.append(np.asarray(frame_tokens, dtype=np.int64))
         session.waypoints = rows
         self._advance(session, waypoints, speed_after)
@@ -247,12 +234,8 @@ class Sessions:
         self.frames_sent += 1
         return message
 
-    def _picture(self, tokens: np.ndarray, fmt: str) -> bytes:
-        return encode_picture(self.engine.decode(np.asarray(tokens)[None])[0], fmt)
-
     async def picture(self, session: Session, index: int, fmt: str = "jpeg") -> bytes:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.engine.media, self._picture, session.tokens[index], fmt)
+        return await self.engine.pictures.picture(session.tokens[index], fmt)
 
     @staticmethod
     def _advance(session: Session, waypoints: np.ndarray, speed_after: float) -> None:

@@ -41,7 +41,8 @@
 #          history since); ONE_AFTER=next4: `terra serve` on single-stream and on vLLM, 1, 8 and 32 sessions of
 #          SERVE_STEPS (8) frames, the product's row batch, single-stream with fp8 weights at 1 and 32 sessions
 #          (~14 minutes); ONE_AFTER=next5: `terra serve` on single-stream at 1, 8 and 32 sessions, and with fp8
-#          weights at 1 and 16 (~10 minutes); `await` collects it
+#          weights at 1 and 16 (~10 minutes); ONE_AFTER=next6: 32 sessions on single-stream (~3 minutes);
+#          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
 #   start2 start `runs2` in the background, one chain a GPU: GPU 0 issue 40's overlap (`--act-bench NREF1 (32)
@@ -488,6 +489,11 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,16 \
         --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream --quantization fp8" --out "$OUT/serve-rows-fp8" \
         > "$OUT/serve-rows-fp8.log" 2>&1; echo "serve single-stream fp8 rows exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = next6 ]; then
+      # the gather through 0.3 s gaps, up to 1 s: 32 sessions on single-stream
+      timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
+        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

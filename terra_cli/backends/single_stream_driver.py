@@ -28,11 +28,13 @@ class _JobCancelled(Exception):
 # what is there, the first to ask would start a batch alone and the rest would wait a whole frame for
 # the next one: the sessions would run in batches out of step, or one at a time. So a batch waits for a
 # job from every session (job affinity) that ran within the last RECENT_S, as long as they keep coming
-# at most GATHER_S apart and up to GATHER_MAX_S in all; a lone session never waits. (The server answers
-# a batch's sessions one picture after another: with a fixed 50 ms window, 32 sessions on an H200 ran
-# in batches of a few and got 0.24 frames/s each where the batch alone makes 0.67; 2026-11-29, lease 9.)
-GATHER_S = 0.05
-GATHER_MAX_S = 0.5
+# at most GATHER_S apart and up to GATHER_MAX_S in all; a lone session never waits. The server answers a
+# batch's sessions as their pictures are decoded, a few at a time and ~10-30 ms each on an H200: with a
+# fixed 50 ms window 32 sessions ran in batches of a few and got 0.24 frames/s each where the batch alone
+# makes 0.67 (2026-11-29, lease 9); waiting through 50 ms gaps for up to 0.5 s, in batches of 15 and 0.30
+# (lease 10): the picture calls came farther apart than that.
+GATHER_S = 0.3
+GATHER_MAX_S = 1.0
 RECENT_S = 5.0
 
 

@@ -6,7 +6,6 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import invoke_terra
 from terra_cli.backends import load_backend

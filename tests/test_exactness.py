@@ -124,12 +124,13 @@ def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_s
         # (GATHER_S) is made long enough for this machine's round trip, so a batch surely forms.
         from terra_cli.backends import single_stream_driver
 
-        gather, single_stream_driver.GATHER_S = single_stream_driver.GATHER_S, 2.0
+        gather = single_stream_driver.GATHER_S, single_stream_driver.GATHER_MAX_S
+        single_stream_driver.GATHER_S = single_stream_driver.GATHER_MAX_S = 5.0
         try:
             with ThreadPoolExecutor(2) as pool:
                 together = list(pool.map(lambda seed: session_tokens(client, seed), (SEED, SEED + 1)))
         finally:
-            single_stream_driver.GATHER_S = gather
+            single_stream_driver.GATHER_S, single_stream_driver.GATHER_MAX_S = gather
         assert engine.driver.backend.rows is not None  # a row batch ran
         assert engine.driver.backend.rows.prompts_reused > 0  # a next frame started from its row's cache
     np.testing.assert_array_equal(together[0], reference)

@@ -84,16 +84,18 @@ class PictureBatcher:
             images = self.decode(np.stack([tokens for tokens, _, _, _ in batch]))
         except Exception as error:  # noqa: BLE001 - every waiting session gets the failure
             images, failure = None, error
-        for index, (_, fmt, future, loop) in enumerate(batch):
-            data, error = None, None
+        results = []
+        for index, (_, fmt, _, _) in enumerate(batch):
             if images is None:
-                error = failure
-            else:
-                try:
-                    data = encode_picture(images[index], fmt)
-                except Exception as exc:  # noqa: BLE001 - this session's picture alone
-                    error = exc
-            loop.call_soon_threadsafe(_settle, future, data, error)
+                results.append((None, failure))
+                continue
+            try:
+                results.append((encode_picture(images[index], fmt), None))
+            except Exception as exc:  # noqa: BLE001 - this session's picture alone
+                results.append((None, exc))
+        # counted before any session is answered: a reader of the counts after its picture sees this call
         self.calls += 1
         self.pictures += len(batch)
         self.seconds += time.perf_counter() - started
+        for (_, _, future, loop), (data, error) in zip(batch, results):
+            loop.call_soon_threadsafe(_settle, future, data, error)

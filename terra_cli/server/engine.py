@@ -135,6 +135,7 @@ class EngineService:
         self.feed.close()
         self.thread.join(timeout=60)
         self.media.shutdown(wait=True, cancel_futures=True)
+        self.pictures.close()
         if self.owns_backend:
             self.backend.close()
 
@@ -143,8 +144,27 @@ class EngineService:
     def encode(self, images: list[np.ndarray]) -> np.ndarray:
         return self.tokenizer.tokenize(images)
 
-    def decode(self, tokens: np.ndarray) -> np.ndarray:
-        return self.tokenizer.decode_tokens(tokens)
+    def decode(self, tokens: np.ndarray) -> list[np.ndarray]:
+        from terra_cli.scenarios.writers import decode_frames
+
+        # full batches: a session's picture is the frame its video would hold, whatever else was decoded with it
+        return decode_frames(self.tokenizer, tokens)
+
+    def warm_up_pictures(self) -> float:
+        """On CUDA, compile the tokenizer's decoder (`writer_process.compile_decoder`: full batches, Inductor's
+        cache in terra's) and decode one batch, before the first session waits on it: eager, a picture took
+        11 ms of the media thread, one after another, so a 32-session row batch's last picture came 0.36 s
+        after its first (benchmarks/README.md). Seconds taken; 0.0 where nothing compiles."""
+        return self.media.submit(self._warm_up_pictures).result()
+
+    def _warm_up_pictures(self) -> float:
+        from terra_cli.scenarios.writer_process import compile_decoder
+
+        if not compile_decoder(self.tokenizer):
+            return 0.0
+        started = time.perf_counter()
+        self.decode(np.zeros((1, self.layout.image_tokens), dtype=np.int64))
+        return time.perf_counter() - started
 
     # -- the engine thread ------------------------------------------------------------------
 

@@ -51,6 +51,12 @@ def load_engine(config: EngineConfig) -> EngineService:
     choice, model_config, backend_name, device = check_engine_config(config)
     world = load_world_model(choice, Engine(backend_name, device, config.dtype, config.threads, dict(config.options)),
                              max_rollouts=config.max_in_flight)
-    return EngineService(world.backend, world.tokenizer, max_in_flight=config.max_in_flight,
-                         session_slots=min(config.session_slots, max(config.max_in_flight - 1, 0)),
-                         model_label=choice.label)
+    service = EngineService(world.backend, world.tokenizer, max_in_flight=config.max_in_flight,
+                            session_slots=min(config.session_slots, max(config.max_in_flight - 1, 0)),
+                            model_label=choice.label)
+    try:
+        service.warm_up_pictures()
+    except BaseException:
+        service.close()
+        raise
+    return service

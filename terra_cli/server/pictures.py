@@ -3,8 +3,9 @@
 A row batch (backends/row_batch.py) answers all of its sessions at once, and each session asks for its
 next frame only once it has its picture. Decoded one tokenizer call a frame, the batch's last session
 waited for every other's picture, and the next batch waited for the last session. So the frames waiting
-when the media thread comes to them are decoded in one call (at most `MAX_PICTURES`), then encoded one by
-one.
+when the media thread comes to them are decoded in one call (at most `MAX_PICTURES`), then encoded on
+`ENCODERS` threads of their own (Pillow's encoders let go of the interpreter lock: a 288x512 JPEG is a few ms
+of one core, a PNG tens).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import asyncio
 import io
 import threading
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import numpy as np
 
 MAX_PICTURES = 32  # a row batch's sessions
+ENCODERS = 4
 
 
 def encode_picture(picture: np.ndarray, fmt: str) -> bytes:
@@ -32,6 +34,13 @@ def encode_picture(picture: np.ndarray, fmt: str) -> bytes:
     return buffer.getvalue()
 
 
+def _encoded(picture: np.ndarray, fmt: str) -> tuple[bytes | None, BaseException | None]:
+    try:
+        return encode_picture(picture, fmt), None
+    except Exception as exc:  # noqa: BLE001 - this session's picture alone
+        return None, exc
+
+
 def _settle(future: asyncio.Future, data: bytes | None, error: BaseException | None) -> None:
     if not future.done():
         future.set_exception(error) if error is not None else future.set_result(data)
@@ -43,6 +52,7 @@ class PictureBatcher:
 
     def __init__(self, executor: Executor, decode, max_batch: int = MAX_PICTURES):
         self.executor, self.decode, self.max_batch = executor, decode, max_batch
+        self.encoders = ThreadPoolExecutor(ENCODERS, thread_name_prefix="terra-picture")
         self._lock = threading.Lock()
         self._waiting: list[tuple[np.ndarray, str, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._draining = False
@@ -61,6 +71,7 @@ class PictureBatcher:
             except RuntimeError:  # the media thread is shut down: the server is stopping
                 with self._lock:
                     self._draining = False
+                    self._waiting = [entry for entry in self._waiting if entry[2] is not future]
                 raise
         return await future
 
@@ -84,18 +95,17 @@ class PictureBatcher:
             images = self.decode(np.stack([tokens for tokens, _, _, _ in batch]))
         except Exception as error:  # noqa: BLE001 - every waiting session gets the failure
             images, failure = None, error
-        results = []
-        for index, (_, fmt, _, _) in enumerate(batch):
-            if images is None:
-                results.append((None, failure))
-                continue
-            try:
-                results.append((encode_picture(images[index], fmt), None))
-            except Exception as exc:  # noqa: BLE001 - this session's picture alone
-                results.append((None, exc))
+        if images is None:
+            results = [(None, failure)] * len(batch)
+        else:
+            results = list(self.encoders.map(_encoded, [images[i] for i in range(len(batch))],
+                                             [fmt for _, fmt, _, _ in batch]))
         # counted before any session is answered: a reader of the counts after its picture sees this call
         self.calls += 1
         self.pictures += len(batch)
         self.seconds += time.perf_counter() - started
         for (_, _, future, loop), (data, error) in zip(batch, results):
             loop.call_soon_threadsafe(_settle, future, data, error)
+
+    def close(self) -> None:
+        self.encoders.shutdown(wait=True)

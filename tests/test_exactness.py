@@ -119,18 +119,17 @@ def test_the_single_stream_backend_draws_the_reference_video_in_generate_and_a_s
 
     with TestClient(create_app(engine, Settings(max_sessions=3, session_timeout=120))) as client:
         np.testing.assert_array_equal(session_tokens(client, SEED), reference)
-        # two sessions at once: their steps that wait together run as one row batch (row_batch.py),
-        # and each keeps the tokens it gets alone. The batch's wait for the other session's next step
-        # (GATHER_S) is made long enough for this machine's round trip, so a batch surely forms.
+        # two sessions at once: their steps run as rows of one row batch (row_batch.py), each joining
+        # the other's rows in progress, and each keeps the tokens it gets alone
+        # (RECENT_S, how long a session counts as coming back, made long enough for this machine's pictures)
         from terra_cli.backends import single_stream_driver
 
-        gather = single_stream_driver.GATHER_S, single_stream_driver.GATHER_MAX_S
-        single_stream_driver.GATHER_S = single_stream_driver.GATHER_MAX_S = 5.0
+        recent_s, single_stream_driver.RECENT_S = single_stream_driver.RECENT_S, 600.0
         try:
             with ThreadPoolExecutor(2) as pool:
                 together = list(pool.map(lambda seed: session_tokens(client, seed), (SEED, SEED + 1)))
         finally:
-            single_stream_driver.GATHER_S, single_stream_driver.GATHER_MAX_S = gather
+            single_stream_driver.RECENT_S = recent_s
         assert engine.driver.backend.rows is not None  # a row batch ran
         assert engine.driver.backend.rows.prompts_reused > 0  # a next frame started from its row's cache
     np.testing.assert_array_equal(together[0], reference)

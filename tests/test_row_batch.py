@@ -82,11 +82,22 @@ def test_a_rollout_continuing_a_rows_frames_starts_from_that_rows_cache(model, s
     edited = next_frame_of(first[1], got[1], 1)
     edited.actions[0] += 1.0  # an earlier action differs: its row's cache does not hold this context
     second = [next_frame_of(first[2], got[2], 2), work(13, 2, 3), next_frame_of(first[0], got[0], 3), edited]
-    assert decoder.place(second) == [2, 1, 0, 3]  # each continuation on its own row; the rest on free ones
+    # each continuation on its own row; the new rollout on the row holding nothing, the edited one on what is left
+    assert decoder.place(second) == [2, 3, 0, 1]
     again = decoder.rollouts(second, sampling)
     assert sorted(prompts) == [1, 3] and decoder.prompts_reused == 2
     for w, frames in zip(second, again):
         np.testing.assert_array_equal(frames, alone(model, w, sampling))
+
+
+def test_a_new_rollout_takes_its_owners_row_and_leaves_the_others_kept_rows(model):
+    from dataclasses import replace
+
+    decoder = RowBatchDecoder(SingleStreamDecoder(model).core, rows=4)
+    decoder.rollouts([replace(work(20, 2, 3), owner="x"), replace(work(21, 2, 3), owner="y")], Sampling(temperature=0))
+    new_round_of_y = replace(work(22, 3, 4), owner="y")  # its context is not what row 1 holds
+    assert decoder.place([new_round_of_y]) == [1]
+    assert decoder.place([work(23, 3, 4)]) == [2]  # no owner: the lowest row holding nothing
 
 
 def test_batches_run_at_a_few_sizes():

@@ -101,6 +101,7 @@ def test_one_round_jobs_waiting_together_run_as_one_row_batch_with_the_reference
         np.testing.assert_array_equal(got[key], expected[key])
     assert frames == [("a", 2), ("b", 2), ("c", 2), ("a", 3), ("c", 3)]  # frame by frame, together
     assert driver.loop.steps == 2 * (CODES - 1) and single.rows.rows == 8
+    assert (driver.loop.batches, driver.loop.batched_jobs) == (1, 3)
 
 
 def test_a_job_cancelled_in_a_row_batch_stops_and_the_others_go_on(backends):
@@ -122,69 +123,87 @@ def test_a_job_cancelled_in_a_row_batch_stops_and_the_others_go_on(backends):
     np.testing.assert_array_equal(done["y"], expected["y"])
 
 
-def test_a_row_batch_waits_briefly_for_a_job_of_every_recent_session(backends, monkeypatch):
-    """Sessions ask for their next frames a little apart: a batch waits for one job of every session
-    (affinity) that ran lately (up to GATHER_S, here made generous) instead of starting with the first
-    alone, so sessions that began out of step run together from then on; with no other session, no wait."""
-    from dataclasses import replace
+def test_a_job_joins_the_rows_in_progress_mid_frame_and_gets_its_own_tokens(backends, monkeypatch):
+    """A session's next frame that comes while other rows are in the middle of their frames joins them at
+    the end of their next JOIN_STEPS steps instead of waiting for their frames to end: here c comes 20
+    steps into a and b's first frame, so its two frames end 59 and 98 steps in (not 117 and 156)."""
+    from terra_cli.backends import row_batch
 
-    from terra_cli.backends import single_stream_driver
-
-    monkeypatch.setattr(single_stream_driver, "GATHER_S", 5.0)
-    monkeypatch.setattr(single_stream_driver, "GATHER_MAX_S", 5.0)
-    single, _ = backends
+    monkeypatch.setattr(row_batch, "JOIN_STEPS", 10)
+    single, reference = backends
+    a, b, c = job("a", 71, total=4), job("b", 72, total=4), job("c", 73, total=4, offset=1)
+    expected, _ = run(reference.driver(1), [a, b, c])
     feed = JobFeed()
-    a1, a2 = replace(job("a1", 41, total=3), affinity="A"), replace(job("a2", 43, total=3), affinity="A")
-    b1, b2 = replace(job("b1", 42, total=3), affinity="B"), replace(job("b2", 44, total=3), affinity="B")
-    feed.put(a1)
-    frames, ended = [], []
+    feed.put(a)
+    feed.put(b)
+    advance, calls, seen, done = row_batch.RowBatchDecoder.advance, [], [], {}
+
+    def advance_then_maybe_put_c(decoder, *args):
+        out = advance(decoder, *args)
+        calls.append(decoder.steps)
+        if len(calls) == 2:
+            feed.put(c)
+        return out
+
+    monkeypatch.setattr(row_batch.RowBatchDecoder, "advance", advance_then_maybe_put_c)
     driver = single.driver(4)
-    assert driver.gather() == (0.0, 0, 0.0)  # no session ran yet: no wait
+    steps_before = single.rows.steps if single.rows is not None else 0
+
+    def on_frame(j, index, tokens):
+        seen.append((j.key, index, calls[-1] - steps_before))
 
     def on_done(j, tokens):
-        ended.append(j.key)
-        if j.key == "a1":  # b1 comes while a1 runs: it runs alone after it, out of step
-            feed.put(b1)
-        if j.key == "b1":  # then A asks again at once and B 0.3 s later: the batch waits for B
-            feed.put(a2)
-            threading.Timer(0.3, feed.put, args=(b2,)).start()
-        if len(ended) == 4:
+        done[j.key] = tokens.copy()
+        if len(done) == 3:
             feed.close()
 
-    driver.run(feed, on_frame=lambda j, i, t: frames.append(j.key), on_done=on_done)
-    assert frames == ["a1", "b1", "a2", "b2"] and driver.loop.steps == 3 * (CODES - 1)  # a1, b1, then a2+b2 together
-    assert driver.gather() == (5.0, 2, 5.0)
+    driver.run(feed, on_frame=on_frame, on_done=on_done)
+    for key in "abc":
+        np.testing.assert_array_equal(done[key], expected[key])
+    assert seen == [("a", 2, 39), ("b", 2, 39), ("c", 2, 59), ("a", 3, 78), ("b", 3, 78), ("c", 3, 98)]
+    assert driver.loop.steps == 98
+    assert (driver.loop.batches, driver.loop.batched_jobs) == (2, 3)  # a and b together, then c
 
 
-def test_a_batch_waits_on_while_sessions_keep_asking(backends, monkeypatch):
-    """Four sessions' next frames come 0.3 s apart (a server answering them in turn): each within the
-    0.5 s gap of the one before, so the batch waits through all of them, 0.9 s in all, and runs them as one."""
+def test_a_lone_job_runs_alone_unless_another_session_ran_lately(backends):
     from dataclasses import replace
 
-    from terra_cli.backends import single_stream_driver
-
-    monkeypatch.setattr(single_stream_driver, "GATHER_S", 0.5)
-    monkeypatch.setattr(single_stream_driver, "GATHER_MAX_S", 5.0)
     single, _ = backends
+    driver = single.driver(4)
+    a, b = replace(job("a", 1, total=3), affinity="A"), replace(job("b", 2, total=3), affinity="B")
+    assert not driver._rows_wanted(a, [])
+    assert driver._rows_wanted(a, [b])  # another waits that may join
+    driver.recent["A"] = __import__("time").perf_counter()
+    assert not driver._rows_wanted(replace(a, key="a2"), [])  # its own session only
+    assert driver._rows_wanted(b, [])  # session A will ask again: B starts the rows A joins
+
+
+def test_a_job_that_cannot_join_runs_before_later_jobs_join(backends):
+    """A job of several rounds waits while rows are in progress; once they are done it runs, before a
+    session's frame that came after it, though that one is urgent and could have joined."""
+    single, reference = backends
     feed = JobFeed()
-    first = [replace(job(f"{s}1", 50 + i, total=3), affinity=s) for i, s in enumerate("ABCD")]
-    second = [replace(job(f"{s}2", 60 + i, total=3), affinity=s) for i, s in enumerate("ABCD")]
-    for j in first:  # all there at once: one batch without waiting
+    jobs = [job("s", 81, total=3), job("t", 82, total=3), job("long", 83, total=6)]
+    for j in jobs:
         feed.put(j)
-    ended = []
+    late = job("late", 84, total=3)
+    seen, done = [], {}
+
+    def on_frame(j, index, tokens):
+        seen.append(j.key)
+        if j.key == "s":
+            feed.put(late, urgent=True)
 
     def on_done(j, tokens):
-        ended.append(j.key)
-        if len(ended) == 4:
-            for i, later in enumerate(second):
-                threading.Timer(0.3 * i, feed.put, args=(later,)).start()
-        if len(ended) == 8:
+        done[j.key] = tokens.copy()
+        if len(done) == 4:
             feed.close()
 
-    driver = single.driver(4)
-    driver.run(feed, on_done=on_done)
-    assert sorted(ended[4:]) == ["A2", "B2", "C2", "D2"]
-    assert driver.loop.steps == 2 * (CODES - 1)  # two row batches of four, one frame each
+    single.driver(4).run(feed, on_frame=on_frame, on_done=on_done)
+    assert seen == ["s", "t"] + ["long"] * 4 + ["late"]
+    expected, _ = run(reference.driver(1), [jobs[2], late])
+    for key in expected:
+        np.testing.assert_array_equal(done[key], expected[key])
 
 
 def test_jobs_of_several_rounds_or_other_sampling_do_not_join_a_row_batch(backends):
@@ -247,3 +266,27 @@ def test_generate_refuses_jacobi_on_another_backend_before_loading(checkpoint, t
     assert result.returncode == 2
     assert "error: --draft jacobi runs on --backend single-stream, not on hf" in result.stderr
     assert not (tmp_path / "out.mp4").exists()
+
+
+def test_rows_that_fail_fail_their_jobs_alone_and_the_next_jobs_run(backends, monkeypatch):
+    from terra_cli.backends import row_batch
+
+    single, reference = backends
+    advance, failed = row_batch.RowBatchDecoder.advance, []
+
+    def advance_fails_once(decoder, *args):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("the device failed")
+        return advance(decoder, *args)
+
+    monkeypatch.setattr(row_batch.RowBatchDecoder, "advance", advance_fails_once)
+    errors, done = [], {}
+    feed = closed_feed([job("e1", 91, total=3), job("e2", 92, total=3)])
+    single.driver(4).run(feed, on_done=lambda j, t: done.__setitem__(j.key, t), on_error=lambda j, e: errors.append(j.key))
+    assert sorted(errors) == ["e1", "e2"] and not done and not single.rows.live
+    later = [job("f1", 93, total=3), job("f2", 94, total=3)]
+    got, _ = run(single.driver(4), closed_feed(later))
+    expected, _ = run(reference.driver(1), later)
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key])

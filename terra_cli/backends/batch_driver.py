@@ -11,8 +11,6 @@ from terra_cli.backends import driver
 from terra_cli.backends.driver import JobFeed, LoopTimes, RolloutJob, admit, timed_get
 
 
-GATHER_POLL_S = 0.002  # how often a gathering batch looks at the feed again
-
 
 class BatchAtATimeDriver:
     """A driver that runs one batch of jobs to its end before it takes the next: the reference's
@@ -32,12 +30,6 @@ class BatchAtATimeDriver:
     def batch_limit(self) -> int:
         """Jobs a batch takes at most."""
         return self.max_in_flight
-
-    def gather(self) -> tuple[float, int, float]:
-        """How a batch that could take more waits for compatible jobs still to come from a feed: (the
-        longest gap between two arrivals it waits through, how many jobs it waits for at most, the
-        longest it waits in all). (0, 0, 0) here: never (lockstep batches take what is there)."""
-        return 0.0, 0, 0.0
 
     def compatible(self, first: RolloutJob, job: RolloutJob) -> bool:
         """Whether `job` may join the batch `first` opened (the reference's lockstep: `driver.compatible`)."""
@@ -67,21 +59,12 @@ class BatchAtATimeDriver:
                 admitting, idle_before = clock(), self.loop.idle_s
                 first = (pending.popleft() if pending else None) if feed is None else timed_get(feed, idle_wait, self.loop)
                 batch = [first] if admitted(first) else []
-                gap_s, wanted, longest_s = self.gather() if feed is not None else (0.0, 0, 0.0)
-                gathering = clock()
-                until = min(gathering + gap_s, gathering + longest_s)
                 while batch and len(batch) < self.batch_limit():
                     job = take_compatible(first)
                     if job is None:
-                        if len(batch) < wanted and clock() < until and not feed.finished:
-                            time.sleep(GATHER_POLL_S)
-                            continue
                         break
                     if admitted(job):
                         batch.append(job)
-                        # jobs still coming one after another (a server answering its sessions' last
-                        # frames in turn): wait on while they keep coming, up to longest_s in all
-                        until = min(max(until, clock() + gap_s), gathering + longest_s)
                 self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
                 if batch:
                     self.loop.batches += 1

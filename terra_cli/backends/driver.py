@@ -159,6 +159,11 @@ class JobFeed:
                     return job
         return None
 
+    def waiting(self) -> list[RolloutJob]:
+        """The jobs waiting now, in the order `get` would give them (a copy)."""
+        with self._lock:
+            return list(self._jobs)
+
     @property
     def finished(self) -> bool:
         """Closed, and every job put before closing has been taken."""

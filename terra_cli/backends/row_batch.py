@@ -8,13 +8,19 @@ A row keeps what its last rollout wrote (`Resident`): a rollout that continues i
 next frame, whose context is the frames so far) goes to that row and skips its prompt, which at 24
 frames of context is 14,000 positions a session.
 
+Rows need not start together (`add`, `advance`): each row has its own place in its frame, so a rollout
+joins the running batch at the next few steps' end, and a row whose frame is done goes on with its next
+frame or is free. A server's sessions come back with their next frames one after another (each after its
+picture and a round trip): in lockstep batches, every session waited for the last one's picture; here
+none waits for another's.
+
 Each row draws from a generator of its own under the seed rule of `terra_cli/seeds.py` (frame f of a
 rollout seeded s from `draw_seed(s, f)`), with the reference's sampling rule (`device_sampling`): a
 rollout gets the codes it gets alone on `SingleStreamDecoder`, whatever shares its batch (on a GPU the
 batched GEMMs may round differently from one row's, as any two batch sizes do).
 
-A batch starts together; a row whose frames are done idles (its step rewrites its last position with
-the same code) until the batch's last row is done. Batches of 2-32 rows run at the next size of
+A free row idles in the batch's steps (its position does not move; what it writes there, a later prompt
+or frame end rewrites). Batches of 2-32 rows run at the next size of
 `ROW_BUCKETS` (idle rows fill the rest), so a few CUDA graphs and compiled shapes serve every batch.
 What a step costs at 1-64 rows: benchmarks/README.md, "One decode step for B rollouts at once".
 """
@@ -32,6 +38,7 @@ from terra_cli.backends.device_sampling import FrameGenerators, filtered_probabi
 from terra_cli.backends.static_kv import StaticKVDecoder
 
 ROW_BUCKETS = (2, 4, 8, 16, 32)
+JOIN_STEPS = 32  # `advance`'s steps at most: how long a rollout waits to join (~80 ms at 32 rows on an H200)
 MAX_ROWS = ROW_BUCKETS[-1]
 
 
@@ -52,6 +59,7 @@ class Resident:
 
     frames: np.ndarray
     actions: np.ndarray
+    owner: str | None = None  # the rollout's `RowWork.owner`
 
     def holds(self, work: "RowWork") -> bool:
         known = self.frames.shape[0]
@@ -70,6 +78,21 @@ class RowWork:
     num_frames: int
     seed: int
     first_frame: int = 0
+    owner: str | None = None  # whose rollouts these are (a server session): its next round takes its own row
+
+
+@dataclass
+class _Live:
+    """A rollout in progress on a row: `frame` is the frame its steps decide, `left` the steps until
+    that frame's codes are all decided."""
+
+    tag: object
+    work: RowWork
+    out: np.ndarray
+    waypoints: torch.Tensor
+    seeds: FrameGenerators
+    frame: int
+    left: int = 0
 
 
 class RowBatchDecoder:
@@ -85,8 +108,9 @@ class RowBatchDecoder:
         self.codes = torch.zeros(rows, **long)  # each row's last decided code, fed by the next step
         self.positions = torch.zeros(rows, **long)  # where each row's code is fed
         self.moving = torch.zeros(rows, **long)  # 1: the row has a frame in progress; 0: it idles
-        self.next_index = torch.zeros(1, **long)  # the code of the frame the step decides (all rows alike)
-        self.frame_codes = torch.zeros(rows, self.layout.image_tokens, **long)
+        self.next_index = torch.zeros(rows, **long)  # the code of its frame each row's step decides
+        # a column past the frame's codes: a free row's steps write there once its frame is done
+        self.frame_codes = torch.zeros(rows, self.layout.image_tokens + 1, **long)
         self.noise = torch.zeros(rows, self.layout.image_vocab_size, dtype=torch.float32, device=device)
         self.generators = [torch.Generator(device=device) for _ in range(rows)]
         self.sampling = Sampling()
@@ -96,6 +120,7 @@ class RowBatchDecoder:
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.steps = 0
         self.resident: list[Resident | None] = [None] * rows
+        self.live: dict[int, _Live] = {}  # row -> the rollout in progress there
         self.prompts_reused = 0  # rollouts that started from a row's resident frames
 
     @torch.inference_mode()  # as `rollouts` runs: dynamo guards on it
@@ -106,6 +131,8 @@ class RowBatchDecoder:
         taken."""
         if not (self.cuda_graphs or self.core.compiled):
             return 0.0
+        if self.live:
+            raise RuntimeError("warm_up runs before rollouts, not among them")
         started = time.perf_counter()
         self.sampling = sampling
         self.resident = [None] * self.rows  # its steps write at position 0 of every row
@@ -130,10 +157,10 @@ class RowBatchDecoder:
             for row in range(n):  # the draws a row alone takes (`device_sampling.race_sample`), from its own stream
                 self.noise[row].exponential_(generator=self.generators[row])
             codes = (probabilities / self.noise[:n]).argmax(dim=-1)
-        self.frame_codes[:n].index_copy_(1, self.next_index, codes[:, None])
+        self.frame_codes[:n].scatter_(1, self.next_index[:n, None], codes[:, None])
         self.codes[:n].copy_(codes)
         self.positions[:n].add_(self.moving[:n])
-        self.next_index.add_(1)
+        self.next_index[:n].add_(self.moving[:n])
 
     def run_steps(self, n: int, times: int) -> None:
         self.steps += times
@@ -157,87 +184,157 @@ class RowBatchDecoder:
                             self.generators[:n], use_generators, self.pool)
 
     def place(self, work: list[RowWork]) -> list[int]:
-        """Each rollout's row: the row whose cache already holds its context (`Resident.holds`), else
-        the lowest row no other rollout of the batch takes."""
+        """Each rollout's row among those no rollout holds now: the row whose cache already holds its
+        context (`Resident.holds`); else a row its owner's last rollout left, a row holding nothing, or
+        the lowest row, which no other rollout of `work` takes (so others' kept rows stay theirs)."""
         rows: list[int | None] = [None] * len(work)
-        taken: set[int] = set()
+        taken: set[int] = set(self.live)
         for i, w in enumerate(work):
             for row, resident in enumerate(self.resident):
                 if row not in taken and resident is not None and resident.holds(w):
                     rows[i] = row
                     taken.add(row)
                     break
-        free = (row for row in range(self.rows) if row not in taken)
-        return [row if row is not None else next(free) for row in rows]
+
+        def preference(row: int, owner: str | None) -> tuple:
+            resident = self.resident[row]
+            mine = resident is not None and owner is not None and resident.owner == owner
+            return (not mine, resident is not None, row)
+
+        for i, w in enumerate(work):
+            if rows[i] is None:
+                rows[i] = min((row for row in range(self.rows) if row not in taken),
+                              key=lambda row: preference(row, w.owner))
+                taken.add(rows[i])
+        return rows
+
+    def compatible(self, sampling: Sampling) -> bool:
+        """Whether a rollout sampling so may join the rollouts in progress (one graph a sampling rule)."""
+        from dataclasses import replace
+
+        return not self.live or replace(sampling, seed=0) == replace(self.sampling, seed=0)
 
     @torch.inference_mode()
-    def rollouts(self, work: list[RowWork], sampling: Sampling, on_frame=None, on_row_done=None) -> list[np.ndarray]:
-        """Each rollout's frames (num_frames, T). `on_frame(i, f, tokens)` after frame f of work[i] (f within
-        its round); returning False drops that rollout (cancelled): it idles from then on. `on_row_done(i,
-        frames)` when work[i]'s last frame is in."""
-        layout, core = self.layout, self.core
-        device, stride, codes = core.device, layout.frame_stride, layout.image_tokens
-        if len(work) > self.rows:
-            raise ValueError(f"{len(work)} rollouts need {bucket(len(work))} rows; this decoder holds {self.rows}")
-        row_of = self.place(work)
-        n = min(bucket(max(row_of) + 1), self.rows) if max(row_of) > 0 else 1
+    def add(self, work: list[tuple[object, RowWork]], sampling: Sampling) -> list[int]:
+        """Start (tag, rollout) pairs on free rows at their first frame to decide: each its prompt, or, on
+        a row that holds its context, only the step closing its last frame (those in one forward). Their
+        steps run from the next `advance`. Returns their rows."""
+        if len(self.live) + len(work) > self.rows:
+            raise ValueError(f"{len(self.live) + len(work)} rollouts at once; this decoder holds {self.rows}")
+        if not self.compatible(sampling):
+            raise ValueError("rollouts in progress sample by other settings")
+        core, device = self.core, self.core.device
         self.sampling = sampling
-        out = [np.empty((w.num_frames, codes), dtype=np.int64) for w in work]
-        waypoints = [torch.tensor(w.actions, device=device) for w in work]
-        seeds = [FrameGenerators(self.generators[row_of[i]], w.seed, w.first_frame) for i, w in enumerate(work)]
-        pending: list[torch.Tensor | None] = [None] * len(work)
-        continuing = []  # rollouts whose row holds their context: only its last frame's closing step is new
-        for i, w in enumerate(work):
-            row = row_of[i]
-            out[i][:w.context.shape[0]] = w.context
+        rows = self.place([w for _, w in work])
+        pending: dict[int, torch.Tensor] = {}
+        continuing = []
+        for (tag, w), row in zip(work, rows):
+            out = np.empty((w.num_frames, self.layout.image_tokens), dtype=np.int64)
+            out[:w.context.shape[0]] = w.context
+            self.live[row] = _Live(tag, w, out, torch.tensor(w.actions, device=device),
+                                   FrameGenerators(self.generators[row], w.seed, w.first_frame), w.context.shape[0])
             if self.resident[row] is not None and self.resident[row].holds(w):
-                continuing.append(i)
+                continuing.append(row)
             else:
-                pending[i] = core.forward_prompt(torch.tensor(w.context, device=device), waypoints[i], row=row)
+                pending[row] = core.forward_prompt(torch.tensor(w.context, device=device), self.live[row].waypoints,
+                                                   row=row)
             self.resident[row] = None  # until the rollout's last frame is in
         if continuing:
-            last = [work[i].context.shape[0] - 1 for i in continuing]
-            logits = core.forward_frame_ends(torch.tensor([work[i].context[-1, -1] for i in continuing], device=device),
-                                             last, torch.stack([waypoints[i][f] for i, f in zip(continuing, last)]),
-                                             [row_of[i] for i in continuing])
-            for i, row_logits in zip(continuing, logits):
-                pending[i] = row_logits[None]
+            pending.update(self._close_frames(continuing, [int(self.live[r].work.context[-1, -1]) for r in continuing],
+                                              [self.live[r].frame - 1 for r in continuing]))
             self.prompts_reused += len(continuing)
-        self.moving.zero_()
-        live = [True] * len(work)
-        for g in range(max(w.num_frames - w.context.shape[0] for w in work)):
-            frames = {}  # work index -> the frame it decides now
-            for i, w in enumerate(work):
-                row, f = row_of[i], w.context.shape[0] + g
-                if not live[i] or f >= w.num_frames:
-                    self.moving[row] = 0
-                    continue
-                frames[i] = f
-                code = next_codes(pending[i], layout, sampling, seeds[i].start_frame(f))
-                self.frame_codes[row, :1].copy_(code)
-                self.codes[row:row + 1].copy_(code)
-                self.positions[row] = f * stride
-                self.moving[row] = 1
-            if not frames:
-                break
-            self.next_index.fill_(1)
-            self.run_steps(n, codes - 1)
-            decided = self.frame_codes[:n].cpu().numpy()  # the frames' one copy to the host
-            closing = [i for i, f in frames.items() if f < work[i].num_frames - 1]
-            if closing:  # the frames that go on are closed in one forward
-                rows = [row_of[i] for i in closing]
-                logits = core.forward_frame_ends(self.frame_codes[rows, codes - 1], [frames[i] for i in closing],
-                                                 torch.stack([waypoints[i][frames[i]] for i in closing]), rows)
-                for i, row_logits in zip(closing, logits):
-                    pending[i] = row_logits[None]
-            for i, f in frames.items():
-                w, row = work[i], row_of[i]
-                out[i][f] = decided[row]
-                if on_frame is not None and on_frame(i, f, out[i][f]) is False:
-                    live[i] = False
-                    continue
-                if f == w.num_frames - 1:
-                    self.resident[row] = Resident(out[i].copy(), np.array(w.actions[:w.num_frames - 1]))
-                    if on_row_done is not None:
-                        on_row_done(i, out[i])
+        for row, logits in pending.items():
+            self._start_frame(row, logits)
+        return rows
+
+    def _close_frames(self, rows: list[int], last_codes, frames: list[int]) -> dict[int, torch.Tensor]:
+        """Row rows[i]'s frame frames[i] closed (its last code, then its action slots), all in one forward ->
+        each row's next frame's code-0 logits."""
+        device = self.core.device
+        last = last_codes if isinstance(last_codes, torch.Tensor) else torch.tensor(last_codes, device=device)
+        waypoints = torch.stack([self.live[row].waypoints[f] for row, f in zip(rows, frames)])
+        logits = self.core.forward_frame_ends(last, frames, waypoints, rows)
+        return {row: row_logits[None] for row, row_logits in zip(rows, logits)}
+
+    def _start_frame(self, row: int, logits: torch.Tensor) -> None:
+        live, codes = self.live[row], self.layout.image_tokens
+        code = next_codes(logits, self.layout, self.sampling, live.seeds.start_frame(live.frame))
+        self.frame_codes[row, :1].copy_(code)
+        self.codes[row:row + 1].copy_(code)
+        self.positions[row] = live.frame * self.layout.frame_stride
+        self.next_index[row] = 1
+        self.moving[row] = 1
+        live.left = codes - 1
+
+    @torch.inference_mode()
+    def advance(self, max_steps: int | None = None) -> list[tuple[object, int, np.ndarray, bool]]:
+        """Up to `max_steps` (`JOIN_STEPS`) decode steps of every rollout in progress, fewer where one's frame is done
+        first. Returns (tag, frame, codes (T,), last) for each frame done; a rollout whose last frame is
+        done leaves its row (its frames stay there: `Resident`), the others go on with their next frame."""
+        if not self.live:
+            return []
+        top = max(self.live) + 1
+        n = min(bucket(top), self.rows) if top > 1 else 1
+        times = min(JOIN_STEPS if max_steps is None else max_steps, min(live.left for live in self.live.values()))
+        self.run_steps(n, times)
+        for live in self.live.values():
+            live.left -= times
+        finished = [row for row, live in self.live.items() if live.left == 0]
+        if not finished:
+            return []
+        codes = self.layout.image_tokens
+        decided = self.frame_codes[finished, :codes].cpu().numpy()  # those frames' one copy to the host
+        done, closing = [], []
+        for row, tokens in zip(finished, decided):
+            live = self.live[row]
+            live.out[live.frame] = tokens
+            last = live.frame == live.work.num_frames - 1
+            done.append((live.tag, live.frame, live.out[live.frame], last))
+            if last:
+                self.resident[row] = Resident(live.out.copy(), np.array(live.work.actions[:live.work.num_frames - 1]),
+                                              live.work.owner)
+                self._free(row)
+            else:
+                closing.append(row)
+        if closing:  # the frames that go on are closed in one forward
+            pending = self._close_frames(closing, self.frame_codes[closing, codes - 1],
+                                         [self.live[row].frame for row in closing])
+            for row in closing:
+                self.live[row].frame += 1
+                self._start_frame(row, pending[row])
+        return done
+
+    def drop(self, tag) -> None:
+        """Stop the rollout `tag` (cancelled): its row is free, and holds nothing a later rollout may reuse."""
+        for row, live in list(self.live.items()):
+            if live.tag == tag:
+                self._free(row)
+                self.resident[row] = None
+
+    def drop_all(self) -> None:
+        """After a failure: every row free, none reused."""
+        for row in list(self.live):
+            self._free(row)
+        self.resident = [None] * self.rows
+
+    def _free(self, row: int) -> None:
+        del self.live[row]
+        self.moving[row] = 0
+
+    def rollouts(self, work: list[RowWork], sampling: Sampling, on_frame=None, on_row_done=None) -> list[np.ndarray]:
+        """Rollouts that start together, each run to its end: each one's frames (num_frames, T). `on_frame(i,
+        f, tokens)` after frame f of work[i] (f within its round); returning False drops that rollout
+        (cancelled). `on_row_done(i, frames)` when work[i]'s last frame is in."""
+        if self.live:
+            raise RuntimeError("rollouts are in progress")
+        if len(work) > self.rows:
+            raise ValueError(f"{len(work)} rollouts need {bucket(len(work))} rows; this decoder holds {self.rows}")
+        rows = self.add(list(enumerate(work)), sampling)
+        out = [self.live[row].out for row in rows]
+        while self.live:
+            for i, f, tokens, last in self.advance(self.layout.image_tokens):
+                if on_frame is not None and on_frame(i, f, tokens) is False:
+                    self.drop(i)
+                elif last and on_row_done is not None:
+                    on_row_done(i, out[i])
         return out

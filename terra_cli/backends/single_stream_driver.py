@@ -3,116 +3,195 @@
 `SingleStreamDriver` runs a job's rounds (pipeline/rounds.py) through `SingleStreamDecoder.rollout`
 with the seed rule of terra_cli/seeds.py (frame f of the video, over all rounds and `frame_offset`,
 drawn from `draw_seed(job seed, f)`), so plain decoding gives the reference's codes for a seed.
-With `max_in_flight` above 1 and plain decoding, jobs waiting together that fit one round and
-sample alike (a server's sessions' next frames) run as one batch (`row_batch.RowBatchDecoder`, at
-most `row_batch.MAX_ROWS`): one decode step for all of them, each job the codes it gets alone.
-Jobs that arrive meanwhile wait in the feed (urgent ones, a session's next frame, first). A
-cancelled job stops at its next frame's end.
+With `max_in_flight` above 1 and plain decoding, jobs that fit one round and sample alike (a
+server's sessions' next frames) run as rows of one `row_batch.RowBatchDecoder` (at most
+`row_batch.MAX_ROWS`): one decode step for all of them, each job the codes it gets alone. A job
+joins the rows in progress at the end of their next few steps (`row_batch.JOIN_STEPS`) and leaves
+its row when its last frame is done, so no session waits for another's frame or picture. A job
+that cannot join (several rounds, other sampling) is taken next once the rows in progress are
+done; none joins them meanwhile. A cancelled job stops at its next frame's end.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from terra_cli.backends.batch_driver import BatchAtATimeDriver
-from terra_cli.backends.driver import take_cancelled
+from terra_cli.backends.driver import JobFeed, admit, take_cancelled, timed_get
 
 
 class _JobCancelled(Exception):
     pass
 
 
-# Sessions ask for their next frames a few milliseconds after their last one is answered. Taking only
-# what is there, the first to ask would start a batch alone and the rest would wait a whole frame for
-# the next one: the sessions would run in batches out of step, or one at a time. So a batch waits for a
-# job from every session (job affinity) that ran within the last RECENT_S, as long as they keep coming
-# at most GATHER_S apart and up to GATHER_MAX_S in all; a lone session never waits. The server answers a
-# batch's sessions as their pictures are decoded, a few at a time and ~10-30 ms each on an H200: with a
-# fixed 50 ms window 32 sessions ran in batches of a few and got 0.24 frames/s each where the batch alone
-# makes 0.67 (2026-11-29, lease 9); waiting through 50 ms gaps for up to 0.5 s, in batches of 15 and 0.30
-# (lease 10): the picture calls came farther apart than that.
-GATHER_S = 0.3
-GATHER_MAX_S = 1.0
-RECENT_S = 5.0
+# A lone job runs on the single decoder (its graph is one rollout's), unless another session (job
+# affinity) ran within the last RECENT_S: then it starts the rows, which that session's next frame joins.
+# Generous: a session's next frame comes after its picture and the client's own work (a planner's).
+RECENT_S = 30.0
 
 
 class SingleStreamDriver(BatchAtATimeDriver):
-    """One job at a time, or up to `max_in_flight` (at most the backend's `max_row_batch`) one-round jobs as a
-    row batch when the backend decodes plainly (Jacobi drafts run one rollout at a time)."""
+    """One job at a time, or up to `max_in_flight` (at most the backend's `max_row_batch`) one-round jobs as
+    rows in progress together when the backend decodes plainly (Jacobi drafts run one rollout at a time)."""
 
     def __init__(self, backend, max_in_flight: int = 1):
         super().__init__(backend, max_in_flight)
         self.recent: dict[str, float] = {}  # a session's affinity -> when its last job ran
-        self.warm_up_s = backend.warm_row_batch(self.batch_limit())
-
-    def gather(self) -> tuple[float, int]:
-        now = time.perf_counter()
-        self.recent = {key: ran for key, ran in self.recent.items() if now - ran < RECENT_S}
-        wanted = min(len(self.recent), self.batch_limit())
-        return (GATHER_S, wanted, GATHER_MAX_S) if wanted > 1 else (0.0, 0, 0.0)
+        backend.warm_row_batch(self.batch_limit())
 
     def batch_limit(self) -> int:
         return min(self.max_in_flight, self.backend.max_row_batch) if self.backend.decoder.draft_tokens == 0 else 1
 
     def compatible(self, first, job) -> bool:
         """Jobs that sample alike and fit one round each (pipeline/rounds.py: at most the model's frames)."""
-        from dataclasses import replace
-
         return (replace(first.sampling, seed=0) == replace(job.sampling, seed=0)
                 and max(first.total_frames, job.total_frames) <= self.layout.max_frames)
+
+    def run(self, jobs, on_frame=None, on_done=None, on_cancelled=None, idle_wait: float = 0.05, on_start=None,
+            on_error=None) -> None:
+        if self.batch_limit() < 2:  # one job at a time: the base loop
+            return super().run(jobs, on_frame, on_done, on_cancelled, idle_wait, on_start, on_error)
+        feed = jobs if isinstance(jobs, JobFeed) else None
+        queue = None if feed is not None else collections.deque(jobs)
+        clock = time.perf_counter
+        decoder, running, frames, tags = None, {}, {}, itertools.count()
+        first_after = None  # a job that could not join the rows in progress: the next one taken
+
+        def waiting() -> list:
+            return feed.waiting() if feed is not None else list(queue)
+
+        def take(accept):
+            if feed is not None:
+                return feed.take_if(accept)
+            for index, job in enumerate(queue):
+                if accept(job):
+                    del queue[index]
+                    return job
+            return None
+
+        def admitted(job) -> bool:
+            return admit(self.layout, feed, job, on_cancelled, on_error, on_start)
+
+        began = self.loop.running_since = clock()
+        try:
+            while True:
+                admitting, idle_before = clock(), self.loop.idle_s
+                joining = []
+                if not running:
+                    if first_after is not None:
+                        first = take(lambda job: job.key == first_after)
+                        first_after = None
+                    else:
+                        first = (queue.popleft() if queue else None) if feed is None else timed_get(feed, idle_wait, self.loop)
+                    if first is None:
+                        if feed.finished if feed is not None else not queue:
+                            break
+                        continue
+                    if not admitted(first):
+                        continue
+                    if not self.compatible(first, first) or not self._rows_wanted(first, waiting()):
+                        self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
+                        self._run_batch([first], feed, on_frame, on_done, on_cancelled, on_error)
+                        continue
+                    joining.append(first)
+                opener = joining[0] if joining else next(iter(running.values()))
+                if first_after is None:
+                    refused = next((job for job in waiting() if not self.compatible(opener, job)), None)
+                    if refused is not None and running:
+                        first_after = refused.key  # none joins until it has run
+                    while first_after is None and len(running) + len(joining) < self.batch_limit():
+                        job = take(lambda job: self.compatible(opener, job))
+                        if job is None:
+                            break
+                        if admitted(job):
+                            joining.append(job)
+                if joining:
+                    decoder = decoder or self.backend.row_batch(self.batch_limit())
+                    self._join(decoder, joining, running, frames, tags, on_error)
+                self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
+                if running:
+                    self._advance(decoder, running, frames, feed, on_frame, on_done, on_cancelled, on_error)
+        finally:
+            self.loop.run_s += clock() - began
+            self.loop.running_since = None
+
+    def _rows_wanted(self, job, waiting) -> bool:
+        """Whether `job`, taken with no rows in progress, starts rows rather than running alone: another
+        job waits that may join, or another session ran lately and will ask again."""
+        now = time.perf_counter()
+        self.recent = {key: ran for key, ran in self.recent.items() if now - ran < RECENT_S}
+        return (any(self.compatible(job, other) for other in waiting)
+                or any(key != job.affinity for key in self.recent))
+
+    def _join(self, decoder, joining, running, frames, tags, on_error) -> None:
+        from terra_cli.backends.row_batch import RowWork
+
+        now = time.perf_counter()
+        self.recent.update((job.affinity, now) for job in joining if job.affinity is not None)
+        work = [(next(tags), RowWork(job.context, np.asarray(job.actions[: job.total_frames - 1], dtype=np.float32),
+                                     job.total_frames, job.sampling.seed, job.frame_offset, job.affinity))
+                for job in joining]
+        started, steps_before = time.perf_counter(), decoder.steps
+        try:
+            rows = decoder.add(work, joining[0].sampling)
+        except Exception as exc:  # these jobs failed; the rows in progress go on
+            for tag, _ in work:
+                decoder.drop(tag)
+            if on_error is None:
+                raise
+            for job in joining:
+                on_error(job, exc)
+            return
+        finally:
+            self.loop.steps += decoder.steps - steps_before
+            self.loop.step_s += time.perf_counter() - started
+        self.loop.batches += 1
+        self.loop.batched_jobs += len(joining)
+        for (tag, _), job, row in zip(work, joining, rows):
+            running[tag], frames[tag] = job, decoder.live[row].out
+
+    def _advance(self, decoder, running, frames, feed, on_frame, on_done, on_cancelled, on_error) -> None:
+        clock = time.perf_counter
+        started, steps_before = clock(), decoder.steps
+        try:
+            done = decoder.advance()
+        except Exception as exc:  # the rollouts in progress failed; the engine goes on
+            decoder.drop_all()
+            failed = list(running.values())
+            running.clear()
+            frames.clear()
+            if on_error is None:
+                raise
+            for job in failed:
+                on_error(job, exc)
+            return
+        finally:
+            self.loop.steps += decoder.steps - steps_before
+            self.loop.step_s += clock() - started
+        handling = clock()
+        for tag, index, tokens, last in done:
+            job = running[tag]
+            if take_cancelled(feed, job, on_cancelled):
+                decoder.drop(tag)
+                running.pop(tag), frames.pop(tag)
+                continue
+            if on_frame is not None:
+                on_frame(job, index, tokens)
+            if last:
+                running.pop(tag)
+                if on_done is not None:
+                    on_done(job, frames.pop(tag))
+        self.loop.frames_s += clock() - handling
 
     def _run_batch(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
         now = time.perf_counter()
         self.recent.update((job.affinity, now) for job in batch if job.affinity is not None)
-        if len(batch) == 1:
-            self._run_job(batch[0], feed, on_frame, on_done, on_cancelled, on_error)
-        else:
-            self._run_rows(batch, feed, on_frame, on_done, on_cancelled, on_error)
-
-    def _run_rows(self, batch, feed, on_frame, on_done, on_cancelled, on_error) -> None:
-        from terra_cli.backends.row_batch import RowWork
-
-        clock = time.perf_counter
-        decoder = self.backend.row_batch(self.batch_limit())
-        work = [RowWork(job.context, np.asarray(job.actions[: job.total_frames - 1], dtype=np.float32),
-                        job.total_frames, job.sampling.seed, job.frame_offset) for job in batch]
-        handling, ended = [0.0], set()
-        steps_before = decoder.steps
-
-        def frame_done(row: int, index: int, tokens: np.ndarray) -> bool:
-            started = clock()
-            try:
-                if take_cancelled(feed, batch[row], on_cancelled):
-                    ended.add(row)
-                    return False
-                if on_frame is not None:
-                    on_frame(batch[row], index, tokens)
-                return True
-            finally:
-                handling[0] += clock() - started
-
-        def row_done(row: int, frames: np.ndarray) -> None:
-            started = clock()
-            ended.add(row)
-            if on_done is not None:
-                on_done(batch[row], frames)
-            handling[0] += clock() - started
-
-        started = clock()
-        try:
-            decoder.rollouts(work, batch[0].sampling, frame_done, row_done)
-        except Exception as exc:  # these jobs failed; the engine goes on
-            if on_error is None:
-                raise
-            for row, job in enumerate(batch):
-                if row not in ended:
-                    on_error(job, exc)
-        finally:
-            self.loop.steps += decoder.steps - steps_before
-            self.loop.frames_s += handling[0]
-            self.loop.step_s += clock() - started - handling[0]
+        self._run_job(batch[0], feed, on_frame, on_done, on_cancelled, on_error)
 
     def _run_job(self, job, feed, on_frame, on_done, on_cancelled, on_error) -> None:
         from terra_cli.pipeline.rounds import plan_rounds

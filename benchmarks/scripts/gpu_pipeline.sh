@@ -42,6 +42,8 @@
 #          SERVE_STEPS (8) frames, the product's row batch, single-stream with fp8 weights at 1 and 32 sessions
 #          (~14 minutes); ONE_AFTER=next5: `terra serve` on single-stream at 1, 8 and 32 sessions, and with fp8
 #          weights at 1 and 16 (~10 minutes); ONE_AFTER=next6: 32 sessions on single-stream (~3 minutes);
+#          ONE_AFTER=next7: the product's row batch alone at 8 and 32 rows, `terra serve` on single-stream at 1, 8
+#          and 32 sessions (rows joining at any step, pictures compiled), vLLM at 32 sessions (~9 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -494,6 +496,16 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
         --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
         > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = next7 ]; then
+      # rows that join and leave at any few steps' end, the sessions' pictures through the compiled decoder
+      timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --product --rows 8,32 \
+        --out "$OUT/row_batch.json" > "$OUT/row_batch.log" 2>&1; echo "row_batch exit $?" >> "$STEP_LOG"
+      timeout 360 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
+        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      timeout 200 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
+        --steps "${SERVE_STEPS:-8}" --out "$OUT/serve-vllm" > "$OUT/serve-vllm.log" 2>&1
+      echo "serve vllm exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

@@ -148,15 +148,14 @@ def test_session_steps_roll_over_into_rounds_and_stream(client):
 
 
 def test_a_session_picture_is_the_frame_its_video_holds(client, engine):
+    """The server decodes every picture one frame a call: a frame's picture is the same alone or in a video."""
     from PIL import Image
-
-    from terra_cli.scenarios.writers import decode_frames
 
     session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(3, seed=4)}, "seed": 5}).json()["id"]
     step = client.post(f"/v1/sessions/{session_id}/step", json={"action": "right", "frames": 2, "format": "png"})
     assert step.status_code == 200, step.text
     tokens = np.load(io.BytesIO(client.get(f"/v1/sessions/{session_id}/tokens").content))
-    video = decode_frames(engine.tokenizer, tokens)  # the five frames in one call, as a writer decodes a video
+    video = engine.tokenizer.decode_tokens(tokens, batch_size=1)  # the five frames in one call
     last = np.asarray(Image.open(io.BytesIO(base64.b64decode(step.json()["frames"][-1]["image"]))))
     assert np.array_equal(last, video[4])
     first = client.get(f"/v1/sessions/{session_id}/frames/1", params={"format": "png"})

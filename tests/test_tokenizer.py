@@ -302,6 +302,14 @@ def test_full_batches_take_the_compiled_decoder_and_fall_back_to_eager_when_it_f
     assert batches == [2, 2]  # the short last batch was padded to the batch size
     tok.decode_tokens(tokens)  # not full batches: the eager decoder
     assert batches == [2, 2]
+    counted = []
+    one_at_a_time = ImageTokenizer.from_config(small_config(), seed=0, device="cpu", batch_size=1, image_size=SMALL_SIZE)
+    np.testing.assert_array_equal(tok.decode_tokens(tokens, full_batches=True, batch_size=1, on_batch=counted.append),
+                                  one_at_a_time.decode_tokens(tokens))
+    assert batches == [2, 2, 1, 1, 1] and counted == [1, 1, 1]  # a call's own batch size (a server's pictures)
+    with pytest.raises(ValueError, match="batch size must be at least 1, got 0"):
+        tok.decode_tokens(tokens, batch_size=0)
+    del batches[2:]
 
     def broken(codes):
         raise RuntimeError("no Triton here\nmore")

@@ -251,8 +251,9 @@ class ImageTokenizer:
 
     @torch.inference_mode()
     def decode_tokens(self, tokens, *, on_batch: Callable[[int], None] | None = None,
-                      full_batches: bool = False) -> np.ndarray:
-        """(N, 576) (or (576,)) token indices -> (N, H, W, 3) uint8 frames, `batch_size` frames at a time.
+                      full_batches: bool = False, batch_size: int | None = None) -> np.ndarray:
+        """(N, 576) (or (576,)) token indices -> (N, H, W, 3) uint8 frames, `batch_size` (by default the
+        tokenizer's) frames at a time.
 
         `full_batches`: a last, shorter batch is padded to `batch_size` (with copies of its last
         frame), so every frame goes through kernels of one shape and its pixels do not depend on how
@@ -260,13 +261,16 @@ class ImageTokenizer:
         A writer that decodes frames as they arrive, a few at a time, then makes the video a decode
         of the whole video makes."""
         t = self._check_tokens(tokens)
+        batch = self.batch_size if batch_size is None else batch_size
+        if batch < 1:
+            raise TokenizerInputError(f"batch size must be at least 1, got {batch}")
         height, width = self.image_size
         frames = np.empty((t.shape[0], height, width, 3), dtype=np.uint8)
-        for start in range(0, t.shape[0], self.batch_size):
-            rows = t[start:start + self.batch_size]
+        for start in range(0, t.shape[0], batch):
+            rows = t[start:start + batch]
             count = rows.shape[0]
             if full_batches:
-                rows = pad_batch(rows, self.batch_size)
+                rows = pad_batch(rows, batch)
             codes = self.tokens_to_codes(rows).to(self.device)
             with self._autocast():
                 pixels = self._decode_batch(codes, full_batches)

@@ -1,9 +1,9 @@
 """Session frames to pictures, decoded together on the media thread.
 
-A row batch (backends/row_batch.py) answers all of its sessions at once, and each session asks for its
-next frame only once it has its picture. Decoded one tokenizer call a frame, the batch's last session
-waited for every other's picture, and the next batch waited for the last session. So the frames waiting
-when the media thread comes to them are decoded in one call (at most `MAX_PICTURES`), then encoded on
+Rows of a row batch (backends/row_batch.py) that end their frames together answer their sessions at
+once, and each session asks for its next frame only once it has its picture. The frames waiting when
+the media thread comes to them are decoded in one call (at most `MAX_PICTURES`; the server's decoder
+takes them one frame at a time, `EngineService.decode`), then encoded on
 `ENCODERS` threads of their own (Pillow's encoders let go of the interpreter lock: a 288x512 JPEG is a few ms
 of one core, a PNG tens).
 """

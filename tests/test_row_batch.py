@@ -101,7 +101,7 @@ def test_a_new_rollout_takes_its_owners_row_and_leaves_the_others_kept_rows(mode
 
 
 def test_batches_run_at_a_few_sizes():
-    assert [bucket(n) for n in (2, 3, 4, 5, 9, 17, 32)] == [2, 4, 4, 8, 16, 32, 32]
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 9, 17, 32)] == [1, 2, 4, 4, 8, 16, 32, 32]
     with pytest.raises(ValueError, match="at most 32"):
         bucket(ROW_BUCKETS[-1] + 1)
 

@@ -161,6 +161,9 @@ def test_a_session_picture_is_the_frame_its_video_holds(client, engine):
     first = client.get(f"/v1/sessions/{session_id}/frames/1", params={"format": "png"})
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(first.content))), video[1])
     assert engine.warm_up_pictures() == 0.0  # nothing compiles on the CPU
+    metrics = dict(line.split() for line in client.get("/metrics").text.splitlines() if not line.startswith("#"))
+    assert float(metrics["terra_pictures_total"]) >= 3 and float(metrics["terra_engine_steps_total"]) > 0
+    assert 0 < float(metrics["terra_engine_step_seconds_total"]) and metrics["terra_prompts_reused_total"] == "0"
     client.delete(f"/v1/sessions/{session_id}")
 
 

@@ -20,7 +20,7 @@ rollout gets the codes it gets alone on `SingleStreamDecoder`, whatever shares i
 batched GEMMs may round differently from one row's, as any two batch sizes do).
 
 A free row idles in the batch's steps (its position does not move; what it writes there, a later prompt
-or frame end rewrites). Batches of 2-32 rows run at the next size of
+or frame end rewrites). Batches of 1-32 rows run at the next size of
 `ROW_BUCKETS` (idle rows fill the rest), so a few CUDA graphs and compiled shapes serve every batch.
 What a step costs at 1-64 rows: benchmarks/README.md, "One decode step for B rollouts at once".
 """
@@ -37,8 +37,13 @@ from terra_cli.backends.base import Sampling
 from terra_cli.backends.device_sampling import FrameGenerators, filtered_probabilities, greedy_codes, next_codes
 from terra_cli.backends.static_kv import StaticKVDecoder
 
-ROW_BUCKETS = (2, 4, 8, 16, 32)
-JOIN_STEPS = 32  # `advance`'s steps at most: how long a rollout waits to join (~80 ms at 32 rows on an H200)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+JOIN_STEPS = 16  # `advance`'s steps at most: how long a rollout waits to join (~40 ms at 32 rows on an H200)
+# `advance` calls whose steps may wait on the GPU at once. The host runs ahead of the GPU: unbounded, it
+# queued a whole frame's steps, so a rollout could join only when some frame ended (a sync), and the
+# server's pictures queued behind up to a frame of steps (36 ms a picture at 32 sessions against 9 alone,
+# 2026-11-29, lease 12).
+QUEUED_ADVANCES = 2
 MAX_ROWS = ROW_BUCKETS[-1]
 
 
@@ -121,6 +126,7 @@ class RowBatchDecoder:
         self.steps = 0
         self.resident: list[Resident | None] = [None] * rows
         self.live: dict[int, _Live] = {}  # row -> the rollout in progress there
+        self.queued: list = []  # CUDA events after the last advances' steps (QUEUED_ADVANCES)
         self.prompts_reused = 0  # rollouts that started from a row's resident frames
 
     @torch.inference_mode()  # as `rollouts` runs: dynamo guards on it
@@ -273,10 +279,14 @@ class RowBatchDecoder:
         done leaves its row (its frames stay there: `Resident`), the others go on with their next frame."""
         if not self.live:
             return []
-        top = max(self.live) + 1
-        n = min(bucket(top), self.rows) if top > 1 else 1
+        n = min(bucket(max(self.live) + 1), self.rows)
         times = min(JOIN_STEPS if max_steps is None else max_steps, min(live.left for live in self.live.values()))
         self.run_steps(n, times)
+        if self.core.device.type == "cuda":
+            self.queued.append(torch.cuda.Event())
+            self.queued[-1].record()
+            if len(self.queued) > QUEUED_ADVANCES:
+                self.queued.pop(0).synchronize()
         for live in self.live.values():
             live.left -= times
         finished = [row for row, live in self.live.items() if live.left == 0]

@@ -260,7 +260,7 @@ async def drain(app: FastAPI, grace: float) -> None:
 
 def prometheus_text(app: FastAPI) -> str:
     engine: EngineService = app.state.engine
-    stats = engine.stats
+    stats, loop = engine.stats, engine.driver.loop
     rows = [
         ("terra_frames_generated_total", "counter", "Frames generated since start.", stats.frames),
         ("terra_frames_per_second", "gauge", "Frames generated per second over the last 10 s.",
@@ -280,6 +280,13 @@ def prometheus_text(app: FastAPI) -> str:
         ("terra_engine_batches_total", "counter", "Batches run one at a time (reference and single-stream backends).",
          engine.driver.loop.batches),
         ("terra_engine_batched_jobs_total", "counter", "Jobs in those batches.", engine.driver.loop.batched_jobs),
+        ("terra_engine_steps_total", "counter", "Decode steps the engine ran.", loop.steps),
+        ("terra_engine_step_seconds_total", "counter", "Seconds the engine thread spent in its steps.", round(loop.step_s, 3)),
+        ("terra_engine_admit_seconds_total", "counter", "Seconds it spent taking in jobs.", round(loop.admit_s, 3)),
+        ("terra_engine_frame_seconds_total", "counter", "Seconds it spent handing finished frames on.",
+         round(loop.frames_s, 3)),
+        ("terra_prompts_reused_total", "counter", "Rollouts that started from the frames a row already held "
+         "(single-stream row batches).", getattr(getattr(engine.backend, "rows", None), "prompts_reused", 0)),
     ]
     lines = []
     for name, kind, help_text, value in rows:

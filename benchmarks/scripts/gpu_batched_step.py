@@ -24,6 +24,9 @@ on `SingleStreamDecoder`.
 
     python3 benchmarks/scripts/gpu_batched_step.py --rows 1,8,32 --contexts 3,12,24 --out $OUT/batched_step.json
     python3 benchmarks/scripts/gpu_batched_step.py --check
+    python3 benchmarks/scripts/gpu_batched_step.py --sessions 8,32 --frames 8 --think-ms 30 --out $OUT/sessions.json
+
+--sessions: the product's driver fed as a server's sessions feed it, without the server (`measure_sessions`).
 """
 
 from __future__ import annotations
@@ -277,6 +280,73 @@ def measure_product(rows_list: list[int]) -> dict:
             "note": "s_per_frame: the last frame of 2 (from rollout 0's report to the next)", "results": results}
 
 
+def measure_sessions(sessions_list: list[int], frames: int, think_ms: float) -> dict:
+    """`--sessions`: the product's driver (`single_stream_driver`, rows joining at any few steps' end) fed as
+    a server's sessions feed it, without the server: each session's next frame is put `think_ms` after its
+    last one is done (its picture and round trip), urgent, its context the frames so far."""
+    import tempfile
+    import threading
+
+    import numpy as np
+
+    from terra_cli.backends import load_backend
+    from terra_cli.backends.base import Sampling
+    from terra_cli.backends.driver import JobFeed, RolloutJob
+
+    cuda = torch.cuda.is_available()
+    folder = Path(tempfile.mkdtemp(prefix="terra-sessions-"))
+    torch.manual_seed(0)
+    if cuda:
+        from terra_cli.bench.cache import random_terra_checkpoint
+
+        checkpoint = random_terra_checkpoint("cuda", 0)
+    else:
+        from terra_cli.models.testing import write_tiny_checkpoint
+
+        checkpoint = write_tiny_checkpoint(folder, tiny_config(image_vocab=64, image_tokens=40), seed=0)
+    backend = load_backend("single-stream", checkpoint, device="cuda" if cuda else "cpu",
+                           dtype="bfloat16" if cuda else "float32")
+    layout = backend.config.layout
+    rng = np.random.default_rng(0)
+    results = []
+    for count in sessions_list:
+        driver = backend.driver(max(sessions_list))
+        reused_before = backend.rows.prompts_reused if backend.rows else 0
+        feed, lock, done_at = JobFeed(), threading.Lock(), {s: [] for s in range(count)}
+        history = {s: rng.integers(0, layout.image_vocab_size, size=(3, layout.image_tokens)) for s in range(count)}
+        actions = rng.normal(size=(32, layout.action_tokens, 3)).astype(np.float32)
+
+        def job(s: int) -> RolloutJob:
+            context = history[s]
+            return RolloutJob(f"{s}#{len(context)}", context, actions[:len(context)], len(context) + 1,
+                              Sampling(temperature=0.9, seed=s), affinity=f"session-{s}")
+
+        def on_done(j, tokens, count=count):
+            s = int(j.key.split("#")[0])
+            with lock:
+                history[s] = tokens
+                done_at[s].append(time.perf_counter())
+                if len(done_at[s]) < frames:
+                    threading.Timer(think_ms / 1000, lambda: feed.put(job(s), urgent=True)).start()
+                elif all(len(t) == frames for t in done_at.values()):
+                    feed.close()
+
+        started = time.perf_counter()
+        for s in range(count):
+            feed.put(job(s))
+        driver.run(feed, on_done=on_done)
+        wall = time.perf_counter() - started
+        after_first = [(frames - 1) / (t[-1] - t[0]) for t in done_at.values()]
+        results.append({"sessions": count, "frames": frames, "think_ms": think_ms, "wall_s": round(wall, 2),
+                        "frames_per_s_per_session_after_first": round(float(np.mean(after_first)), 3),
+                        "frames_per_s_all": round(count * frames / wall, 2),
+                        "joins": driver.loop.batches, "prompts_reused": (backend.rows.prompts_reused if backend.rows else 0) - reused_before,
+                        "loop": driver.loop.as_dict()})
+        print(json.dumps(results[-1]), flush=True)
+    backend.close()
+    return {"gpu": torch.cuda.get_device_name() if cuda else "none (a CPU dry run)", "results": results}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,32")
@@ -286,9 +356,14 @@ def main() -> None:
                         help="lm_head's kernels to time (each point also times the layers alone)")
     parser.add_argument("--check", action="store_true", help="the CPU check of the batched step's math")
     parser.add_argument("--product", action="store_true", help="time the product's row batch (row_batch.py)")
+    parser.add_argument("--sessions", default="", help="sessions through the product's driver, e.g. 8,32 (no server)")
+    parser.add_argument("--frames", type=int, default=8, help="--sessions: frames a session asks for")
+    parser.add_argument("--think-ms", type=float, default=30.0, help="--sessions: from a frame to the next one's job")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
-    if options.check:
+    if options.sessions:
+        result = measure_sessions([int(n) for n in options.sessions.split(",")], options.frames, options.think_ms)
+    elif options.check:
         result = check()
     elif options.product:
         result = measure_product([int(r) for r in options.rows.split(",")])

@@ -41,7 +41,9 @@ def free_port() -> int:
 
 
 METRICS = ("terra_pictures_total", "terra_picture_batches_total", "terra_picture_seconds_total",
-           "terra_engine_batches_total", "terra_engine_batched_jobs_total")
+           "terra_engine_batches_total", "terra_engine_batched_jobs_total", "terra_engine_steps_total",
+           "terra_engine_step_seconds_total", "terra_engine_admit_seconds_total", "terra_engine_frame_seconds_total",
+           "terra_prompts_reused_total")
 
 
 def server_metrics(url: str) -> dict:

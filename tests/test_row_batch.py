@@ -50,6 +50,23 @@ def test_each_rollout_of_a_batch_gets_its_own_codes_alone(model, sampling):
     assert decoder.steps == 3 * (CODES - 1)  # one step a code for all rows: the longest rollout's frames
 
 
+def test_running_ahead_of_the_frames_hand_out_changes_no_code(model):
+    """With `run_ahead` (the CUDA default), the next frames' steps are queued before the done frames are
+    handed out, and a frame a run-ahead ended is handed out at the next call without more steps."""
+    sampling = Sampling(temperature=0.9)
+    batch = [work(5, 2, 5), work(6, 1, 3, first_frame=4), work(7, 3, 5)]
+    decoder = RowBatchDecoder(SingleStreamDecoder(model).core, rows=4)
+    decoder.run_ahead = True
+    seen = []
+    got = decoder.rollouts(batch, sampling, on_frame=lambda i, f, tokens: seen.append((i, f, decoder.steps)))
+    for w, frames in zip(batch, got):
+        np.testing.assert_array_equal(frames, alone(model, w, sampling))
+    step = CODES - 1
+    # each frame is handed out one frame's steps after it ended: the next frame's ran ahead
+    assert seen == [(0, 2, 2 * step), (1, 1, 2 * step), (2, 3, 2 * step), (0, 3, 3 * step), (1, 2, 3 * step),
+                    (2, 4, 3 * step), (0, 4, 3 * step)]
+
+
 def test_a_dropped_rollout_idles_and_the_batch_goes_on(model):
     sampling = Sampling(temperature=0.9)
     batch = [work(3, 2, 5), work(4, 2, 5)]

@@ -127,6 +127,7 @@ class RowBatchDecoder:
         self.resident: list[Resident | None] = [None] * rows
         self.live: dict[int, _Live] = {}  # row -> the rollout in progress there
         self.queued: list = []  # CUDA events after the last advances' steps (QUEUED_ADVANCES)
+        self.run_ahead = self.core.device.type == "cuda"  # see `advance`
         self.prompts_reused = 0  # rollouts that started from a row's resident frames
 
     @torch.inference_mode()  # as `rollouts` runs: dynamo guards on it
@@ -276,9 +277,53 @@ class RowBatchDecoder:
     def advance(self, max_steps: int | None = None) -> list[tuple[object, int, np.ndarray, bool]]:
         """Up to `max_steps` (`JOIN_STEPS`) decode steps of every rollout in progress, fewer where one's frame is done
         first. Returns (tag, frame, codes (T,), last) for each frame done; a rollout whose last frame is
-        done leaves its row (its frames stay there: `Resident`), the others go on with their next frame."""
+        done leaves its row (its frames stay there: `Resident`), the others go on with their next frame.
+        With `run_ahead` (CUDA), the next steps are queued before the host waits for the done frames' codes,
+        so the GPU does not idle while they are copied and handed on."""
         if not self.live:
             return []
+        if all(live.left for live in self.live.values()):  # (a run-ahead may have ended some frames already)
+            self._run_chunk(max_steps)
+        finished = [row for row, live in self.live.items() if live.left == 0]
+        if not finished:
+            return []
+        codes = self.layout.image_tokens
+        decided = self.frame_codes[finished, :codes]  # (a copy: the rows' next frames write over theirs)
+        copied = None
+        if decided.is_cuda:
+            host = torch.empty(decided.shape, dtype=decided.dtype, pin_memory=True)
+            host.copy_(decided, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host = decided
+        ended = [(row, self.live[row]) for row in finished]
+        closing = [row for row, live in ended if live.frame < live.work.num_frames - 1]
+        if closing:  # the frames that go on are closed in one forward and their next frames started
+            pending = self._close_frames(closing, self.frame_codes[closing, codes - 1],
+                                         [self.live[row].frame for row in closing])
+            for row in closing:
+                self.live[row].frame += 1
+                self._start_frame(row, pending[row])
+        for row, live in ended:
+            if row not in closing:
+                self._free(row)
+        if self.run_ahead and self.live:
+            self._run_chunk(max_steps)
+        if copied is not None:
+            copied.synchronize()
+        done = []
+        for (row, live), tokens in zip(ended, host.numpy()):
+            frame = live.frame - 1 if row in closing else live.frame
+            live.out[frame] = tokens
+            last = row not in closing
+            done.append((live.tag, frame, live.out[frame], last))
+            if last:
+                self.resident[row] = Resident(live.out.copy(), np.array(live.work.actions[:live.work.num_frames - 1]),
+                                              live.work.owner)
+        return done
+
+    def _run_chunk(self, max_steps: int | None) -> None:
         n = min(bucket(max(self.live) + 1), self.rows)
         times = min(JOIN_STEPS if max_steps is None else max_steps, min(live.left for live in self.live.values()))
         self.run_steps(n, times)
@@ -289,30 +334,6 @@ class RowBatchDecoder:
                 self.queued.pop(0).synchronize()
         for live in self.live.values():
             live.left -= times
-        finished = [row for row, live in self.live.items() if live.left == 0]
-        if not finished:
-            return []
-        codes = self.layout.image_tokens
-        decided = self.frame_codes[finished, :codes].cpu().numpy()  # those frames' one copy to the host
-        done, closing = [], []
-        for row, tokens in zip(finished, decided):
-            live = self.live[row]
-            live.out[live.frame] = tokens
-            last = live.frame == live.work.num_frames - 1
-            done.append((live.tag, live.frame, live.out[live.frame], last))
-            if last:
-                self.resident[row] = Resident(live.out.copy(), np.array(live.work.actions[:live.work.num_frames - 1]),
-                                              live.work.owner)
-                self._free(row)
-            else:
-                closing.append(row)
-        if closing:  # the frames that go on are closed in one forward
-            pending = self._close_frames(closing, self.frame_codes[closing, codes - 1],
-                                         [self.live[row].frame for row in closing])
-            for row in closing:
-                self.live[row].frame += 1
-                self._start_frame(row, pending[row])
-        return done
 
     def drop(self, tag) -> None:
         """Stop the rollout `tag` (cancelled): its row is free, and holds nothing a later rollout may reuse."""

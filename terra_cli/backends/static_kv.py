@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from terra_cli.backends.flash_cache import FLASH_BLOCK, FlashCacheAttention, flash_planner, flash_varlen_kernel
 from terra_cli.backends.layer_ops import LayerOps, cache_write
 from terra_cli.kernels import few_rows_matmul as few_rows
-from terra_cli.models.modeling_hf import LlamaActionForCausalLM, weight_major_logits
+from terra_cli.models.modeling_hf import LlamaActionForCausalLM
 from terra_cli.runtime import choice_switch
 
 
@@ -96,6 +96,13 @@ def _scores(q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
             _FLOAT_SCORES["bmm_out_dtype"] = False
     return torch.bmm(q, keys_t).float()
 
+
+
+def weight_major_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden (rows, H) @ weight (V, H).T computed as weight @ hidden.T, which cuBLAS tiles over the
+    vocabulary: the same sums, faster for a few rows (`LOGITS_ENV`). Inside vLLM it gained nothing at
+    1-32 sessions (benchmarks/README.md, 2026-11-29 lease 8), so vLLM keeps its own head."""
+    return (weight @ hidden.t()).t().contiguous()
 
 class StaticKVDecoder:
     """One rollout's cache (or `rows` rollouts', a region each) plus a forward over `model`'s weights.

@@ -140,13 +140,6 @@ class LlamaActionV2ForCausalLM(LlamaActionForCausalLM):
 MODEL_CLASSES = {ARCH_V1: LlamaActionForCausalLM, ARCH_V2: LlamaActionV2ForCausalLM}
 
 
-def weight_major_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden (rows, H) @ weight (V, H).T computed as weight @ hidden.T, which cuBLAS tiles over the
-    vocabulary: the same sums, faster for a few rows (`static_kv.LOGITS_ENV`). Inside vLLM it gained
-    nothing at 1-32 sessions (benchmarks/README.md, 2026-11-29 lease 8), so vLLM keeps its own head."""
-    return (weight @ hidden.t()).t().contiguous()
-
-
 def build_model(config: LlamaActionConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """A randomly initialised model (transformers' init), e.g. for tests and benchmarks."""
     cls = MODEL_CLASSES[config.architecture]

@@ -47,6 +47,7 @@
 #          ONE_AFTER=next8: the product's driver fed as 8 and 32 sessions without a server (30 ms and 0 ms from a
 #          frame to the next one's job), then `terra serve` on single-stream at 32 sessions (~5 minutes);
 #          ONE_AFTER=next9: the same at 32 sessions and 30 ms only, then `terra serve` at 32 (~4 minutes);
+#          ONE_AFTER=next10: `terra serve` on single-stream at 32 sessions, cut after the load (~2 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -521,6 +522,10 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 \
         --out "$OUT/sessions.json" > "$OUT/sessions.log" 2>&1; echo "sessions exit $?" >> "$STEP_LOG"
       timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
+        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = next10 ]; then
+      timeout 110 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
         --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
         > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then

@@ -35,7 +35,7 @@ import torch
 
 from terra_cli.backends.base import Sampling
 from terra_cli.backends.device_sampling import FrameGenerators, filtered_probabilities, greedy_codes, next_codes
-from terra_cli.backends.static_kv import StaticKVDecoder
+from terra_cli.backends.static_kv import StaticKVDecoder, host_to_device
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 JOIN_STEPS = 16  # `advance`'s steps at most: how long a rollout waits to join (~40 ms at 32 rows on an H200)
@@ -238,12 +238,12 @@ class RowBatchDecoder:
         for (tag, w), row in zip(work, rows):
             out = np.empty((w.num_frames, self.layout.image_tokens), dtype=np.int64)
             out[:w.context.shape[0]] = w.context
-            self.live[row] = _Live(tag, w, out, torch.tensor(w.actions, device=device),
+            self.live[row] = _Live(tag, w, out, host_to_device(w.actions, device, torch.float32),
                                    FrameGenerators(self.generators[row], w.seed, w.first_frame), w.context.shape[0])
             if self.resident[row] is not None and self.resident[row].holds(w):
                 continuing.append(row)
             else:
-                pending[row] = core.forward_prompt(torch.tensor(w.context, device=device), self.live[row].waypoints,
+                pending[row] = core.forward_prompt(host_to_device(w.context, device), self.live[row].waypoints,
                                                    row=row)
             self.resident[row] = None  # until the rollout's last frame is in
         if continuing:
@@ -257,8 +257,7 @@ class RowBatchDecoder:
     def _close_frames(self, rows: list[int], last_codes, frames: list[int]) -> dict[int, torch.Tensor]:
         """Row rows[i]'s frame frames[i] closed (its last code, then its action slots), all in one forward ->
         each row's next frame's code-0 logits."""
-        device = self.core.device
-        last = last_codes if isinstance(last_codes, torch.Tensor) else torch.tensor(last_codes, device=device)
+        last = last_codes if isinstance(last_codes, torch.Tensor) else host_to_device(last_codes, self.core.device)
         waypoints = torch.stack([self.live[row].waypoints[f] for row, f in zip(rows, frames)])
         logits = self.core.forward_frame_ends(last, frames, waypoints, rows)
         return {row: row_logits[None] for row, row_logits in zip(rows, logits)}
@@ -288,7 +287,8 @@ class RowBatchDecoder:
         if not finished:
             return []
         codes = self.layout.image_tokens
-        decided = self.frame_codes[finished, :codes]  # (a copy: the rows' next frames write over theirs)
+        # (a copy: the rows' next frames write over theirs; indices through `host_to_device`, which does not wait)
+        decided = self.frame_codes.index_select(0, host_to_device(finished, self.core.device))[:, :codes]
         copied = None
         if decided.is_cuda:
             host = torch.empty(decided.shape, dtype=decided.dtype, pin_memory=True)
@@ -300,7 +300,8 @@ class RowBatchDecoder:
         ended = [(row, self.live[row]) for row in finished]
         closing = [row for row, live in ended if live.frame < live.work.num_frames - 1]
         if closing:  # the frames that go on are closed in one forward and their next frames started
-            pending = self._close_frames(closing, self.frame_codes[closing, codes - 1],
+            last_codes = self.frame_codes.index_select(0, host_to_device(closing, self.core.device))[:, codes - 1]
+            pending = self._close_frames(closing, last_codes,
                                          [self.live[row].frame for row in closing])
             for row in closing:
                 self.live[row].frame += 1

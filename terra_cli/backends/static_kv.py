@@ -98,6 +98,16 @@ def _scores(q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
 
 
 
+def host_to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A few host numbers on `device` without waiting for its queued work. `torch.tensor(..., device=cuda)`
+    synchronizes the stream: the decode steps queued ahead drain and the GPU idles while the host goes on
+    (each row joining a row batch made several such waits). From pinned memory the copy is queued instead."""
+    tensor = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def weight_major_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """hidden (rows, H) @ weight (V, H).T computed as weight @ hidden.T, which cuBLAS tiles over the
     vocabulary: the same sums, faster for a few rows (`LOGITS_ENV`). Inside vLLM it gained nothing at
@@ -204,10 +214,14 @@ class StaticKVDecoder:
         last code last_codes[i] and action slots waypoints[i] (S, A, 3) -> the next frames' code-0 logits (S, V)."""
         stride, codes = self.layout.frame_stride, self.layout.image_tokens
         width = stride - codes + 1  # the last code and the action slots
-        ids = torch.cat([last_codes[:, None], self.placeholders.expand(len(rows), -1)], dim=1).reshape(-1)
-        starts = torch.tensor([f * stride + codes - 1 for f in frames], device=self.device)
+        starts = host_to_device([f * stride + codes - 1 for f in frames], self.device)
         positions = (starts[:, None] + torch.arange(width, device=self.device)).reshape(-1)
-        embeds = self.model.embed(ids[None], waypoints.reshape(1, -1, 3), positions[None])
+        # `model.embed`'s sums, its slots known here: it counts them on the host, which waits for the device
+        model = self.model
+        code_embeds = model.model.embed_tokens(last_codes)
+        action_embeds = model.action_projection(waypoints.to(code_embeds.dtype)).to(code_embeds.dtype)
+        embeds = torch.cat([code_embeds[:, None], action_embeds], dim=1).reshape(1, -1, code_embeds.shape[-1])
+        embeds = embeds + model.pos_embedding_spatio_temporal(positions[None]).to(embeds.dtype)
         hidden = self.hidden(embeds, positions, 0, segment_rows=rows)
         return self.model.lm_head(hidden[width - 1::width])
 
@@ -254,7 +268,7 @@ class StaticKVDecoder:
             cache_at = positions + self.row_offsets[:n]
         elif segment_rows is not None:
             width = n // len(segment_rows)
-            table_rows = torch.tensor(segment_rows, device=self.device)
+            table_rows = host_to_device(segment_rows, self.device)
             cache_at = positions + (table_rows * self.cache_positions).repeat_interleave(width)
         else:
             cache_at = positions if row == 0 else positions + row * self.cache_positions

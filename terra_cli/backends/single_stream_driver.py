@@ -110,10 +110,11 @@ class SingleStreamDriver(BatchAtATimeDriver):
                             break
                         if admitted(job):
                             joining.append(job)
+                # taking jobs in; their prompts and frame ends (`_join`) count as the engine's steps
+                self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
                 if joining:
                     decoder = decoder or self.backend.row_batch(self.batch_limit())
                     self._join(decoder, joining, running, frames, tags, on_error)
-                self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
                 if running:
                     self._advance(decoder, running, frames, feed, on_frame, on_done, on_cancelled, on_error)
         finally:

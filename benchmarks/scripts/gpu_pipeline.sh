@@ -433,6 +433,12 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     # with fp8 weights and a `terra serve` session on it, then issue 40's VAE decoder probe, then, with what
     # the lease has left, the same refined run (channels-last in the product now, and the parent's compile
     # from the child's cache)
+    # `terra serve` on single-stream, SERVE_STEPS frames a session, at the sessions of $2, within $1 seconds
+    serve_rows() {
+      timeout "$1" python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency "$2" \
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
+        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+    }
     if [ "${ONE_AFTER:-probes}" = next ]; then
       timeout 330 python3 benchmarks/scripts/gpu_fp8_rows.py --out "$OUT/fp8_rows.json" \
         > "$OUT/fp8_rows.log" 2>&1; echo "fp8_rows exit $?" >> "$STEP_LOG"
@@ -475,9 +481,7 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       # going eager past dynamo's recompile limit): `terra serve` on single-stream (row batches compiled and
       # captured at start, a session's next frame from its row's cache, frame ends in one forward) and on vLLM,
       # 1, 8 and 32 sessions of SERVE_STEPS (8) frames each; then the product's row batch alone
-      timeout 420 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
-        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      serve_rows 420 1,8,32
       timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
         --steps "${SERVE_STEPS:-8}" --out "$OUT/serve-vllm" > "$OUT/serve-vllm.log" 2>&1
       echo "serve vllm exit $?" >> "$STEP_LOG"
@@ -489,24 +493,18 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     elif [ "${ONE_AFTER:-probes}" = next5 ]; then
       # issue 41 after lease 9: the server's row batches waiting on while sessions keep asking, the sessions'
       # pictures decoded together; /metrics' counts of both are in each load's "metrics"
-      timeout 330 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
-        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      serve_rows 330 1,8,32
       timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,16 \
         --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream --quantization fp8" --out "$OUT/serve-rows-fp8" \
         > "$OUT/serve-rows-fp8.log" 2>&1; echo "serve single-stream fp8 rows exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = next6 ]; then
       # the gather through 0.3 s gaps, up to 1 s: 32 sessions on single-stream
-      timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
-        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      serve_rows 240 32
     elif [ "${ONE_AFTER:-probes}" = next7 ]; then
       # rows that join and leave at any few steps' end, the sessions' pictures through the compiled decoder
       timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --product --rows 8,32 \
         --out "$OUT/row_batch.json" > "$OUT/row_batch.log" 2>&1; echo "row_batch exit $?" >> "$STEP_LOG"
-      timeout 360 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 1,8,32 \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
-        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      serve_rows 360 1,8,32
       timeout 200 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
         --steps "${SERVE_STEPS:-8}" --out "$OUT/serve-vllm" > "$OUT/serve-vllm.log" 2>&1
       echo "serve vllm exit $?" >> "$STEP_LOG"
@@ -515,19 +513,13 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
         --out "$OUT/sessions.json" > "$OUT/sessions.log" 2>&1; echo "sessions exit $?" >> "$STEP_LOG"
       timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 0 \
         --out "$OUT/sessions-0ms.json" > "$OUT/sessions-0ms.log" 2>&1; echo "sessions 0ms exit $?" >> "$STEP_LOG"
-      timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
-        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      serve_rows 240 32
     elif [ "${ONE_AFTER:-probes}" = next9 ]; then
       timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 \
         --out "$OUT/sessions.json" > "$OUT/sessions.log" 2>&1; echo "sessions exit $?" >> "$STEP_LOG"
-      timeout 240 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
-        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      serve_rows 240 32
     elif [ "${ONE_AFTER:-probes}" = next10 ]; then
-      timeout 110 python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency 32 \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
-        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+      serve_rows 110 32
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

@@ -49,6 +49,10 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def same_rule(self, other: "Sampling") -> bool:
+        """Whether `other` samples by the same settings, whatever its seed (rollouts that may share a batch)."""
+        return (self.temperature, self.top_k, self.top_p) == (other.temperature, other.top_k, other.top_p)
+
 
 class WorldModelBackend(Protocol):
     name: str

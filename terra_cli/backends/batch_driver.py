@@ -11,6 +11,37 @@ from terra_cli.backends import driver
 from terra_cli.backends.driver import JobFeed, LoopTimes, RolloutJob, admit, timed_get
 
 
+class JobSource:
+    """A driver's jobs, from a `JobFeed` (they arrive while it runs) or a list (all there at the start)."""
+
+    def __init__(self, jobs, loop: LoopTimes):
+        self.feed = jobs if isinstance(jobs, JobFeed) else None
+        self.queue = collections.deque(jobs) if self.feed is None else None
+        self.loop = loop
+
+    def next(self, wait: float) -> RolloutJob | None:
+        """The next job; from a feed, waiting up to `wait` s (counted as the loop's idle time)."""
+        if self.feed is None:
+            return self.queue.popleft() if self.queue else None
+        return timed_get(self.feed, wait, self.loop)
+
+    def take_if(self, accept) -> RolloutJob | None:
+        """The first waiting job that `accept`s, without waiting."""
+        if self.feed is not None:
+            return self.feed.take_if(accept)
+        for index, job in enumerate(self.queue):
+            if accept(job):
+                del self.queue[index]
+                return job
+        return None
+
+    def waiting(self) -> list[RolloutJob]:
+        return self.feed.waiting() if self.feed is not None else list(self.queue)
+
+    @property
+    def finished(self) -> bool:
+        return self.feed.finished if self.feed is not None else not self.queue
+
 
 class BatchAtATimeDriver:
     """A driver that runs one batch of jobs to its end before it takes the next: the reference's
@@ -37,30 +68,21 @@ class BatchAtATimeDriver:
 
     def run(self, jobs, on_frame=None, on_done=None, on_cancelled=None, idle_wait: float = 0.05, on_start=None,
             on_error=None) -> None:
-        feed = jobs if isinstance(jobs, JobFeed) else None
-        pending = collections.deque(()) if feed is not None else collections.deque(jobs)
+        source = JobSource(jobs, self.loop)
+        feed = source.feed
 
         def admitted(job) -> bool:
             return job is not None and admit(self.layout, feed, job, on_cancelled, on_error, on_start)
-
-        def take_compatible(first):
-            if feed is not None:
-                return feed.take_if(lambda job: self.compatible(first, job))
-            for index, job in enumerate(pending):
-                if self.compatible(first, job):
-                    del pending[index]
-                    return job
-            return None
 
         clock = time.perf_counter
         began = self.loop.running_since = clock()
         try:
             while True:
                 admitting, idle_before = clock(), self.loop.idle_s
-                first = (pending.popleft() if pending else None) if feed is None else timed_get(feed, idle_wait, self.loop)
+                first = source.next(idle_wait)
                 batch = [first] if admitted(first) else []
                 while batch and len(batch) < self.batch_limit():
-                    job = take_compatible(first)
+                    job = source.take_if(lambda job: self.compatible(first, job))
                     if job is None:
                         break
                     if admitted(job):
@@ -70,7 +92,7 @@ class BatchAtATimeDriver:
                     self.loop.batches += 1
                     self.loop.batched_jobs += len(batch)
                     self._run_batch(batch, feed, on_frame, on_done, on_cancelled, on_error)
-                elif first is None and (not pending if feed is None else feed.finished):
+                elif first is None and source.finished:
                     break
         finally:
             self.loop.run_s += clock() - began

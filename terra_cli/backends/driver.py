@@ -289,10 +289,8 @@ def check_job(layout, job: RolloutJob) -> None:
 
 def compatible(a: RolloutJob, b: RolloutJob) -> bool:
     """Two jobs that can share a lockstep batch: same shape of work and the same sampling but the seed."""
-    from dataclasses import replace
-
     return (a.context.shape == b.context.shape and a.total_frames == b.total_frames
-            and a.frame_offset == b.frame_offset and replace(a.sampling, seed=0) == replace(b.sampling, seed=0))
+            and a.frame_offset == b.frame_offset and a.sampling.same_rule(b.sampling))
 
 
 def rollout_jobs(context_tokens: np.ndarray, action_waypoints: np.ndarray, total_frames: int,

@@ -217,9 +217,7 @@ class RowBatchDecoder:
 
     def compatible(self, sampling: Sampling) -> bool:
         """Whether a rollout sampling so may join the rollouts in progress (one graph a sampling rule)."""
-        from dataclasses import replace
-
-        return not self.live or replace(sampling, seed=0) == replace(self.sampling, seed=0)
+        return not self.live or sampling.same_rule(self.sampling)
 
     @torch.inference_mode()
     def add(self, work: list[tuple[object, RowWork]], sampling: Sampling) -> list[int]:

@@ -14,15 +14,13 @@ done; none joins them meanwhile. A cancelled job stops at its next frame's end.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
-from dataclasses import replace
 
 import numpy as np
 
-from terra_cli.backends.batch_driver import BatchAtATimeDriver
-from terra_cli.backends.driver import JobFeed, admit, take_cancelled, timed_get
+from terra_cli.backends.batch_driver import BatchAtATimeDriver, JobSource
+from terra_cli.backends.driver import admit, take_cancelled
 
 
 class _JobCancelled(Exception):
@@ -49,30 +47,18 @@ class SingleStreamDriver(BatchAtATimeDriver):
 
     def compatible(self, first, job) -> bool:
         """Jobs that sample alike and fit one round each (pipeline/rounds.py: at most the model's frames)."""
-        return (replace(first.sampling, seed=0) == replace(job.sampling, seed=0)
+        return (first.sampling.same_rule(job.sampling)
                 and max(first.total_frames, job.total_frames) <= self.layout.max_frames)
 
     def run(self, jobs, on_frame=None, on_done=None, on_cancelled=None, idle_wait: float = 0.05, on_start=None,
             on_error=None) -> None:
         if self.batch_limit() < 2:  # one job at a time: the base loop
             return super().run(jobs, on_frame, on_done, on_cancelled, idle_wait, on_start, on_error)
-        feed = jobs if isinstance(jobs, JobFeed) else None
-        queue = None if feed is not None else collections.deque(jobs)
+        source = JobSource(jobs, self.loop)
+        feed = source.feed
         clock = time.perf_counter
         decoder, running, frames, tags = None, {}, {}, itertools.count()
         first_after = None  # a job that could not join the rows in progress: the next one taken
-
-        def waiting() -> list:
-            return feed.waiting() if feed is not None else list(queue)
-
-        def take(accept):
-            if feed is not None:
-                return feed.take_if(accept)
-            for index, job in enumerate(queue):
-                if accept(job):
-                    del queue[index]
-                    return job
-            return None
 
         def admitted(job) -> bool:
             return admit(self.layout, feed, job, on_cancelled, on_error, on_start)
@@ -84,28 +70,28 @@ class SingleStreamDriver(BatchAtATimeDriver):
                 joining = []
                 if not running:
                     if first_after is not None:
-                        first = take(lambda job: job.key == first_after)
+                        first = source.take_if(lambda job: job.key == first_after)
                         first_after = None
                     else:
-                        first = (queue.popleft() if queue else None) if feed is None else timed_get(feed, idle_wait, self.loop)
+                        first = source.next(idle_wait)
                     if first is None:
-                        if feed.finished if feed is not None else not queue:
+                        if source.finished:
                             break
                         continue
                     if not admitted(first):
                         continue
-                    if not self.compatible(first, first) or not self._rows_wanted(first, waiting()):
+                    if not self.compatible(first, first) or not self._rows_wanted(first, source.waiting()):
                         self.loop.admit_s += clock() - admitting - (self.loop.idle_s - idle_before)
                         self._run_batch([first], feed, on_frame, on_done, on_cancelled, on_error)
                         continue
                     joining.append(first)
                 opener = joining[0] if joining else next(iter(running.values()))
                 if first_after is None:
-                    refused = next((job for job in waiting() if not self.compatible(opener, job)), None)
+                    refused = next((job for job in source.waiting() if not self.compatible(opener, job)), None)
                     if refused is not None and running:
                         first_after = refused.key  # none joins until it has run
                     while first_after is None and len(running) + len(joining) < self.batch_limit():
-                        job = take(lambda job: self.compatible(opener, job))
+                        job = source.take_if(lambda job: self.compatible(opener, job))
                         if job is None:
                             break
                         if admitted(job):

@@ -98,8 +98,7 @@ class PictureBatcher:
         if images is None:
             results = [(None, failure)] * len(batch)
         else:
-            results = list(self.encoders.map(_encoded, [images[i] for i in range(len(batch))],
-                                             [fmt for _, fmt, _, _ in batch]))
+            results = list(self.encoders.map(_encoded, images, [fmt for _, fmt, _, _ in batch]))
         # counted before any session is answered: a reader of the counts after its picture sees this call
         self.calls += 1
         self.pictures += len(batch)

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from terra_cli.backends.base import Sampling
-from terra_cli.backends.device_sampling import FrameGenerators, filtered_probabilities, greedy_codes, next_codes
+from terra_cli.backends.device_sampling import FrameGenerators, filtered_probabilities, greedy_codes
+from terra_cli.backends import frame_ends
 from terra_cli.backends.static_kv import StaticKVDecoder, host_to_device
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -129,6 +130,8 @@ class RowBatchDecoder:
         self.queued: list = []  # CUDA events after the last advances' steps (QUEUED_ADVANCES)
         self.run_ahead = self.core.device.type == "cuda"  # see `advance`
         self.prompts_reused = 0  # rollouts that started from a row's resident frames
+        self.pad_frame_ends = frame_ends.padded(self.cuda_graphs)  # see `_close_frames` (a CPU test may turn it on)
+        self.frame_ends = frame_ends.FrameEnds(self.core, rows, self.pad_frame_ends)
 
     @torch.inference_mode()  # as `rollouts` runs: dynamo guards on it
     def warm_up(self, sampling: Sampling) -> float:
@@ -147,6 +150,8 @@ class RowBatchDecoder:
         for n in (size for size in ROW_BUCKETS if size <= self.rows):
             if self.cuda_graphs:
                 self.run_steps(n, 0)  # captured, not replayed
+                if self.pad_frame_ends:
+                    self.frame_ends.capture(n)
             else:
                 saved = [t.clone() for t in state]
                 self.step(n)
@@ -231,8 +236,7 @@ class RowBatchDecoder:
         core, device = self.core, self.core.device
         self.sampling = sampling
         rows = self.place([w for _, w in work])
-        pending: dict[int, torch.Tensor] = {}
-        continuing = []
+        prompted, prompt_logits, continuing = [], [], []
         for (tag, w), row in zip(work, rows):
             out = np.empty((w.num_frames, self.layout.image_tokens), dtype=np.int64)
             out[:w.context.shape[0]] = w.context
@@ -241,34 +245,61 @@ class RowBatchDecoder:
             if self.resident[row] is not None and self.resident[row].holds(w):
                 continuing.append(row)
             else:
-                pending[row] = core.forward_prompt(host_to_device(w.context, device), self.live[row].waypoints,
-                                                   row=row)
+                prompted.append(row)
+                prompt_logits.append(core.forward_prompt(host_to_device(w.context, device), self.live[row].waypoints,
+                                                         row=row))
             self.resident[row] = None  # until the rollout's last frame is in
+        if prompted:
+            self._start_frames(prompted, torch.cat(prompt_logits))
         if continuing:
-            pending.update(self._close_frames(continuing, [int(self.live[r].work.context[-1, -1]) for r in continuing],
-                                              [self.live[r].frame - 1 for r in continuing]))
+            self._start_frames(continuing, self._close_frames(
+                continuing, [int(self.live[r].work.context[-1, -1]) for r in continuing],
+                [self.live[r].frame - 1 for r in continuing]))
             self.prompts_reused += len(continuing)
-        for row, logits in pending.items():
-            self._start_frame(row, logits)
         return rows
 
-    def _close_frames(self, rows: list[int], last_codes, frames: list[int]) -> dict[int, torch.Tensor]:
+    def _close_frames(self, rows: list[int], last_codes, frames: list[int]) -> torch.Tensor:
         """Row rows[i]'s frame frames[i] closed (its last code, then its action slots), all in one forward ->
-        each row's next frame's code-0 logits."""
-        last = last_codes if isinstance(last_codes, torch.Tensor) else host_to_device(last_codes, self.core.device)
+        each row's next frame's code-0 logits (S, V). With `pad_frame_ends`, padded to a size of
+        `ROW_BUCKETS` (`frame_ends.FrameEnds`: on CUDA, a graph each)."""
+        core, device = self.core, self.core.device
+        last = last_codes if isinstance(last_codes, torch.Tensor) else host_to_device(last_codes, device)
         waypoints = torch.stack([self.live[row].waypoints[f] for row, f in zip(rows, frames)])
-        logits = self.core.forward_frame_ends(last, frames, waypoints, rows)
-        return {row: row_logits[None] for row, row_logits in zip(rows, logits)}
+        if not self.pad_frame_ends:
+            return core.forward_frame_ends(last, frames, waypoints, rows)
+        n, size = len(rows), bucket(len(rows))
+        stride, codes = self.layout.frame_stride, self.layout.image_tokens
+        # padding runs past the table, in row 0's spare positions, which no query reads
+        starts = [f * stride + codes - 1 for f in frames] + [self.layout.max_positions] * (size - n)
+        ends = self.frame_ends
+        ends.starts[:size].copy_(host_to_device(starts, device))
+        ends.rows[:size].copy_(host_to_device(rows + [0] * (size - n), device))
+        ends.codes[:n].copy_(last)
+        ends.waypoints[:n].copy_(waypoints)
+        return ends.run(size)[:n]
 
-    def _start_frame(self, row: int, logits: torch.Tensor) -> None:
-        live, codes = self.live[row], self.layout.image_tokens
-        code = next_codes(logits, self.layout, self.sampling, live.seeds.start_frame(live.frame))
-        self.frame_codes[row, :1].copy_(code)
-        self.codes[row:row + 1].copy_(code)
-        self.positions[row] = live.frame * self.layout.frame_stride
-        self.next_index[row] = 1
-        self.moving[row] = 1
-        live.left = codes - 1
+    def _start_frames(self, rows: list[int], logits: torch.Tensor) -> None:
+        """Each row's next frame begun: its code 0 drawn from logits (S, V), as `next_codes` draws it alone
+        (the same draws from the row's generator, reseeded for the frame), for all rows in a few kernels."""
+        for row in rows:
+            live = self.live[row]
+            live.seeds.start_frame(live.frame)
+            live.left = self.layout.image_tokens - 1
+        if self.sampling.greedy:
+            codes = greedy_codes(logits, self.layout)
+        else:
+            probabilities = filtered_probabilities(logits, self.layout, self.sampling)
+            race = torch.empty_like(probabilities)
+            for i, row in enumerate(rows):
+                race[i].exponential_(generator=self.generators[row])
+            codes = (probabilities / race).argmax(dim=-1)
+        device = self.core.device
+        index = host_to_device(rows, device)
+        self.frame_codes[index, 0] = codes
+        self.codes[index] = codes
+        self.positions[index] = host_to_device([self.live[row].frame * self.layout.frame_stride for row in rows], device)
+        self.next_index[index] = 1
+        self.moving[index] = 1
 
     @torch.inference_mode()
     def advance(self, max_steps: int | None = None) -> list[tuple[object, int, np.ndarray, bool]]:
@@ -299,11 +330,10 @@ class RowBatchDecoder:
         closing = [row for row, live in ended if live.frame < live.work.num_frames - 1]
         if closing:  # the frames that go on are closed in one forward and their next frames started
             last_codes = self.frame_codes.index_select(0, host_to_device(closing, self.core.device))[:, codes - 1]
-            pending = self._close_frames(closing, last_codes,
-                                         [self.live[row].frame for row in closing])
+            logits = self._close_frames(closing, last_codes, [self.live[row].frame for row in closing])
             for row in closing:
                 self.live[row].frame += 1
-                self._start_frame(row, pending[row])
+            self._start_frames(closing, logits)
         for row, live in ended:
             if row not in closing:
                 self._free(row)

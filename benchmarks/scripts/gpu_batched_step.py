@@ -277,7 +277,36 @@ def measure_product(rows_list: list[int]) -> dict:
                         "frames_per_s_per_rollout": round(1 / frame_s, 3), "frames_per_s_all": round(rows / frame_s, 2)})
         print(json.dumps(results[-1]), flush=True)
     return {"gpu": torch.cuda.get_device_name() if cuda else "none (a CPU dry run)", "compiled_layers": single.core.compiled, "attention": single.core.attention,
-            "note": "s_per_frame: the last frame of 2 (from rollout 0's report to the next)", "results": results}
+            "note": "s_per_frame: the last frame of 2 (from rollout 0's report to the next)", "results": results,
+            "frame_ends": check_frame_ends(batch) if batch.pad_frame_ends else None}
+
+
+def check_frame_ends(batch) -> dict:
+    """The padded frame ends' graph (`frame_ends.FrameEnds`) against the same forward eager, and against the
+    unpadded eager forward, on three rows' frame 3 again (their caches hold it): logits equal to the
+    bit where the graph holds the eager kernels; the unpadded forward's GEMMs may round otherwise."""
+    import numpy as np
+
+    from terra_cli.backends.static_kv import host_to_device
+
+    layout, device, ends = batch.layout, batch.core.device, batch.frame_ends
+    rows, frame = [0, 1, 2], 3
+    last = host_to_device([int(batch.resident[r].frames[frame, -1]) for r in rows], device)
+    waypoints = host_to_device(np.stack([batch.resident[r].actions[frame] for r in rows]), device, torch.float32)
+    start = frame * layout.frame_stride + layout.image_tokens - 1
+    ends.starts[:4].copy_(host_to_device([start] * 3 + [layout.max_positions], device))
+    ends.rows[:4].copy_(host_to_device(rows + [0], device))
+    ends.codes[:3].copy_(last)
+    ends.waypoints[:3].copy_(waypoints)
+    with torch.inference_mode():
+        graph = ends.run(4)[:3].float().clone()
+        eager = ends.forward(4)[:3].float()
+        unpadded = batch.core.forward_frame_ends(last, [frame] * 3, waypoints, rows).float()
+    result = {"graph_vs_eager_max_abs": float((graph - eager).abs().max()),
+              "graph_vs_unpadded_max_abs": float((graph - unpadded).abs().max()),
+              "argmax_equal_unpadded": bool((graph.argmax(-1) == unpadded.argmax(-1)).all())}
+    print(json.dumps({"frame_ends": result}), flush=True)
+    return result
 
 
 def measure_sessions(sessions_list: list[int], frames: int, think_ms: float) -> dict:

@@ -523,7 +523,10 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     elif [ "${ONE_AFTER:-probes}" = next10 ]; then
       serve_rows 110 32
     elif [ "${ONE_AFTER:-probes}" = next11 ]; then
-      # the rows' frame ends as CUDA graphs (the default), then eager (TERRA_ROW_FRAME_END_GRAPHS=0), same host
+      # the rows' frame ends as CUDA graphs (the default), then eager (TERRA_ROW_FRAME_END_GRAPHS=0), same host;
+      # the row batch alone (lockstep) with the graphs' check against the eager forward
+      timeout 150 python3 benchmarks/scripts/gpu_batched_step.py --product --rows 8,32 \
+        --out "$OUT/row_batch.json" > "$OUT/row_batch.log" 2>&1; echo "row_batch exit $?" >> "$STEP_LOG"
       timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 \
         --out "$OUT/sessions.json" > "$OUT/sessions.log" 2>&1; echo "sessions exit $?" >> "$STEP_LOG"
       TERRA_ROW_FRAME_END_GRAPHS=0 timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 \

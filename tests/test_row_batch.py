@@ -107,28 +107,6 @@ def test_a_rollout_continuing_a_rows_frames_starts_from_that_rows_cache(model, s
         np.testing.assert_array_equal(frames, alone(model, w, sampling))
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=0.9, top_k=20)])
-def test_frame_ends_padded_to_a_batch_size_change_no_code(model, sampling):
-    """The frame ends at a size of ROW_BUCKETS (what CUDA graphs run): three rows' ends run as four, the
-    fourth a run past the table in row 0's spare positions, which no query reads."""
-    decoder = RowBatchDecoder(SingleStreamDecoder(model).core, rows=4)
-    decoder.pad_frame_ends = True
-    sizes = []
-    run = decoder.frame_ends.run
-    decoder.frame_ends.run = lambda size: sizes.append(size) or run(size)
-    first = [work(30, 2, 4), work(31, 1, 3, first_frame=6), work(32, 3, 4)]
-    got = decoder.rollouts(first, sampling)
-    # the next frame of each, the three frame ends of `add` in one padded forward
-    continued = [next_frame_of(w, frames, seed) for seed, (w, frames) in enumerate(zip(first, got))]
-    again = decoder.rollouts(continued, sampling)
-    # rollouts 0 and 1 go on after their first frames (two rows); `add` closes all three frames (padded to 4)
-    assert decoder.prompts_reused == 3 and sizes == [2, 4]
-    spare = decoder.core.keys[0][0, :, model.layout.max_positions:model.layout.max_positions + 7]
-    assert spare.abs().sum() > 0  # the padding's writes went there
-    for w, frames in zip(first + continued, got + again):
-        np.testing.assert_array_equal(frames, alone(model, w, sampling))
-
-
 def test_a_new_rollout_takes_its_owners_row_and_leaves_the_others_kept_rows(model):
     from dataclasses import replace
 
@@ -176,8 +154,7 @@ def paged_varlen_sequences(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_the_flash_attention_layout_gives_each_rollout_its_own_codes(model, monkeypatch, padded):
+def test_the_flash_attention_layout_gives_each_rollout_its_own_codes(model, monkeypatch):
     """On FlashAttention's paged layout (the kernel's contract standing in for it), with one plan a step and
     k and v written inside the layer functions at each row's region: the codes of each rollout alone."""
     from terra_cli.backends import layer_ops, static_kv
@@ -196,7 +173,6 @@ def test_the_flash_attention_layout_gives_each_rollout_its_own_codes(model, monk
     single = static_kv.StaticKVDecoder(model, compile_layers=False)
     single.ops = layer_ops.LayerOps(model, compile_layers=False, fuse_projections=True)
     decoder = RowBatchDecoder(single, rows=4)
-    decoder.pad_frame_ends = padded  # the frame ends' rows as a device tensor, as a CUDA graph holds them
     assert decoder.core.attention == "flash" and decoder.core.fused_cache_write
     got = decoder.rollouts(batch, sampling)
     # the next frame of each: the rows' caches hold their contexts (their frame ends in one forward)

@@ -48,8 +48,8 @@
 #          frame to the next one's job), then `terra serve` on single-stream at 32 sessions (~5 minutes);
 #          ONE_AFTER=next9: the same at 32 sessions and 30 ms only, then `terra serve` at 32 (~4 minutes);
 #          ONE_AFTER=next10: `terra serve` on single-stream at 32 sessions, cut after the load (~2 minutes);
-#          ONE_AFTER=next11: the driver alone at 32 sessions, 30 ms, with the rows' frame ends as CUDA graphs and
-#          eager (TERRA_ROW_FRAME_END_GRAPHS=0), then `terra serve` on single-stream at 1 and 32 (~8 minutes);
+#          ONE_AFTER=next12: `gpu_batched_step.py` at 8 and 32 rows, contexts 3/7/11 frames, the product's step
+#          (decoder head), then the row batch alone (--product) at 8 and 32 (~5 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -522,17 +522,12 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       serve_rows 240 32
     elif [ "${ONE_AFTER:-probes}" = next10 ]; then
       serve_rows 110 32
-    elif [ "${ONE_AFTER:-probes}" = next11 ]; then
-      # the rows' frame ends as CUDA graphs (the default), then eager (TERRA_ROW_FRAME_END_GRAPHS=0), same host;
-      # the row batch alone (lockstep) with the graphs' check against the eager forward
+    elif [ "${ONE_AFTER:-probes}" = next12 ]; then
+      # where a 32-row step's time goes against what it reads, then the row batch alone (lockstep)
+      timeout 240 python3 benchmarks/scripts/gpu_batched_step.py --rows 8,32 --contexts 3,7,11 --heads decoder \
+        --out "$OUT/batched_step.json" > "$OUT/batched_step.log" 2>&1; echo "batched_step exit $?" >> "$STEP_LOG"
       timeout 150 python3 benchmarks/scripts/gpu_batched_step.py --product --rows 8,32 \
         --out "$OUT/row_batch.json" > "$OUT/row_batch.log" 2>&1; echo "row_batch exit $?" >> "$STEP_LOG"
-      timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 \
-        --out "$OUT/sessions.json" > "$OUT/sessions.log" 2>&1; echo "sessions exit $?" >> "$STEP_LOG"
-      TERRA_ROW_FRAME_END_GRAPHS=0 timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 \
-        --think-ms 30 --out "$OUT/sessions-eager-ends.json" > "$OUT/sessions-eager-ends.log" 2>&1
-      echo "sessions eager ends exit $?" >> "$STEP_LOG"
-      serve_rows 300 1,32
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

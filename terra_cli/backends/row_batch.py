@@ -35,7 +35,6 @@ import torch
 
 from terra_cli.backends.base import Sampling
 from terra_cli.backends.device_sampling import FrameGenerators, filtered_probabilities, greedy_codes
-from terra_cli.backends import frame_ends
 from terra_cli.backends.static_kv import StaticKVDecoder, host_to_device
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -130,8 +129,6 @@ class RowBatchDecoder:
         self.queued: list = []  # CUDA events after the last advances' steps (QUEUED_ADVANCES)
         self.run_ahead = self.core.device.type == "cuda"  # see `advance`
         self.prompts_reused = 0  # rollouts that started from a row's resident frames
-        self.pad_frame_ends = frame_ends.padded(self.cuda_graphs)  # see `_close_frames` (a CPU test may turn it on)
-        self.frame_ends = frame_ends.FrameEnds(self.core, rows, self.pad_frame_ends)
 
     @torch.inference_mode()  # as `rollouts` runs: dynamo guards on it
     def warm_up(self, sampling: Sampling) -> float:
@@ -150,8 +147,6 @@ class RowBatchDecoder:
         for n in (size for size in ROW_BUCKETS if size <= self.rows):
             if self.cuda_graphs:
                 self.run_steps(n, 0)  # captured, not replayed
-                if self.pad_frame_ends:
-                    self.frame_ends.capture(n)
             else:
                 saved = [t.clone() for t in state]
                 self.step(n)
@@ -260,23 +255,12 @@ class RowBatchDecoder:
 
     def _close_frames(self, rows: list[int], last_codes, frames: list[int]) -> torch.Tensor:
         """Row rows[i]'s frame frames[i] closed (its last code, then its action slots), all in one forward ->
-        each row's next frame's code-0 logits (S, V). With `pad_frame_ends`, padded to a size of
-        `ROW_BUCKETS` (`frame_ends.FrameEnds`: on CUDA, a graph each)."""
-        core, device = self.core, self.core.device
-        last = last_codes if isinstance(last_codes, torch.Tensor) else host_to_device(last_codes, device)
+        each row's next frame's code-0 logits (S, V). (Eager: as CUDA graphs at the batch sizes, padded,
+        they made no difference at 32 sessions, 2026-12-06: the GPU, not the host, is what the steps wait on.)"""
+        core = self.core
+        last = last_codes if isinstance(last_codes, torch.Tensor) else host_to_device(last_codes, core.device)
         waypoints = torch.stack([self.live[row].waypoints[f] for row, f in zip(rows, frames)])
-        if not self.pad_frame_ends:
-            return core.forward_frame_ends(last, frames, waypoints, rows)
-        n, size = len(rows), bucket(len(rows))
-        stride, codes = self.layout.frame_stride, self.layout.image_tokens
-        # padding runs past the table, in row 0's spare positions, which no query reads
-        starts = [f * stride + codes - 1 for f in frames] + [self.layout.max_positions] * (size - n)
-        ends = self.frame_ends
-        ends.starts[:size].copy_(host_to_device(starts, device))
-        ends.rows[:size].copy_(host_to_device(rows + [0] * (size - n), device))
-        ends.codes[:n].copy_(last)
-        ends.waypoints[:n].copy_(waypoints)
-        return ends.run(size)[:n]
+        return core.forward_frame_ends(last, frames, waypoints, rows)
 
     def _start_frames(self, rows: list[int], logits: torch.Tensor) -> None:
         """Each row's next frame begun: its code 0 drawn from logits (S, V), as `next_codes` draws it alone

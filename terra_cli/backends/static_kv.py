@@ -213,16 +213,9 @@ class StaticKVDecoder:
         """`forward_frame_end` of several rows in one forward: row rows[i] closes frame frames[i] with its
         last code last_codes[i] and action slots waypoints[i] (S, A, 3) -> the next frames' code-0 logits (S, V)."""
         stride, codes = self.layout.frame_stride, self.layout.image_tokens
-        return self.frame_ends_at(last_codes, host_to_device([f * stride + codes - 1 for f in frames], self.device),
-                                  waypoints, rows)
-
-    def frame_ends_at(self, last_codes: torch.Tensor, starts: torch.Tensor, waypoints: torch.Tensor,
-                      rows: list[int] | torch.Tensor) -> torch.Tensor:
-        """`forward_frame_ends` from device tensors: starts (S,) each run's first position (its last code's);
-        `rows` a list, or on FlashAttention's path an (S,) device tensor, so that a CUDA graph can hold the
-        whole forward (`row_batch.RowBatchDecoder`: a run whose start is past the table is padding)."""
-        width = self.layout.frame_stride - self.layout.image_tokens + 1  # the last code and the action slots
-        positions = (starts[:, None] + self.key_positions[:width]).reshape(-1)
+        width = stride - codes + 1  # the last code and the action slots
+        starts = host_to_device([f * stride + codes - 1 for f in frames], self.device)
+        positions = (starts[:, None] + torch.arange(width, device=self.device)).reshape(-1)
         # `model.embed`'s sums, its slots known here: it counts them on the host, which waits for the device
         model = self.model
         code_embeds = model.model.embed_tokens(last_codes)
@@ -255,13 +248,13 @@ class StaticKVDecoder:
         return logits if head.bias is None else logits + head.bias
 
     def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False,
-               row: int = 0, batched: bool = False, segment_rows: list[int] | torch.Tensor | None = None) -> torch.Tensor:
+               row: int = 0, batched: bool = False, segment_rows: list[int] | None = None) -> torch.Tensor:
         """Final hidden states (n, H): every layer writes its K/V at `positions` first, then attends.
         `positions` are consecutive (a prompt, a step's window) in row `row`'s region; `decode`: a
         decode step's few rows (the compiled functions' shapes), not a prompt. `batched`: instead,
         query i is row i's one code at its own position `positions[i]` (`forward_rows`).
         `segment_rows`: instead, S equal runs of consecutive positions, run i in row segment_rows[i]
-        (`frame_ends_at`; a device tensor of rows on FlashAttention's path only)."""
+        (`forward_frame_ends`)."""
         if batched:
             segment_rows = list(range(embeds.shape[1]))
         # Positions past the table only come from draft rows that run off the last frame; their
@@ -275,8 +268,7 @@ class StaticKVDecoder:
             cache_at = positions + self.row_offsets[:n]
         elif segment_rows is not None:
             width = n // len(segment_rows)
-            table_rows = (segment_rows if isinstance(segment_rows, torch.Tensor)
-                          else host_to_device(segment_rows, self.device))
+            table_rows = host_to_device(segment_rows, self.device)
             cache_at = positions + (table_rows * self.cache_positions).repeat_interleave(width)
         else:
             cache_at = positions if row == 0 else positions + row * self.cache_positions
@@ -322,7 +314,6 @@ class StaticKVDecoder:
         equal runs): run i's queries (1, w, heads, d) against row rows[i]'s keys so far, one run at a time
         (a CPU's, or a GPU without FlashAttention: it reads each run's length)."""
         width = q.shape[1] // len(rows)
-        rows = rows.tolist() if isinstance(rows, torch.Tensor) else rows
         out = []
         for i, row in enumerate(rows):
             at = positions[i * width:(i + 1) * width]

@@ -207,7 +207,32 @@ def test_compiled_layer_functions_keep_a_graph_for_every_row_count(model, monkey
             if expected is not None:  # the compiled functions are the eager ones' math
                 for frames, want in zip(got, expected):
                     np.testing.assert_array_equal(frames, want)
+        # sampled as the warm-up was: the compiled sampler (`StepSampler`) draws what the eager one draws
+        sampled = Sampling(temperature=0.9)
+        for frames, w in zip(decoder.rollouts(batch[:2], sampled), batch[:2]):
+            np.testing.assert_array_equal(frames, alone(model, w, sampled))
         assert counters["stats"]["unique_graphs"] == graphs  # the warm-up compiled every row count a batch runs at
-        single.rollout(batch[0].context, batch[0].actions, 3, Sampling(temperature=0), batch[0].seed)
-        assert single.core.ops.compile_error is None and single.core.compiled
+        assert decoder.sampler.compiled is not None and decoder.sampler.error is None
+        np.testing.assert_array_equal(
+            single.rollout(batch[0].context, batch[0].actions, 3, sampled, batch[0].seed), alone(model, batch[0], sampled))
+        assert single.core.ops.compile_error is None and single.core.compiled and single.sampler.error is None
     torch._dynamo.reset()
+
+
+def test_a_step_sampler_that_cannot_compile_samples_eagerly_and_says_why(model, monkeypatch):
+    from terra_cli.backends import device_sampling
+
+    def no_compiler(fn, **options):
+        def fails(*args):
+            raise RuntimeError("no C++ compiler here")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    sampler = device_sampling.StepSampler(compiled=True)
+    logits, noise = torch.randn(3, VOCAB + 1), torch.empty(3, VOCAB).exponential_()
+    sampling = Sampling(temperature=0.7, top_k=5)
+    want = device_sampling.race_codes(logits, noise, model.layout, sampling)
+    assert torch.equal(sampler(logits, noise, model.layout, sampling), want)
+    assert "no C++ compiler here" in sampler.error
+    monkeypatch.setenv(device_sampling.SAMPLER_ENV, "eager")  # the lab switch: no compile at all
+    assert device_sampling.StepSampler(compiled=True).compiled is None

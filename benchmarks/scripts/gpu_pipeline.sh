@@ -50,6 +50,8 @@
 #          ONE_AFTER=next10: `terra serve` on single-stream at 32 sessions, cut after the load (~2 minutes);
 #          ONE_AFTER=next12: `gpu_batched_step.py` at 8 and 32 rows, contexts 3/7/11 frames, the product's step
 #          (decoder head), then the row batch alone (--product) at 8 and 32 (~5 minutes);
+#          ONE_AFTER=next13: the row batch alone and the driver at 32 sessions with the steps' sampler compiled and
+#          eager (TERRA_SINGLE_STREAM_SAMPLER), then `terra serve` on single-stream at 1 and 32 (~8 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -528,6 +530,17 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
         --out "$OUT/batched_step.json" > "$OUT/batched_step.log" 2>&1; echo "batched_step exit $?" >> "$STEP_LOG"
       timeout 150 python3 benchmarks/scripts/gpu_batched_step.py --product --rows 8,32 \
         --out "$OUT/row_batch.json" > "$OUT/row_batch.log" 2>&1; echo "row_batch exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = next13 ]; then
+      # the steps' sampler compiled (the default) against eager (TERRA_SINGLE_STREAM_SAMPLER=eager), same host
+      for sampler in compiled eager; do
+        TERRA_SINGLE_STREAM_SAMPLER=$sampler timeout 150 python3 benchmarks/scripts/gpu_batched_step.py --product \
+          --rows 8,32 --out "$OUT/row_batch-$sampler.json" > "$OUT/row_batch-$sampler.log" 2>&1
+        echo "row_batch $sampler exit $?" >> "$STEP_LOG"
+        TERRA_SINGLE_STREAM_SAMPLER=$sampler timeout 200 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 \
+          --frames 8 --think-ms 30 --out "$OUT/sessions-$sampler.json" > "$OUT/sessions-$sampler.log" 2>&1
+        echo "sessions $sampler exit $?" >> "$STEP_LOG"
+      done
+      serve_rows 300 1,32
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

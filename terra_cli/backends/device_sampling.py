@@ -11,8 +11,14 @@ from __future__ import annotations
 import torch
 
 from terra_cli.backends.base import Sampling
+from terra_cli.errors import error_summary
 from terra_cli.models.config import FrameLayout
+from terra_cli.runtime import choice_switch
 from terra_cli.seeds import draw_seed
+
+# TERRA_SINGLE_STREAM_SAMPLER=eager keeps a decode step's sampling eager where the step's layer functions are
+# compiled (to compare).
+SAMPLER_ENV = "TERRA_SINGLE_STREAM_SAMPLER"
 
 
 def filtered_probabilities(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling) -> torch.Tensor:
@@ -38,6 +44,31 @@ def race_sample(probabilities: torch.Tensor, generator: torch.Generator) -> torc
     """One code per row of (R, V) probabilities; draws R * V exponentials from `generator`."""
     race = torch.empty_like(probabilities).exponential_(generator=generator)
     return (probabilities / race).argmax(dim=-1)
+
+
+def race_codes(logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout, sampling: Sampling) -> torch.Tensor:
+    """Codes (R,) from logits (R, >= V) and each row's noise (R, V) already drawn: `race_sample`'s rule."""
+    return (filtered_probabilities(logits, layout, sampling) / noise).argmax(dim=-1)
+
+
+class StepSampler:
+    """`race_codes` for the decode steps, through torch.compile where `compiled` (the step's layer functions
+    are): eager, the sampler makes about eight passes over (rows, 262,144) floats, some of them one
+    thread block a row (softmax, argmax), a share of a 32-row step that grows with the rows. A failed
+    compile (on the warm-up step, before any graph capture) leaves it eager; `error` says why."""
+
+    def __init__(self, compiled: bool):
+        self.error: str | None = None
+        eager = choice_switch(SAMPLER_ENV, ("compiled", "eager"), "compiled (the default) or eager") == "eager"
+        self.compiled = torch.compile(race_codes, dynamic=False, fullgraph=True) if compiled and not eager else None
+
+    def __call__(self, logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout, sampling: Sampling) -> torch.Tensor:
+        if self.compiled is not None and self.error is None:
+            try:
+                return self.compiled(logits, noise, layout, sampling)
+            except Exception as error:  # noqa: BLE001 - no Triton or no compiler: eager is correct too
+                self.error = error_summary(error)
+        return race_codes(logits, noise, layout, sampling)
 
 
 def next_codes(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from terra_cli.backends.base import Sampling
-from terra_cli.backends.device_sampling import FrameGenerators, filtered_probabilities, greedy_codes
+from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, greedy_codes, race_codes
 from terra_cli.backends.static_kv import StaticKVDecoder, host_to_device
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -119,6 +119,7 @@ class RowBatchDecoder:
         self.noise = torch.zeros(rows, self.layout.image_vocab_size, dtype=torch.float32, device=device)
         self.generators = [torch.Generator(device=device) for _ in range(rows)]
         self.sampling = Sampling()
+        self.sampler = StepSampler(self.core.compiled)
         # a graph needs FlashAttention's path: the torch one reads each row's length on the host
         self.cuda_graphs = cuda_graphs and self.core.flash is not None
         self.graphs: dict = {}
@@ -160,10 +161,9 @@ class RowBatchDecoder:
         if self.sampling.greedy:
             codes = greedy_codes(logits, self.layout)
         else:
-            probabilities = filtered_probabilities(logits, self.layout, self.sampling)
             for row in range(n):  # the draws a row alone takes (`device_sampling.race_sample`), from its own stream
                 self.noise[row].exponential_(generator=self.generators[row])
-            codes = (probabilities / self.noise[:n]).argmax(dim=-1)
+            codes = self.sampler(logits, self.noise[:n], self.layout, self.sampling)
         self.frame_codes[:n].scatter_(1, self.next_index[:n, None], codes[:, None])
         self.codes[:n].copy_(codes)
         self.positions[:n].add_(self.moving[:n])
@@ -272,11 +272,10 @@ class RowBatchDecoder:
         if self.sampling.greedy:
             codes = greedy_codes(logits, self.layout)
         else:
-            probabilities = filtered_probabilities(logits, self.layout, self.sampling)
-            race = torch.empty_like(probabilities)
+            race = torch.empty(len(rows), self.layout.image_vocab_size, dtype=torch.float32, device=logits.device)
             for i, row in enumerate(rows):
                 race[i].exponential_(generator=self.generators[row])
-            codes = (probabilities / race).argmax(dim=-1)
+            codes = race_codes(logits, race, self.layout, self.sampling)
         device = self.core.device
         index = host_to_device(rows, device)
         self.frame_codes[index, 0] = codes

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
-from terra_cli.backends.device_sampling import FrameGenerators, next_codes
+from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, greedy_codes, next_codes
 from terra_cli.backends.jacobi import DRAFTS, MAX_DRAFT_TOKENS, jacobi_step
 from terra_cli.backends.static_kv import StaticKVDecoder
 from terra_cli.errors import InputError
@@ -40,7 +40,11 @@ def plain_step(decoder: "SingleStreamDecoder", key_length: int) -> None:
     """Feed the last decided code, decide the next one (no host sync)."""
     positions = decoder.frame_base + decoder.next_index - 1
     logits = decoder.core.forward_codes(decoder.last_token, positions, key_length)
-    code = next_codes(logits, decoder.layout, decoder.sampling, decoder.generator)
+    if decoder.sampling.greedy:
+        code = greedy_codes(logits, decoder.layout)
+    else:  # `next_codes`'s draws, its race through the step's sampler
+        decoder.noise.exponential_(generator=decoder.generator)
+        code = decoder.sampler(logits, decoder.noise, decoder.layout, decoder.sampling)
     decoder.frame_codes.index_copy_(0, decoder.next_index, code)
     decoder.last_token.copy_(code)
     decoder.next_index.add_(1)
@@ -139,6 +143,8 @@ class SingleStreamDecoder:
         self.window = torch.arange(k + 1, **long)
         self.sampling = Sampling()
         self.generator = torch.Generator(device=device)
+        self.noise = torch.zeros(1, self.layout.image_vocab_size, dtype=torch.float32, device=device)
+        self.sampler = StepSampler(self.core.compiled)
         self.graphs = StepGraphs(self, cuda_graphs)
         self.stats = {}
 

@@ -282,6 +282,50 @@ def measure_product(rows_list: list[int]) -> dict:
                     "`RowBatchDecoder.run_ahead`)", "results": results}
 
 
+def profile_rows(rows: int, steps: int = 64) -> dict:
+    """`--profile N`: the product's row batch of N rows (`RowBatchDecoder`, 3-frame contexts, temperature 0.9)
+    mid-frame: `steps` decode steps as CUDA graph replays, timed, then as many launched eagerly under torch's
+    profiler: each kernel's GPU time a step, heaviest first, beside the replays' wall time a step."""
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile
+
+    from terra_cli.backends.base import Sampling
+    from terra_cli.backends.row_batch import RowBatchDecoder, RowWork
+    from terra_cli.backends.single_stream import SingleStreamDecoder
+
+    torch.manual_seed(0)
+    model = build_model(LlamaActionConfig(**TERRA_WORLD_MODEL_CONFIG), torch.device("cuda"), torch.bfloat16)
+    single = SingleStreamDecoder(model, cuda_graphs=True)
+    layout, sampling = model.layout, Sampling(temperature=0.9)
+    rng = np.random.default_rng(0)
+    work = [RowWork(rng.integers(0, layout.image_vocab_size, size=(3, layout.image_tokens)),
+                    rng.normal(size=(1, layout.action_tokens, 3)).astype(np.float32), 4, seed) for seed in range(rows)]
+    batch = RowBatchDecoder(single.core, rows, cuda_graphs=True)
+    batch.warm_up(sampling)
+    batch.add(list(enumerate(work)), sampling)
+    batch.advance(32)  # compiled and captured before the timed steps
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    batch.run_steps(rows, steps)  # graph replays, timed
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    batch.cuda_graphs = False  # the same step's kernels launched one by one, so the profiler names each
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        batch.run_steps(rows, steps)
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total / 1000
+    busy = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
+    result = {"rows": rows, "steps": steps, "ms_per_step_wall": round(wall * 1000 / steps, 4),
+              "ms_per_step_kernels": round(busy / steps, 4),
+              "kernels_ms_per_step": [{"name": name[:160], "ms": round(ms / steps, 4)} for name, ms in top]}
+    print(json.dumps(result, indent=1), flush=True)
+    return result
+
+
 def measure_sessions(sessions_list: list[int], frames: int, think_ms: float) -> dict:
     """`--sessions`: the product's driver (`single_stream_driver`, rows joining at any few steps' end) fed as
     a server's sessions feed it, without the server: each session's next frame is put `think_ms` after its
@@ -361,9 +405,12 @@ def main() -> None:
     parser.add_argument("--sessions", default="", help="sessions through the product's driver, e.g. 8,32 (no server)")
     parser.add_argument("--frames", type=int, default=8, help="--sessions: frames a session asks for")
     parser.add_argument("--think-ms", type=float, default=30.0, help="--sessions: from a frame to the next one's job")
+    parser.add_argument("--profile", type=int, default=0, help="the row batch of this many rows under torch's profiler")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
-    if options.sessions:
+    if options.profile:
+        result = profile_rows(options.profile)
+    elif options.sessions:
         result = measure_sessions([int(n) for n in options.sessions.split(",")], options.frames, options.think_ms)
     elif options.check:
         result = check()

@@ -541,6 +541,12 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
         echo "sessions $sampler exit $?" >> "$STEP_LOG"
       done
       serve_rows 300 1,32
+    elif [ "${ONE_AFTER:-probes}" = next14 ]; then
+      # a 32-row and an 8-row step's kernels under torch's profiler
+      for rows in 32 8; do
+        timeout 150 python3 benchmarks/scripts/gpu_batched_step.py --profile $rows \
+          --out "$OUT/profile-$rows.json" > "$OUT/profile-$rows.log" 2>&1; echo "profile $rows exit $?" >> "$STEP_LOG"
+      done
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

@@ -299,7 +299,7 @@ def profile_rows(rows: int, steps: int = 64) -> dict:
     layout, sampling = model.layout, Sampling(temperature=0.9)
     rng = np.random.default_rng(0)
     work = [RowWork(rng.integers(0, layout.image_vocab_size, size=(3, layout.image_tokens)),
-                    rng.normal(size=(1, layout.action_tokens, 3)).astype(np.float32), 4, seed) for seed in range(rows)]
+                    rng.normal(size=(3, layout.action_tokens, 3)).astype(np.float32), 4, seed) for seed in range(rows)]
     batch = RowBatchDecoder(single.core, rows, cuda_graphs=True)
     batch.warm_up(sampling)
     batch.add(list(enumerate(work)), sampling)

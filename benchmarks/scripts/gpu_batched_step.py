@@ -302,15 +302,18 @@ def profile_rows(rows: int, steps: int = 64) -> dict:
                     rng.normal(size=(3, layout.action_tokens, 3)).astype(np.float32), 4, seed) for seed in range(rows)]
     batch = RowBatchDecoder(single.core, rows, cuda_graphs=True)
     batch.warm_up(sampling)
-    batch.add(list(enumerate(work)), sampling)
-    batch.advance(32)  # compiled and captured before the timed steps
+    with torch.inference_mode():
+        batch.add(list(enumerate(work)), sampling)
+        batch.advance(32)  # compiled and captured before the timed steps
     torch.cuda.synchronize()
     started = time.perf_counter()
-    batch.run_steps(rows, steps)  # graph replays, timed
+    with torch.inference_mode():
+        batch.run_steps(rows, steps)  # graph replays, timed
     torch.cuda.synchronize()
     wall = time.perf_counter() - started
     batch.cuda_graphs = False  # the same step's kernels launched one by one, so the profiler names each
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    # in inference mode, as `advance` runs (outside it dynamo compiles the layers again, the caches' writes as copies)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         batch.run_steps(rows, steps)
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}

@@ -52,6 +52,8 @@
 #          (decoder head), then the row batch alone (--product) at 8 and 32 (~5 minutes);
 #          ONE_AFTER=next13: the row batch alone and the driver at 32 sessions with the steps' sampler compiled and
 #          eager (TERRA_SINGLE_STREAM_SAMPLER), then `terra serve` on single-stream at 1 and 32 (~8 minutes);
+#          ONE_AFTER=next14: `gpu_batched_step.py --profile` at 32 and 8 rows (~2 minutes); ONE_AFTER=next15: the row
+#          batch alone at 8 and 16 rows, the layers through cuBLAS and through the few-rows kernel (~3 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -546,6 +548,13 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       for rows in 32 8; do
         timeout 150 python3 benchmarks/scripts/gpu_batched_step.py --profile $rows \
           --out "$OUT/profile-$rows.json" > "$OUT/profile-$rows.log" 2>&1; echo "profile $rows exit $?" >> "$STEP_LOG"
+      done
+    elif [ "${ONE_AFTER:-probes}" = next15 ]; then
+      # the layers' projections through terra's few-rows kernel against cuBLAS, at 8 and 16 rows (its tile's)
+      for layers in linear few-rows; do
+        TERRA_SINGLE_STREAM_LAYERS=$layers timeout 150 python3 benchmarks/scripts/gpu_batched_step.py --product \
+          --rows 8,16 --out "$OUT/row_batch-$layers.json" > "$OUT/row_batch-$layers.log" 2>&1
+        echo "row_batch $layers exit $?" >> "$STEP_LOG"
       done
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \

@@ -121,31 +121,47 @@ def tiny_graph_module(tmp_path, monkeypatch):
     return importlib.reload(tiny_graph)
 
 
-@pytest.mark.parametrize("setting", ["an Inductor option", "vLLM's float32 matmul precision"])
-@pytest.mark.parametrize("changed", ["before the child", "after the child"])
-def test_the_parents_compile_after_its_child_is_a_cache_hit_only_under_the_same_settings(tmp_path, monkeypatch,
-                                                                                           index_asserts,
-                                                                                           vllm_worker_precision,
-                                                                                           setting, changed):
-    """A setting the key holds, changed in the parent before the child starts, travels (a hit); the
-    same change made after the child ended is a miss: the key holds it, and the handing over is what
-    made the first a hit."""
-    change = index_asserts if setting == "an Inductor option" else vllm_worker_precision
+def compile_in_a_child(tmp_path, monkeypatch):
+    """A child compiles the tiny graph cold into an empty cache (`tmp_path`'s) under this process's settings;
+    returns the graph for this process to compile."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     graph = tiny_graph_module(tmp_path, monkeypatch)
-    if changed == "before the child":
-        change()
     child = CompileApart("{}", COMPILE_CHILD)
     result = child.wait(300)
     assert result is not None, child.error
     assert result["cache"] == [0, 1]  # the child compiled cold, into the empty cache
-    change()  # (the same value again when set before the child)
+    return graph
+
+
+def cache_lookups_of_a_compile(graph) -> list[int]:
+    """[hits, misses] of Inductor's cache for compiling `graph` again in this process."""
     torch._dynamo.reset()
     hits, misses = fx_cache_counts()
     torch.compile(graph.graph, dynamic=False)(torch.ones(4, 8))
     after = fx_cache_counts()
-    expected = [1, 0] if changed == "before the child" else [0, 1]
-    assert [after[0] - hits, after[1] - misses] == expected
+    return [after[0] - hits, after[1] - misses]
+
+
+def test_settings_changed_before_the_child_travel_and_the_parents_compile_is_a_hit(tmp_path, monkeypatch,
+                                                                                   index_asserts, vllm_worker_precision):
+    """An Inductor option and vLLM's float32 matmul precision, both changed before the child starts, travel
+    with it: the parent's compile afterwards finds the child's graph (one that did not travel would make
+    the key differ: the test below shows the key holds each of them)."""
+    index_asserts()
+    vllm_worker_precision()
+    graph = compile_in_a_child(tmp_path, monkeypatch)
+    assert cache_lookups_of_a_compile(graph) == [1, 0]
+
+
+def test_settings_changed_after_the_child_are_misses_each(tmp_path, monkeypatch, index_asserts, vllm_worker_precision):
+    """The same changes made after the child ended are a miss, each in turn: Inductor's key holds each
+    setting, so the handing over is what made the test above a hit."""
+    graph = compile_in_a_child(tmp_path, monkeypatch)
+    assert cache_lookups_of_a_compile(graph) == [1, 0]  # nothing changed yet: the child's graph
+    index_asserts()
+    assert cache_lookups_of_a_compile(graph) == [0, 1]
+    vllm_worker_precision()
+    assert cache_lookups_of_a_compile(graph) == [0, 1]
 
 
 class LookingUpDecoder:

@@ -54,6 +54,7 @@
 #          eager (TERRA_SINGLE_STREAM_SAMPLER), then `terra serve` on single-stream at 1 and 32 (~8 minutes);
 #          ONE_AFTER=next14: `gpu_batched_step.py --profile` at 32 and 8 rows (~2 minutes); ONE_AFTER=next15: the row
 #          batch alone at 8 and 16 rows, the layers through cuBLAS and through the few-rows kernel (~3 minutes);
+#          ONE_AFTER=next16: the driver alone at 32 sessions with the rows' caches in fp8, then bf16 (~3 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -556,6 +557,13 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
           --rows 8,16 --out "$OUT/row_batch-$layers.json" > "$OUT/row_batch-$layers.log" 2>&1
         echo "row_batch $layers exit $?" >> "$STEP_LOG"
       done
+    elif [ "${ONE_AFTER:-probes}" = next16 ]; then
+      # the rows' caches in fp8 (--kv-cache-dtype fp8) against bf16, the driver alone at 32 sessions
+      timeout 100 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 \
+        --kv-cache-dtype fp8 --out "$OUT/sessions-fp8.json" > "$OUT/sessions-fp8.log" 2>&1
+      echo "sessions fp8 exit $?" >> "$STEP_LOG"
+      timeout 100 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 \
+        --out "$OUT/sessions-bf16.json" > "$OUT/sessions-bf16.log" 2>&1; echo "sessions bf16 exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 BACKEND_NAMES = ("hf", "vllm", "single-stream")
 
 # The engine options each backend takes; vLLM takes its engine arguments, any of them.
-BACKEND_OPTIONS = {"hf": (), "single-stream": ("draft", "draft_tokens", "quantization")}
+BACKEND_OPTIONS = {"hf": (), "single-stream": ("draft", "draft_tokens", "quantization", "kv_cache_dtype")}
 
 __all__ = ["BACKEND_NAMES", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
            "choose_backend", "load_backend", "options_not_taken"]
@@ -84,7 +84,8 @@ def load_backend(name: str, checkpoint_dir, *, device: str | None = None, dtype:
         draft_tokens = options.get("draft_tokens", 0)
         return SingleStreamBackend(checkpoint_dir, device=device, dtype=dtype, draft_tokens=draft_tokens,
                                    draft=options.get("draft") or "previous-frame", cuda_graphs=None,
-                                   quantization=options.get("quantization"))
+                                   quantization=options.get("quantization"),
+                                   kv_cache_dtype=options.get("kv_cache_dtype"))
     if name == "vllm":
         from terra_cli.backends.vllm import VllmBackend
 

@@ -79,6 +79,27 @@ def compile_mode(environ=None) -> str | None:
     return None if mode == "default" else mode
 
 
+FP8_KV = torch.float8_e4m3fn  # `StaticKVDecoder(kv_dtype=...)`: FlashAttention-3's fp8, as vLLM's fp8 cache
+FP8_KV_MAX = 448.0  # its largest finite value
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype. Into fp8 with a scale of 1 (vLLM's fp8 cache default): values past its
+    largest finite value saturate (a plain cast would make them NaN)."""
+    if x.dtype == dtype:
+        return x
+    return x.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+
+
+def write_cache(cache: torch.Tensor, dim: int, positions: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[..., positions, ...] = x along `dim`, converted to the cache's dtype (an fp8 cache is
+    written through its bytes: index_copy_ need not know fp8)."""
+    if cache.dtype == x.dtype:
+        cache.index_copy_(dim, positions, x)
+    else:
+        cache.view(torch.uint8).index_copy_(dim, positions, to_cache(x, cache.dtype).view(torch.uint8))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -131,8 +152,8 @@ def attention_inputs_written(x, cos, sin, keys, values, positions, *weights, lin
     `positions` and returns q alone: compiled, the writes join the kernel that makes k and v instead of
     two `index_copy_` kernels of their own a layer (`CACHE_WRITE_ENV`)."""
     q, k, v = attention_inputs_fused(x, cos, sin, *weights, linear=linear)
-    keys.index_copy_(1, positions, k)
-    values.index_copy_(1, positions, v)
+    write_cache(keys, 1, positions, k)
+    write_cache(values, 1, positions, v)
     return q
 
 

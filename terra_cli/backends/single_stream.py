@@ -35,6 +35,8 @@ from terra_cli.errors import InputError
 from terra_cli.seeds import rollout_seed
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM, load_model
 
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # FlashAttention-3 reads e4m3 only (vLLM's fp8_e5m2 is not taken)
+
 
 def plain_step(decoder: "SingleStreamDecoder", key_length: int) -> None:
     """Feed the last decided code, decide the next one (no host sync)."""
@@ -120,12 +122,13 @@ class SingleStreamDecoder:
     """One rollout's static cache and device state; `rollout` generates one video round."""
 
     def __init__(self, model: LlamaActionForCausalLM, *, draft_tokens: int = 0, draft: str = "jacobi",
-                 cuda_graphs: bool = False, compile_layers: bool | None = None, fp8_weights: bool = False):
+                 cuda_graphs: bool = False, compile_layers: bool | None = None, fp8_weights: bool = False,
+                 fp8_cache: bool = False):
         if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise InputError(f"draft_tokens must be from 0 (plain decoding) to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         if draft not in DRAFTS:
             raise InputError(f"draft must be {' or '.join(DRAFTS)} on this backend, got {draft!r}")
-        self.core = StaticKVDecoder(model, compile_layers=compile_layers, fp8_weights=fp8_weights)
+        self.core = StaticKVDecoder(model, compile_layers=compile_layers, fp8_weights=fp8_weights, fp8_cache=fp8_cache)
         device = self.core.device
         if cuda_graphs and device.type != "cuda":
             raise InputError(f"CUDA graphs need a CUDA device; the model is on {device}")
@@ -241,7 +244,9 @@ class SingleStreamBackend:
     seed, but are not the codes plain sampling draws for that seed. `cuda_graphs`: replay each
     decode step as a CUDA graph (a CUDA device only; None: wherever the model is on CUDA).
     `quantization="fp8"`: the decode steps read fp8 copies of the layers' and lm_head's weights (one
-    scale a row, terra's Triton kernel, CUDA only), an approximation of the model, opt-in. `stats`: per
+    scale a row, terra's Triton kernel, CUDA only), an approximation of the model, opt-in.
+    `kv_cache_dtype="fp8"` (or "fp8_e4m3"): keys and values kept in fp8, the queries rounded to it
+    (`StaticKVDecoder(fp8_cache=True)`), an approximation, opt-in. `stats`: per
     rollout, steps, codes per step, kept drafts and per-frame seconds of the last `generate`.
     """
 
@@ -249,11 +254,14 @@ class SingleStreamBackend:
 
     def __init__(self, checkpoint_dir=None, *, device: str | None = None, dtype: str | None = None, model=None,
                  draft_tokens: int = 0, draft: str = "jacobi", cuda_graphs: bool | None = False,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str | None = None):
         from terra_cli.runtime import resolve_device, resolve_dtype
 
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization: None or 'fp8' on the single-stream backend, got {quantization!r}")
+        if kv_cache_dtype not in FP8_CACHE_DTYPES + (None, "auto"):
+            raise ValueError(f"kv_cache_dtype: None, 'auto' or fp8 (e4m3) on the single-stream backend, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype if kv_cache_dtype in FP8_CACHE_DTYPES else None
 
         self.quantization = quantization
         self.device = resolve_device(device)
@@ -262,7 +270,7 @@ class SingleStreamBackend:
         if cuda_graphs is None:  # on wherever they can run
             cuda_graphs = self.model.lm_head.weight.device.type == "cuda"
         self.decoder = SingleStreamDecoder(self.model, draft_tokens=draft_tokens, draft=draft, cuda_graphs=cuda_graphs,
-                                           fp8_weights=quantization == "fp8")
+                                           fp8_weights=quantization == "fp8", fp8_cache=self.kv_cache_dtype is not None)
         self.stats: list[dict] = []
         self.rows = None  # the row batch's decoder, made when a driver first batches jobs
 

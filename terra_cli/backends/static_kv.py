@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from terra_cli.backends.flash_cache import FLASH_BLOCK, FlashCacheAttention, flash_planner, flash_varlen_kernel
-from terra_cli.backends.layer_ops import LayerOps, cache_write
+from terra_cli.backends.layer_ops import FP8_KV, LayerOps, cache_write, to_cache, write_cache
 from terra_cli.kernels import few_rows_matmul as few_rows
+from terra_cli.errors import InputError
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
 from terra_cli.runtime import choice_switch
 
@@ -69,6 +70,7 @@ def default_logits_layout(device: torch.device, fp8_weights: bool = False) -> st
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q (1, KV, rows, d) against keys/values (1, KV, L, d) under mask (rows, L) -> (1, KV, rows, d)."""
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # (an fp8 cache's, read in the query's dtype)
     if q.shape[2] > MATMUL_ATTENTION_ROWS:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     scores = _scores(q[0], keys[0].transpose(-1, -2))[None] * scale
@@ -127,12 +129,16 @@ class StaticKVDecoder:
     """
 
     def __init__(self, model: LlamaActionForCausalLM, *, compile_layers: bool | None = None, fp8_weights: bool = False,
-                 rows: int = 1, ops_from: "StaticKVDecoder | None" = None):
+                 rows: int = 1, ops_from: "StaticKVDecoder | None" = None, fp8_cache: bool = False):
         config = model.config
         self.model = model
         self.layout = model.layout
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
+        # `fp8_cache`: keys and values kept in fp8 (half the bytes attention reads a step; an approximation,
+        # opt-in), the queries rounded to fp8 too, as FlashAttention-3 reads them (and as vLLM's fp8 cache does)
+        fp8_cache = ops_from.kv_dtype == FP8_KV if ops_from is not None else fp8_cache
+        self.kv_dtype = FP8_KV if fp8_cache else self.dtype
         self.layers = model.model.layers
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
@@ -142,6 +148,9 @@ class StaticKVDecoder:
         flash = flash_varlen_kernel(self.device, self.dtype)
         if flash is not None:
             self.cache_positions = -(-self.cache_positions // FLASH_BLOCK) * FLASH_BLOCK
+        if fp8_cache and flash is not None and flash[1] != 3:
+            raise InputError("an fp8 KV cache on the single-stream backend needs FlashAttention-3 (a Hopper GPU); "
+                             "this GPU runs FlashAttention-2: keep the cache in the model's dtype")
         self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]), rows)
                       if flash is not None else None)
         self.rows = rows
@@ -153,14 +162,15 @@ class StaticKVDecoder:
         positions = rows * self.cache_positions
         shape = ((1, positions, self.kv_heads, self.head_dim) if self.flash is not None
                  else (1, self.kv_heads, positions, self.head_dim))
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.keys = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
         self.key_positions = torch.arange(self.cache_positions, device=self.device)
         self.placeholders = torch.full((self.layout.action_tokens,), self.layout.action_placeholder_id,
                                        dtype=torch.long, device=self.device)
         if fp8_weights and not few_rows.runs_on(self.device):
             raise ValueError(f"fp8 weights run through terra's Triton kernel, on CUDA; the model is on {self.device}")
-        self.fused_cache_write = cache_write() == "fused"
+        # an fp8 cache is written apart (`layer_ops.write_cache`): not inside the compiled functions
+        self.fused_cache_write = cache_write() == "fused" and self.kv_dtype == self.dtype
         if ops_from is not None:
             self.ops, self.logits_layout, self.head_fp8 = ops_from.ops, ops_from.logits_layout, ops_from.head_fp8
             return
@@ -277,10 +287,10 @@ class StaticKVDecoder:
             if segment_rows is not None:
                 seen = (positions.view(len(segment_rows), -1)[:, -1] + 1).to(torch.int32)
                 plan = None if not batched else self.flash.plan(1, seen, self.heads, self.kv_heads, self.head_dim,
-                                                                self.dtype)
+                                                                self.kv_dtype)
             else:
                 seen = (positions[-1:] + 1).to(torch.int32)
-                plan = self.flash.plan(n, seen, self.heads, self.kv_heads, self.head_dim, self.dtype)
+                plan = self.flash.plan(n, seen, self.heads, self.kv_heads, self.head_dim, self.kv_dtype)
         elif segment_rows is not None:
             group = self.heads // self.kv_heads
         else:
@@ -294,11 +304,14 @@ class StaticKVDecoder:
                 q = ops.attention_inputs_written(index, x, cos, sin, keys, values, cache_at)
             else:
                 q, k, v = ops.attention_inputs(index, x, cos, sin)
-                keys.index_copy_(self.position_dim, cache_at, k if self.flash is not None else k.transpose(1, 2))
-                values.index_copy_(self.position_dim, cache_at, v if self.flash is not None else v.transpose(1, 2))
+                write_cache(keys, self.position_dim, cache_at, k if self.flash is not None else k.transpose(1, 2))
+                write_cache(values, self.position_dim, cache_at, v if self.flash is not None else v.transpose(1, 2))
+            if self.kv_dtype != self.dtype:  # the queries as FlashAttention-3 reads them with an fp8 cache
+                q = to_cache(q, self.kv_dtype) if self.flash is not None else to_cache(q, self.kv_dtype).to(q.dtype)
             scale = layer.self_attn.scaling
             if self.flash is not None:
-                out = self.flash(q, keys, values, seen, scale, plan, first_row=0 if batched else row, rows=table_rows)
+                out = self.flash(q, keys, values, seen, scale, plan, first_row=0 if batched else row,
+                                 rows=table_rows).to(x.dtype)  # (an fp8 query's out: bfloat16)
             elif segment_rows is not None:
                 out = self.attend_rows(q, keys, values, positions, scale, group, segment_rows)
             else:

@@ -102,6 +102,9 @@ def check_backend_options(name: str, options: Mapping, device: str | None = None
     other = sorted(OPTION_FLAGS.get(option, option) for option in options_not_taken(name, options))
     if other:
         raise InputError(f"{', '.join(other)}: vLLM engine option(s), not for the {name} backend; use --backend vllm")
+    if name == "single-stream" and options.get("kv_cache_dtype") == "fp8_e5m2":
+        raise InputError("--kv-cache-dtype fp8_e5m2 is vLLM's; --backend single-stream keeps its cache in fp8 "
+                         "(e4m3, as FlashAttention-3 reads it): use --kv-cache-dtype fp8")
     if name == "single-stream" and options.get("quantization") and device is not None:
         import torch
 

@@ -240,8 +240,9 @@ def test_options_are_checked_for_the_backend_that_runs_them():
             check_backend_options(other, jacobi)
     check_backend_options("single-stream", jacobi)
     check_backend_options("single-stream", engine_options(draft="previous-frame", draft_tokens=2))
-    with pytest.raises(InputError, match="--kv-cache-dtype.*not for the single-stream backend"):
-        check_backend_options("single-stream", engine_options(kv_cache_dtype="fp8"))
+    check_backend_options("single-stream", engine_options(kv_cache_dtype="fp8"))  # (tests/test_fp8_cache.py)
+    with pytest.raises(InputError, match="--attention.*not for the single-stream backend"):
+        check_backend_options("single-stream", engine_options(attention="vllm"))
     with pytest.raises(InputError, match="--draft must be none, previous-frame or jacobi"):
         engine_options(draft="lookahead")
 

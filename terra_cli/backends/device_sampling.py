@@ -62,7 +62,8 @@ class StepSampler:
         eager = choice_switch(SAMPLER_ENV, ("compiled", "eager"), "compiled (the default) or eager") == "eager"
         self.compiled = torch.compile(race_codes, dynamic=False, fullgraph=True) if compiled and not eager else None
 
-    def __call__(self, logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout, sampling: Sampling) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout,
+                 sampling: Sampling) -> torch.Tensor:
         if self.compiled is not None and self.error is None:
             try:
                 return self.compiled(logits, noise, layout, sampling)

@@ -79,7 +79,7 @@ def compile_mode(environ=None) -> str | None:
     return None if mode == "default" else mode
 
 
-FP8_KV = torch.float8_e4m3fn  # `StaticKVDecoder(kv_dtype=...)`: FlashAttention-3's fp8, as vLLM's fp8 cache
+FP8_KV = torch.float8_e4m3fn  # `StaticKVDecoder(fp8_cache=True)`'s: FlashAttention-3's fp8, as vLLM's fp8 cache
 FP8_KV_MAX = 448.0  # its largest finite value
 
 

@@ -280,7 +280,8 @@ class RowBatchDecoder:
         index = host_to_device(rows, device)
         self.frame_codes[index, 0] = codes
         self.codes[index] = codes
-        self.positions[index] = host_to_device([self.live[row].frame * self.layout.frame_stride for row in rows], device)
+        stride = self.layout.frame_stride
+        self.positions[index] = host_to_device([self.live[row].frame * stride for row in rows], device)
         self.next_index[index] = 1
         self.moving[index] = 1
 

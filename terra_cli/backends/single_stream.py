@@ -260,7 +260,8 @@ class SingleStreamBackend:
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization: None or 'fp8' on the single-stream backend, got {quantization!r}")
         if kv_cache_dtype not in FP8_CACHE_DTYPES + (None, "auto"):
-            raise ValueError(f"kv_cache_dtype: None, 'auto' or fp8 (e4m3) on the single-stream backend, got {kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype: None, 'auto' or fp8 (e4m3) on the single-stream backend, "
+                             f"got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype if kv_cache_dtype in FP8_CACHE_DTYPES else None
 
         self.quantization = quantization

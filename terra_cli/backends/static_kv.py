@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from terra_cli.backends.flash_cache import FLASH_BLOCK, FlashCacheAttention, flash_planner, flash_varlen_kernel
 from terra_cli.backends.layer_ops import FP8_KV, LayerOps, cache_write, to_cache, write_cache
-from terra_cli.kernels import few_rows_matmul as few_rows
 from terra_cli.errors import InputError
+from terra_cli.kernels import few_rows_matmul as few_rows
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
 from terra_cli.runtime import choice_switch
 

@@ -72,6 +72,19 @@ class StepSampler:
         return race_codes(logits, noise, layout, sampling)
 
 
+def draw_codes(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, generators: list[torch.Generator],
+               noise: torch.Tensor, race=race_codes) -> torch.Tensor:
+    """Each row's next code from logits (R, >= V): greedy, or row i's noise drawn from generators[i] into
+    noise[i] (the draws `race_sample` takes for that row alone) and the rows raced by `race` (`race_codes`,
+    or a `StepSampler`). `noise`: at least R rows of V floats, overwritten."""
+    if sampling.greedy:
+        return greedy_codes(logits, layout)
+    noise = noise[:len(generators)]
+    for row, generator in zip(noise, generators):
+        row.exponential_(generator=generator)
+    return race(logits, noise, layout, sampling)
+
+
 def next_codes(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
     """The reference's `sample_next` for one rollout's rows of logits."""
     if sampling.greedy:

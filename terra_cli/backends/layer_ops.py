@@ -152,8 +152,8 @@ def attention_inputs_written(x, cos, sin, keys, values, positions, *weights, lin
     `positions` and returns q alone: compiled, the writes join the kernel that makes k and v instead of
     two `index_copy_` kernels of their own a layer (`CACHE_WRITE_ENV`)."""
     q, k, v = attention_inputs_fused(x, cos, sin, *weights, linear=linear)
-    write_cache(keys, 1, positions, k)
-    write_cache(values, 1, positions, v)
+    keys.index_copy_(1, positions, k)  # (an fp8 cache is written apart: `StaticKVDecoder.fused_cache_write`)
+    values.index_copy_(1, positions, v)
     return q
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from terra_cli.backends.base import Sampling
-from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, greedy_codes, race_codes
+from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, draw_codes
 from terra_cli.backends.static_kv import StaticKVDecoder, host_to_device
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -158,12 +158,7 @@ class RowBatchDecoder:
     def step(self, n: int) -> None:
         """Rows 0..n-1: feed each row's code at its position and decide its next code (no host sync)."""
         logits = self.core.forward_rows(self.codes[:n], self.positions[:n])
-        if self.sampling.greedy:
-            codes = greedy_codes(logits, self.layout)
-        else:
-            for row in range(n):  # the draws a row alone takes (`device_sampling.race_sample`), from its own stream
-                self.noise[row].exponential_(generator=self.generators[row])
-            codes = self.sampler(logits, self.noise[:n], self.layout, self.sampling)
+        codes = draw_codes(logits, self.layout, self.sampling, self.generators[:n], self.noise, self.sampler)
         self.frame_codes[:n].scatter_(1, self.next_index[:n, None], codes[:, None])
         self.codes[:n].copy_(codes)
         self.positions[:n].add_(self.moving[:n])
@@ -269,13 +264,8 @@ class RowBatchDecoder:
             live = self.live[row]
             live.seeds.start_frame(live.frame)
             live.left = self.layout.image_tokens - 1
-        if self.sampling.greedy:
-            codes = greedy_codes(logits, self.layout)
-        else:
-            race = torch.empty(len(rows), self.layout.image_vocab_size, dtype=torch.float32, device=logits.device)
-            for i, row in enumerate(rows):
-                race[i].exponential_(generator=self.generators[row])
-            codes = race_codes(logits, race, self.layout, self.sampling)
+        # eager: the joining rows come in any number (the step's noise rows are scratch between steps)
+        codes = draw_codes(logits, self.layout, self.sampling, [self.generators[row] for row in rows], self.noise)
         device = self.core.device
         index = host_to_device(rows, device)
         self.frame_codes[index, 0] = codes

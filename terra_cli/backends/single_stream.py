@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
-from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, greedy_codes, next_codes
+from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, draw_codes, next_codes
 from terra_cli.backends.jacobi import DRAFTS, MAX_DRAFT_TOKENS, jacobi_step
 from terra_cli.backends.static_kv import StaticKVDecoder
 from terra_cli.errors import InputError
@@ -42,11 +42,7 @@ def plain_step(decoder: "SingleStreamDecoder", key_length: int) -> None:
     """Feed the last decided code, decide the next one (no host sync)."""
     positions = decoder.frame_base + decoder.next_index - 1
     logits = decoder.core.forward_codes(decoder.last_token, positions, key_length)
-    if decoder.sampling.greedy:
-        code = greedy_codes(logits, decoder.layout)
-    else:  # `next_codes`'s draws, its race through the step's sampler
-        decoder.noise.exponential_(generator=decoder.generator)
-        code = decoder.sampler(logits, decoder.noise, decoder.layout, decoder.sampling)
+    code = draw_codes(logits, decoder.layout, decoder.sampling, [decoder.generator], decoder.noise, decoder.sampler)
     decoder.frame_codes.index_copy_(0, decoder.next_index, code)
     decoder.last_token.copy_(code)
     decoder.next_index.add_(1)

@@ -102,3 +102,56 @@ def test_the_option_reaches_the_backend_and_vllms_e5m2_is_refused(checkpoint):
         check_backend_options("hf", options, "cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         SingleStreamBackend(checkpoint, device="cpu", kv_cache_dtype="int8")
+
+
+def flash_attention_3_reading_fp8(q, k, v, **kwargs):
+    """FlashAttention-3's contract beside an fp8 cache: fp8 queries, keys and values in, the output widened
+    (the real kernel gives bfloat16; the CPU model's float32 here)."""
+    from test_single_stream import paged_varlen_attention
+
+    assert q.dtype == k.dtype == v.dtype == FP8_KV
+    return paged_varlen_attention(q.float(), k.float(), v.float(), **kwargs)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_fp8_cache_written_inside_the_layer_function_holds_what_the_separate_writes_hold(model, monkeypatch,
+                                                                                             compiled):
+    """On FlashAttention-3's layout an fp8 cache's writes and the queries' rounding run inside the layer
+    function that makes k, v and q (compiled: in its kernels), as a model-dtype cache's writes do: the
+    cache, its queries and the codes are those of the writes apart (TERRA_SINGLE_STREAM_CACHE_WRITE=separate)."""
+    from test_single_stream import fake_flash_attention
+
+    from terra_cli.backends import layer_ops
+    from terra_cli.backends.static_kv import StaticKVDecoder
+
+    fake_flash_attention(monkeypatch, kernel=flash_attention_3_reading_fp8)
+    w = work(5, 2, 4)
+
+    def run(cache_write: str):
+        monkeypatch.setenv(layer_ops.CACHE_WRITE_ENV, cache_write)
+        decoder = SingleStreamDecoder(model, fp8_cache=True)
+        decoder.core = StaticKVDecoder(model, compile_layers=compiled, fp8_cache=True)
+        if not compiled:  # the fused functions eagerly (what a CPU without compiling runs)
+            decoder.core.ops = layer_ops.LayerOps(model, compile_layers=False, fuse_projections=True)
+        steps = decoder.core.ops.for_rows(True)
+        written = []
+        inputs_written = steps.attention_inputs_written
+        steps.attention_inputs_written = lambda *args: written.append(inputs_written(*args)) or written[-1]
+        codes = rollout(decoder, w, Sampling(temperature=0))
+        assert not compiled or decoder.core.compiled, decoder.core.ops.compile_error
+        return decoder.core, codes, written
+
+    inside, inside_codes, queries = run("fused")
+    apart, apart_codes, none = run("separate")
+    assert inside.fused_cache_write and not apart.fused_cache_write and not none
+    # every decode step's layers wrote k and v and handed back q in fp8, as FlashAttention-3 reads it
+    assert len(queries) > 0 and len(queries) % model.config.num_hidden_layers == 0
+    assert all(q.dtype == FP8_KV for q in queries)
+    np.testing.assert_array_equal(inside_codes, apart_codes)
+    for ours, theirs in zip(inside.keys + inside.values, apart.keys + apart.values):
+        assert ours.dtype == theirs.dtype == FP8_KV
+        assert ours.float().abs().sum() > 0
+        if compiled:  # Inductor's float32 sums may round a key's last bit the other way, rarely
+            assert (ours.float() == theirs.float()).float().mean() > 0.99
+        else:
+            assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))

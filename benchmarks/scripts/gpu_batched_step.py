@@ -282,9 +282,9 @@ def measure_product(rows_list: list[int]) -> dict:
                     "`RowBatchDecoder.run_ahead`)", "results": results}
 
 
-def profile_rows(rows: int, steps: int = 64) -> dict:
-    """`--profile N`: the product's row batch of N rows (`RowBatchDecoder`, 3-frame contexts, temperature 0.9)
-    mid-frame: `steps` decode steps as CUDA graph replays, timed, then as many launched eagerly under torch's
+def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: str | None = None) -> dict:
+    """`--profile N`: the product's row batch of N rows (`RowBatchDecoder`, `context`-frame contexts (3),
+    temperature 0.9; `kv_cache_dtype` fp8: the rows' caches in fp8) mid-frame: `steps` decode steps as CUDA graph replays, timed, then as many launched eagerly under torch's
     profiler: each kernel's GPU time a step, heaviest first, beside the replays' wall time a step."""
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
@@ -295,11 +295,12 @@ def profile_rows(rows: int, steps: int = 64) -> dict:
 
     torch.manual_seed(0)
     model = build_model(LlamaActionConfig(**TERRA_WORLD_MODEL_CONFIG), torch.device("cuda"), torch.bfloat16)
-    single = SingleStreamDecoder(model, cuda_graphs=True)
+    single = SingleStreamDecoder(model, cuda_graphs=True, fp8_cache=kv_cache_dtype in ("fp8", "fp8_e4m3"))
     layout, sampling = model.layout, Sampling(temperature=0.9)
     rng = np.random.default_rng(0)
-    work = [RowWork(rng.integers(0, layout.image_vocab_size, size=(3, layout.image_tokens)),
-                    rng.normal(size=(3, layout.action_tokens, 3)).astype(np.float32), 4, seed) for seed in range(rows)]
+    work = [RowWork(rng.integers(0, layout.image_vocab_size, size=(context, layout.image_tokens)),
+                    rng.normal(size=(context, layout.action_tokens, 3)).astype(np.float32), context + 1, seed)
+            for seed in range(rows)]
     batch = RowBatchDecoder(single.core, rows, cuda_graphs=True)
     batch.warm_up(sampling)
     with torch.inference_mode():
@@ -322,7 +323,8 @@ def profile_rows(rows: int, steps: int = 64) -> dict:
             kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total / 1000
     busy = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
-    result = {"rows": rows, "steps": steps, "ms_per_step_wall": round(wall * 1000 / steps, 4),
+    result = {"rows": rows, "steps": steps, "context_frames": context, "kv_cache_dtype": kv_cache_dtype or "auto",
+              "ms_per_step_wall": round(wall * 1000 / steps, 4),
               "ms_per_step_kernels": round(busy / steps, 4),
               "kernels_ms_per_step": [{"name": name[:160], "ms": round(ms / steps, 4)} for name, ms in top]}
     print(json.dumps(result, indent=1), flush=True)
@@ -410,12 +412,13 @@ def main() -> None:
     parser.add_argument("--sessions", default="", help="sessions through the product's driver, e.g. 8,32 (no server)")
     parser.add_argument("--frames", type=int, default=8, help="--sessions: frames a session asks for")
     parser.add_argument("--think-ms", type=float, default=30.0, help="--sessions: from a frame to the next one's job")
-    parser.add_argument("--kv-cache-dtype", default=None, help="--sessions: fp8 keeps the rows' caches in fp8")
+    parser.add_argument("--kv-cache-dtype", default=None, help="--sessions, --profile: fp8 keeps the rows' caches in fp8")
     parser.add_argument("--profile", type=int, default=0, help="the row batch of this many rows under torch's profiler")
+    parser.add_argument("--profile-context", type=int, default=3, help="--profile: frames in each row's cache")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
     if options.profile:
-        result = profile_rows(options.profile)
+        result = profile_rows(options.profile, context=options.profile_context, kv_cache_dtype=options.kv_cache_dtype)
     elif options.sessions:
         result = measure_sessions([int(n) for n in options.sessions.split(",")], options.frames, options.think_ms,
                                   options.kv_cache_dtype)

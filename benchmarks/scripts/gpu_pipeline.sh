@@ -55,6 +55,8 @@
 #          ONE_AFTER=next14: `gpu_batched_step.py --profile` at 32 and 8 rows (~2 minutes); ONE_AFTER=next15: the row
 #          batch alone at 8 and 16 rows, the layers through cuBLAS and through the few-rows kernel (~3 minutes);
 #          ONE_AFTER=next16: the driver alone at 32 sessions with the rows' caches in fp8, then bf16 (~3 minutes);
+#          ONE_AFTER=next17: 32 sessions with the fp8 cache written inside the layer functions, apart, and bf16, a
+#          32-row step's kernels at 10-frame contexts in fp8 and bf16, `terra serve` at 32 in fp8 (~11 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -443,7 +445,7 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     # `terra serve` on single-stream, SERVE_STEPS frames a session, at the sessions of $2, within $1 seconds
     serve_rows() {
       timeout "$1" python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency "$2" \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream" --out "$OUT/serve-rows" \
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream ${SERVE_ARGS_EXTRA:-}" --out "$OUT/serve-rows" \
         > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
     }
     if [ "${ONE_AFTER:-probes}" = next ]; then
@@ -564,6 +566,23 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       echo "sessions fp8 exit $?" >> "$STEP_LOG"
       timeout 100 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 \
         --out "$OUT/sessions-bf16.json" > "$OUT/sessions-bf16.log" 2>&1; echo "sessions bf16 exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = next17 ]; then
+      # the rows' fp8 caches written inside the layer functions (the default), against the writes apart (the
+      # form of 2026-12-06's lease 7) and bf16: the driver alone at 32 sessions, then a 32-row step's kernels at
+      # a 10-frame context in fp8 and bf16, then `terra serve` at 32 sessions with the fp8 cache
+      for variant in fp8 fp8-apart bf16; do
+        dtype=$([ $variant = bf16 ] || echo "--kv-cache-dtype fp8")
+        write=$([ $variant = fp8-apart ] && echo separate || echo fused)
+        TERRA_SINGLE_STREAM_CACHE_WRITE=$write timeout 120 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 \
+          --frames 8 --think-ms 30 $dtype --out "$OUT/sessions-$variant.json" > "$OUT/sessions-$variant.log" 2>&1
+        echo "sessions $variant exit $?" >> "$STEP_LOG"
+      done
+      for variant in fp8 bf16; do
+        dtype=$([ $variant = bf16 ] || echo "--kv-cache-dtype fp8")
+        timeout 150 python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 $dtype \
+          --out "$OUT/profile-$variant.json" > "$OUT/profile-$variant.log" 2>&1; echo "profile $variant exit $?" >> "$STEP_LOG"
+      done
+      SERVE_ARGS_EXTRA="--kv-cache-dtype fp8" serve_rows 300 32
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

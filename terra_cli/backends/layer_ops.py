@@ -92,10 +92,11 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def write_cache(cache: torch.Tensor, dim: int, positions: torch.Tensor, x: torch.Tensor) -> None:
-    """cache[..., positions, ...] = x along `dim`, converted to the cache's dtype (an fp8 cache is
-    written through its bytes: index_copy_ need not know fp8)."""
-    if cache.dtype == x.dtype:
-        cache.index_copy_(dim, positions, x)
+    """cache[..., positions, ...] = x along `dim`, converted to the cache's dtype. Eagerly an fp8 cache is
+    written through its bytes (the CPU's index_copy_ has no fp8 kernel); compiled, the conversion and the
+    store join the kernel that makes x (Inductor writes fp8 itself)."""
+    if cache.dtype == x.dtype or torch.compiler.is_compiling():
+        cache.index_copy_(dim, positions, to_cache(x, cache.dtype))
     else:
         cache.view(torch.uint8).index_copy_(dim, positions, to_cache(x, cache.dtype).view(torch.uint8))
 
@@ -150,11 +151,13 @@ def attention_inputs_fused(x, cos, sin, norm_weight, eps: float, wqkv, bqkv, hea
 def attention_inputs_written(x, cos, sin, keys, values, positions, *weights, linear=F.linear):
     """`attention_inputs_fused` that also writes k and v into the cache (1, positions, KV, d) at
     `positions` and returns q alone: compiled, the writes join the kernel that makes k and v instead of
-    two `index_copy_` kernels of their own a layer (`CACHE_WRITE_ENV`)."""
+    two `index_copy_` kernels of their own a layer (`CACHE_WRITE_ENV`). On an fp8 cache q comes back in
+    fp8 as well, as FlashAttention-3 reads it beside one: the rounding in that kernel too, not ~8 small
+    kernels a layer of their own (2026-12-06, lease 7: those cost more than the halved key reads saved)."""
     q, k, v = attention_inputs_fused(x, cos, sin, *weights, linear=linear)
-    keys.index_copy_(1, positions, k)  # (an fp8 cache is written apart: `StaticKVDecoder.fused_cache_write`)
-    values.index_copy_(1, positions, v)
-    return q
+    write_cache(keys, 1, positions, k)
+    write_cache(values, 1, positions, v)
+    return to_cache(q, keys.dtype)
 
 
 def attention_output_and_mlp_fused(x, attended, wo, bo, norm_weight, eps: float, wgu, bgu, wd, bd, linear=F.linear):

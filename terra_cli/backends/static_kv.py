@@ -169,8 +169,7 @@ class StaticKVDecoder:
                                        dtype=torch.long, device=self.device)
         if fp8_weights and not few_rows.runs_on(self.device):
             raise ValueError(f"fp8 weights run through terra's Triton kernel, on CUDA; the model is on {self.device}")
-        # an fp8 cache is written apart (`layer_ops.write_cache`): not inside the compiled functions
-        self.fused_cache_write = cache_write() == "fused" and self.kv_dtype == self.dtype
+        self.fused_cache_write = cache_write() == "fused"
         if ops_from is not None:
             self.ops, self.logits_layout, self.head_fp8 = ops_from.ops, ops_from.logits_layout, ops_from.head_fp8
             return
@@ -306,8 +305,8 @@ class StaticKVDecoder:
                 q, k, v = ops.attention_inputs(index, x, cos, sin)
                 write_cache(keys, self.position_dim, cache_at, k if self.flash is not None else k.transpose(1, 2))
                 write_cache(values, self.position_dim, cache_at, v if self.flash is not None else v.transpose(1, 2))
-            if self.kv_dtype != self.dtype:  # the queries as FlashAttention-3 reads them with an fp8 cache
-                q = to_cache(q, self.kv_dtype) if self.flash is not None else to_cache(q, self.kv_dtype).to(q.dtype)
+                if self.kv_dtype != self.dtype:  # the queries as FlashAttention-3 reads them with an fp8 cache
+                    q = to_cache(q, self.kv_dtype) if self.flash is not None else to_cache(q, self.kv_dtype).to(q.dtype)
             scale = layer.self_attn.scaling
             if self.flash is not None:
                 out = self.flash(q, keys, values, seen, scale, plan, first_row=0 if batched else row,

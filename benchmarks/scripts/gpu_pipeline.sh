@@ -422,8 +422,11 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     if [ "${ONE_PAIR:-1}" != 0 ]; then  # ONE_PAIR=0: only what ONE_AFTER names (the pair takes ~16 minutes)
       timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
         --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1; echo "one-tokens exit $?" >> "$STEP_LOG"
-      timeout "${RUN_S:-600}" terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
-        --out "$OUT/one-act.json" > "$OUT/one-act.log" 2>&1; echo "one-act exit $?" >> "$STEP_LOG"
+      # ONE_ACT=defer: the videos run with TERRA_DECODE_AFTER=1 (every video decoded once the engine is done)
+      act_env=(); [ "${ONE_ACT:-default}" = defer ] && act_env=(TERRA_DECODE_AFTER=1)
+      env "${act_env[@]}" timeout "${RUN_S:-600}" terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
+        --out "$OUT/one-act-${ONE_ACT:-default}.json" > "$OUT/one-act-${ONE_ACT:-default}.log" 2>&1
+      echo "one-act ${ONE_ACT:-default} exit $?" >> "$STEP_LOG"
     fi
     # ONE_AFTER=refiner (issue 40 on one GPU, overlap against two stages): NREF1 (64) samples refined beside
     # vLLM in one engine; then the two stages' parts: the same samples tokens only, and the refiner alone

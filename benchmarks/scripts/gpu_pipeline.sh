@@ -57,6 +57,7 @@
 #          ONE_AFTER=next16: the driver alone at 32 sessions with the rows' caches in fp8, then bf16 (~3 minutes);
 #          ONE_AFTER=next17: 32 sessions with the fp8 cache written inside the layer functions, apart, and bf16, a
 #          32-row step's kernels at 10-frame contexts in fp8 and bf16, `terra serve` at 32 in fp8 (~11 minutes);
+#          ONE_AFTER=next18: `terra serve` at 32 sessions with the fp8 cache, then bf16 (~6 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -448,8 +449,8 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     # `terra serve` on single-stream, SERVE_STEPS frames a session, at the sessions of $2, within $1 seconds
     serve_rows() {
       timeout "$1" python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency "$2" \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream ${SERVE_ARGS_EXTRA:-}" --out "$OUT/serve-rows" \
-        > "$OUT/serve-rows.log" 2>&1; echo "serve single-stream rows exit $?" >> "$STEP_LOG"
+        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream ${SERVE_ARGS_EXTRA:-}" --out "$OUT/serve-rows${3:-}" \
+        > "$OUT/serve-rows${3:-}.log" 2>&1; echo "serve single-stream rows${3:-} exit $?" >> "$STEP_LOG"
     }
     if [ "${ONE_AFTER:-probes}" = next ]; then
       timeout 330 python3 benchmarks/scripts/gpu_fp8_rows.py --out "$OUT/fp8_rows.json" \
@@ -586,6 +587,10 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
           --out "$OUT/profile-$variant.json" > "$OUT/profile-$variant.log" 2>&1; echo "profile $variant exit $?" >> "$STEP_LOG"
       done
       SERVE_ARGS_EXTRA="--kv-cache-dtype fp8" serve_rows 300 32
+    elif [ "${ONE_AFTER:-probes}" = next18 ]; then
+      # `terra serve` on single-stream at 32 sessions, the rows' caches in fp8, then bf16 (~6 minutes)
+      SERVE_ARGS_EXTRA="--kv-cache-dtype fp8" serve_rows 200 32 -fp8
+      serve_rows 200 32 -bf16
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

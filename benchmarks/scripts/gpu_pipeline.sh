@@ -58,6 +58,7 @@
 #          ONE_AFTER=next17: 32 sessions with the fp8 cache written inside the layer functions, apart, and bf16, a
 #          32-row step's kernels at 10-frame contexts in fp8 and bf16, `terra serve` at 32 in fp8 (~11 minutes);
 #          ONE_AFTER=next18: `terra serve` at 32 sessions with the fp8 cache, then bf16 (~6 minutes);
+#          ONE_AFTER=next19: a 32-row step's kernels at 10-frame contexts, fp8 cache then bf16 (~3 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -587,6 +588,13 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
           --out "$OUT/profile-$variant.json" > "$OUT/profile-$variant.log" 2>&1; echo "profile $variant exit $?" >> "$STEP_LOG"
       done
       SERVE_ARGS_EXTRA="--kv-cache-dtype fp8" serve_rows 300 32
+    elif [ "${ONE_AFTER:-probes}" = next19 ]; then
+      # a 32-row step's kernels at 10-frame contexts, the rows' caches in fp8 then bf16 (~3 minutes)
+      for variant in fp8 bf16; do
+        dtype=$([ $variant = bf16 ] || echo "--kv-cache-dtype fp8")
+        timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 $dtype \
+          --out "$OUT/profile-$variant.json" > "$OUT/profile-$variant.log" 2>&1; echo "profile $variant exit $?" >> "$STEP_LOG"
+      done
     elif [ "${ONE_AFTER:-probes}" = next18 ]; then
       # `terra serve` on single-stream at 32 sessions, the rows' caches in fp8, then bf16 (~6 minutes)
       SERVE_ARGS_EXTRA="--kv-cache-dtype fp8" serve_rows 200 32 -fp8

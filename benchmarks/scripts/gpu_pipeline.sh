@@ -59,6 +59,8 @@
 #          32-row step's kernels at 10-frame contexts in fp8 and bf16, `terra serve` at 32 in fp8 (~11 minutes);
 #          ONE_AFTER=next18: `terra serve` at 32 sessions with the fp8 cache, then bf16 (~6 minutes);
 #          ONE_AFTER=next19: a 32-row step's kernels at 10-frame contexts, fp8 cache then bf16 (~3 minutes);
+#          ONE_AFTER=next20: the fp8 cache's one-query steps through terra's decode kernel against
+#          FlashAttention-3 (TERRA_SINGLE_STREAM_DECODE_KERNEL): 32-row profiles, then 32 sessions (~4 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -594,6 +596,19 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
         dtype=$([ $variant = bf16 ] || echo "--kv-cache-dtype fp8")
         timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 $dtype \
           --out "$OUT/profile-$variant.json" > "$OUT/profile-$variant.log" 2>&1; echo "profile $variant exit $?" >> "$STEP_LOG"
+      done
+    elif [ "${ONE_AFTER:-probes}" = next20 ]; then
+      # the fp8 cache's one-query steps through terra's paged decode kernel against FlashAttention-3: a 32-row
+      # step's kernels at 10-frame contexts, then the driver alone at 32 sessions (~4 minutes)
+      for kernel in terra flash; do
+        TERRA_SINGLE_STREAM_DECODE_KERNEL=$kernel timeout 100 python3 benchmarks/scripts/gpu_batched_step.py --profile 32 \
+          --profile-context 10 --kv-cache-dtype fp8 --out "$OUT/profile-$kernel.json" > "$OUT/profile-$kernel.log" 2>&1
+        echo "profile $kernel exit $?" >> "$STEP_LOG"
+      done
+      for kernel in terra flash; do
+        TERRA_SINGLE_STREAM_DECODE_KERNEL=$kernel timeout 100 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 \
+          --frames 8 --think-ms 30 --kv-cache-dtype fp8 --out "$OUT/sessions-$kernel.json" > "$OUT/sessions-$kernel.log" 2>&1
+        echo "sessions $kernel exit $?" >> "$STEP_LOG"
       done
     elif [ "${ONE_AFTER:-probes}" = next18 ]; then
       # `terra serve` on single-stream at 32 sessions, the rows' caches in fp8, then bf16 (~6 minutes)

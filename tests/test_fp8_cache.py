@@ -155,27 +155,3 @@ def test_an_fp8_cache_written_inside_the_layer_function_holds_what_the_separate_
             assert (ours.float() == theirs.float()).float().mean() > 0.99
         else:
             assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
-
-
-def test_terras_decode_kernel_on_an_fp8_cache_draws_flash_attentions_codes(checkpoint):
-    """TERRA_SINGLE_STREAM_DECODE_KERNEL=terra: the steps of one query a row (one rollout's, and a row batch's)
-    read the fp8 cache through terra's paged decode kernel, run under Triton's interpreter in a process of its
-    own; the greedy codes are FlashAttention-3's (its contract's), and its prompts and frame ends stay there."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    script = Path(__file__).parent / "decode_kernel_interpreted.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script), str(checkpoint)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    flash, terra = result["flash"], result["terra"]
-    assert flash["kernel_calls"] == 0 and terra["kernel_calls"] > 0
-    assert 1 in terra["kernel_rows"] and max(terra["kernel_rows"]) > 1  # one rollout's steps, and the batch's
-    assert terra["one"] == flash["one"] and terra["rows"] == flash["rows"]
-    assert terra["rows"][0] == terra["one"]  # a row of the batch gets the codes it gets alone

@@ -60,7 +60,8 @@
 #          ONE_AFTER=next18: `terra serve` at 32 sessions with the fp8 cache, then bf16 (~6 minutes);
 #          ONE_AFTER=next19: a 32-row step's kernels at 10-frame contexts, fp8 cache then bf16 (~3 minutes);
 #          ONE_AFTER=next20: the fp8 cache's one-query steps through terra's decode kernel against
-#          FlashAttention-3 (TERRA_SINGLE_STREAM_DECODE_KERNEL): 32-row profiles, then 32 sessions (~4 minutes);
+#          FlashAttention-3 (TERRA_SINGLE_STREAM_DECODE_KERNEL, eeb88f9's; taken out after lease 11 of
+#          2026-12-06 measured no gain): 32-row profiles, then 32 sessions (~4 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:

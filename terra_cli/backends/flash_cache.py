@@ -20,20 +20,8 @@ ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 # (2026-11-29, lease 6). TERRA_SINGLE_STREAM_FLASH_PLAN=call lets each call plan again (to compare).
 FLASH_PLAN_ENV = "TERRA_SINGLE_STREAM_FLASH_PLAN"
 
-# TERRA_SINGLE_STREAM_DECODE_KERNEL=terra: steps of one query a row (a rollout's code, a row batch's step) read
-# the cache through terra's paged decode kernel (kernels/paged_attention.py, vLLM's `--attention terra`)
-# instead of FlashAttention's; prompts, frame ends and draft windows stay on FlashAttention. With an fp8
-# cache FlashAttention-3 read a 32-row step's keys at about half the bandwidth its bf16 kernel did (an H100,
-# 2026-12-06, lease 10), where terra's kernel read fp8 caches 26-34% faster than it inside vLLM (issue 28).
-# A lab switch until measured here.
-DECODE_KERNEL_ENV = "TERRA_SINGLE_STREAM_DECODE_KERNEL"
-
 # The cache seen as FlashAttention's paged layout: blocks of this many positions, in order.
 FLASH_BLOCK = 16
-
-
-def decode_kernel(environ=None) -> str:
-    return choice_switch(DECODE_KERNEL_ENV, ("flash", "terra"), "flash (the default) or terra", environ) or "flash"
 
 
 def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
@@ -78,16 +66,12 @@ class FlashCacheAttention:
     every step of every frame. `sequences` rows of the block table go into a call: one rollout's
     (its row's), or a batched step's first `sequences` rows, one query each."""
 
-    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None, rows: int = 1,
-                 heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None, rows: int = 1):
         self.kernel, self.version, self.planner = kernel, version, planner
         blocks = cache_positions // FLASH_BLOCK
         self.block_table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
         self.query_starts: dict[tuple[int, int], torch.Tensor] = {}
         self.max_keys = cache_positions
-        self.decoding = (TerraDecodeAttention(heads, kv_heads, head_dim, device, dtype)
-                         if decode_kernel() == "terra" and heads is not None else None)
 
     def starts(self, n: int, device, sequences: int = 1) -> torch.Tensor:
         """`cu_seqlens_q` for `sequences` sequences of n queries each."""
@@ -111,39 +95,10 @@ class FlashCacheAttention:
         sequences = seen.shape[0]
         n = q.shape[1] // sequences
         paged = (-1, FLASH_BLOCK) + tuple(keys.shape[2:])
-        table = self.block_table[first_row:first_row + sequences] if rows is None else self.block_table[rows]
-        if self.decoding is not None and n == 1:
-            return self.decoding(q, keys.view(paged), values.view(paged), seen, scale, table,
-                                 self.starts(1, q.device, sequences))
         planned = {} if plan is None else {"scheduler_metadata": plan}
         out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n,
                           cu_seqlens_q=self.starts(n, q.device, sequences), max_seqlen_k=self.max_keys, seqused_k=seen,
-                          block_table=table, softmax_scale=scale,
+                          block_table=(self.block_table[first_row:first_row + sequences] if rows is None
+                                       else self.block_table[rows]), softmax_scale=scale,
                           causal=True, fa_version=self.version, **planned)
-        return out.reshape(1, q.shape[1], -1)
-
-
-class TerraDecodeAttention:
-    """terra's paged decode kernel (`DECODE_KERNEL_ENV`) over the same blocks: one query a row, the row's keys
-    so far (`seen`), the query as given (an fp8 cache's fp8 query with a scale of 1, as FlashAttention-3
-    reads it), the output in the model's dtype. Its launch depends on the row count only (a CUDA graph
-    replays at any context length); its scratch is made once."""
-
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype):
-        from terra_cli.kernels import paged_attention
-
-        self.kernels, self.dtype = paged_attention, dtype
-        self.workspace = paged_attention.make_workspace(heads, kv_heads, head_dim, device)
-        self.one = torch.ones(1, dtype=torch.float32, device=device)  # the cache's scales: fp8 with a scale of 1
-        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        self.kv_heads = kv_heads
-
-    def __call__(self, q, keys, values, seen, scale: float, table, starts) -> torch.Tensor:
-        """q (1, S, heads, d); keys/values (blocks, FLASH_BLOCK, KV, d); seen (S,) int32 -> (1, S, heads * d)."""
-        query = q[0]
-        out = torch.empty(query.shape, dtype=self.dtype, device=query.device)
-        plan = self.kernels.decode_plan(seen.shape[0], self.kv_heads, self.sm_count)
-        self.kernels.paged_attention(query, keys, values, table, seen, starts, out, scale=scale, k_scale=self.one,
-                                     v_scale=self.one, q_scale=self.one, decode_only=True, plan=plan,
-                                     workspace=self.workspace)
         return out.reshape(1, q.shape[1], -1)

@@ -151,8 +151,7 @@ class StaticKVDecoder:
         if fp8_cache and flash is not None and flash[1] != 3:
             raise InputError("an fp8 KV cache on the single-stream backend needs FlashAttention-3 (a Hopper GPU); "
                              "this GPU runs FlashAttention-2: keep the cache in the model's dtype")
-        self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]), rows,
-                                          self.heads, self.kv_heads, self.head_dim, self.dtype)
+        self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]), rows)
                       if flash is not None else None)
         self.rows = rows
         self.row_offsets = torch.arange(rows, device=self.device) * self.cache_positions

@@ -162,33 +162,19 @@ def invoke_terra(*args):
     return SimpleNamespace(returncode=result.exit_code, stderr=result.output, stdout=result.output)
 
 
-# Worker-seconds of the longest modules in a CI run (2026-12-06, `--durations=0`, benchmarks/ci-time.md). Only an
-# order: under `pytest -n N` each module is one unit of work, and a worker takes its next unit while its last two
-# tests still run, so a long module handed out late is what the other, idle worker waits on. Longest first, the
-# run ends on short modules (the longest-processing-time rule). A module missing here goes after these.
-MODULE_SECONDS = {
-    "test_ray": 230, "test_refiner_cli": 139, "test_bench": 105, "test_compile_settings": 65,
-    "test_scenario_writers": 92, "test_generate": 60, "test_wheel": 56, "test_exactness": 52,
-    "test_synthetic_world": 47, "test_env": 40, "test_refiner": 38, "test_refiner_compile_apart": 33, "test_eval": 33,
-    "test_paged_attention": 29, "test_few_rows_matmul": 26, "test_server_process": 26, "test_jacobi": 23,
-    "test_cli_logging": 21, "test_server": 20, "test_outputs_safety": 19, "test_signals": 17, "test_cli_contract": 17,
-    "test_single_stream": 17, "test_decoder_compile_apart": 13, "test_scenarios": 12, "test_world_model_hf": 12,
-    "test_page_server": 12, "test_server_fork": 12, "test_scenarios_safety": 11,
-}
-
-
 def pytest_collection_modifyitems(config, items):
-    """Modules that start a vLLM engine run first (one unit of work together, about 250 worker-seconds: the
-    longest), and in them the tests on the shared engine; then the other modules, longest first
-    (`MODULE_SECONDS`); in a module, the tests on `local_ray` last, so that its cluster is up only while
-    they run."""
+    """Modules that start a vLLM engine run first, and in them the tests on the shared engine; in a
+    module, the tests on `local_ray` last, so that its cluster is up only while they run.
+
+    Under `pytest -n N` (xdist, scheduled by pytest_xdist_make_scheduler below) the long engine
+    modules must not be what the last idle worker waits on."""
     starts_engine = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
+    starts_engine.add("test_wheel")  # not an engine, but minutes long too (build, install, run)
     module_order = {}
     for item in items:
         module_order.setdefault(item.module.__name__, len(module_order))
     items.sort(key=lambda item: (item.module.__name__ not in starts_engine,  # stable sort: files
                                  "vllm_engine" not in item.fixturenames,  # keep their order
-                                 -MODULE_SECONDS.get(item.module.__name__, 0),
                                  module_order[item.module.__name__],
                                  "local_ray" in item.fixturenames))  # a module's Ray runs last, together
 
@@ -197,7 +183,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     """pytest -n N: each module is one unit of work (its module fixtures start once), except that
     the tests/test_vllm_*.py modules are one unit together, so they share one worker's vLLM import
-    and `vllm_engine`. Units are handed out in collection order (engine modules first, then the longest)."""
+    and `vllm_engine`. Units are handed out in collection order (engine modules first)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class EngineModulesTogether(LoadScopeScheduling):

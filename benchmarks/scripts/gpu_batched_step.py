@@ -291,11 +291,11 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
 
     from terra_cli.backends.base import Sampling
     from terra_cli.backends.row_batch import RowBatchDecoder, RowWork
-    from terra_cli.backends.single_stream import SingleStreamDecoder
+    from terra_cli.backends.single_stream import FP8_CACHE_DTYPES, SingleStreamDecoder
 
     torch.manual_seed(0)
     model = build_model(LlamaActionConfig(**TERRA_WORLD_MODEL_CONFIG), torch.device("cuda"), torch.bfloat16)
-    single = SingleStreamDecoder(model, cuda_graphs=True, fp8_cache=kv_cache_dtype in ("fp8", "fp8_e4m3"))
+    single = SingleStreamDecoder(model, cuda_graphs=True, fp8_cache=kv_cache_dtype in FP8_CACHE_DTYPES)
     layout, sampling = model.layout, Sampling(temperature=0.9)
     rng = np.random.default_rng(0)
     work = [RowWork(rng.integers(0, layout.image_vocab_size, size=(context, layout.image_tokens)),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from terra_cli.backends.base import Sampling
-from terra_cli.errors import error_summary
+from terra_cli.backends.layer_ops import EagerFallback
 from terra_cli.models.config import FrameLayout
 from terra_cli.runtime import choice_switch
 from terra_cli.seeds import draw_seed
@@ -51,25 +51,20 @@ def race_codes(logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout, s
     return (filtered_probabilities(logits, layout, sampling) / noise).argmax(dim=-1)
 
 
-class StepSampler:
+class StepSampler(EagerFallback):
     """`race_codes` for the decode steps, through torch.compile where `compiled` (the step's layer functions
     are): eager, the sampler makes about eight passes over (rows, 262,144) floats, some of them one
     thread block a row (softmax, argmax), a share of a 32-row step that grows with the rows. A failed
     compile (on the warm-up step, before any graph capture) leaves it eager; `error` says why."""
 
     def __init__(self, compiled: bool):
-        self.error: str | None = None
+        super().__init__()
         eager = choice_switch(SAMPLER_ENV, ("compiled", "eager"), "compiled (the default) or eager") == "eager"
         self.compiled = torch.compile(race_codes, dynamic=False, fullgraph=True) if compiled and not eager else None
 
     def __call__(self, logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout,
                  sampling: Sampling) -> torch.Tensor:
-        if self.compiled is not None and self.error is None:
-            try:
-                return self.compiled(logits, noise, layout, sampling)
-            except Exception as error:  # noqa: BLE001 - no Triton or no compiler: eager is correct too
-                self.error = error_summary(error)
-        return race_codes(logits, noise, layout, sampling)
+        return self.call(self.compiled, race_codes, logits, noise, layout, sampling)
 
 
 def draw_codes(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling, generators: list[torch.Generator],

@@ -198,13 +198,29 @@ class FusedOps:
 RECOMPILE_LIMIT = 32
 
 
-class CompiledOps:
+class EagerFallback:
+    """Calls compiled functions until one fails (no Triton, no compiler: on a warm-up call, before any CUDA
+    graph capture); from then on their eager twins, and `error` says why."""
+
+    def __init__(self):
+        self.error: str | None = None
+
+    def call(self, compiled, eager, *args):
+        if compiled is not None and self.error is None:
+            try:
+                return compiled(*args)
+            except Exception as error:  # noqa: BLE001 - no Triton or no compiler: eager is correct too
+                self.error = error_summary(error)
+        return eager(*args)
+
+
+class CompiledOps(EagerFallback):
     """The functions through torch.compile (static shapes: one compiled graph a row count). If
     compiling fails on the first call (a warm-up step, before any CUDA graph capture), the eager
     functions take over and `error` says why."""
 
     def __init__(self, mode: str | None = None, linear=F.linear):
-        self.error: str | None = None
+        super().__init__()
         self._eager = FusedOps(linear)
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
@@ -216,22 +232,14 @@ class CompiledOps:
         self._written = compile(attention_inputs_written if plain else self._eager.attention_inputs_written)
         self._output = compile(attention_output_and_mlp_fused if plain else self._eager.attention_output_and_mlp)
 
-    def _call(self, compiled, eager, *args):
-        if self.error is None:
-            try:
-                return compiled(*args)
-            except Exception as error:  # noqa: BLE001 - no Triton or no compiler: eager is correct too
-                self.error = error_summary(error)
-        return eager(*args)
-
     def attention_inputs(self, *args):
-        return self._call(self._inputs, self._eager.attention_inputs, *args)
+        return self.call(self._inputs, self._eager.attention_inputs, *args)
 
     def attention_inputs_written(self, *args):
-        return self._call(self._written, self._eager.attention_inputs_written, *args)
+        return self.call(self._written, self._eager.attention_inputs_written, *args)
 
     def attention_output_and_mlp(self, *args):
-        return self._call(self._output, self._eager.attention_output_and_mlp, *args)
+        return self.call(self._output, self._eager.attention_output_and_mlp, *args)
 
 
 def compile_wanted(requested: bool) -> bool:

@@ -62,6 +62,9 @@
 #          ONE_AFTER=next20: the fp8 cache's one-query steps through terra's decode kernel against
 #          FlashAttention-3 (TERRA_SINGLE_STREAM_DECODE_KERNEL, eeb88f9's; taken out after lease 11 of
 #          2026-12-06 measured no gain): 32-row profiles, then 32 sessions (~4 minutes);
+#          ONE_AFTER=decoder: `writer_parts.py`, the tokenizer's decoder alone on the pair's host (~2 minutes);
+#          ONE_FIRST=flash: `gpu_flash_decode.py` before the pair (issue 41, ~2 minutes); ONE_WARM=1: a short
+#          tokens-only run before the pair, so that neither meets a cold host;
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -424,6 +427,17 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     build_checkpoint
     watch_gpus one-gpu.txt memory.used,utilization.gpu &
     local_watch=$!
+    # ONE_FIRST=flash: issue 41's FlashAttention-3 decode variants over the row batch's cache first (~2 minutes)
+    if [ "${ONE_FIRST:-}" = flash ]; then
+      timeout 240 python3 benchmarks/scripts/gpu_flash_decode.py --out "$OUT/flash_decode.json" \
+        > "$OUT/flash_decode.log" 2>&1; echo "flash_decode exit $?" >> "$STEP_LOG"
+    fi
+    # ONE_WARM=1: a short tokens-only run before the pair, so that neither of the pair meets a cold host (on
+    # 2026-12-06 the first run's first minute ran its steps at 25 ms against 7-10 ms after)
+    if [ "${ONE_WARM:-0}" = 1 ]; then
+      timeout 240 terra bench --scenarios 32 --frames 8 --kv-cache-dtype fp8 --out "$OUT/one-warm.json" \
+        > "$OUT/one-warm.log" 2>&1; echo "one-warm exit $?" >> "$STEP_LOG"
+    fi
     if [ "${ONE_PAIR:-1}" != 0 ]; then  # ONE_PAIR=0: only what ONE_AFTER names (the pair takes ~16 minutes)
       timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
         --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1; echo "one-tokens exit $?" >> "$STEP_LOG"
@@ -615,6 +629,10 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
           --frames 8 --think-ms 30 --kv-cache-dtype fp8 --out "$OUT/sessions-$kernel.json" > "$OUT/sessions-$kernel.log" 2>&1
         echo "sessions $kernel exit $?" >> "$STEP_LOG"
       done
+    elif [ "${ONE_AFTER:-probes}" = decoder ]; then
+      # the tokenizer's decoder alone on the host of the pair (eager and compiled, batches of 8 and 16)
+      timeout 200 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" \
+        > "$OUT/writer_parts.log" 2>&1; echo "writer_parts exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = next18 ]; then
       # `terra serve` on single-stream at 32 sessions, the rows' caches in fp8, then bf16 (~6 minutes)
       SERVE_ARGS_EXTRA="--kv-cache-dtype fp8" serve_rows 200 32 -fp8

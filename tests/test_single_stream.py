@@ -232,7 +232,7 @@ def plan_for_keys_seen(*, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, n
                        qkv_dtype, cu_seqlens_q, page_size, causal):
     """FlashAttention-3's `get_scheduler_metadata` contract, standing in for it on the CPU: the plan
     records what it was made for, which `paged_varlen_attention` checks."""
-    assert batch_size == 1 and causal and page_size == 16 and cu_seqlens_q.tolist() == [0, max_seqlen_q]
+    assert batch_size == 1 and causal and page_size == flash_cache.flash_page() and cu_seqlens_q.tolist() == [0, max_seqlen_q]
     return torch.tensor([int(cache_seqlens[0]), max_seqlen_q])
 
 
@@ -244,20 +244,23 @@ def fake_flash_attention(monkeypatch, kernel=paged_varlen_attention, planner=pla
     monkeypatch.setattr(static_kv, "flash_planner", lambda version: planner if version == 3 else None)
 
 
-@pytest.mark.parametrize("draft_tokens", [0, 4])
-def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch, draft_tokens):
+@pytest.mark.parametrize("draft_tokens,page", [(0, "256"), (4, "256"), (0, "16"), (4, "16")])
+def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch, draft_tokens, page):
     """The cache as FlashAttention's paged layout (what CUDA runs when vLLM's kernel is present),
     with the kernel's documented contract standing in for it: the block table, `seqused_k` and
     the per-step query rows the decoder passes give the reference's greedy codes, one code per
-    step and with Jacobi windows."""
+    step and with Jacobi windows, in pages of 256 (the default) and of 16 (the lab switch)."""
     from terra_cli.backends import static_kv
     from terra_cli.backends.single_stream import SingleStreamDecoder
 
     fake_flash_attention(monkeypatch)
+    monkeypatch.setenv(flash_cache.FLASH_PAGE_ENV, page)
     context, actions = inputs(seed=4)
     decoder = SingleStreamDecoder(model, draft_tokens=draft_tokens)
     decoder.core = static_kv.StaticKVDecoder(model, compile_layers=False)
-    assert decoder.core.attention == "flash" and decoder.core.cache_positions % flash_cache.FLASH_BLOCK == 0
+    assert decoder.core.attention == "flash" and decoder.core.flash.page == int(page)
+    assert decoder.core.cache_positions % int(page) == 0 and decoder.core.flash.block_table.shape[1] * int(page) == \
+        decoder.core.cache_positions
     codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
     reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
     np.testing.assert_array_equal(codes, reference)
@@ -275,7 +278,7 @@ def test_one_flash_plan_a_step_reaches_every_layer_and_keeps_the_codes(model, mo
 
     def planner(*, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
                 qkv_dtype, cu_seqlens_q, page_size, causal):
-        assert batch_size == 1 and causal and page_size == flash_cache.FLASH_BLOCK and qkv_dtype == torch.float32
+        assert batch_size == 1 and causal and page_size == flash_cache.flash_page() and qkv_dtype == torch.float32
         assert cu_seqlens_q.tolist() == [0, max_seqlen_q] and num_heads_q % num_heads_kv == 0
         plans.append(torch.tensor([int(cache_seqlens[0]), max_seqlen_q]))
         return plans[-1]
@@ -307,6 +310,14 @@ def test_one_flash_plan_a_step_reaches_every_layer_and_keeps_the_codes(model, mo
     assert flash_cache.flash_planner(3, {}) is None
     with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_FLASH_PLAN='layer'"):
         flash_cache.flash_planner(3, {flash_cache.FLASH_PLAN_ENV: "layer"})
+
+
+def test_the_flash_page_is_256_unless_the_lab_switch_says_16():
+    assert flash_cache.flash_page({}) == 256 and flash_cache.flash_page({flash_cache.FLASH_PAGE_ENV: " 16 "}) == 16
+    with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_FLASH_PAGE='64'"):
+        flash_cache.flash_page({flash_cache.FLASH_PAGE_ENV: "64"})
+    with pytest.raises(ValueError, match="not whole pages of 256"):
+        flash_cache.FlashCacheAttention(None, 3, 1000, torch.device("cpu"), page=256)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

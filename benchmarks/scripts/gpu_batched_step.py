@@ -60,11 +60,12 @@ class BatchedStep:
         self.layers_only = False  # time the layers alone: no lm_head, no sampling
         device = core.device
         # whole FlashAttention blocks a row (a CPU's single-row cache need not be)
-        self.P = P = -(-core.cache_positions // flash_cache.FLASH_BLOCK) * flash_cache.FLASH_BLOCK
+        page = self.page = flash_cache.flash_page()
+        self.P = P = -(-core.cache_positions // page) * page
         shape = (1, rows * P, core.kv_heads, core.head_dim)
         self.keys = [torch.zeros(shape, dtype=core.dtype, device=device) for _ in core.layers]
         self.values = [torch.zeros(shape, dtype=core.dtype, device=device) for _ in core.layers]
-        blocks = P // flash_cache.FLASH_BLOCK
+        blocks = P // page
         self.block_table = (torch.arange(rows, device=device)[:, None] * blocks
                             + torch.arange(blocks, device=device)[None]).to(torch.int32)
         self.query_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
@@ -86,9 +87,9 @@ class BatchedStep:
             planned["scheduler_metadata"] = self.planner(
                 batch_size=B, max_seqlen_q=1, max_seqlen_k=self.P, num_heads_q=core.heads,
                 num_heads_kv=core.kv_heads, headdim=core.head_dim, cache_seqlens=seen, qkv_dtype=core.dtype,
-                cu_seqlens_q=self.query_starts, page_size=flash_cache.FLASH_BLOCK, causal=True)
+                cu_seqlens_q=self.query_starts, page_size=self.page, causal=True)
         x = embeds
-        paged = (-1, flash_cache.FLASH_BLOCK, core.kv_heads, core.head_dim)
+        paged = (-1, self.page, core.kv_heads, core.head_dim)
         for index, (layer, keys, values) in enumerate(zip(core.layers, self.keys, self.values)):
             q = self.ops.attention_inputs_written(index, x, cos, sin, keys, values, flat)
             out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=1, cu_seqlens_q=self.query_starts,

@@ -2,7 +2,7 @@
 the ways it can be called.
 
 The row batch (`backends/static_kv.py`, `flash_cache.py`) keeps each row's keys in one contiguous
-region of `cache_positions` and shows it to FlashAttention as pages of 16 (`FLASH_BLOCK`), with
+region of `cache_positions` and showed it to FlashAttention as pages of 16 (now `flash_page()`, 256), with
 `max_seqlen_k` the whole region. At 32 rows and 10-frame contexts FA3's fp8 kernel read at 52% of
 the bandwidth, its bf16 kernel at 82% (benchmarks/README.md, 2026-12-06). Things that might change
 that, all with the same keys: the number of splits of the keys (the plan's heuristic, or fixed),

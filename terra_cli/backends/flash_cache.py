@@ -1,7 +1,7 @@
 """FlashAttention's paged varlen kernel over `StaticKVDecoder`'s cache (the kernel vLLM's decode runs).
 
-The static cache is read as FlashAttention's paged layout: each row's region is a run of blocks of
-`FLASH_BLOCK` positions in order, and `seqused_k` (on the device) says how many keys a row has, so one
+The static cache is read as FlashAttention's paged layout: each row's region is a run of pages of
+`flash_page()` positions in order, and `seqused_k` (on the device) says how many keys a row has, so one
 kernel reads exactly the keys so far and one CUDA graph serves every step of every frame.
 """
 
@@ -20,8 +20,20 @@ ATTENTION_ENV = "TERRA_SINGLE_STREAM_ATTENTION"
 # (2026-11-29, lease 6). TERRA_SINGLE_STREAM_FLASH_PLAN=call lets each call plan again (to compare).
 FLASH_PLAN_ENV = "TERRA_SINGLE_STREAM_FLASH_PLAN"
 
-# The cache seen as FlashAttention's paged layout: blocks of this many positions, in order.
-FLASH_BLOCK = 16
+# The cache seen as FlashAttention's paged layout: pages of this many positions, in order. A row's region
+# is contiguous, so any page size is the same memory; FA3's paged kernel gathers its key tiles page by
+# page, and with an fp8 cache pages of 256 made a 32-row step's attention 17% faster than pages of 16
+# (1.08 against 1.30 ms at 10-frame contexts, 8 rows 0.42 against 0.50; bf16 within 1%; the outputs
+# equal to the bit; one H100, 2026-12-06, benchmarks/scripts/gpu_flash_decode.py). 960 and 1024 measured
+# as 256; the splits of the keys (1 to 32) changed nothing at 32 rows. TERRA_SINGLE_STREAM_FLASH_PAGE=16
+# keeps the old pages (to compare).
+FLASH_PAGE_ENV = "TERRA_SINGLE_STREAM_FLASH_PAGE"
+FLASH_PAGES = ("256", "16")
+
+
+def flash_page(environ=None) -> int:
+    """Positions a page of the static cache holds as FlashAttention reads it (256, or the lab switch's)."""
+    return int(choice_switch(FLASH_PAGE_ENV, FLASH_PAGES, "256 (the default) or 16", environ) or FLASH_PAGES[0])
 
 
 def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
@@ -61,14 +73,17 @@ def flash_planner(version: int, environ=None):
 class FlashCacheAttention:
     """Attention over the static cache through FlashAttention's paged kernel (the one vLLM's decode
     runs): each row's region of the cache (`rows` regions of `cache_positions`, (1, positions, KV, d))
-    is read as blocks of FLASH_BLOCK positions in order, and `seqused_k` (on the device) says how many
+    is read as pages of `page` positions in order, and `seqused_k` (on the device) says how many
     keys a row has written, so one kernel reads exactly the keys so far and one CUDA graph serves
     every step of every frame. `sequences` rows of the block table go into a call: one rollout's
     (its row's), or a batched step's first `sequences` rows, one query each."""
 
-    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None, rows: int = 1):
-        self.kernel, self.version, self.planner = kernel, version, planner
-        blocks = cache_positions // FLASH_BLOCK
+    def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None, rows: int = 1,
+                 page: int = 16):
+        if cache_positions % page:
+            raise ValueError(f"a row's region of {cache_positions} positions is not whole pages of {page}")
+        self.kernel, self.version, self.planner, self.page = kernel, version, planner, page
+        blocks = cache_positions // page
         self.block_table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
         self.query_starts: dict[tuple[int, int], torch.Tensor] = {}
         self.max_keys = cache_positions
@@ -85,7 +100,7 @@ class FlashCacheAttention:
             return None
         return self.planner(batch_size=seen.shape[0], max_seqlen_q=n, max_seqlen_k=self.max_keys, num_heads_q=heads,
                             num_heads_kv=kv_heads, headdim=head_dim, cache_seqlens=seen, qkv_dtype=dtype,
-                            cu_seqlens_q=self.starts(n, seen.device, seen.shape[0]), page_size=FLASH_BLOCK, causal=True)
+                            cu_seqlens_q=self.starts(n, seen.device, seen.shape[0]), page_size=self.page, causal=True)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
                  scale: float, plan: torch.Tensor | None = None, first_row: int = 0,
@@ -94,7 +109,7 @@ class FlashCacheAttention:
         queries each; keys/values (1, positions, KV, d); seen (S,) int32 -> (1, S * n, heads * d)."""
         sequences = seen.shape[0]
         n = q.shape[1] // sequences
-        paged = (-1, FLASH_BLOCK) + tuple(keys.shape[2:])
+        paged = (-1, self.page) + tuple(keys.shape[2:])
         planned = {} if plan is None else {"scheduler_metadata": plan}
         out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n,
                           cu_seqlens_q=self.starts(n, q.device, sequences), max_seqlen_k=self.max_keys, seqused_k=seen,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from terra_cli.backends.flash_cache import FLASH_BLOCK, FlashCacheAttention, flash_planner, flash_varlen_kernel
+from terra_cli.backends.flash_cache import FlashCacheAttention, flash_page, flash_planner, flash_varlen_kernel
 from terra_cli.backends.layer_ops import FP8_KV, LayerOps, cache_write, to_cache, write_cache
 from terra_cli.errors import InputError
 from terra_cli.kernels import few_rows_matmul as few_rows
@@ -146,12 +146,12 @@ class StaticKVDecoder:
         self.max_positions = self.layout.max_positions
         self.cache_positions = self.max_positions + SPARE_POSITIONS
         flash = flash_varlen_kernel(self.device, self.dtype)
-        if flash is not None:
-            self.cache_positions = -(-self.cache_positions // FLASH_BLOCK) * FLASH_BLOCK
+        page = flash_page() if flash is not None else 1
+        self.cache_positions = -(-self.cache_positions // page) * page
         if fp8_cache and flash is not None and flash[1] != 3:
             raise InputError("an fp8 KV cache on the single-stream backend needs FlashAttention-3 (a Hopper GPU); "
                              "this GPU runs FlashAttention-2: keep the cache in the model's dtype")
-        self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]), rows)
+        self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]), rows, page)
                       if flash is not None else None)
         self.rows = rows
         self.row_offsets = torch.arange(rows, device=self.device) * self.cache_positions

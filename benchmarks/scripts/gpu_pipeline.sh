@@ -65,6 +65,8 @@
 #          ONE_AFTER=decoder: `writer_parts.py`, the tokenizer's decoder alone on the pair's host (~2 minutes);
 #          ONE_FIRST=flash: `gpu_flash_decode.py` before the pair (issue 41, ~2 minutes); ONE_WARM=1: a short
 #          tokens-only run before the pair, so that neither meets a cold host;
+#   flashpage  (in the call, after start1's runs) 32 sessions, the fp8 cache in FlashAttention pages of 256 and of
+#          16, then a 32-row profile in pages of 256 (~5 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -654,6 +656,16 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
         > "$OUT/writer_parts.log" 2>&1; echo "writer_parts exit $?" >> "$STEP_LOG"
     fi
     kill $local_watch ;;
+  flashpage)
+    # in the call (after `start1`'s runs): 32 sessions on the driver alone with the fp8 cache read in pages of
+    # 256 (the default since a87ccf1) and of 16, then a 32-row step's kernels at 10-frame contexts in pages of
+    # 256 (~5 minutes; logs into $OUT)
+    for page in 256 16; do
+      TERRA_SINGLE_STREAM_FLASH_PAGE=$page timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 \
+        --frames 8 --think-ms 30 --kv-cache-dtype fp8 --out "$OUT/sessions-page$page.json" 2>&1 | tail -4
+    done
+    timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 --kv-cache-dtype fp8 \
+      --out "$OUT/profile-page256.json" > "$OUT/profile-page256.log" 2>&1; tail -25 "$OUT/profile-page256.log" ;;
   await)
     await_background pipe "${AWAIT_S:-540}"
     await_background top 0

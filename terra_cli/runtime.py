@@ -83,29 +83,6 @@ def decode_sms_asked(environ=None) -> int | None:
     return _whole_number_switch(DECODE_SMS_ENV, 1024, "a whole number of SMs (e.g. 16 of an H100's 132)", environ)
 
 
-DECODE_AFTER_ENV = "TERRA_DECODE_AFTER"
-
-
-def decode_after_asked(environ=None) -> bool:
-    """Whether a one-engine scenario run decodes no frame while the engine generates, and every video
-    once the engine is done (TERRA_DECODE_AFTER=1, a lab switch; the engine's own writer threads only).
-    Why try it: beside the engine the decoder made its steps 12% slower, ~79 s of a 512-sample run on an
-    H200, while alone it needs 37-52 s for those frames (benchmarks/README.md, 2026-11-28, afternoon).
-    The price: every video is written at the end, and a run stopped before then writes none of them."""
-    return choice_switch(DECODE_AFTER_ENV, ("0", "1"), "1 (decode when the engine is done) or 0", environ) == "1"
-
-
-GRAPH_SIZES_ENV = "TERRA_CUDA_GRAPH_SIZES"
-
-
-def sparse_graph_sizes_asked(environ=None) -> bool:
-    """Whether vLLM captures terra's sparser list of CUDA-graph batch sizes (`vllm_config.cuda_graph_sizes`)
-    instead of its own (TERRA_CUDA_GRAPH_SIZES=sparse, a lab switch; `vllm` or unset: vLLM's). Why try it:
-    vLLM captures 51 sizes for 256 rollouts in flight, 36-42 s of each engine's start on an H200
-    (2026-11-28), and a terra step's time follows its rollouts, not the padding (benchmarks/README.md)."""
-    return choice_switch(GRAPH_SIZES_ENV, ("sparse", "vllm"), "sparse (terra's sizes) or vllm", environ) == "sparse"
-
-
 TOKENIZER_BATCH_ENV = "TERRA_TOKENIZER_BATCH"
 
 

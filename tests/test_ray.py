@@ -233,20 +233,6 @@ def test_without_ray_installed_a_multi_engine_run_is_one_line(work, monkeypatch)
     assert not (folder / "noray").exists()
 
 
-def test_the_decode_after_lab_switch_is_refused_on_ray_in_one_line(work, monkeypatch):
-    """TERRA_DECODE_AFTER=1 holds one engine's videos until that engine is done: Ray's engines do not
-    run it, so a run there says so instead of measuring something else."""
-    folder, model = work
-    monkeypatch.setenv("TERRA_DECODE_AFTER", "1")
-    result = CliRunner().invoke(app, ["generate", "--scenarios", str(folder / "s.jsonl"), "--out-dir",
-                                      str(folder / "deferred"), "--model", str(model), "--backend", "hf", "--device",
-                                      "cpu", "--no-decode", "--data-parallel", "2"])
-    assert result.exit_code == 2
-    assert result.output.strip().splitlines() == [
-        "error: TERRA_DECODE_AFTER=1 is for one engine without Ray: unset it with --ray or --data-parallel"]
-    assert not (folder / "deferred").exists()
-
-
 def test_a_bad_address_is_one_line_within_a_bounded_time(work):
     folder, model = work
     address = "ray://127.0.0.1:1"  # nothing listens: refused at once, or else given up after the connect bound

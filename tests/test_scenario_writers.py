@@ -99,19 +99,17 @@ def test_writer_processes_write_what_the_writer_thread_writes(tmp_path, backend,
     assert (again.resumed, again.done, again.writers) == (7, 0, 0)  # nothing pending: no processes started
 
 
-def test_decoding_after_the_engine_writes_every_video_at_the_end_and_the_same_files(tmp_path, backend, tokenizer_dir,
-                                                                                     monkeypatch):
-    """TERRA_DECODE_AFTER=1 (a lab switch): no frame is decoded while the engine generates, no video is
-    written before the engine's last frame, and the files are those of a default run."""
+def test_decoding_after_the_engine_writes_every_video_at_the_end_and_the_same_files(tmp_path, backend, tokenizer_dir):
+    """--videos-at-end: no frame is decoded while the engine generates, no video is written before the
+    engine's last frame, and the files are those of a default run."""
     from terra_cli.bench.engine_report import describe_engine_loop
 
     file = read_scenarios(write_lines(tmp_path, lines(5)), Defaults())
     tokenizer = load(tokenizer_dir)
     default = run_scenarios(file, tmp_path / "default", backend, tokenizer, max_rollouts=2, writers=0)
-    monkeypatch.setenv("TERRA_DECODE_AFTER", "1")
     frames_when_written = []
     seen = {}
-    after = run_scenarios(file, tmp_path / "after", backend, tokenizer, max_rollouts=2, writers=0,
+    after = run_scenarios(file, tmp_path / "after", backend, tokenizer, max_rollouts=2, writers=0, videos_at_end=True,
                           on_progress=lambda run, total: seen.update(run=run),
                           on_written=lambda record: frames_when_written.append(seen["run"].generated_frames))
     assert (after.done, after.failed) == (default.done, default.failed) == (5, 0)
@@ -119,17 +117,65 @@ def test_decoding_after_the_engine_writes_every_video_at_the_end_and_the_same_fi
     assert frames_when_written == [total] * 5  # each video written once every frame was made
     assert after.engine_loop["decode_ahead_frames"] == 0  # (the default's depends on when its batches fill)
     assert after.engine_loop["decode_after"] is True and "decode_after" not in default.engine_loop
-    assert "; every video decoded once the engine was done (TERRA_DECODE_AFTER=1); " in describe_engine_loop(
+    assert "; every video decoded once the engine was done (--videos-at-end); " in describe_engine_loop(
         after.engine_loop)
     assert after.frames_decoded_late == sum(s.frames for s in file.scenarios)  # all, at the end
     assert files(tmp_path / "after") == files(tmp_path / "default")
     for i in range(5):
         assert (tmp_path / "after" / f"v{i}.mp4").read_bytes() == (tmp_path / "default" / f"v{i}.mp4").read_bytes()
-    with pytest.raises(InputError, match="TERRA_DECODE_AFTER=1 needs the engine's own writer threads"):
-        run_scenarios(file, tmp_path / "processes", backend, tokenizer, max_rollouts=2, writers=1)
-    monkeypatch.setenv("TERRA_DECODE_AFTER", "yes")
-    with pytest.raises(InputError, match="TERRA_DECODE_AFTER='yes': use 1"):
-        run_scenarios(file, tmp_path / "bad", backend, tokenizer, max_rollouts=2, writers=0)
+    with pytest.raises(ValueError, match="needs the engine's own writer threads, not writer processes"):
+        run_scenarios(file, tmp_path / "processes", backend, tokenizer, max_rollouts=2, writers=1, videos_at_end=True)
+
+
+def test_videos_at_end_through_the_scenario_job_the_same_files_and_its_refusals(tmp_path, tokenizer_dir):
+    """`ScenarioJob.videos_at_end` (--videos-at-end) reaches the engine's writer: through the job's own load and run
+    the files are a default run's; it is refused, each in one line, without videos, with writer processes, with
+    the refiner, and on Ray (one engine's threads hold its videos); the CLI passes the flag to the job."""
+    from dataclasses import replace
+
+    from terra_cli.models.resolve import ModelSpec
+    from terra_cli.pipeline.world_model import Engine
+    from terra_cli.scenarios.job import ScenarioJob, prepare_job, run_scenario_job
+    from terra_cli.scenarios.ray_cluster import ray_cluster
+
+    model = write_tiny_checkpoint(tmp_path / "m", tiny_config(image_vocab=512, layers=1, max_frames=4))
+    np.save(tmp_path / "ctx.npy", np.random.default_rng(0).integers(0, 512, size=(2, 576)))
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps({"id": f"v{i}", "context": "ctx.npy", "actions": "left",
+                                                          "frames": 3, "seed": i}) + "\n" for i in range(2)))
+    job = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "default", model=ModelSpec(str(model), tokenizer=str(tokenizer_dir)),
+                      engine=Engine("hf", "cpu", "float32"), writers=0, max_rollouts=2)
+    default = bounded(lambda: run_scenario_job(prepare_job(job)), 120)
+    at_end = replace(job, out_dir=tmp_path / "at_end", videos_at_end=True)
+    after = bounded(lambda: run_scenario_job(prepare_job(at_end)), 120)
+    assert (default.done, after.done) == (2, 2)
+    assert after.engine_loop["decode_after"] is True and "decode_after" not in default.engine_loop
+    assert files(tmp_path / "at_end") == files(tmp_path / "default")
+    for name in ("v0.mp4", "v1.mp4"):
+        assert (tmp_path / "at_end" / name).read_bytes() == (tmp_path / "default" / name).read_bytes()
+    for changed, message in ((dict(decode=False), "--videos-at-end is about videos: drop it with --no-decode"),
+                             (dict(writers=1), "--videos-at-end decodes in the engine's own writer threads: drop "
+                                               "--writers 1"),
+                             (dict(refiner=object()), "--decoder refiner refines beside the engine: drop "
+                                                      "--videos-at-end")):
+        with pytest.raises(InputError, match=message):
+            prepare_job(replace(at_end, out_dir=tmp_path / "refused", **changed))
+    with pytest.raises(InputError, match="--videos-at-end is for one engine without Ray: drop it with --ray or "
+                                         "--data-parallel"):
+        with ray_cluster(prepare_job(replace(at_end, out_dir=tmp_path / "ray")), engines=2):
+            pass
+    runner = CliRunner()
+    for args, said in (
+            (["generate", "--scenarios", str(tmp_path / "s.jsonl"), "--out-dir", str(tmp_path / "cli"), "--model",
+              str(model), "--tokenizer", str(tokenizer_dir), "--backend", "hf", "--device", "cpu", "--videos-at-end",
+              "--writers", "1"],
+             "error: --videos-at-end decodes in the engine's own writer threads: drop --writers 1"),
+            (["generate", str(tmp_path / "one.mp4"), "--actions", "left", "--videos-at-end"],
+             "error: --videos-at-end works with --scenarios FILE"),
+            (["bench", "--scenarios", "2", "--videos-at-end"],
+             "error: --videos-at-end goes with --act-bench (the other measures write no videos)")):
+        result = runner.invoke(app, args)
+        assert (result.exit_code, result.output.strip().splitlines()) == (2, [said])
+    assert not (tmp_path / "cli").exists() and not (tmp_path / "one.mp4").exists()
 
 
 def test_a_video_that_fails_in_a_writer_process_is_recorded_failed_as_in_the_thread(tmp_path, backend):
@@ -184,15 +230,12 @@ def test_a_writer_process_that_cannot_start_ends_the_run_with_one_error(tmp_path
 
 
 @pytest.mark.parametrize("writers", ["processes", "threads decoding after the engine"])
-def test_an_interrupt_writes_every_finished_scenario_through_the_processes(tmp_path, backend, tokenizer_dir, writers,
-                                                                           monkeypatch):
-    """Also with TERRA_DECODE_AFTER=1, whose threads hold every finished video until the engine is done:
+def test_an_interrupt_writes_every_finished_scenario_through_the_processes(tmp_path, backend, tokenizer_dir, writers):
+    """Also with --videos-at-end, whose threads hold every finished video until the engine is done:
     an interrupt ends the engine, and what finished is still written."""
     file = read_scenarios(write_lines(tmp_path, lines(4)), Defaults())  # v0: 1 generated frame, v1: 2, v2: 3
     out = tmp_path / "out"
     frames = []
-    if writers != "processes":
-        monkeypatch.setenv("TERRA_DECODE_AFTER", "1")
 
     def stop_inside_v2(run, total):
         frames.append(1)
@@ -201,7 +244,8 @@ def test_an_interrupt_writes_every_finished_scenario_through_the_processes(tmp_p
 
     with pytest.raises(KeyboardInterrupt), logger_lines("terra.scenarios") as said:
         bounded(lambda: run_scenarios(file, out, backend, load(tokenizer_dir), max_rollouts=1,
-                                      writers=1 if writers == "processes" else 0, on_progress=stop_inside_v2), 120)
+                                      writers=1 if writers == "processes" else 0, videos_at_end=writers != "processes",
+                                      on_progress=stop_inside_v2), 120)
     assert completed_ids(out) == {"v0", "v1"}
     if writers != "processes":  # nothing is written before the engine is done: both wait, and the user is told
         assert said == ["INFO: interrupted: writing the 2 finished scenario(s) first (Ctrl-C again stops at once; "

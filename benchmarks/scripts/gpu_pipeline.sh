@@ -75,7 +75,7 @@
 #          --act-bench N2` (512: two waves of 256); GPU 1 the two stages' parts on NREF1 (tokens only, then `bench
 #          --refiner --windows 4`, each refiner on its own cold Inductor cache), then the same N2 samples tokens only
 #          (REF_FIRST=0: each GPU's pair run first, the refiner parts after; PAIR1=defer: GPU 1's pair run is the
-#          ACT-Bench run with TERRA_DECODE_AFTER=1 instead of tokens only), then gpu_serve.sh
+#          ACT-Bench run with --videos-at-end instead of tokens only), then gpu_serve.sh
 #          (issue 41's serving figures) within SERVE_S (300 s; 0 skips it); `await` collects it
 # On a 4-GPU host without Ray, after `gpu_bundle.sh a1`, `a2`, `b`, `ff` (one call each: b and ff together pass
 # the 64 MiB a call carries) and `gpu_side4.sh ref` (carry .gpu/ref: diffusers, for the refiner step):
@@ -250,11 +250,11 @@ case "${1:-}" in
         --refiner-windows 4 --kv-cache-dtype fp8 --out "$OUT/refiner1-gpu0.json" > "$OUT/refiner1-gpu0.log" 2>&1
       echo "refiner1-gpu0 exit $? at $(date +%s)" >> "$STEP_LOG"
     }
-    # PAIR1=defer: GPU 1 runs the same ACT-Bench run with TERRA_DECODE_AFTER=1 (every video decoded once the engine
+    # PAIR1=defer: GPU 1 runs the same ACT-Bench run with --videos-at-end (every video decoded once the engine
     # is done) instead of tokens only; its engine phase decodes nothing, so it is its own tokens-only baseline
     pair1() {
       if [ "${PAIR1:-tokens}" = defer ]; then
-        TERRA_DECODE_AFTER=1 timeout "${RUN_S:-1020}" terra bench --act-bench "$N2" --kv-cache-dtype fp8 \
+        timeout "${RUN_S:-1020}" terra bench --act-bench "$N2" --videos-at-end --kv-cache-dtype fp8 \
           --out "$OUT/defer-gpu1.json" > "$OUT/defer-gpu1.log" 2>&1; echo "defer-gpu1 exit $? at $(date +%s)" >> "$STEP_LOG"
         return
       fi
@@ -443,13 +443,13 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     if [ "${ONE_PAIR:-1}" != 0 ]; then  # ONE_PAIR=0: only what ONE_AFTER names (the pair takes ~16 minutes)
       timeout 540 terra bench --scenarios "$N1" --frames 47 --kv-cache-dtype fp8 \
         --out "$OUT/one-tokens.json" > "$OUT/one-tokens.log" 2>&1; echo "one-tokens exit $?" >> "$STEP_LOG"
-      # ONE_ACT=defer: the videos run with TERRA_DECODE_AFTER=1 (every video decoded once the engine is done);
-      # defer16: that with the tokenizer's decoder in batches of 16 (TERRA_TOKENIZER_BATCH=16: nothing shares
-      # the card with it then, and 16 a call ran 25% faster a frame than 8 on an H200, 2026-11-27)
-      act_env=()
-      [ "${ONE_ACT:-default}" = defer ] && act_env=(TERRA_DECODE_AFTER=1)
-      [ "${ONE_ACT:-default}" = defer16 ] && act_env=(TERRA_DECODE_AFTER=1 TERRA_TOKENIZER_BATCH=16)
-      env "${act_env[@]}" timeout "${RUN_S:-600}" terra bench --act-bench "$N1" --kv-cache-dtype fp8 \
+      # ONE_ACT=defer: the videos run with --videos-at-end (every video decoded once the engine is done; the lab
+      # switch TERRA_DECODE_AFTER=1 until 2026-12-06); defer16: that with the tokenizer's decoder in batches of 16
+      # (TERRA_TOKENIZER_BATCH=16: nothing shares the card with it then; alone 1.82 ms a frame against 2.48 in 8)
+      act_env=() act_flag=()
+      [ "${ONE_ACT:-default}" = defer ] && act_flag=(--videos-at-end)
+      [ "${ONE_ACT:-default}" = defer16 ] && act_flag=(--videos-at-end) && act_env=(TERRA_TOKENIZER_BATCH=16)
+      env "${act_env[@]}" timeout "${RUN_S:-600}" terra bench --act-bench "$N1" "${act_flag[@]}" --kv-cache-dtype fp8 \
         --out "$OUT/one-act-${ONE_ACT:-default}.json" > "$OUT/one-act-${ONE_ACT:-default}.log" 2>&1
       echo "one-act ${ONE_ACT:-default} exit $?" >> "$STEP_LOG"
     fi

@@ -58,6 +58,7 @@ class ActBenchPlan:
     ray: str | None = None  # run the engines as Ray actors: local, or a cluster's address (several engines: local)
     refiner: object = None  # refiner.decoder.RefinerChoice: --decoder refiner; None: the frame-wise decoder
     even_waves: bool = False  # --max-rollouts even (scenarios.job.even_waves)
+    videos_at_end: bool = False  # --videos-at-end (scenarios.job.ScenarioJob.videos_at_end)
 
 
 def pipelined_projection_s(phases: dict, samples: int, in_flight: int, target: int = ACT_BENCH_SAMPLES,
@@ -166,7 +167,8 @@ def run_act_bench(checkpoint: Path, tokenizer: str | None, plan: ActBenchPlan, o
                           model=ModelSpec(str(checkpoint), tokenizer=tokenizer),
                           engine=Engine(plan.backend, plan.device, plan.dtype, options=dict(plan.vllm_options)),
                           sampling=Sampling(temperature=plan.temperature), max_rollouts=plan.max_rollouts,
-                          even_waves=plan.even_waves, decode=True, writers=plan.writers, refiner=plan.refiner)
+                          even_waves=plan.even_waves, decode=True, writers=plan.writers, refiner=plan.refiner,
+                          videos_at_end=plan.videos_at_end)
         prepared = prepare_job(job)
         first = prepared.file.scenarios[0]
         rounds = len(plan_rounds(first.context_frames, first.frames, load_config(checkpoint).layout.max_frames))

@@ -133,8 +133,8 @@ def describe_engine_loop(loop: dict | None) -> str | None:
         if loop.get("decode_held_limit"):  # held_frames.held_frames_for: frames past it wait for their video's end
             stages += f"; {loop['decode_held_limit']} frames held ahead at most"
         stages += ")"
-    if loop.get("decode_after"):  # runtime.decode_after_asked
-        stages += "; every video decoded once the engine was done (TERRA_DECODE_AFTER=1)"
+    if loop.get("decode_after"):  # --videos-at-end
+        stages += "; every video decoded once the engine was done (--videos-at-end)"
     if loop.get("feed_held_s"):  # the job feed's hold: free slots left empty while the writer was behind
         stages += f"; new jobs held back {loop['feed_held_s']:.1f} s (the writer behind)"
     if loop.get("refined_videos") is not None:  # --decoder refiner: the engine's refiner stage (refiner.stage)

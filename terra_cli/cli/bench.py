@@ -77,6 +77,7 @@ def bench(
     scenarios: int = typer.Option(0, "--scenarios", min=0, help="Scenario throughput: N scenarios of --frames frames through `generate --scenarios`'s engine (continuous batching)."),
     act_bench: int = typer.Option(0, "--act-bench", min=0, help="End to end like ACT-Bench: N samples (random nuScenes-size JPEGs, 47 frames in 2 rounds) through `generate --scenarios`, videos included; s/sample and a 2,286-sample projection."),
     writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto, as generate --scenarios", help="--act-bench: video writer processes per engine (0: threads of the engine's process), as `generate --scenarios --writers`."),
+    videos_at_end: bool = typer.Option(False, "--videos-at-end", help="--act-bench on one engine: every video decoded and written once the tokens are made, as `generate --scenarios --videos-at-end`."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="--scenarios/--act-bench: rollouts in flight per engine, auto (as many as the KV cache holds, at most 256) or even (the samples in equal waves, up to what the KV cache holds, at most 512)."),
     data_parallel: int = typer.Option(1, "--data-parallel", min=1, help="--scenarios/--act-bench: engines, one per GPU; more than one run as actors of a local Ray cluster (needs terra-cli[ray])."),
     ray_address: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="--scenarios/--act-bench: run the --data-parallel engines as Ray actors, also one: local (a cluster of this machine), auto, ray://HOST:10001 or HOST:6379, as `generate --scenarios --ray`."),
@@ -142,8 +143,9 @@ def bench(
     if not (hf_vs_vllm or draft_acceptance or scenarios or act_bench or refiner or env):
         raise InputError("say what to measure: terra bench --hf-vs-vllm, --draft-acceptance, --scenarios N, --act-bench N, --refiner or --env N")
     Sampling(temperature=temperature, seed=seed)  # --seed and --temperature in range, before anything runs
-    if writers is not None and not act_bench:
-        raise InputError("--writers goes with --act-bench (the other measures write no videos)")
+    for name, given in (("--writers", writers is not None), ("--videos-at-end", videos_at_end)):
+        if given and not act_bench:
+            raise InputError(f"{name} goes with --act-bench (the other measures write no videos)")
     if (data_parallel != 1 or ray_address is not None) and not (scenarios or act_bench):
         raise InputError("--data-parallel and --ray go with --scenarios or --act-bench")
     for name, given in (("--decoder", decoder.strip().lower() != "frames"), ("--refiner-weights", refiner_weights is not None),
@@ -196,7 +198,7 @@ def bench(
         plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
                             dtype, temperature, seed, vllm_options=vllm_options, writers=writers,
                             data_parallel=data_parallel, ray=ray_address, refiner=refine,
-                            even_waves=wants_even_waves(max_rollouts))
+                            even_waves=wants_even_waves(max_rollouts), videos_at_end=videos_at_end)
         return run_act_bench(model, plan, keep_outputs, out_json, overwrite, random_refiner)
     frames = 25 if frames is None else frames
     if draft_acceptance:

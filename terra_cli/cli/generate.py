@@ -29,6 +29,7 @@ ONE_VIDEO_FRAMES = 25  # --frames of one video when not given (a scenario line h
         "  terra generate out.mp4 --actions left --draft previous-frame --draft-tokens 4   # several codes per engine step\n\n"
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 256 --kv-cache-dtype fp8\n\n"
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --writers 2   # two processes make the mp4s\n\n"
+        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --videos-at-end   # one GPU: tokens first\n\n"
         "  terra generate --scenarios act_bench.jsonl --image-root /data/nuscenes --out-dir actbench/ \\\n"
         "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames\n\n"
         "  terra generate out.mp4 --model turing-motors/Terra --context frames/ --actions left --frames 47 \\\n"
@@ -69,6 +70,7 @@ def generate(
     rollouts: int = typer.Option(1, "--rollouts", min=1, help="With --scenarios: seeded samples per scenario (seed, seed+1, ...; ids get _s0, _s1, ...)."),
     max_rollouts: str = typer.Option("auto", "--max-rollouts", help="With --scenarios: rollouts in flight at once on the vLLM engine; auto: as many of the longest scenario as the KV cache holds without preemption, at most 256 (256 with --kv-cache-dtype fp8 was the fastest measured, benchmarks/README.md); even: each engine's scenarios in equal waves, up to what the KV cache holds (at most 512), so no small last wave runs alone (on four H200s no faster than auto: the steps are bound by the KV cache, benchmarks/README.md)."),
     skip_invalid: bool = typer.Option(False, "--skip-invalid", help="With --scenarios: skip bad lines (recorded in results.jsonl) instead of stopping."),
+    videos_at_end: bool = typer.Option(False, "--videos-at-end", help="With --scenarios on one engine: decode and write every video once all the scenarios' tokens are made, not beside the engine (one H100: about 90% of a tokens-only run's pace, against 83-87%); the same files, but they appear only at the end, and a run killed before then writes none (a re-run makes them again)."),
     writers: Optional[int] = typer.Option(None, "--writers", min=0, show_default="auto: 0", help="With --scenarios: processes that decode scenarios' frames as they are made and encode their mp4s beside the engine (e.g. --writers 2); 0: threads of the engine's process do it (the default: faster on a GPU, where they share vLLM's CUDA context). With --ray/--data-parallel: per engine, on its node. --decoder refiner always decodes in the engine's process (each Ray engine refines its own videos)."),
     kv_cache_dtype: str = opts.kv_cache_dtype_option(),
     quantization: str = opts.quantization_option(),
@@ -130,12 +132,13 @@ def generate(
             sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p),
             max_rollouts=parse_max_rollouts(max_rollouts), even_waves=wants_even_waves(max_rollouts), decode=not no_decode,
             overwrite=overwrite,
-            refiner=refine, writers=writers)
+            refiner=refine, writers=writers, videos_at_end=videos_at_end)
         from terra_cli.cli.scenarios import generate_scenarios
 
         return generate_scenarios(job, data_parallel, ray_address, engines)
     for name, value in (("--data-parallel", data_parallel != 1), ("--ray", ray_address), ("--engines", engines), ("--image-root", image_root), ("--out-dir", out_dir),
-                        ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid), ("--writers", writers is not None)):
+                        ("--rollouts", rollouts != 1), ("--skip-invalid", skip_invalid), ("--writers", writers is not None),
+                        ("--videos-at-end", videos_at_end)):
         if value:
             raise InputError(f"{name} works with --scenarios FILE")
     frames = ONE_VIDEO_FRAMES if frames is None else frames

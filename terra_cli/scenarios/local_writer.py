@@ -94,7 +94,7 @@ class InProcessWriter:
         # Started now, after the engine is up (a child beside vLLM's memory profiling would shrink its KV
         # cache), so the decoder compiles while the first frames are made (decoder_compile_apart: why)
         self.apart = (compile_apart or start_decoder_compile_apart)(decoder)
-        # decode_after (runtime.decode_after_asked): no frame held or decoded ahead, and finished videos wait
+        # decode_after (--videos-at-end): no frame held or decoded ahead, and finished videos wait
         # for `engine_done`; then they are decoded and encoded with the card and the cores to themselves
         self.engine_finished = threading.Event() if decode_after else None
         self.store = FrameStore(decoder, 0 if decode_after else held_frames,
@@ -115,7 +115,7 @@ class InProcessWriter:
             stats["decoder_compiled_apart_s"] = self.apart.succeeded_seconds
         if self.decode_sms is not None:
             stats.update(decode_sms=self.decode_sms, decode_sms_error=self.decode_sms_error)
-        if self.engine_finished is not None:  # TERRA_DECODE_AFTER=1: a bench's JSON says the run was one
+        if self.engine_finished is not None:  # --videos-at-end: a bench's JSON says the run was one
             stats["decode_after"] = True
         return stats
 

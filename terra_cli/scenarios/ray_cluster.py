@@ -126,10 +126,10 @@ def ray_cluster(prepared: PreparedJob, address: str | None = None, engines: int 
                 verbose: bool = False) -> Iterator[EnginePlan]:
     """Connected to (or running) a cluster, with the engines planned on it; a local cluster
     started here is shut down on the way out."""
-    from terra_cli.runtime import DECODE_AFTER_ENV, cuda_device_count, decode_after_asked
+    from terra_cli.runtime import cuda_device_count
 
-    if decode_after_asked():  # a lab switch of one engine's writer threads: refused, not silently ignored
-        raise InputError(f"{DECODE_AFTER_ENV}=1 is for one engine without Ray: unset it with --ray or --data-parallel")
+    if prepared.job.videos_at_end:  # one engine's writer threads hold its videos; Ray's engines hand theirs back
+        raise InputError("--videos-at-end is for one engine without Ray: drop it with --ray or --data-parallel")
     reason = f"--data-parallel {engines}" if address is None and engines and engines > 1 else "--ray"
     ray = require_ray(reason)
 

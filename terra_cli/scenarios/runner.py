@@ -41,7 +41,7 @@ import numpy as np
 from terra_cli.backends.base import Sampling
 from terra_cli.errors import InputError, OutputError
 from terra_cli.pipeline.video import VIDEO_FPS
-from terra_cli.runtime import decode_after_asked, stagger_starts_asked
+from terra_cli.runtime import stagger_starts_asked
 from terra_cli.scenarios.outdir import (RESULTS_NAME, SHARD_RESULTS_GLOB, OutDirLock, check_out_dir,  # noqa: F401
                                         make_out_dir, plan_outputs, read_results, results_logs)
 from terra_cli.scenarios.encoding import ENCODE_BATCH, EncodeAhead
@@ -102,13 +102,15 @@ def run_scenarios(
     lock: bool = True,
     frame_decoder=None,
     writers: int = 0,
+    videos_at_end: bool = False,
 ) -> ScenarioRun:
     """Generate and write every pending scenario (of `only_ids`, when given: a data-parallel
     worker's share, whose skipped lines the parent records). KeyboardInterrupt stops generation;
     scenarios already finished are still written before it propagates. `overwrite` lets existing
     files be replaced and changed scenarios run again; `lock` False: the caller holds --out-dir
     (a data-parallel parent). `writers`: processes that decode and encode the videos (0: the
-    writer thread does; the refiner, `frame_decoder`, always decodes in this process)."""
+    writer thread does; the refiner, `frame_decoder`, always decodes in this process). `videos_at_end`
+    (`ScenarioJob.videos_at_end`, with `writers` 0): every video decoded once the engine is done."""
     check_scenarios(file, skip_invalid)
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
@@ -129,10 +131,8 @@ def run_scenarios(
         # here before the engine (taking its share of the GPU then), a copy of its 1.5B-parameter UNet per process
         # would not fit beside vLLM, and its seconds of GPU work per window dwarf what the thread costs the engine loop.
         pool = None  # makes the videos: writer processes, or the refiner's stage (windows of several videos per call)
-        # TERRA_DECODE_AFTER=1 (a lab switch): the writer decodes every video once the engine is done
         if decode and pending:
-            asked = frame_decoder is None and decode_after_asked()
-            pool = (start_pool(tokenizer, writers, VIDEO_FPS, decode_after=asked, in_flight=max_rollouts,
+            pool = (start_pool(tokenizer, writers, VIDEO_FPS, decode_after=videos_at_end, in_flight=max_rollouts,
                                frames=max(s.frames for s in pending))
                     if frame_decoder is None else frame_decoder.stage(VIDEO_FPS))
         decode_after = getattr(pool, "engine_finished", None) is not None  # (no pool of threads: nothing to hold)
@@ -198,7 +198,7 @@ def run_scenarios(
                            on_start=start)
             finally:
                 ahead.stop()
-                if decode_after:  # (also after a failure: what finished is written, as without the switch)
+                if decode_after:  # (also after a failure: what finished is written, as without --videos-at-end)
                     pool.engine_done()
                 run.loop_so_far = None
                 run.engine_loop = loop_so_far()

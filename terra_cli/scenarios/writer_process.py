@@ -266,7 +266,7 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
     `tail_encoders` (default: as many) while none is. Then the engine has nothing in flight for this
     writer (a run's last videos, which all end together when they started together, or a Ray engine
     between calls) and the host's cores that its loop would need are idle. With `engine_done`
-    (TERRA_DECODE_AFTER=1), finished videos wait until it is set, then go on `tail_encoders`."""
+    (--videos-at-end), finished videos wait until it is set, then go on `tail_encoders`."""
     tail_encoders = max(encoders, tail_encoders or encoders)
     finished: deque[tuple[str, np.ndarray]] = deque()
     ready: deque[tuple[str, list, int]] = deque()  # decoded, waiting for an encoder

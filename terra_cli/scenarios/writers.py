@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from terra_cli.errors import InputError, OutputError
+from terra_cli.errors import OutputError
 from terra_cli.scenarios.held_frames import HELD_FRAMES, held_frames_for
 from terra_cli.scenarios.writer_process import SIGNALS, DecoderSpec, serve
 
@@ -83,7 +83,7 @@ def start_pool(decoder, workers: int, fps: float, decode_after: bool = False, in
     """What makes the videos of `decoder` (an image tokenizer): `workers` writer processes, or with 0
     (or a tokenizer a process cannot load from a folder) its threads in this process
     (`local_writer.InProcessWriter`); None for no decoder or another kind (the caller decodes).
-    `decode_after` (`runtime.decode_after_asked`): the threads decode nothing until `engine_done`.
+    `decode_after` (`--videos-at-end`): the threads decode nothing until `engine_done`.
     `in_flight` rollouts of up to `frames` frames: what each keeps decoded ahead (`held_frames_for`)."""
     from tokenizer_decoder import ImageTokenizer
 
@@ -94,8 +94,8 @@ def start_pool(decoder, workers: int, fps: float, decode_after: bool = False, in
         from terra_cli.scenarios.local_writer import InProcessWriter
 
         return InProcessWriter(decoder, fps, held_frames=held_frames, decode_after=decode_after)
-    if decode_after:
-        raise InputError("TERRA_DECODE_AFTER=1 needs the engine's own writer threads: use --writers 0")
+    if decode_after:  # ScenarioJob refused --writers with --videos-at-end
+        raise ValueError("decoding after the engine needs the engine's own writer threads, not writer processes")
     return WriterPool(decoder, workers, fps, held_frames=held_frames)
 
 

@@ -83,6 +83,17 @@ def decode_sms_asked(environ=None) -> int | None:
     return _whole_number_switch(DECODE_SMS_ENV, 1024, "a whole number of SMs (e.g. 16 of an H100's 132)", environ)
 
 
+GRAPH_SIZES_ENV = "TERRA_CUDA_GRAPH_SIZES"
+
+
+def sparse_graph_sizes_asked(environ=None) -> bool:
+    """Whether vLLM captures terra's sparser list of CUDA-graph batch sizes (`vllm_config.cuda_graph_sizes`)
+    instead of its own (TERRA_CUDA_GRAPH_SIZES=sparse, a lab switch; `vllm` or unset: vLLM's). Why try it:
+    vLLM captures 51 sizes for 256 rollouts in flight, 36-42 s of each engine's start on an H200
+    (2026-11-28), and a terra step's time follows its rollouts, not the padding (benchmarks/README.md)."""
+    return choice_switch(GRAPH_SIZES_ENV, ("sparse", "vllm"), "sparse (terra's sizes) or vllm", environ) == "sparse"
+
+
 TOKENIZER_BATCH_ENV = "TERRA_TOKENIZER_BATCH"
 
 

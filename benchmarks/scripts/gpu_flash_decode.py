@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+
+# the same CUDA-graph timing as the paged-attention probe beside this one (LAYERS calls a replay)
+from gpu_paged_attention import time_graph  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 4, 64, 22
 FRAME = 582  # 576 codes + 6 action slots
@@ -34,31 +36,6 @@ FP8 = torch.float8_e4m3fn
 
 def log(*args):
     print(*args, flush=True)
-
-
-def time_graph(step, replays: int) -> float:
-    """Median ms of one replay of a graph holding LAYERS calls of `step(layer)`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(2):
-            step(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(LAYERS):
-            step(layer)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 class Batch:

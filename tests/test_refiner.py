@@ -18,7 +18,8 @@ from terra_cli.errors import InputError  # noqa: E402
 from terra_cli.refiner import keymap, sampler  # noqa: E402
 from terra_cli.refiner.checkpoint import convert_checkpoint, read_checkpoint, resolve_refiner_file  # noqa: E402
 from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config  # noqa: E402
-from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner, check_cpu_time  # noqa: E402
+from terra_cli.refiner.cost import check_cpu_time  # noqa: E402
+from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner  # noqa: E402
 from terra_cli.refiner.testing import terra_state_dict, write_tiny_refiner  # noqa: E402
 from terra_cli.refiner.windows import kept_frames, start_end_indices  # noqa: E402
 from tokenizer_decoder.errors import CheckpointError  # noqa: E402

@@ -37,7 +37,7 @@ EPILOG = (
 )
 
 
-def _parse_batches(text: str) -> list[int]:
+def parse_batches(text: str) -> list[int]:
     from terra_cli.backends.base import InputError
 
     try:
@@ -181,7 +181,9 @@ def bench(
         return env_bench(model, EnvBenchPlan(env, steps, context_frames, branches, fork_from, backend, device, dtype,
                                              temperature, seed, vllm_options), out_json, overwrite)
     if refiner:
-        return _refiner_bench(windows, refiner_compile or "none", refiner_dtype, full_cfg, plain_cross_attention, tiny,
+        from terra_cli.cli.bench_refiner import refiner_bench
+
+        return refiner_bench(windows, refiner_compile or "none", refiner_dtype, full_cfg, plain_cross_attention, tiny,
                               device, dtype, seed, out_json, overwrite)
     if act_bench:
         from terra_cli.bench.act_bench import ActBenchPlan
@@ -214,7 +216,9 @@ def bench(
         plan = ScenarioBenchPlan(scenarios, frames, context_frames, parse_max_rollouts(max_rollouts), data_parallel,
                                  ray_address, lockstep, backend, device, dtype, temperature, seed, vllm_options,
                                  even_waves=wants_even_waves(max_rollouts))
-        return _scenario_bench(model, plan, keep_outputs, out_json, overwrite)
+        from terra_cli.cli.bench_scenarios import scenario_bench
+
+        return scenario_bench(model, plan, keep_outputs, out_json, overwrite)
     if context_frames < 1 or frames <= context_frames:
         raise InputError(f"--frames ({frames}) must be more than --context-frames ({context_frames}), which must be >= 1")
     if not skip_single_stream and vllm_options.get("quantization"):  # the single-stream rows read fp8 weights too
@@ -223,7 +227,7 @@ def bench(
 
         check_backend_options("single-stream", {"quantization": vllm_options["quantization"]}, resolve_device(device))
     plan = BenchPlan(
-        frames=frames, context_frames=context_frames, batches=_parse_batches(batch), hf_frames=hf_frames,
+        frames=frames, context_frames=context_frames, batches=parse_batches(batch), hf_frames=hf_frames,
         temperature=temperature, seed=seed, device=device, dtype=dtype, run_hf=not skip_hf,
         vllm_options=vllm_options, run_single_stream=not skip_single_stream, jacobi_draft_tokens=jacobi_draft_tokens,
     )
@@ -314,81 +318,3 @@ def _draft_acceptance(model, seeds, frames, temperatures, device, out_json, heat
         atomic_write_json(out_json, results, overwrite=overwrite)
     if heatmap:
         plot_heatmaps(results, heatmap, overwrite=overwrite)
-
-
-def _scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
-    from terra_cli.bench.cache import random_terra_checkpoint
-    from terra_cli.bench.hf_vs_vllm import environment
-    from terra_cli.bench.scenarios import run_scenario_bench
-    from terra_cli.cli.progress import LazyFrameBar
-    from terra_cli.errors import InputError
-    from terra_cli.media.atomic import atomic_write_json
-    from terra_cli.models.resolve import resolve_world_model_dir
-    from terra_cli.runtime import resolve_device
-
-    if plan.context_frames < 1 or plan.frames <= plan.context_frames:
-        raise InputError(f"--frames ({plan.frames}) must be more than --context-frames ({plan.context_frames}), which must be >= 1")
-    device = resolve_device(plan.device)
-    log = lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)  # noqa: E731
-    checkpoint = resolve_world_model_dir(model) if model else random_terra_checkpoint(device, plan.seed, log)
-    bar = LazyFrameBar(console, "scenarios")
-    try:
-        results = run_scenario_bench(checkpoint, plan, keep_outputs, log, bar)
-    finally:
-        bar.close()
-    results["model"] = str(model or checkpoint)
-    results["command"] = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    results["environment"] = environment()
-    stream = results["stream"]
-    table = Table(title=f"terra bench --scenarios: {results['model']}")
-    for col in ("run", "engines", "start-up s", "generated frames/s", "GPU busy", "ACT-Bench h (projected)"):
-        table.add_column(col, justify="left" if col == "run" else "right")
-    busy = ", ".join("-" if b is None else f"{b:.0%}" for b in stream["gpu_busy"].values()) or "-"
-    table.add_row(f"continuous, {plan.scenarios} x {plan.frames} frames", engine_shares(results["engines"]),
-                  ", ".join("not ready" if e["startup_s"] is None else f"{e['startup_s']:.1f}" for e in results["engines"]),
-                  f"{stream['generated_frames_per_s']:.2f}", busy, f"{stream['projected_act_bench_hours']:.2f}")
-    if "lockstep" in results:
-        lock = results["lockstep"]
-        table.add_row(f"lockstep x{lock['rollouts']}", "1", "-", f"{lock['generated_frames_per_s']:.2f}",
-                      "-" if lock["gpu_busy"] is None else f"{lock['gpu_busy']:.0%}", "-")
-    out.print(table)
-    if out_json:
-        atomic_write_json(out_json, results, overwrite=overwrite)
-        console.print(f"results -> {out_json}")
-
-
-def engine_shares(engines: list[dict]) -> str:
-    """How many engines, and on Ray each one's share of the scenarios and its restarts."""
-    shares = [f"{e['share']:.0f}%" + (f" ({e['restarts']} restart)" if e.get("restarts") else "")
-              for e in engines if e.get("share") is not None]
-    return f"{len(engines)}" + (f": {', '.join(shares)}" if shares else "")
-
-
-def _refiner_bench(windows: str, compile_mode: str, refiner_dtype: str, full_cfg: bool, plain_cross_attention: bool,
-                   tiny: bool, device: str, dtype: str, seed: int, out_json: Optional[Path], overwrite: bool) -> None:
-    from terra_cli.bench.refiner import RefinerBenchPlan, run_refiner_bench
-    from terra_cli.media.atomic import atomic_write_json, check_writable
-    from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config
-    from terra_cli.refiner.refiner import RefinerOptions
-    from terra_cli.runtime import resolve_device, resolve_dtype
-
-    if out_json is not None:
-        check_writable(out_json, overwrite)
-    batches = [int(b) for b in _parse_batches(windows)]
-    resolved = resolve_device(device)
-    from terra_cli.refiner.fp8 import check_fp8_device, check_refiner_dtype
-
-    if check_refiner_dtype(refiner_dtype) == "fp8":
-        check_fp8_device(resolved)
-    options = RefinerOptions(same_uncond=not full_cfg, batch_windows=max(batches), compile=compile_mode,
-                             exact_cross_attention=not plain_cross_attention, dtype=refiner_dtype.strip().lower())
-    plan = RefinerBenchPlan(batches=batches, options=options, device=resolved, dtype=resolve_dtype(dtype, resolved),
-                            config=tiny_refiner_config() if tiny else TERRA_REFINER)
-    import torch
-
-    torch.manual_seed(seed)
-    result = run_refiner_bench(plan, say=lambda line: out.print(line, highlight=False, soft_wrap=True))
-    result["command"] = shlex.join(["terra", *sys.argv[1:]])
-    if out_json is not None:
-        atomic_write_json(out_json, result, overwrite=overwrite)
-        out.print(f"results -> {out_json}", highlight=False)

@@ -18,7 +18,7 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     from terra_cli.bench.act_bench import bench_tokenizer, run_act_bench
     from terra_cli.bench.cache import random_terra_checkpoint
     from terra_cli.bench.hf_vs_vllm import environment
-    from terra_cli.cli.bench import engine_shares
+    from terra_cli.cli.bench_scenarios import engine_shares
     from terra_cli.cli.progress import LazyFrameBar
     from terra_cli.errors import InputError
     from terra_cli.media.atomic import atomic_write_json
@@ -30,7 +30,7 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
         raise InputError(f"--frames ({plan.frames}) must be more than --context-frames ({plan.context_frames}), which must be >= 1")
     device = resolve_device(plan.device)
     if random_refiner is not None:
-        from terra_cli.refiner.refiner import check_cpu_time
+        from terra_cli.refiner.cost import check_cpu_time
         from terra_cli.refiner.windows import check_frames
 
         # the product's own checks (refiner.decoder.load_refiner), before any random weights are built

@@ -9,7 +9,8 @@ Read from turingmotors/ACT-Bench (`Terra/configs/video_refiner/inference.yaml`, 
 - `sampler.py`: EDM Euler with per-frame linear guidance;
 - `windows.py`: Terra's 25-frame windows and overlap removal;
 - `keymap.py`, `checkpoint.py`: Terra's checkpoint names, strict loading without pickle;
-- `refiner.py`: `VideoRefiner`; `decoder.py`: `RefinerDecoder` (tokens -> refined frames);
+- `refiner.py`: `VideoRefiner`; `decoder.py`: `RefinerDecoder` (tokens -> refined frames); `cost.py`: FLOPs
+  and the CPU-time refusal;
 - `testing.py`: tiny checkpoints in Terra's format.
 
 The three questions the sources leave open, answered from them:

@@ -126,7 +126,7 @@ def load_refiner(choice: RefinerChoice, frame_counts: list[int]) -> VideoRefiner
     """Check and load the refiner before any world model runs: frames enough for a window, the
     weights strictly, and on a CPU the time it would take. Weights stay on the CPU until
     `VideoRefiner.to(device)` (a world model may still need the GPU)."""
-    from terra_cli.refiner.refiner import check_cpu_time
+    from terra_cli.refiner.cost import check_cpu_time
     from terra_cli.refiner.windows import check_frames
     from terra_cli.runtime import resolve_device, resolve_dtype_name
 

@@ -18,7 +18,6 @@ call takes.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -39,12 +38,6 @@ from terra_cli.refiner.windows import check_frames, kept_frames, start_end_indic
 from terra_cli.runtime import RefinerSwitches, refiner_switches_asked
 
 LOG = logging.getLogger("terra.refiner")  # the CLI prints it (cli/app.py)
-# Counted with torch.utils.flop_counter for TERRA_REFINER (one 25-frame UNet call, single-token
-# cross-attention), and for the VAE per 384x640 frame; see benchmarks/README.md.
-TERRA_UNET_FLOPS = 28.34e12
-TERRA_VAE_DECODE_FLOPS = 2.85e12
-TERRA_VAE_ENCODE_FLOPS = 1.04e12
-SLOW_CPU_SECONDS = 3600.0
 # --refiner-windows by default, for one video: compiled on an H100, 2 windows per UNet call took 1.20 s
 # a window against 1.35 s for 1, in one call (benchmarks/README.md, 2026-11-26); more would pad its
 # calls (a 5-window video in calls of 4 pays for 8).
@@ -351,50 +344,3 @@ def window_noise(seed: int, window: int, shape: tuple[int, ...]) -> torch.Tensor
 
     generator = torch.Generator().manual_seed(draw_seed(int(seed) % 2 ** 64, window))
     return torch.randn(shape, generator=generator)
-
-
-def estimated_unet_flops(config: RefinerConfig) -> float:
-    """FLOPs of one window's UNet call, scaled from the count for Terra's shapes."""
-    h, w = config.latent_hw
-    th, tw = TERRA_REFINER.latent_hw
-    return (TERRA_UNET_FLOPS * (config.model_channels / TERRA_REFINER.model_channels) ** 2
-            * (h * w) / (th * tw) * config.window / TERRA_REFINER.window)
-
-
-def estimated_flops(config: RefinerConfig, frames: int, same_uncond: bool = True) -> float:
-    windows = len(start_end_indices(frames, config.window, config.min_overlap))
-    evals = config.steps * (1 if same_uncond else 2)
-    pixels = config.height * config.width / (TERRA_REFINER.height * TERRA_REFINER.width)
-    vae = frames * (TERRA_VAE_DECODE_FLOPS + TERRA_VAE_ENCODE_FLOPS) * pixels * (config.vae_channels / 128) ** 2
-    return windows * evals * estimated_unet_flops(config) + vae
-
-
-def cpu_flops_per_second() -> float:
-    """A quick float32 matmul rate on this CPU, halved for the convolutions that dominate the UNet."""
-    a = torch.randn(512, 512)
-    a @ a
-    started = time.perf_counter()
-    for _ in range(4):
-        a @ a
-    seconds = max(time.perf_counter() - started, 1e-6)
-    return 0.5 * 4 * 2 * 512 ** 3 / seconds
-
-
-def check_cpu_time(config: RefinerConfig, frame_counts: list[int], device: str, allow_slow: bool) -> float:
-    """On a CPU, refuse work estimated over an hour (unless allowed); returns the estimate (s, 0 on a GPU)."""
-    if not device.startswith("cpu"):
-        return 0.0
-    flops = sum(estimated_flops(config, n) for n in frame_counts)
-    seconds = flops / cpu_flops_per_second()
-    if seconds > SLOW_CPU_SECONDS and not allow_slow:
-        raise InputError(f"refining {sum(frame_counts)} frames on this CPU would take about {_duration(seconds)} "
-                         f"({flops / 1e12:,.0f} TFLOP); use a GPU (--device cuda), or pass --allow-slow to run anyway")
-    return seconds
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 5400:
-        return f"{math.ceil(seconds / 60)} minutes"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.0f} hours"
-    return f"{seconds / 86400:.0f} days"

@@ -63,6 +63,8 @@
 #          FlashAttention-3 (TERRA_SINGLE_STREAM_DECODE_KERNEL, eeb88f9's; taken out after lease 11 of
 #          2026-12-06 measured no gain): 32-row profiles, then 32 sessions (~4 minutes);
 #          ONE_AFTER=decoder: `writer_parts.py`, the tokenizer's decoder alone on the pair's host (~2 minutes);
+#          ONE_AFTER=blocks (with ONE_PAIR=0): vLLM's KV-cache block size 16 / 256 / 64, terra's attention and FA3,
+#          tokens only, 128 scenarios of 25 frames (~15 minutes);
 #          ONE_FIRST=flash: `gpu_flash_decode.py` before the pair (issue 41, ~2 minutes); ONE_WARM=1: a short
 #          tokens-only run before the pair, so that neither meets a cold host;
 #   flashpage  (in the call, after start1's runs) 32 sessions, the fp8 cache in FlashAttention pages of 256 and of
@@ -630,6 +632,16 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
         TERRA_SINGLE_STREAM_DECODE_KERNEL=$kernel timeout 100 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 \
           --frames 8 --think-ms 30 --kv-cache-dtype fp8 --out "$OUT/sessions-$kernel.json" > "$OUT/sessions-$kernel.log" 2>&1
         echo "sessions $kernel exit $?" >> "$STEP_LOG"
+      done
+    elif [ "${ONE_AFTER:-probes}" = blocks ]; then
+      # vLLM's KV-cache block size for many rollouts (issue 37's engine; 2026-12-06: FA3's fp8 decode over the
+      # single-stream cache ran 17% faster in pages of 256 than of 16): tokens only, 128 scenarios of 25 frames,
+      # fp8 cache, terra's kernel (the default) and FlashAttention-3, blocks of 16 (vLLM's) against 256 and 64
+      # (~3 minutes each, within RUN_S)
+      for variant in terra-16 terra-256 vllm-16 vllm-256 terra-64; do
+        timeout "${BLOCK_RUN_S:-240}" terra bench --scenarios "${NBLOCK:-128}" --frames 25 --kv-cache-dtype fp8 \
+          --attention "${variant%-*}" --vllm-arg "block_size=${variant#*-}" --out "$OUT/blocks-$variant.json" \
+          > "$OUT/blocks-$variant.log" 2>&1; echo "blocks $variant exit $?" >> "$STEP_LOG"
       done
     elif [ "${ONE_AFTER:-probes}" = decoder ]; then
       # the tokenizer's decoder alone on the host of the pair (eager and compiled, batches of 8 and 16)

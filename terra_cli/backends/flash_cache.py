@@ -79,7 +79,8 @@ class FlashCacheAttention:
     (its row's), or a batched step's first `sequences` rows, one query each."""
 
     def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None, rows: int = 1,
-                 page: int = 16):
+                 page: int | None = None):
+        page = page or flash_page()
         if cache_positions % page:
             raise ValueError(f"a row's region of {cache_positions} positions is not whole pages of {page}")
         self.kernel, self.version, self.planner, self.page = kernel, version, planner, page

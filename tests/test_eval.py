@@ -7,20 +7,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from terra_cli.evaluation.run import (
-    EVAL_WORLD_SEED_BASE,
-    EvalError,
-    EvalPlan,
+from terra_cli.evaluation.metrics import (
     clean,
     commanded_lateral,
     copy_baseline,
     finite_mean,
     lateral_from_last_context,
-    parse_presets,
     per_frame_psnr,
     sign_accuracy,
-    training_world_seeds,
 )
+from terra_cli.evaluation.run import EVAL_WORLD_SEED_BASE, EvalError, EvalPlan, parse_presets, training_world_seeds
 from tokenizer_decoder import psnr
 
 from terra_cli.models.default import default_tokenizer_dir

@@ -106,12 +106,16 @@ def test_decoding_after_the_engine_writes_every_video_at_the_end_and_the_same_fi
 
     file = read_scenarios(write_lines(tmp_path, lines(5)), Defaults())
     tokenizer = load(tokenizer_dir)
-    default = run_scenarios(file, tmp_path / "default", backend, tokenizer, max_rollouts=2, writers=0)
+    with logger_lines("terra.scenarios") as quiet:
+        default = run_scenarios(file, tmp_path / "default", backend, tokenizer, max_rollouts=2, writers=0)
+    assert quiet == []
     frames_when_written = []
     seen = {}
-    after = run_scenarios(file, tmp_path / "after", backend, tokenizer, max_rollouts=2, writers=0, videos_at_end=True,
-                          on_progress=lambda run, total: seen.update(run=run),
-                          on_written=lambda record: frames_when_written.append(seen["run"].generated_frames))
+    with logger_lines("terra.scenarios") as said:
+        after = run_scenarios(file, tmp_path / "after", backend, tokenizer, max_rollouts=2, writers=0,
+                              videos_at_end=True, on_progress=lambda run, total: seen.update(run=run),
+                              on_written=lambda record: frames_when_written.append(seen["run"].generated_frames))
+    assert said == ["INFO: every scenario's tokens are made: writing the 5 video(s) now (--videos-at-end)"]
     assert (after.done, after.failed) == (default.done, default.failed) == (5, 0)
     total = sum(s.frames - s.context_frames for s in file.scenarios)
     assert frames_when_written == [total] * 5  # each video written once every frame was made

@@ -59,13 +59,16 @@ def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None, pl
     started = time.perf_counter()
     written = [0]
 
-    def frame_done(worker: int) -> None:
+    def note(frames: float) -> str:
         elapsed = time.perf_counter() - started
-        progress.advance(1, note=f"{written[0]} of {len(file.scenarios)} written, "
-                                 f"{(progress.completed + 1) / max(elapsed, 1e-9):.1f} frames/s")
+        return f"{written[0]} of {len(file.scenarios)} written, {frames / max(elapsed, 1e-9):.1f} frames/s"
+
+    def frame_done(worker: int) -> None:
+        progress.advance(1, note=note(progress.completed + 1))
 
     def scenario_written(worker: int, record: dict) -> None:
         written[0] += record.get("status") == "done"
+        progress.note(note(progress.completed))  # also once no frame is made any more (--videos-at-end's videos)
 
     def engine_ready(worker: int, ready) -> None:
         say(f"engine {worker} ready in {ready.seconds:.1f} s" + (f"; {ready.in_flight_reason}" if ready.in_flight_reason else ""))

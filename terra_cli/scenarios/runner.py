@@ -198,11 +198,14 @@ def run_scenarios(
                            on_start=start)
             finally:
                 ahead.stop()
+                held = writer.backlog  # (with --videos-at-end: every finished scenario, none written yet)
                 if decode_after:  # (also after a failure: what finished is written, as without --videos-at-end)
                     pool.engine_done()
                 run.loop_so_far = None
                 run.engine_loop = loop_so_far()
             ahead.check()
+            if decode_after and held:  # minutes of decoding and encoding with nothing generated: say so
+                LOG.info(f"every scenario's tokens are made: writing the {held} video(s) now (--videos-at-end)")
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt) and writer.backlog:  # minutes with the refiner: say how to stop now
                 LOG.info(f"interrupted: writing the {writer.backlog} finished scenario(s) first (Ctrl-C again "

@@ -1,19 +1,19 @@
-"""Lab probe (issue 41): FlashAttention-3's decode over the single-stream row batch's static cache, in
+"""Lab probe (issue 41): FlashAttention's decode over the single-stream row batch's static cache, in
 the ways it can be called.
 
 The row batch (`backends/static_kv.py`, `flash_cache.py`) keeps each row's keys in one contiguous
-region of `cache_positions` and showed it to FlashAttention as pages of 16 (now `flash_page()`, 256), with
-`max_seqlen_k` the whole region. At 32 rows and 10-frame contexts FA3's fp8 kernel read at 52% of
-the bandwidth, its bf16 kernel at 82% (benchmarks/README.md, 2026-12-06). Things that might change
-that, all with the same keys: the number of splits of the keys (the plan's heuristic, or fixed),
-`max_seqlen_k` the frame's real bound instead of the region, larger pages (the region is contiguous,
-so any page size dividing it is the same memory), and no pages at all (`cu_seqlens_k` at the rows'
-starts plus `seqused_k`, which lets FA3 use its TMA loads).
+region of `cache_positions` and shows it to FlashAttention as pages (of 16 until 2026-12-06, of 256
+since), with `max_seqlen_k` the whole region. `--variants pages` (lease 12 of 2026-12-06): page sizes,
+fixed split counts, a plan a call, `max_seqlen_k` the frame's bound; pages of 256 made the fp8 kernel
+17% faster, at 58% of the bandwidth against bf16's 78%. `--variants layouts` (the default, not run
+yet): FA3's op called directly (vLLM's wrapper refuses `seqused_k` without pages) on the batch layout
+(rows, region, KV, d), where FA3 loads keys without a page table, `pack_gqa` forced on and off, and
+FA4 where vLLM's build has it.
 
 Terra's attention shapes (32 query heads over 4 KV heads of 64), 22 layers' distinct caches in one
-CUDA graph, timed by replaying it. Every variant's output is compared with the default's.
+CUDA graph, timed by replaying it. Every variant's output is compared with the first variant's.
 
-    python3 benchmarks/scripts/gpu_flash_decode.py --out $OUT/flash_decode.json
+    python3 benchmarks/scripts/gpu_flash_decode.py --out $OUT/flash_decode.json [--variants pages]
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class Batch:
         self.query = torch.randn((rows, HEADS, HEAD_DIM), generator=gen, device="cuda",
                                  dtype=torch.bfloat16).to(dtype)
         self.query_starts = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
-        self.key_starts = torch.arange(rows + 1, dtype=torch.int32, device="cuda") * REGION
         self.out = torch.empty((rows, HEADS, HEAD_DIM), dtype=torch.bfloat16, device="cuda")
         elt = 1 if dtype == FP8 else 2
         self.bytes = int(self.seen.sum()) * KV_HEADS * HEAD_DIM * 2 * elt * LAYERS
@@ -67,33 +66,70 @@ class Batch:
         return torch.arange(self.rows * per_row, dtype=torch.int32, device="cuda").view(self.rows, per_row)
 
 
-def variant_step(batch: Batch, page: int | None, splits: int, planned: bool, max_k: int):
-    """One layer's call: `page` None reads the rows' regions unpaged (cu_seqlens_k + seqused_k)."""
+def fa3_op(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_k, block_table, kv_batch_idx, plan, splits, pack_gqa):
+    """FlashAttention-3's op as vLLM 0.25's `flash_attn_varlen_func` calls it (its argument list, read from
+    vllm/vllm_flash_attn/flash_attn_interface.py), with what that wrapper does not pass: keys in the batch
+    layout (B, S, KV, d) with `seqused_k` (the wrapper refuses them without pages), `kv_batch_idx`, `pack_gqa`."""
+    return torch.ops._vllm_fa3_C.fwd(
+        q, k, v, None, None, None, out, cu_seqlens_q, None, None, None, seqused_k, 1, max_seqlen_k, block_table,
+        kv_batch_idx, None, None, None, None, None, None, None, SCALE, True, -1, -1, 0.0, True, plan, splits, pack_gqa,
+        0, None, 1, 0, None)
+
+
+def variant_step(batch: Batch, v: dict):
+    """One layer's call of variant `v`: `layout` "paged" (pages of `page`, through vLLM's wrapper unless `direct`)
+    or "batch" (the rows' regions as (rows, REGION, KV, d), FA3's op directly); `splits` (0: the plan's), `planned`
+    (one plan for every layer), `max_k`, `pack_gqa` (None: FA3's heuristic), `fa` (3, or 4: FA4)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
     from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
 
+    page = v.get("page") if v["layout"] == "paged" else None
     table = batch.table(page) if page is not None else None
+    splits, max_k, pack_gqa = v.get("splits", 0), v.get("max_k", REGION), v.get("pack_gqa")
+    direct = v["layout"] == "batch" or v.get("direct", False)
     plan = None
-    if planned:
+    if v.get("planned", True) and v.get("fa", 3) == 3:
         plan = get_scheduler_metadata(batch_size=batch.rows, max_seqlen_q=1, max_seqlen_k=max_k, num_heads_q=HEADS,
                                       num_heads_kv=KV_HEADS, headdim=HEAD_DIM, cache_seqlens=batch.seen,
                                       qkv_dtype=batch.dtype, cu_seqlens_q=batch.query_starts, page_size=page,
-                                      causal=True, num_splits=splits)
-    extra = {"scheduler_metadata": plan} if plan is not None else {}
+                                      causal=True, num_splits=splits, pack_gqa=pack_gqa)
 
     def step(layer: int):
         keys, values = batch.keys[layer], batch.values[layer]
-        if page is not None:
-            keys, values = keys.view(-1, page, KV_HEADS, HEAD_DIM), values.view(-1, page, KV_HEADS, HEAD_DIM)
-            flash_attn_varlen_func(batch.query, keys, values, max_seqlen_q=1, cu_seqlens_q=batch.query_starts,
-                                   max_seqlen_k=max_k, seqused_k=batch.seen, block_table=table, softmax_scale=SCALE,
-                                   causal=True, out=batch.out, fa_version=3, num_splits=splits, **extra)
+        shape = (-1, page, KV_HEADS, HEAD_DIM) if page is not None else (batch.rows, REGION, KV_HEADS, HEAD_DIM)
+        keys, values = keys.view(shape), values.view(shape)
+        if direct:
+            fa3_op(batch.query, keys, values, batch.out, batch.query_starts, batch.seen, max_k, table, None, plan,
+                   splits, pack_gqa)
         else:
             flash_attn_varlen_func(batch.query, keys, values, max_seqlen_q=1, cu_seqlens_q=batch.query_starts,
-                                   max_seqlen_k=max_k, cu_seqlens_k=batch.key_starts, seqused_k=batch.seen,
-                                   softmax_scale=SCALE, causal=True, out=batch.out, fa_version=3,
-                                   num_splits=splits, **extra)
+                                   max_seqlen_k=max_k, seqused_k=batch.seen, block_table=table, softmax_scale=SCALE,
+                                   causal=True, out=batch.out, fa_version=v.get("fa", 3), num_splits=splits,
+                                   **({"scheduler_metadata": plan} if plan is not None else {}))
     return step
+
+
+def variants(bound: int, which: str) -> list[tuple[str, dict]]:
+    """`which`: "pages" (lease 12 of 2026-12-06: page sizes, split counts, plans) or "layouts" (the next:
+    the batch layout, pack_gqa, FA4)."""
+    paged = lambda page, **kw: {"layout": "paged", "page": page, **kw}  # noqa: E731
+    if which == "pages":
+        return ([("pages of 16, planned, region", paged(16)), ("pages of 16, call plans", paged(16, planned=False)),
+                 ("pages of 16, planned, frame's bound", paged(16, max_k=bound))]
+                + [(f"pages of 16, {n} split(s)", paged(16, splits=n)) for n in (1, 2, 4, 8, 16, 32)]
+                + [(f"pages of {p}", paged(p)) for p in (256, 960, 1024)])
+    return [("pages of 256 (the default since a87ccf1)", paged(256)),
+            ("pages of 16", paged(16)),
+            ("pages of 256, FA3's op directly", paged(256, direct=True)),
+            ("pages of 256, pack_gqa", paged(256, direct=True, pack_gqa=True)),
+            ("pages of 256, no pack_gqa", paged(256, direct=True, pack_gqa=False)),
+            ("batch layout (rows, region), seqused_k", {"layout": "batch"}),
+            ("batch layout, call plans", {"layout": "batch", "planned": False}),
+            ("batch layout, frame's bound", {"layout": "batch", "max_k": bound}),
+            ("batch layout, pack_gqa", {"layout": "batch", "pack_gqa": True}),
+            ("batch layout, no pack_gqa", {"layout": "batch", "pack_gqa": False}),
+            ("FA4, pages of 256", paged(256, fa=4, planned=False)),
+            ("FA4, pages of 128", paged(128, fa=4, planned=False))]
 
 
 def main() -> None:
@@ -102,6 +138,8 @@ def main() -> None:
     parser.add_argument("--rows", default="32,8,1")
     parser.add_argument("--context-frames", type=int, default=10, help="keys so far: this many frames, +-1 frame")
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--variants", choices=("layouts", "pages"), default="layouts",
+                        help="pages: lease 12's (2026-12-06); layouts: the batch layout, pack_gqa, FA4")
     args = parser.parse_args()
     bandwidth = 3.35e12 if "H100" in torch.cuda.get_device_name() else 4.8e12
     results = []
@@ -116,21 +154,12 @@ def main() -> None:
         for dtype in (FP8, torch.bfloat16):
             batch = Batch(seen, dtype)
             bound = -(-batch.max_seen // FRAME) * FRAME  # the frame's end: what a graph a frame could use
-            variants = [("default: pages of 16, planned, region", 16, 0, True, REGION),
-                        ("pages of 16, call plans", 16, 0, False, REGION),
-                        ("pages of 16, planned, frame's bound", 16, 0, True, bound)]
-            variants += [(f"pages of 16, {s} split(s)", 16, s, True, REGION) for s in (1, 2, 4, 8, 16, 32)]
-            variants += [(f"pages of {p}", p, 0, True, REGION) for p in (256, 960, 1024)]
-            variants += [("unpaged (cu_seqlens_k + seqused_k)", None, 0, True, REGION),
-                         ("unpaged, call plans", None, 0, False, REGION),
-                         ("unpaged, frame's bound", None, 0, True, bound)]
-            variants += [(f"unpaged, {s} split(s)", None, s, True, REGION) for s in (1, 4, 16)]
             reference = None
-            for name, page, splits, planned, max_k in variants:
+            for name, v in variants(bound, args.variants):
                 row = {"rows": rows, "cache": "fp8" if dtype == FP8 else "bf16", "variant": name,
-                       "max_seqlen_k": max_k, "mean_keys": round(sum(seen) / rows)}
+                       "max_seqlen_k": v.get("max_k", REGION), "mean_keys": round(sum(seen) / rows)}
                 try:
-                    step = variant_step(batch, page, splits, planned, max_k)
+                    step = variant_step(batch, v)
                     batch.out.fill_(float("nan"))
                     step(0)
                     torch.cuda.synchronize()

@@ -65,7 +65,8 @@
 #          ONE_AFTER=decoder: `writer_parts.py`, the tokenizer's decoder alone on the pair's host (~2 minutes);
 #          ONE_AFTER=blocks (with ONE_PAIR=0): vLLM's KV-cache block size 16 / 256 / 64, terra's attention and FA3,
 #          tokens only, 128 scenarios of 25 frames (~15 minutes);
-#          ONE_FIRST=flash: `gpu_flash_decode.py` before the pair (issue 41, ~2 minutes); ONE_WARM=1: a short
+#          ONE_FIRST=flash: `gpu_flash_decode.py` (its layouts: FA3 on the batch layout, pack_gqa, FA4) before the
+#          pair (issue 41, ~2 minutes); ONE_WARM=1: a short
 #          tokens-only run before the pair, so that neither meets a cold host;
 #   flashpage  (in the call, after start1's runs) 32 sessions, the fp8 cache in FlashAttention pages of 256 and of
 #          16, then a 32-row profile in pages of 256 (~5 minutes);

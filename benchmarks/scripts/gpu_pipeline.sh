@@ -70,6 +70,8 @@
 #          tokens-only run before the pair, so that neither meets a cold host;
 #   flashpage  (in the call, after start1's runs) 32 sessions, the fp8 cache in FlashAttention pages of 256 and of
 #          16, then a 32-row profile in pages of 256 (~5 minutes);
+#   flashlayout  (in the call) FA3's batch layout (TERRA_SINGLE_STREAM_FLASH_LAYOUT=batch) against pages of 256:
+#          32-row profiles, then 32 sessions, fp8 cache (~5 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -679,6 +681,19 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     done
     timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 --kv-cache-dtype fp8 \
       --out "$OUT/profile-page256.json" > "$OUT/profile-page256.log" 2>&1; tail -25 "$OUT/profile-page256.log" ;;
+  flashlayout)
+    # in the call: FA3's batch layout in the product (TERRA_SINGLE_STREAM_FLASH_LAYOUT=batch, not yet measured)
+    # against its pages of 256: a 32-row step's kernels at 10-frame contexts, then 32 sessions on the driver
+    # alone, fp8 cache (~5 minutes; logs into $OUT)
+    for layout in batch paged; do
+      TERRA_SINGLE_STREAM_FLASH_LAYOUT=$layout timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --profile 32 \
+        --profile-context 10 --kv-cache-dtype fp8 --out "$OUT/profile-$layout.json" > "$OUT/profile-$layout.log" 2>&1
+      echo "profile $layout exit $?"; tail -3 "$OUT/profile-$layout.log"
+    done
+    for layout in batch paged; do
+      TERRA_SINGLE_STREAM_FLASH_LAYOUT=$layout timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 \
+        --frames 8 --think-ms 30 --kv-cache-dtype fp8 --out "$OUT/sessions-$layout.json" 2>&1 | tail -4
+    done ;;
   await)
     await_background pipe "${AWAIT_S:-540}"
     await_background top 0

@@ -13,6 +13,7 @@ from terra_cli.backends.row_batch import MAX_ROWS, ROW_BUCKETS, RowBatchDecoder,
 from terra_cli.backends.single_stream import SingleStreamDecoder
 from terra_cli.models.modeling_hf import load_model
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
+from test_single_stream import causal_attention
 
 CODES, VOCAB, FRAMES = 40, 64, 5
 
@@ -141,16 +142,11 @@ def paged_varlen_sequences(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
     out = []
     for s in range(block_table.shape[0]):
         qs = q[int(cu_seqlens_q[s]):int(cu_seqlens_q[s + 1])]
-        used, n = int(seqused_k[s]), qs.shape[0]
-        assert n <= max_seqlen_q
+        used = int(seqused_k[s])
+        assert qs.shape[0] <= max_seqlen_q
         keys = k[block_table[s].long()].flatten(0, 1)[:used]
         values = v[block_table[s].long()].flatten(0, 1)[:used]
-        group = qs.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs.float(), keys.float()) * softmax_scale
-        visible = torch.arange(used)[None, :] <= (used - n + torch.arange(n))[:, None]
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out.append(torch.einsum("hqk,khd->qhd", weights, values.float()).to(q.dtype))
+        out.append(causal_attention(qs, keys, values, softmax_scale))
     return torch.cat(out)
 
 

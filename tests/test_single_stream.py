@@ -206,6 +206,18 @@ def test_the_layer_projections_switch_is_checked_and_needs_a_device_that_runs_th
     assert ops.projections == "linear" and ops.decode is ops.eager
 
 
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """One sequence's attention, written plainly: q (n, heads, d) over its keys and values (used, KV, d),
+    query heads sharing KV heads in groups, the causal mask aligned to the bottom right."""
+    used, n = keys.shape[0], q.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * softmax_scale
+    visible = torch.arange(used)[None, :] <= (used - n + torch.arange(n))[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, values.float()).to(q.dtype)
+
+
 def paged_varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table,
                            softmax_scale, causal, fa_version, scheduler_metadata=None):
     """FlashAttention's `flash_attn_varlen_func` contract for one sequence, written plainly: keys
@@ -219,13 +231,7 @@ def paged_varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
     used = int(seqused_k[0])
     keys = k[block_table[0].long()].flatten(0, 1)[:used]  # (used, KV, d)
     values = v[block_table[0].long()].flatten(0, 1)[:used]
-    group = q.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * softmax_scale
-    n = q.shape[0]
-    visible = torch.arange(used)[None, :] <= (used - n + torch.arange(n))[:, None]
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", weights, values.float()).to(q.dtype)
+    return causal_attention(q, keys, values, softmax_scale)
 
 
 def batch_layout_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, kv_batch_idx, softmax_scale,
@@ -238,15 +244,9 @@ def batch_layout_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
     out = []
     for s in range(seqused_k.shape[0]):
         qs = q[int(cu_seqlens_q[s]):int(cu_seqlens_q[s + 1])]
-        used, n = int(seqused_k[s]), qs.shape[0]
-        assert n <= max_seqlen_q
-        keys, values = k[int(kv_batch_idx[s]), :used], v[int(kv_batch_idx[s]), :used]
-        group = qs.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs.float(), keys.float()) * softmax_scale
-        visible = torch.arange(used)[None, :] <= (used - n + torch.arange(n))[:, None]
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out.append(torch.einsum("hqk,khd->qhd", weights, values.float()).to(q.dtype))
+        used = int(seqused_k[s])
+        assert qs.shape[0] <= max_seqlen_q
+        out.append(causal_attention(qs, k[int(kv_batch_idx[s]), :used], v[int(kv_batch_idx[s]), :used], softmax_scale))
     return torch.cat(out)
 
 

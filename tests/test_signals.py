@@ -72,7 +72,7 @@ def test_sigterm_ends_a_large_scenario_bench_within_seconds_and_removes_its_fold
     finally:
         proc.kill()
     assert time.monotonic() - signalled < 20
-    assert proc.returncode == 130
+    assert proc.returncode == 130, proc.stderr.read()[-3000:]  # (exit 1 once in CI, 2026-12-06: its line shows why)
     assert list(temp.iterdir()) == []  # the temporary folder is gone with everything in it
 
 

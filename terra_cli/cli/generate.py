@@ -29,7 +29,7 @@ ONE_VIDEO_FRAMES = 25  # --frames of one video when not given (a scenario line h
         "  terra generate out.mp4 --actions left --draft previous-frame --draft-tokens 4   # several codes per engine step\n\n"
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --max-rollouts 256 --kv-cache-dtype fp8\n\n"
         "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --writers 2   # two processes make the mp4s\n\n"
-        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --videos-at-end   # one GPU: tokens first\n\n"
+        "  terra generate --scenarios scenarios.jsonl --out-dir videos/ --videos-at-end\n\n"
         "  terra generate --scenarios act_bench.jsonl --image-root /data/nuscenes --out-dir actbench/ \\\n"
         "      --model turing-motors/Terra --data-parallel 2      # scorer-ready NUSCENES_ACTION_*.mp4, 47 frames\n\n"
         "  terra generate out.mp4 --model turing-motors/Terra --context frames/ --actions left --frames 47 \\\n"

@@ -26,6 +26,7 @@ import torch
 
 # the same CUDA-graph timing as the paged-attention probe beside this one (LAYERS calls a replay)
 from gpu_paged_attention import time_graph  # noqa: E402
+from terra_cli.backends.flash_cache import fa3_forward  # noqa: E402  (the repo root is on the path since the line above)
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 4, 64, 22
 FRAME = 582  # 576 codes + 6 action slots
@@ -66,16 +67,6 @@ class Batch:
         return torch.arange(self.rows * per_row, dtype=torch.int32, device="cuda").view(self.rows, per_row)
 
 
-def fa3_op(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_k, block_table, kv_batch_idx, plan, splits, pack_gqa):
-    """FlashAttention-3's op as vLLM 0.25's `flash_attn_varlen_func` calls it (its argument list, read from
-    vllm/vllm_flash_attn/flash_attn_interface.py), with what that wrapper does not pass: keys in the batch
-    layout (B, S, KV, d) with `seqused_k` (the wrapper refuses them without pages), `kv_batch_idx`, `pack_gqa`."""
-    return torch.ops._vllm_fa3_C.fwd(
-        q, k, v, None, None, None, out, cu_seqlens_q, None, None, None, seqused_k, 1, max_seqlen_k, block_table,
-        kv_batch_idx, None, None, None, None, None, None, None, SCALE, True, -1, -1, 0.0, True, plan, splits, pack_gqa,
-        0, None, 1, 0, None)
-
-
 def variant_step(batch: Batch, v: dict):
     """One layer's call of variant `v`: `layout` "paged" (pages of `page`, through vLLM's wrapper unless `direct`)
     or "batch" (the rows' regions as (rows, REGION, KV, d), FA3's op directly); `splits` (0: the plan's), `planned`
@@ -99,8 +90,9 @@ def variant_step(batch: Batch, v: dict):
         shape = (-1, page, KV_HEADS, HEAD_DIM) if page is not None else (batch.rows, REGION, KV_HEADS, HEAD_DIM)
         keys, values = keys.view(shape), values.view(shape)
         if direct:
-            fa3_op(batch.query, keys, values, batch.out, batch.query_starts, batch.seen, max_k, table, None, plan,
-                   splits, pack_gqa)
+            fa3_forward(batch.query, keys, values, cu_seqlens_q=batch.query_starts, seqused_k=batch.seen, max_seqlen_q=1,
+                        max_seqlen_k=max_k, softmax_scale=SCALE, block_table=table, scheduler_metadata=plan,
+                        num_splits=splits, pack_gqa=pack_gqa, out=batch.out)
         else:
             flash_attn_varlen_func(batch.query, keys, values, max_seqlen_q=1, cu_seqlens_q=batch.query_starts,
                                    max_seqlen_k=max_k, seqused_k=batch.seen, block_table=table, softmax_scale=SCALE,

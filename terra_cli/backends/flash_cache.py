@@ -52,17 +52,26 @@ def flash_layout(environ=None) -> str:
     return choice_switch(FLASH_LAYOUT_ENV, ("paged", "batch"), "batch (to compare) or paged", environ) or "paged"
 
 
+def fa3_forward(q, k, v, *, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal=True,
+                block_table=None, kv_batch_idx=None, scheduler_metadata=None, num_splits=0, pack_gqa=None, out=None):
+    """FlashAttention-3's op with what vLLM's wrapper does not pass: `seqused_k` without a page table,
+    `kv_batch_idx`, `pack_gqa`. The positional list is vLLM 0.25's own call of the op
+    (`vllm_flash_attn.flash_attn_varlen_func`), written once here."""
+    result, *_ = torch.ops._vllm_fa3_C.fwd(
+        q, k, v, None, None, None, out, cu_seqlens_q, None, None, None, seqused_k, max_seqlen_q, max_seqlen_k,
+        block_table, kv_batch_idx, None, None, None, None, None, None, None, softmax_scale, causal, -1, -1, 0.0, True,
+        scheduler_metadata, num_splits, pack_gqa, 0, None, 1, 0, None)
+    return result
+
+
 def fa3_batch_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, kv_batch_idx, softmax_scale,
                         causal, scheduler_metadata=None):
     """FlashAttention-3's op on keys in the batch layout: q (total queries, heads, d) in sequences of
     `cu_seqlens_q`; k, v (cache rows, region, KV, d), sequence s reading row `kv_batch_idx[s]`'s first
-    `seqused_k[s]` keys. The argument list is vLLM 0.25's (`vllm_flash_attn.flash_attn_varlen_func`'s call
-    of the same op), with `kv_batch_idx` given and no page table."""
-    out, *_ = torch.ops._vllm_fa3_C.fwd(
-        q, k, v, None, None, None, None, cu_seqlens_q, None, None, None, seqused_k, max_seqlen_q, max_seqlen_k,
-        None, kv_batch_idx, None, None, None, None, None, None, None, softmax_scale, causal, -1, -1, 0.0, True,
-        scheduler_metadata, 0, None, 0, None, 1, 0, None)
-    return out
+    `seqused_k[s]` keys, no page table."""
+    return fa3_forward(q, k, v, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, kv_batch_idx=kv_batch_idx,
+                       scheduler_metadata=scheduler_metadata)
 
 
 def flash_batch_kernel(version: int):

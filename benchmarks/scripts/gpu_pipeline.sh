@@ -66,7 +66,7 @@
 #          ONE_AFTER=blocks (with ONE_PAIR=0): vLLM's KV-cache block size 16 / 256 / 64, terra's attention and FA3,
 #          tokens only, 128 scenarios of 25 frames (~15 minutes);
 #          ONE_FIRST=flash: `gpu_flash_decode.py` (its layouts: FA3 on the batch layout, pack_gqa, FA4) before the
-#          pair (issue 41, ~2 minutes); ONE_WARM=1: a short
+#          pair (issue 41, ~2 minutes); ONE_FIRST=flashlayout: the flashlayout case below, first; ONE_WARM=1: a short
 #          tokens-only run before the pair, so that neither meets a cold host;
 #   flashpage  (in the call, after start1's runs) 32 sessions, the fp8 cache in FlashAttention pages of 256 and of
 #          16, then a 32-row profile in pages of 256 (~5 minutes);
@@ -438,6 +438,11 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     if [ "${ONE_FIRST:-}" = flash ]; then
       timeout 240 python3 benchmarks/scripts/gpu_flash_decode.py --out "$OUT/flash_decode.json" \
         > "$OUT/flash_decode.log" 2>&1; echo "flash_decode exit $?" >> "$STEP_LOG"
+    fi
+    # ONE_FIRST=flashlayout: the `flashlayout` case below in this run (~5 minutes), so a lease is one start1
+    if [ "${ONE_FIRST:-}" = flashlayout ]; then
+      bash benchmarks/scripts/gpu_pipeline.sh flashlayout > "$OUT/flashlayout.log" 2>&1
+      echo "flashlayout exit $?" >> "$STEP_LOG"
     fi
     # ONE_WARM=1: a short tokens-only run before the pair, so that neither of the pair meets a cold host (on
     # 2026-12-06 the first run's first minute ran its steps at 25 ms against 7-10 ms after)

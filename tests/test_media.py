@@ -157,6 +157,42 @@ def test_npy_headers_are_checked_before_loading(tmp_path):
             read_npy(tmp_path / name, "tokens", max_items=None if name == "huge.npy" else 5)
 
 
+def test_npy_arrays_read_in_any_layout_and_byte_order_and_headers_parsed_one_at_a_time(tmp_path, monkeypatch):
+    """The data is read after the one header parse, so every layout numpy writes must come back equal;
+    and the header parses take turns: numpy's ast parse is not thread-safe on CPython 3.11 before
+    3.11.8 ("AST constructor recursion depth mismatch" in this project's CI, from the read-ahead
+    threads)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from terra_cli.media import files
+
+    arrays = {"c.npy": np.arange(24, dtype=np.int32).reshape(2, 3, 4),
+              "fortran.npy": np.asfortranarray(np.arange(12, dtype=np.int64).reshape(3, 4)),
+              "big-endian.npy": np.arange(6, dtype=">u2").reshape(2, 3),
+              "no-rows.npy": np.zeros((0, 576), dtype=np.uint16)}
+    for name, array in arrays.items():
+        np.save(tmp_path / name, array)
+        got = files.read_npy(tmp_path / name, "tokens")
+        assert got.dtype == array.dtype and got.shape == array.shape and np.array_equal(got, array), name
+
+    inside, most = [0], [0]
+    parse = np.lib.format.read_array_header_1_0
+
+    def slow_parse(f, *args, **kwargs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.01)  # room for another thread to come in
+        inside[0] -= 1
+        return parse(f, *args, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "read_array_header_1_0", slow_parse)
+    with ThreadPoolExecutor(8) as pool:
+        read = list(pool.map(lambda _: files.read_npy(tmp_path / "c.npy", "tokens"), range(32)))
+    assert all(np.array_equal(r, arrays["c.npy"]) for r in read)
+    assert most[0] == 1, f"{most[0]} header parses ran at once"
+
+
 def test_a_placed_video_is_synced_to_disk_and_a_scratch_video_for_bytes_is_not(tmp_path, monkeypatch):
     """video_bytes' file is read back at once and removed (the process that places the bytes syncs
     its own file): syncing it only added disk writes while a wave of videos finished at once."""

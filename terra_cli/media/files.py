@@ -8,8 +8,10 @@ the server and the Ray runners all call it before any `open()`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,25 @@ def resolve_path(path: str | os.PathLike, what: str, *, error: type[UserError] =
         raise error(f"cannot use {what} {shown(path)}: {exc.strerror or exc}") from None
 
 
+# numpy parses a .npy header with ast.literal_eval, and CPython 3.11 before 3.11.8 keeps the AST builder's
+# recursion depth per interpreter, not per thread: two headers parsed at once (the read-ahead threads) can
+# fail with "SystemError: AST constructor recursion depth mismatch" (python/cpython gh-106905; it failed
+# this project's CI on 3.11.7, 2026-12-06). terra's header parses take turns.
+NPY_HEADER_LOCK = threading.Lock()
+
+
+def read_npy_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran_order, dtype) of the .npy file open at its start in `f`, which is left at its data.
+    ValueError for anything but a version 1.0 or 2.0 header numpy can parse."""
+    with NPY_HEADER_LOCK:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            return np.lib.format.read_array_header_1_0(f)
+        if version == (2, 0):
+            return np.lib.format.read_array_header_2_0(f)
+    raise ValueError(f"format version {version}")
+
+
 def read_npy(path: str | os.PathLike, what: str, *, max_items: int | None = None,
              error: type[UserError] = InputError) -> np.ndarray:
     """A plain (non-object) .npy array, with everything a user can get wrong as one `error` line
@@ -44,38 +65,39 @@ def read_npy(path: str | os.PathLike, what: str, *, max_items: int | None = None
     size = check_input_file(path, what, error=error)
     if size == 0:
         raise error(f"{what} {path} is empty")
+    with _opened(path, what, error) as f:
+        try:
+            shape, fortran, dtype = read_npy_header(f)
+        except OSError:
+            raise
+        except Exception as exc:  # numpy parses the header with ast: ValueError, SyntaxError, TokenError, ...
+            raise error(f"cannot read {what} {path} as a .npy array: its header is damaged "
+                        f"({' '.join(str(exc).split())[:120] or type(exc).__name__})") from exc
+        if dtype.hasobject:
+            raise error(f"cannot read {what} {path}: it holds Python objects (dtype {dtype}); "
+                        "terra reads only numeric arrays and never unpickles")
+        items = 1
+        for d in shape:
+            items *= int(d)
+        if max_items is not None and items > max_items:
+            raise error(f"{what} {path} holds an array of shape {shape}, more than terra reads here "
+                        f"(at most {max_items} numbers)")
+        needed = items * dtype.itemsize
+        if f.tell() + needed > size:
+            raise error(f"{what} {path} is truncated: its header promises {needed} bytes of data "
+                        f"(shape {shape}, {dtype}), the file holds {size - f.tell()}")
+        # The data after the header just read (numpy's own load would parse the header again).
+        array = np.fromfile(f, dtype=dtype, count=items)
+    if array.size != items:  # the file shrank since its size was checked
+        raise error(f"{what} {path} is truncated: its header promises {needed} bytes of data")
+    return array.reshape(shape[::-1]).transpose() if fortran else array.reshape(shape)
+
+
+@contextlib.contextmanager
+def _opened(path: Path, what: str, error: type[UserError]):
+    """`path` open for reading, an OSError on the way (opening or reading) as one `error` line."""
     try:
         with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            elif version == (2, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            else:
-                raise ValueError(f"format version {version}")
-            data_start = f.tell()
+            yield f
     except OSError as exc:
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
-    except Exception as exc:  # numpy parses the header with ast: ValueError, SyntaxError, TokenError, ...
-        raise error(f"cannot read {what} {path} as a .npy array: its header is damaged "
-                    f"({' '.join(str(exc).split())[:120] or type(exc).__name__})") from exc
-    if dtype.hasobject:
-        raise error(f"cannot read {what} {path}: it holds Python objects (dtype {dtype}); "
-                    "terra reads only numeric arrays and never unpickles")
-    items = 1
-    for d in shape:
-        items *= int(d)
-    if max_items is not None and items > max_items:
-        raise error(f"{what} {path} holds an array of shape {shape}, more than terra reads here "
-                    f"(at most {max_items} numbers)")
-    needed = items * dtype.itemsize
-    if data_start + needed > size:
-        raise error(f"{what} {path} is truncated: its header promises {needed} bytes of data "
-                    f"(shape {shape}, {dtype}), the file holds {size - data_start}")
-    try:
-        array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise error(f"cannot read {what} {path} as a .npy array: {' '.join(str(exc).split())[:200]}") from exc
-    if not isinstance(array, np.ndarray):  # an .npz archive under a .npy name
-        raise error(f"cannot read {what} {path} as a .npy array: it is an .npz archive")
-    return array

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from terra_cli.errors import InputError
-from terra_cli.media.files import check_input_file
+from terra_cli.media.files import NPY_HEADER_LOCK, check_input_file
 from terra_cli.pipeline.inputs import MAX_TOKEN_ITEMS
 
 
@@ -38,7 +38,8 @@ def check_tokens_file(path: Path, count: int) -> int:
 def _open_tokens(path: Path) -> np.ndarray:
     check_regular_file(path, "context tokens")
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        with NPY_HEADER_LOCK:  # numpy's header parse is not thread-safe on CPython 3.11 (media/files.py)
+            return np.load(path, mmap_mode="r", allow_pickle=False)
     except Exception as exc:  # numpy parses the header with ast: ValueError, SyntaxError, TokenError, ...
         message = " ".join(str(exc).split())[:200]
         raise InputError(f"cannot read {path.name} as a .npy array: {message}") from exc

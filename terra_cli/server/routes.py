@@ -14,6 +14,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocketDisconnected
 
+from terra_cli.media.files import read_npy
 from terra_cli.server.requests import (FieldError, SessionBody, StepBody, VideoBody, check_context_tokens, parse_context,
                                       parse_video, sampling_of)
 from terra_cli.server.sessions import SessionGone
@@ -82,7 +83,7 @@ async def video_frame(video_id: str, index: int, request: Request):
     job = _job(request, video_id)
     if job.status != "done" or job.tokens is None:
         raise ApiError(409, "video_id", f"video job {video_id} is {job.status} or kept no tokens (\"tokens\": true)")
-    tokens = np.load(job.tokens, allow_pickle=False)
+    tokens = read_npy(job.tokens, "the job's tokens")
     if not 0 <= index < tokens.shape[0]:
         raise FieldError("index", f"the video has frames 0..{tokens.shape[0] - 1}", 404)
     picture = await _state(request).engine.pictures.picture(tokens[index], "png")

@@ -150,13 +150,10 @@ def paged_varlen_sequences(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("layout", ["paged", "batch"])
-def test_the_flash_attention_layout_gives_each_rollout_its_own_codes(model, monkeypatch, layout):
+def test_the_flash_attention_layout_gives_each_rollout_its_own_codes(model, monkeypatch):
     """On FlashAttention's paged layout (the kernel's contract standing in for it), with one plan a step and
-    k and v written inside the layer functions at each row's region: the codes of each rollout alone; also
-    read as FA3's batch layout (TERRA_SINGLE_STREAM_FLASH_LAYOUT=batch: each sequence names its cache row)."""
+    k and v written inside the layer functions at each row's region: the codes of each rollout alone."""
     from terra_cli.backends import layer_ops, static_kv
-    from test_single_stream import batch_layout_attention
 
     plans = []
 
@@ -167,16 +164,12 @@ def test_the_flash_attention_layout_gives_each_rollout_its_own_codes(model, monk
 
     monkeypatch.setattr(static_kv, "flash_varlen_kernel", lambda device, dtype: (paged_varlen_sequences, 3))
     monkeypatch.setattr(static_kv, "flash_planner", lambda version: planner)
-    if layout == "batch":
-        monkeypatch.setenv("TERRA_SINGLE_STREAM_FLASH_LAYOUT", "batch")
-        monkeypatch.setattr(static_kv, "flash_batch_kernel", lambda version: batch_layout_attention)
     sampling = Sampling(temperature=0.9)
     batch = [work(6, 2, 4), work(7, 3, 5, first_frame=4), work(8, 1, 3)]
     single = static_kv.StaticKVDecoder(model, compile_layers=False)
     single.ops = layer_ops.LayerOps(model, compile_layers=False, fuse_projections=True)
     decoder = RowBatchDecoder(single, rows=4)
     assert decoder.core.attention == "flash" and decoder.core.fused_cache_write
-    assert (decoder.core.flash.batch_kernel is batch_layout_attention) == (layout == "batch")
     got = decoder.rollouts(batch, sampling)
     # the next frame of each: the rows' caches hold their contexts (their frame ends in one forward)
     continued = [next_frame_of(w, frames, seed) for seed, (w, frames) in enumerate(zip(batch, got))

@@ -234,28 +234,11 @@ def paged_varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
     return causal_attention(q, keys, values, softmax_scale)
 
 
-def batch_layout_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, kv_batch_idx, softmax_scale,
-                           causal, scheduler_metadata=None):
-    """`flash_cache.fa3_batch_attention`'s contract, written plainly: sequence s has queries
-    cu_seqlens_q[s]..cu_seqlens_q[s + 1] and reads cache row kv_batch_idx[s]'s first seqused_k[s] keys of
-    k (rows, region, KV, d); the causal mask is aligned to the bottom right."""
-    assert causal and k.dim() == 4 and k.shape[1] == max_seqlen_k and kv_batch_idx.dtype == torch.int32
-    assert kv_batch_idx.shape == seqused_k.shape == (cu_seqlens_q.shape[0] - 1,)
-    out = []
-    for s in range(seqused_k.shape[0]):
-        qs = q[int(cu_seqlens_q[s]):int(cu_seqlens_q[s + 1])]
-        used = int(seqused_k[s])
-        assert qs.shape[0] <= max_seqlen_q
-        out.append(causal_attention(qs, k[int(kv_batch_idx[s]), :used], v[int(kv_batch_idx[s]), :used], softmax_scale))
-    return torch.cat(out)
-
-
 def plan_for_keys_seen(*, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
                        qkv_dtype, cu_seqlens_q, page_size, causal):
     """FlashAttention-3's `get_scheduler_metadata` contract, standing in for it on the CPU: the plan
     records what it was made for, which `paged_varlen_attention` checks."""
-    paged = flash_cache.flash_layout() == "paged"
-    assert batch_size == 1 and causal and page_size == (flash_cache.flash_page() if paged else None)
+    assert batch_size == 1 and causal and page_size == flash_cache.flash_page()
     assert cu_seqlens_q.tolist() == [0, max_seqlen_q]
     return torch.tensor([int(cache_seqlens[0]), max_seqlen_q])
 
@@ -268,29 +251,24 @@ def fake_flash_attention(monkeypatch, kernel=paged_varlen_attention, planner=pla
     monkeypatch.setattr(static_kv, "flash_planner", lambda version: planner if version == 3 else None)
 
 
-@pytest.mark.parametrize("draft_tokens,page", [(0, "256"), (4, "256"), (0, "16"), (4, "16"), (0, "batch"), (4, "batch")])
+@pytest.mark.parametrize("draft_tokens,page", [(0, "256"), (4, "256"), (0, "16"), (4, "16")])
 def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch, draft_tokens, page):
     """The cache as FlashAttention's paged layout (what CUDA runs when vLLM's kernel is present),
     with the kernel's documented contract standing in for it: the block table, `seqused_k` and
     the per-step query rows the decoder passes give the reference's greedy codes, one code per
-    step and with Jacobi windows, in pages of 256 (the default) and of 16 (the lab switch), and read
-    as FA3's batch layout without pages (TERRA_SINGLE_STREAM_FLASH_LAYOUT=batch, its op's contract)."""
+    step and with Jacobi windows, in pages of 256 (the default) and of 16 (the lab switch)."""
     from terra_cli.backends import static_kv
     from terra_cli.backends.single_stream import SingleStreamDecoder
 
     fake_flash_attention(monkeypatch)
-    if page == "batch":
-        monkeypatch.setenv(flash_cache.FLASH_LAYOUT_ENV, "batch")
-        monkeypatch.setattr(static_kv, "flash_batch_kernel", lambda version: batch_layout_attention)
-    else:
-        monkeypatch.setenv(flash_cache.FLASH_PAGE_ENV, page)
+    monkeypatch.setenv(flash_cache.FLASH_PAGE_ENV, page)
     context, actions = inputs(seed=4)
     decoder = SingleStreamDecoder(model, draft_tokens=draft_tokens)
     decoder.core = static_kv.StaticKVDecoder(model, compile_layers=False)
     flash = decoder.core.flash
-    assert decoder.core.attention == "flash" and flash.batch_kernel is (batch_layout_attention if page == "batch" else None)
+    assert decoder.core.attention == "flash"
     assert decoder.core.cache_positions % flash.page == 0 and flash.block_table.shape[1] * flash.page == \
-        decoder.core.cache_positions and flash.page == (256 if page == "batch" else int(page))
+        decoder.core.cache_positions and flash.page == int(page)
     codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
     reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
     np.testing.assert_array_equal(codes, reference)
@@ -348,20 +326,6 @@ def test_the_flash_page_is_256_unless_the_lab_switch_says_16():
         flash_cache.flash_page({flash_cache.FLASH_PAGE_ENV: "64"})
     with pytest.raises(ValueError, match="not whole pages of 256"):
         flash_cache.FlashCacheAttention(None, 3, 1000, torch.device("cpu"), page=256)
-
-
-def test_the_batch_layout_is_a_lab_switch_refused_in_one_line_where_fa3_cannot_run(model, monkeypatch):
-    from terra_cli.backends import static_kv
-    from terra_cli.errors import InputError
-
-    assert flash_cache.flash_layout({}) == "paged" and flash_cache.flash_layout({flash_cache.FLASH_LAYOUT_ENV: "Batch"}) == "batch"
-    with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_FLASH_LAYOUT='pages'"):
-        flash_cache.flash_layout({flash_cache.FLASH_LAYOUT_ENV: "pages"})
-    assert flash_cache.flash_batch_kernel(2) is None and flash_cache.flash_batch_kernel(3) is None  # no FA3 on a CPU
-    fake_flash_attention(monkeypatch)
-    monkeypatch.setenv(flash_cache.FLASH_LAYOUT_ENV, "batch")
-    with pytest.raises(InputError, match="TERRA_SINGLE_STREAM_FLASH_LAYOUT=batch needs FlashAttention-3's op"):
-        static_kv.StaticKVDecoder(model, compile_layers=False)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -26,13 +26,24 @@ import torch
 
 # the same CUDA-graph timing as the paged-attention probe beside this one (LAYERS calls a replay)
 from gpu_paged_attention import time_graph  # noqa: E402
-from terra_cli.backends.flash_cache import fa3_forward  # noqa: E402  (the repo root is on the path since the line above)
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 4, 64, 22
 FRAME = 582  # 576 codes + 6 action slots
 REGION = 15360  # a row's region: divisible by 16..1024 and by FA3's 160/192-key tiles (Terra's is 14,560)
 SCALE = HEAD_DIM ** -0.5
 FP8 = torch.float8_e4m3fn
+
+
+def fa3_forward(q, k, v, *, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal=True,
+                block_table=None, kv_batch_idx=None, scheduler_metadata=None, num_splits=0, pack_gqa=None, out=None):
+    """FlashAttention-3's op with what vLLM's wrapper does not pass: `seqused_k` without a page table,
+    `kv_batch_idx`, `pack_gqa`. The positional list is vLLM 0.25's own call of the op
+    (`vllm_flash_attn.flash_attn_varlen_func`)."""
+    result, *_ = torch.ops._vllm_fa3_C.fwd(
+        q, k, v, None, None, None, out, cu_seqlens_q, None, None, None, seqused_k, max_seqlen_q, max_seqlen_k,
+        block_table, kv_batch_idx, None, None, None, None, None, None, None, softmax_scale, causal, -1, -1, 0.0, True,
+        scheduler_metadata, num_splits, pack_gqa, 0, None, 1, 0, None)
+    return result
 
 
 def log(*args):

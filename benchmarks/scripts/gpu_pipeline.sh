@@ -66,12 +66,10 @@
 #          ONE_AFTER=blocks (with ONE_PAIR=0): vLLM's KV-cache block size 16 / 256 / 64, terra's attention and FA3,
 #          tokens only, 128 scenarios of 25 frames (~15 minutes);
 #          ONE_FIRST=flash: `gpu_flash_decode.py` (its layouts: FA3 on the batch layout, pack_gqa, FA4) before the
-#          pair (issue 41, ~2 minutes); ONE_FIRST=flashlayout: the flashlayout case below, first; ONE_WARM=1: a short
+#          pair (issue 41, ~2 minutes); ONE_WARM=1: a short
 #          tokens-only run before the pair, so that neither meets a cold host;
 #   flashpage  (in the call, after start1's runs) 32 sessions, the fp8 cache in FlashAttention pages of 256 and of
 #          16, then a 32-row profile in pages of 256 (~5 minutes);
-#   flashlayout  (in the call) FA3's batch layout (TERRA_SINGLE_STREAM_FLASH_LAYOUT=batch) against pages of 256:
-#          32-row profiles, then 32 sessions, fp8 cache (~5 minutes);
 #          `await` collects it
 # On two GPUs (nvidia-h200-x2), after `gpu_bundle.sh a1`, `a2`, `b && gpu_side4.sh ref` (carry .gpu/ref: diffusers,
 # uvicorn, h11), `ff`:
@@ -439,11 +437,6 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       timeout 240 python3 benchmarks/scripts/gpu_flash_decode.py --out "$OUT/flash_decode.json" \
         > "$OUT/flash_decode.log" 2>&1; echo "flash_decode exit $?" >> "$STEP_LOG"
     fi
-    # ONE_FIRST=flashlayout: the `flashlayout` case below in this run (~5 minutes), so a lease is one start1
-    if [ "${ONE_FIRST:-}" = flashlayout ]; then
-      bash benchmarks/scripts/gpu_pipeline.sh flashlayout > "$OUT/flashlayout.log" 2>&1
-      echo "flashlayout exit $?" >> "$STEP_LOG"
-    fi
     # ONE_WARM=1: a short tokens-only run before the pair, so that neither of the pair meets a cold host (on
     # 2026-12-06 the first run's first minute ran its steps at 25 ms against 7-10 ms after)
     if [ "${ONE_WARM:-0}" = 1 ]; then
@@ -686,19 +679,6 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     done
     timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 --kv-cache-dtype fp8 \
       --out "$OUT/profile-page256.json" > "$OUT/profile-page256.log" 2>&1; tail -25 "$OUT/profile-page256.log" ;;
-  flashlayout)
-    # in the call: FA3's batch layout in the product (TERRA_SINGLE_STREAM_FLASH_LAYOUT=batch, not yet measured)
-    # against its pages of 256: a 32-row step's kernels at 10-frame contexts, then 32 sessions on the driver
-    # alone, fp8 cache (~5 minutes; logs into $OUT)
-    for layout in batch paged; do
-      TERRA_SINGLE_STREAM_FLASH_LAYOUT=$layout timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --profile 32 \
-        --profile-context 10 --kv-cache-dtype fp8 --out "$OUT/profile-$layout.json" > "$OUT/profile-$layout.log" 2>&1
-      echo "profile $layout exit $?"; tail -3 "$OUT/profile-$layout.log"
-    done
-    for layout in batch paged; do
-      TERRA_SINGLE_STREAM_FLASH_LAYOUT=$layout timeout 110 python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 \
-        --frames 8 --think-ms 30 --kv-cache-dtype fp8 --out "$OUT/sessions-$layout.json" 2>&1 | tail -4
-    done ;;
   await)
     await_background pipe "${AWAIT_S:-540}"
     await_background top 0

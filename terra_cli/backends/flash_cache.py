@@ -2,13 +2,10 @@
 
 The static cache is read as FlashAttention's paged layout: each row's region is a run of pages of
 `flash_page()` positions in order, and `seqused_k` (on the device) says how many keys a row has, so one
-kernel reads exactly the keys so far and one CUDA graph serves every step of every frame. A lab switch
-(`flash_layout`) reads the regions as FlashAttention-3's batch layout instead, with no page table.
+kernel reads exactly the keys so far and one CUDA graph serves every step of every frame.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 
@@ -39,52 +36,10 @@ def flash_page(environ=None) -> int:
     return int(choice_switch(FLASH_PAGE_ENV, FLASH_PAGES, "256 (the default) or 16", environ) or FLASH_PAGES[0])
 
 
-# TERRA_SINGLE_STREAM_FLASH_LAYOUT=batch (a lab switch): the rows' regions as FA3's batch layout, (rows, region,
-# KV, d) with `seqused_k` and `kv_batch_idx`, through FA3's op (vLLM's wrapper takes `seqused_k` only with a page
-# table). Why try it: without a page table FA3 need not gather its key tiles page by page, the part pages of 256
-# already made 17% cheaper for the fp8 cache, which still read at 58% of the bandwidth against bf16's 78%
-# (benchmarks/scripts/gpu_flash_decode.py --variants layouts measures the kernel alone). Not measured yet.
-FLASH_LAYOUT_ENV = "TERRA_SINGLE_STREAM_FLASH_LAYOUT"
-
-
-def flash_layout(environ=None) -> str:
-    """How FlashAttention reads the static cache: "paged" (the default) or "batch" (the lab switch)."""
-    return choice_switch(FLASH_LAYOUT_ENV, ("paged", "batch"), "batch (to compare) or paged", environ) or "paged"
-
-
-def fa3_forward(q, k, v, *, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal=True,
-                block_table=None, kv_batch_idx=None, scheduler_metadata=None, num_splits=0, pack_gqa=None, out=None):
-    """FlashAttention-3's op with what vLLM's wrapper does not pass: `seqused_k` without a page table,
-    `kv_batch_idx`, `pack_gqa`. The positional list is vLLM 0.25's own call of the op
-    (`vllm_flash_attn.flash_attn_varlen_func`), written once here."""
-    result, *_ = torch.ops._vllm_fa3_C.fwd(
-        q, k, v, None, None, None, out, cu_seqlens_q, None, None, None, seqused_k, max_seqlen_q, max_seqlen_k,
-        block_table, kv_batch_idx, None, None, None, None, None, None, None, softmax_scale, causal, -1, -1, 0.0, True,
-        scheduler_metadata, num_splits, pack_gqa, 0, None, 1, 0, None)
-    return result
-
-
-def fa3_batch_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, kv_batch_idx, softmax_scale,
-                        causal, scheduler_metadata=None):
-    """FlashAttention-3's op on keys in the batch layout: q (total queries, heads, d) in sequences of
-    `cu_seqlens_q`; k, v (cache rows, region, KV, d), sequence s reading row `kv_batch_idx[s]`'s first
-    `seqused_k[s]` keys, no page table."""
-    return fa3_forward(q, k, v, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-                       max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, kv_batch_idx=kv_batch_idx,
-                       scheduler_metadata=scheduler_metadata)
-
-
-def flash_batch_kernel(version: int):
-    """`fa3_batch_attention` where FA3's op is loaded (vLLM's GPU build on Hopper), else None."""
-    if version != 3:
-        return None
-    try:
-        importlib.import_module("vllm.vllm_flash_attn")  # loads the op's library
-        if not hasattr(torch.ops._vllm_fa3_C, "fwd"):
-            return None
-    except Exception:  # noqa: BLE001 - not installed, or a build without FA3
-        return None
-    return fa3_batch_attention
+# FA3's batch layout (the rows' regions as (rows, region, KV, d) with `kv_batch_idx`, no page table) measured
+# no faster than pages of 256 in the product (32-row fp8 step: FA3 1.065 against 1.057 ms; 32 sessions 0.541
+# against 0.545 frames/s each; one H100, 2026-12-06): the lab switch was taken out again, and
+# benchmarks/scripts/gpu_flash_decode.py keeps the op's call.
 
 
 def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
@@ -130,16 +85,13 @@ class FlashCacheAttention:
     (its row's), or a batched step's first `sequences` rows, one query each."""
 
     def __init__(self, kernel, version: int, cache_positions: int, device: torch.device, planner=None, rows: int = 1,
-                 page: int | None = None, batch_kernel=None):
+                 page: int | None = None):
         page = page or flash_page()
         if cache_positions % page:
             raise ValueError(f"a row's region of {cache_positions} positions is not whole pages of {page}")
         self.kernel, self.version, self.planner, self.page = kernel, version, planner, page
-        # `batch_kernel` (`fa3_batch_attention`, or a stand-in): the regions read in the batch layout, no pages
-        self.batch_kernel = batch_kernel
         blocks = cache_positions // page
         self.block_table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
-        self.row_index = torch.arange(rows, dtype=torch.int32, device=device)  # the batch layout's kv_batch_idx
         self.query_starts: dict[tuple[int, int], torch.Tensor] = {}
         self.max_keys = cache_positions
 
@@ -156,7 +108,7 @@ class FlashCacheAttention:
         return self.planner(batch_size=seen.shape[0], max_seqlen_q=n, max_seqlen_k=self.max_keys, num_heads_q=heads,
                             num_heads_kv=kv_heads, headdim=head_dim, cache_seqlens=seen, qkv_dtype=dtype,
                             cu_seqlens_q=self.starts(n, seen.device, seen.shape[0]),
-                            page_size=None if self.batch_kernel is not None else self.page, causal=True)
+                            page_size=self.page, causal=True)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
                  scale: float, plan: torch.Tensor | None = None, first_row: int = 0,
@@ -166,13 +118,6 @@ class FlashCacheAttention:
         sequences = seen.shape[0]
         n = q.shape[1] // sequences
         planned = {} if plan is None else {"scheduler_metadata": plan}
-        if self.batch_kernel is not None:
-            regions = (-1, self.max_keys) + tuple(keys.shape[2:])
-            index = (self.row_index[first_row:first_row + sequences] if rows is None else rows.to(torch.int32))
-            out = self.batch_kernel(q[0], keys.view(regions), values.view(regions), max_seqlen_q=n,
-                                    cu_seqlens_q=self.starts(n, q.device, sequences), max_seqlen_k=self.max_keys,
-                                    seqused_k=seen, kv_batch_idx=index, softmax_scale=scale, causal=True, **planned)
-            return out.reshape(1, q.shape[1], -1)
         paged = (-1, self.page) + tuple(keys.shape[2:])
         out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n,
                           cu_seqlens_q=self.starts(n, q.device, sequences), max_seqlen_k=self.max_keys, seqused_k=seen,

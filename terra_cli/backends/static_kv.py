@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from terra_cli.backends.flash_cache import (FlashCacheAttention, flash_batch_kernel, flash_layout, flash_page, flash_planner,
-                                            flash_varlen_kernel)
+from terra_cli.backends.flash_cache import FlashCacheAttention, flash_page, flash_planner, flash_varlen_kernel
 from terra_cli.backends.layer_ops import FP8_KV, LayerOps, cache_write, to_cache, write_cache
 from terra_cli.errors import InputError
 from terra_cli.kernels import few_rows_matmul as few_rows
@@ -152,14 +151,8 @@ class StaticKVDecoder:
         if fp8_cache and flash is not None and flash[1] != 3:
             raise InputError("an fp8 KV cache on the single-stream backend needs FlashAttention-3 (a Hopper GPU); "
                              "this GPU runs FlashAttention-2: keep the cache in the model's dtype")
-        batch_kernel = None
-        if flash is not None and flash_layout() == "batch":
-            batch_kernel = flash_batch_kernel(flash[1])
-            if batch_kernel is None:
-                raise InputError("TERRA_SINGLE_STREAM_FLASH_LAYOUT=batch needs FlashAttention-3's op (vLLM's GPU build on "
-                                 "a Hopper GPU): unset it")
-        self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]), rows, page,
-                                          batch_kernel) if flash is not None else None)
+        self.flash = (FlashCacheAttention(*flash, self.cache_positions, self.device, flash_planner(flash[1]), rows, page)
+                      if flash is not None else None)
         self.rows = rows
         self.row_offsets = torch.arange(rows, device=self.device) * self.cache_positions
         self.attention = "flash" if self.flash is not None else "torch"

@@ -109,6 +109,10 @@ def test_video_job_tokens_match_the_reference_and_mp4_is_written(client, checkpo
                                preset_actions("left", 4, 30.0), 4, Sampling(seed=5))[0]
     np.testing.assert_array_equal(tokens, expected)
     assert client.get("/v1/videos").json()["videos"]
+    # a frame of the kept tokens as a picture (read back through terra's .npy reader), and past the last one a 404
+    assert client.get(f"/v1/videos/{job['id']}/frames/3").content[:4] == b"\x89PNG"
+    past = client.get(f"/v1/videos/{job['id']}/frames/4")
+    assert past.status_code == 404 and "frames 0..3" in past.text, past.text
 
 
 def test_cancel_a_running_job(client):

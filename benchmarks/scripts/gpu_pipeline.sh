@@ -638,11 +638,15 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       # vLLM's KV-cache block size for many rollouts (issue 37's engine; 2026-12-06: FA3's fp8 decode over the
       # single-stream cache ran 17% faster in pages of 256 than of 16): tokens only, 128 scenarios of 25 frames,
       # fp8 cache, terra's kernel (the default) and FlashAttention-3, blocks of 16 (vLLM's) against 256 and 64
-      # (~3 minutes each, within RUN_S; BLOCK_VARIANTS names fewer)
+      # (~3 minutes each, within RUN_S; BLOCK_VARIANTS names fewer, or a variant twice for paired repeats;
+      # BLOCK_FRAMES 47 is ACT-Bench's shape)
+      run=0
       for variant in ${BLOCK_VARIANTS:-terra-16 terra-256 vllm-16 vllm-256 terra-64}; do
-        timeout "${BLOCK_RUN_S:-240}" terra bench --scenarios "${NBLOCK:-128}" --frames 25 --kv-cache-dtype fp8 \
-          --attention "${variant%-*}" --vllm-arg "block_size=${variant#*-}" --out "$OUT/blocks-$variant.json" \
-          > "$OUT/blocks-$variant.log" 2>&1; echo "blocks $variant exit $?" >> "$STEP_LOG"
+        run=$((run + 1))
+        timeout "${BLOCK_RUN_S:-240}" terra bench --scenarios "${NBLOCK:-128}" --frames "${BLOCK_FRAMES:-25}" \
+          --kv-cache-dtype fp8 --attention "${variant%-*}" --vllm-arg "block_size=${variant#*-}" \
+          --out "$OUT/blocks-$run-$variant.json" > "$OUT/blocks-$run-$variant.log" 2>&1
+        echo "blocks $run $variant exit $?" >> "$STEP_LOG"
       done
     elif [ "${ONE_AFTER:-probes}" = decoder ]; then
       # the tokenizer's decoder alone on the host of the pair (eager and compiled, batches of 8 and 16)

@@ -150,8 +150,10 @@ def test_npy_headers_are_checked_before_loading(tmp_path):
     (tmp_path / "garbage.npy").write_bytes(b"\x93NUMPY\x01\x00" + (70).to_bytes(2, "little") + b"(" * 69 + b"\n")
     np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     (tmp_path / "empty.npy").write_bytes(b"")
+    np.savez(tmp_path / "archive.npz", tokens=np.arange(6))
+    (tmp_path / "archive.npz").rename(tmp_path / "archive.npy")
     cases = {"huge.npy": "is truncated", "garbage.npy": "header is damaged", "objects.npy": "Python objects",
-             "empty.npy": "is empty", "ok.npy": "more than terra reads"}
+             "empty.npy": "is empty", "ok.npy": "more than terra reads", "archive.npy": "it is an .npz archive"}
     for name, message in cases.items():
         with pytest.raises(InputError, match=message):
             read_npy(tmp_path / name, "tokens", max_items=None if name == "huge.npy" else 5)

@@ -71,6 +71,10 @@ def read_npy(path: str | os.PathLike, what: str, *, max_items: int | None = None
         except OSError:
             raise
         except Exception as exc:  # numpy parses the header with ast: ValueError, SyntaxError, TokenError, ...
+            f.seek(0)
+            if f.read(4) == b"PK\x03\x04":  # a zip: np.savez's archive under a .npy name
+                raise error(f"cannot read {what} {path} as a .npy array: it is an .npz archive (save one array "
+                            "with numpy.save)") from None
             raise error(f"cannot read {what} {path} as a .npy array: its header is damaged "
                         f"({' '.join(str(exc).split())[:120] or type(exc).__name__})") from exc
         if dtype.hasobject:

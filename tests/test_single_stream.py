@@ -238,8 +238,7 @@ def plan_for_keys_seen(*, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, n
                        qkv_dtype, cu_seqlens_q, page_size, causal):
     """FlashAttention-3's `get_scheduler_metadata` contract, standing in for it on the CPU: the plan
     records what it was made for, which `paged_varlen_attention` checks."""
-    assert batch_size == 1 and causal and page_size == flash_cache.flash_page()
-    assert cu_seqlens_q.tolist() == [0, max_seqlen_q]
+    assert batch_size == 1 and causal and page_size == flash_cache.flash_page() and cu_seqlens_q.tolist() == [0, max_seqlen_q]
     return torch.tensor([int(cache_seqlens[0]), max_seqlen_q])
 
 
@@ -265,10 +264,9 @@ def test_the_flash_attention_layout_gives_the_reference_codes(model, monkeypatch
     context, actions = inputs(seed=4)
     decoder = SingleStreamDecoder(model, draft_tokens=draft_tokens)
     decoder.core = static_kv.StaticKVDecoder(model, compile_layers=False)
-    flash = decoder.core.flash
-    assert decoder.core.attention == "flash"
-    assert decoder.core.cache_positions % flash.page == 0 and flash.block_table.shape[1] * flash.page == \
-        decoder.core.cache_positions and flash.page == int(page)
+    assert decoder.core.attention == "flash" and decoder.core.flash.page == int(page)
+    assert decoder.core.cache_positions % int(page) == 0 and decoder.core.flash.block_table.shape[1] * int(page) == \
+        decoder.core.cache_positions
     codes = decoder.rollout(context[0], actions[0], FRAMES, Sampling(temperature=0), 0)
     reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], FRAMES, Sampling(temperature=0))[0]
     np.testing.assert_array_equal(codes, reference)

@@ -107,8 +107,7 @@ class FlashCacheAttention:
             return None
         return self.planner(batch_size=seen.shape[0], max_seqlen_q=n, max_seqlen_k=self.max_keys, num_heads_q=heads,
                             num_heads_kv=kv_heads, headdim=head_dim, cache_seqlens=seen, qkv_dtype=dtype,
-                            cu_seqlens_q=self.starts(n, seen.device, seen.shape[0]),
-                            page_size=self.page, causal=True)
+                            cu_seqlens_q=self.starts(n, seen.device, seen.shape[0]), page_size=self.page, causal=True)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
                  scale: float, plan: torch.Tensor | None = None, first_row: int = 0,
@@ -117,8 +116,8 @@ class FlashCacheAttention:
         queries each; keys/values (1, positions, KV, d); seen (S,) int32 -> (1, S * n, heads * d)."""
         sequences = seen.shape[0]
         n = q.shape[1] // sequences
-        planned = {} if plan is None else {"scheduler_metadata": plan}
         paged = (-1, self.page) + tuple(keys.shape[2:])
+        planned = {} if plan is None else {"scheduler_metadata": plan}
         out = self.kernel(q[0], keys.view(paged), values.view(paged), max_seqlen_q=n,
                           cu_seqlens_q=self.starts(n, q.device, sequences), max_seqlen_k=self.max_keys, seqused_k=seen,
                           block_table=(self.block_table[first_row:first_row + sequences] if rows is None

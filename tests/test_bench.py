@@ -678,3 +678,23 @@ def test_env_bench_steps_and_forks_on_the_reference_and_writes_json_once(tmp_pat
     assert again.exit_code == 2 and "--overwrite" in again.output
     bad = CliRunner().invoke(app, args[:8] + ["7"] + args[9:] + ["--overwrite"])
     assert bad.exit_code == 2 and "--fork-from must be from 3 to 6" in bad.output
+
+
+def test_env_bench_without_gymnasium_is_one_line_before_anything_loads(tmp_path, monkeypatch):
+    """On a host without the env extra (the GPU hosts' bundles, 2026-12-06) `bench --env` loaded and stepped
+    an engine, then failed on gymnasium's import as "a bug in terra". The extra is checked first now."""
+    import sys
+
+    from typer.testing import CliRunner
+
+    from terra_cli.cli import app
+
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # import gymnasium -> ImportError
+    monkeypatch.setenv("TERRA_CACHE", str(tmp_path / "cache"))
+    result = CliRunner().invoke(app, ["bench", "--env", "2", "--backend", "hf", "--device", "cpu", "--out",
+                                      str(tmp_path / "env.json")])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --env 2 runs terra's closed-loop simulator, which needs gymnasium, not installed: "
+        "pip install 'terra-cli[env]'"]
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "env.json").exists()  # no random model was built

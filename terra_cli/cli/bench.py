@@ -174,9 +174,11 @@ def bench(
     if env:
         from terra_cli.bench.env import EnvBenchPlan
         from terra_cli.cli.bench_env import env_bench
+        from terra_cli.env import require_gymnasium
         from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
 
         check_backend_options(resolve_backend_name(backend), vllm_options)  # the other measures check in their jobs
+        require_gymnasium(f"--env {env}")
 
         return env_bench(model, EnvBenchPlan(env, steps, context_frames, branches, fork_from, backend, device, dtype,
                                              temperature, seed, vllm_options), out_json, overwrite)

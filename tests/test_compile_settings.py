@@ -190,7 +190,7 @@ def test_the_decode_aheads_first_batch_says_its_cache_lookups(hit):
     Inductor's compile workers)."""
     import numpy as np
 
-    from terra_cli.scenarios.writer_process import FrameStore
+    from terra_cli.scenarios.frame_store import FrameStore
 
     store = FrameStore(LookingUpDecoder(hit), held_frames=100)
     store.add("a", 0, np.zeros((4, 4), dtype=np.int64))

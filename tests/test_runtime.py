@@ -37,7 +37,7 @@ def test_the_decode_aheads_compile_mode_comes_from_its_lab_switch_and_reaches_to
 
     import torch
 
-    from terra_cli.scenarios import writer_process
+    from terra_cli.scenarios import frame_store
     from tokenizer_decoder.tokenizer import ImageTokenizer
 
     assert runtime.decoder_compile_mode_asked({}) is None
@@ -54,7 +54,7 @@ def test_the_decode_aheads_compile_mode_comes_from_its_lab_switch_and_reaches_to
     decoder.device, decoder._compiled_decode = torch.device("cuda", 0), None
     decoder.model = types.SimpleNamespace(decode=lambda codes: codes)
     monkeypatch.setenv("TERRA_DECODER_COMPILE_MODE", "max-autotune-no-cudagraphs")
-    assert writer_process.compile_decoder(decoder) is True
+    assert frame_store.compile_decoder(decoder) is True
     assert compiled == [(False, "max-autotune-no-cudagraphs")]
 
 

@@ -532,7 +532,7 @@ def test_frames_decoded_ahead_make_the_video_a_whole_decode_makes(tokenizer_dir)
     """FrameStore (in a writer process): frames decoded as they arrive, a few at a time, give the
     pixels a decode of the whole finished video gives; a frame whose tokens changed is decoded again;
     past the memory cap, frames wait for their video to finish."""
-    from terra_cli.scenarios.writer_process import FrameStore
+    from terra_cli.scenarios.frame_store import FrameStore
 
     tokenizer = load(tokenizer_dir)
     rng = np.random.default_rng(3)
@@ -582,7 +582,7 @@ def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(to
     tokenizer.batch_size = 4
     original = tokenizer.decode_tokens
     calls = counted_decodes(tokenizer)  # rows each decode call received (before padding)
-    from terra_cli.scenarios.writer_process import FrameStore
+    from terra_cli.scenarios.frame_store import FrameStore
 
     store = FrameStore(tokenizer, held_frames=100)
     rng = np.random.default_rng(5)
@@ -634,7 +634,7 @@ def test_videos_ending_together_share_the_batches_of_their_last_frames(tokenizer
     batch waits for more frames). The first video taken decodes its frame with the others' in the
     batch's padding, so the others find theirs decoded: one decode call for the wave's ends, not
     one a video (256 padded batches at a wave end, on a GPU beside the engine)."""
-    from terra_cli.scenarios.writer_process import FrameStore
+    from terra_cli.scenarios.frame_store import FrameStore
 
     tokenizer = load(tokenizer_dir)
     tokenizer.batch_size = 4
@@ -669,6 +669,90 @@ def test_videos_ending_together_share_the_batches_of_their_last_frames(tokenizer
     np.testing.assert_array_equal(frames[0], original(videos["a"][4:5], full_batches=True)[0])
     with pytest.raises(Exception, match=f"got 0?[0-9]*..{tokenizer.codebook_size + 9}"):
         store.take("e", bad)
+
+
+def test_the_drain_decodes_finished_videos_together_and_holds_few_decoded_ones(tokenizer_dir, monkeypatch):
+    """--videos-at-end's drain (`writer_process.drive` once the engine is done): the finished videos'
+    frames are decoded DRAIN_VIDEOS_PER_DECODE videos a call (their batches back to back on a GPU, not
+    a padded batch and an idle gap a video); no more are decoded while DRAIN_READY_PER_ENCODER decoded
+    videos an encoder wait for one; the mp4s are those of each video decoded alone."""
+    from terra_cli.media.frames import video_bytes
+    from terra_cli.scenarios import writer_process
+    from terra_cli.scenarios.frame_store import FrameStore
+
+    assert (writer_process.DRAIN_VIDEOS_PER_DECODE, writer_process.DRAIN_READY_PER_ENCODER) == (4, 2)
+    tokenizer = load(tokenizer_dir)
+    tokenizer.batch_size = 4
+    original = tokenizer.decode_tokens
+    calls = counted_decodes(tokenizer)
+    rng = np.random.default_rng(9)
+    videos = {f"v{i}": rng.integers(0, 512, size=(3, TOKENS)) for i in range(6)}
+    release, encoding = threading.Event(), writer_process._encode
+
+    def held_encode(*args):
+        release.wait(30)
+        encoding(*args)
+
+    monkeypatch.setattr(writer_process, "_encode", held_encode)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    for key, tokens in videos.items():
+        inbox.put(("finish", key, tokens))
+    engine_done = threading.Event()
+    engine_done.set()
+    folder = tempfile.mkdtemp()
+    loop = threading.Thread(target=writer_process.drive, daemon=True,
+                            args=(inbox, FrameStore(tokenizer, held_frames=0), answers.put, 10.0, folder, 1),
+                            kwargs={"engine_done": engine_done})
+    loop.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # a drain that decoded on while its one encoder is held would have by now
+        assert calls == [12]  # four videos' 3 frames each in one call; three of them wait, one is being encoded
+        release.set()
+        done = {}
+        for _ in videos:
+            message = answers.get(timeout=60)
+            assert message[0] == "done", message
+            done[message[1]] = message
+        assert calls == [12, 6]  # the last two, once fewer than two decoded videos waited
+        for key, tokens in videos.items():
+            assert done[key][3] == 3  # every frame decoded after the finish
+            assert done[key][2] == video_bytes(list(original(tokens, full_batches=True)), 10.0, folder), key
+    finally:
+        release.set()
+        inbox.put(None)
+        loop.join(10)
+        shutil.rmtree(folder)
+
+
+def test_a_video_that_fails_in_a_drains_decode_fails_alone(tokenizer_dir):
+    """Videos decoded together (`writer_process.take_finished`): one with a code past the codebook
+    fails that decode; then each video is decoded alone, so it fails with its own message and the
+    others are made, with the pixels of their whole-video decode."""
+    from collections import deque
+
+    from terra_cli.scenarios.frame_store import FrameStore
+    from terra_cli.scenarios.writer_process import take_finished
+
+    tokenizer = load(tokenizer_dir)
+    tokenizer.batch_size = 4
+    original = tokenizer.decode_tokens
+    calls = counted_decodes(tokenizer)
+    rng = np.random.default_rng(10)
+    videos = {f"v{i}": rng.integers(0, 512, size=(3, TOKENS)) for i in range(3)}
+    videos["v1"][2, 5] = tokenizer.codebook_size + 4
+    store, ready, replies = FrameStore(tokenizer, held_frames=0), deque(), []
+    take_finished(store, list(videos.items()), ready, replies.append)
+    assert calls == [9, 3, 3, 3]  # together, then each alone
+    assert [key for key, _, _ in ready] == ["v0", "v2"]
+    assert len(replies) == 1 and replies[0][:2] == ("error", "v1") and f"{tokenizer.codebook_size + 4}" in replies[0][2]
+    for key, frames, late in ready:
+        assert late == 3
+        np.testing.assert_array_equal(np.stack(frames), original(videos[key], full_batches=True))
+    assert store.count == 0 and not store.videos
 
 
 @pytest.mark.parametrize("where", ["processes", "threads"])

@@ -180,6 +180,61 @@ def test_postprocess_gives_terra_generators_bytes_for_every_value(small_tok):
         assert got.dtype == np.uint8 and got.flags.c_contiguous and np.array_equal(got, expected), dtype
 
 
+def test_lagged_host_copies_hand_a_batch_over_once_the_next_is_queued_and_all_at_finish():
+    """decode_tokens on CUDA (tokenizer_decoder/host_copies.py): the host waits for a batch's copy only
+    after the next batch is queued behind it, so the device never idles while the host takes frames out;
+    the batches arrive in order, each whole, and `finish` hands over the rest. The device's parts are
+    stand-ins here (CI has no GPU); tests/test_tokenizer.py's gpu test runs the real ones."""
+    from tokenizer_decoder.host_copies import LaggedHostCopies
+
+    log = []
+
+    class Event:
+        def __init__(self, number):
+            self.number = number
+
+        def synchronize(self):
+            log.append(("wait", self.number))
+
+    class OnStandInDevice(LaggedHostCopies):
+        queued = 0
+
+        def _pinned_like(self, pixels):
+            return torch.empty_like(pixels)
+
+        def _recorded_event(self):
+            self.queued += 1
+            log.append(("queued", self.queued))
+            return Event(self.queued)
+
+    copies = OnStandInDevice(torch.device("cuda"))
+    for number in (1, 2, 3):
+        copies.put(torch.full((2, 3), number, dtype=torch.uint8),
+                   lambda host: log.append(("got", host.tolist())))
+    assert log == [("queued", 1), ("queued", 2), ("wait", 1), ("got", [[1] * 3] * 2),
+                   ("queued", 3), ("wait", 2), ("got", [[2] * 3] * 2)]
+    copies.finish()
+    assert log[-2:] == [("wait", 3), ("got", [[3] * 3] * 2)] and not copies.pending
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_tokens_on_cuda_gives_the_bytes_of_each_batch_decoded_alone():
+    """The lagged copies and the codes made on the device change no byte: every frame equals its
+    batch decoded and brought to the host on its own, padded batches, progress and all."""
+    tok = ImageTokenizer.from_config(small_config(), seed=0, device="cuda", batch_size=4, image_size=SMALL_SIZE)
+    tokens = np.random.default_rng(0).integers(0, tok.codebook_size, size=(11, tok.tokens_per_frame))
+    counts = []
+    frames = tok.decode_tokens(tokens, full_batches=True, on_batch=counts.append)
+    for start in range(0, 11, 4):
+        rows = torch.from_numpy(tokens[start:start + 4])
+        padded = torch.cat([rows, rows[-1:].expand(4 - len(rows), -1)]) if len(rows) < 4 else rows
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+            pixels = tok.model.decode(tok.tokens_to_codes(padded).cuda())
+        assert np.array_equal(frames[start:start + 4], tok.postprocess(pixels[:len(rows)])), start
+    assert counts == [4, 4, 3]
+
+
 def test_decode_tokens_rejects_bad_tokens(small_tok):
     from tokenizer_decoder import TokenizerInputError
 
@@ -283,13 +338,13 @@ def test_cli_tokenize_errors(tmp_path, saved_small_tokenizer):
 def test_full_batches_take_the_compiled_decoder_and_fall_back_to_eager_when_it_fails(monkeypatch):
     """`compile_decoder` sets a decoder for full batches only (static shapes); on the CPU it sets
     none. A compiled decoder that fails is dropped for the eager one, with the reason kept."""
-    from terra_cli.scenarios import writer_process
+    from terra_cli.scenarios import frame_store
 
     tok = ImageTokenizer.from_config(small_config(), seed=0, device="cpu", batch_size=2, image_size=SMALL_SIZE)
     tokens = np.random.default_rng(0).integers(0, tok.codebook_size, size=(3, tok.tokens_per_frame))
     eager = tok.decode_tokens(tokens, full_batches=True)
     assert tok.compile_decoder() is False and tok._compiled_decode is None
-    assert writer_process.compile_decoder(tok) is False  # a CPU decoder stays eager
+    assert frame_store.compile_decoder(tok) is False  # a CPU decoder stays eager
 
     batches = []
 

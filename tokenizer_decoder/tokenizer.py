@@ -23,9 +23,9 @@ from .checkpoint import (
     resolve_checkpoint_dir,
     weight_files,
 )
-
 from .config import TokenizerConfig
 from .errors import CheckpointError, TokenizerInputError, error_summary
+from .host_copies import LaggedHostCopies
 from .modules import LFQTokenizerModel, build_model, expected_shapes, indices_to_codes
 
 FRAME_HEIGHT = 288
@@ -35,8 +35,6 @@ DEFAULT_BATCH_SIZE = 8
 # The reference LFQ's buffers are non-persistent, so a checkpoint should not carry them; when one
 # does (a port that made them persistent), they are checked against what they must hold and dropped.
 _OPTIONAL_QUANTIZE_KEYS = ("quantize.mask", "quantize.zero", "quantize.codebook", "quantize.pre_mask", "quantize.post_mask")
-
-
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -159,11 +157,16 @@ class ImageTokenizer:
 
     @staticmethod
     def postprocess(pixels: torch.Tensor) -> np.ndarray:
-        """(B, 3, H, W) in [-1, 1] -> uint8 (B, H, W, 3). Computed where the pixels are, in float32
-        and in Terra's order (clamp, +1, /2, x255, truncate), so the host gets a quarter of the
-        bytes and no per-pixel work: a scenario writer process is CPU-bound (benchmarks/README.md)."""
+        """(B, 3, H, W) in [-1, 1] -> uint8 (B, H, W, 3) on the host (`to_uint8`)."""
+        return ImageTokenizer.to_uint8(pixels).cpu().numpy()
+
+    @staticmethod
+    def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) in [-1, 1] -> uint8 (B, H, W, 3) where the pixels are, in float32 and in Terra's
+        order (clamp, +1, /2, x255, truncate), so the host gets a quarter of the bytes and no per-pixel
+        work: a scenario writer process is CPU-bound (benchmarks/README.md)."""
         x = (pixels.detach().float().clamp(-1.0, 1.0) + 1.0) / 2.0
-        return (x * 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
+        return (x * 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
     # -- latents ----------------------------------------------------------------------------------
     def _autocast(self):
@@ -200,10 +203,12 @@ class ImageTokenizer:
 
     def tokens_to_codes(self, tokens) -> torch.Tensor:
         """(B, h*w) token indices -> (B, z_channels, h, w) +-1 codes."""
-        t = self._check_tokens(tokens)
+        return self._codes(self._check_tokens(tokens))
+
+    def _codes(self, checked: torch.Tensor) -> torch.Tensor:
+        """`tokens_to_codes` of checked tokens, computed on their device (no copy, no wait)."""
         h, w = self.latent_hw
-        codes = indices_to_codes(t.reshape(-1, h, w), self.config.z_channels)
-        return codes.permute(0, 3, 1, 2).contiguous()
+        return indices_to_codes(checked.reshape(-1, h, w), self.config.z_channels).permute(0, 3, 1, 2).contiguous()
 
     # -- frames <-> tokens ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -266,17 +271,24 @@ class ImageTokenizer:
             raise TokenizerInputError(f"batch size must be at least 1, got {batch}")
         height, width = self.image_size
         frames = np.empty((t.shape[0], height, width, 3), dtype=np.uint8)
+        t = t.to(self.device)  # one copy: a copy per batch would wait for the batches queued before it
+        copies = LaggedHostCopies(self.device)
         for start in range(0, t.shape[0], batch):
             rows = t[start:start + batch]
             count = rows.shape[0]
             if full_batches:
                 rows = pad_batch(rows, batch)
-            codes = self.tokens_to_codes(rows).to(self.device)
+            codes = self._codes(rows)
             with self._autocast():
                 pixels = self._decode_batch(codes, full_batches)
-            frames[start:start + count] = self.postprocess(pixels[:count])
-            if on_batch is not None:
-                on_batch(count)
+
+            def deliver(host: np.ndarray, start: int = start, count: int = count) -> None:
+                frames[start:start + count] = host
+                if on_batch is not None:
+                    on_batch(count)
+
+            copies.put(self.to_uint8(pixels[:count]), deliver)
+        copies.finish()
         return frames
 
     def reconstruct(self, images: Sequence) -> tuple[np.ndarray, np.ndarray]:

@@ -46,19 +46,19 @@ sys.exit(decoder_compile_apart.main())
 
 
 def compile_on_cpu() -> None:
-    """`writer_process.compile_decoder` as on a card (Inductor's cache in terra's folder, the decoder
+    """`frame_store.compile_decoder` as on a card (Inductor's cache in terra's folder, the decoder
     through `torch.compile`, static shapes), for a decoder on the CPU."""
     import torch
 
     from terra_cli.refiner.compiled import use_inductor_cache
-    from terra_cli.scenarios import writer_process
+    from terra_cli.scenarios import frame_store
 
     def compile_decoder(decoder) -> bool:
         use_inductor_cache()
         decoder._compiled_decode = torch.compile(decoder.model.decode, dynamic=False)
         return True
 
-    writer_process.compile_decoder = compile_decoder
+    frame_store.compile_decoder = compile_decoder
 
 
 CHILD_ONLY_ENV: dict[str, str] = {}  # --child-env: variables the children have and this process has not
@@ -121,7 +121,7 @@ def decoder_part(tmp: Path) -> dict:
     from torch._dynamo.utils import counters
 
     from tokenizer_decoder import ImageTokenizer, small_config
-    from terra_cli.scenarios import writer_process
+    from terra_cli.scenarios import frame_store
     from terra_cli.scenarios.writer_process import DecoderSpec
 
     config = small_config(ch=32, z_channels=10, num_res_blocks=1, ch_mult=(1,) * 5)
@@ -133,7 +133,7 @@ def decoder_part(tmp: Path) -> dict:
     report = {"child_cold": run_child(request, command, tmp / "inductor-decoder-a")}
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor-decoder-a")
     compile_on_cpu()
-    writer_process.compile_decoder(decoder)
+    frame_store.compile_decoder(decoder)
     rows = np.random.default_rng(0).integers(0, 1024, size=(decoder.batch_size, decoder.tokens_per_frame))
     counters.clear()
     began = time.perf_counter()

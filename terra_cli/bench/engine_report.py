@@ -116,7 +116,7 @@ def describe_engine_loop(loop: dict | None) -> str | None:
         waits = (f"; its process's 5 ms timer woke {1000 * loop['wake_late_s'] / loop['wakes']:.2f} ms late on average, "
                  f"{100 * loop.get('wake_long_waits', 0) / loop['wakes']:.0f}% of wakes over 2 ms late")
     stages = ""  # what the writer's decode-ahead and the intake did beside the loop
-    if loop.get("decode_ahead_batches"):  # the in-process writer's decode-ahead (scenarios.writer_process.FrameStore)
+    if loop.get("decode_ahead_batches"):  # the in-process writer's decode-ahead (scenarios.frame_store.FrameStore)
         stages = (f"; the writer decoded {loop['decode_ahead_frames']} frames ahead in "
                    f"{loop['decode_ahead_batches']} batches")
         if loop.get("decode_ahead_timed_frames"):  # beside the engine's steps: how much of the card it held

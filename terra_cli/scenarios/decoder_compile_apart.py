@@ -32,7 +32,8 @@ def decoder_request(decoder) -> str | None:
     decode-ahead will not compile it (not on CUDA, TERRA_DECODER_COMPILE=0), it cannot be loaded
     again from a folder (random weights in memory), or TERRA_DECODER_COMPILE_APART=0."""
     from terra_cli.runtime import switched_off
-    from terra_cli.scenarios.writer_process import DecoderSpec, decoder_compiles
+    from terra_cli.scenarios.frame_store import decoder_compiles
+    from terra_cli.scenarios.writer_process import DecoderSpec
 
     if switched_off(COMPILE_APART_ENV) or not decoder_compiles(decoder):
         return None
@@ -51,14 +52,14 @@ def start_decoder_compile_apart(decoder, command: Sequence[str] | None = None) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The child: load the tokenizer as the parent has it, compile its decoder as the decode-ahead
-    does (`writer_process.compile_decoder`), decode one full batch of zeros, print one JSON line."""
+    does (`frame_store.compile_decoder`), decode one full batch of zeros, print one JSON line."""
     import numpy as np
 
     from tokenizer_decoder import ImageTokenizer
 
     from terra_cli.compile_apart import begin_child_compile
     from terra_cli.refiner.compiled import inductor_cache_dir
-    from terra_cli.scenarios.writer_process import compile_decoder
+    from terra_cli.scenarios.frame_store import compile_decoder
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:

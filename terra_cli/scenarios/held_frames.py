@@ -1,4 +1,4 @@
-"""How many decoded frames a video writer keeps for videos still being generated (`writer_process.FrameStore`'s
+"""How many decoded frames a video writer keeps for videos still being generated (`frame_store.FrameStore`'s
 limit): a frame past it waits for its video's end and is decoded then, beside the engine's steps."""
 
 from __future__ import annotations

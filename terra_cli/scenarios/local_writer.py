@@ -35,7 +35,8 @@ from terra_cli.errors import InputError, error_summary
 from terra_cli.runtime import decode_sms_asked, decode_stream_asked, host_cores
 from terra_cli.scenarios.decoder_compile_apart import start_decoder_compile_apart
 from terra_cli.scenarios.held_frames import HELD_FRAMES
-from terra_cli.scenarios.writer_process import FrameStore, drive
+from terra_cli.scenarios.frame_store import FrameStore
+from terra_cli.scenarios.writer_process import drive
 from terra_cli.scenarios.writers import CLOSE_SECONDS, ENCODERS_PER_PROCESS, WriterDied
 
 ENCODERS_IN_PROCESS = 2 * ENCODERS_PER_PROCESS  # the mp4s two writer processes would encode at once: the fewest

@@ -27,7 +27,6 @@ import os
 import queue
 import signal
 import threading
-import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,12 +34,14 @@ from typing import Callable
 
 import numpy as np
 
-from terra_cli.compile_apart import fx_cache_counts
+from terra_cli.scenarios.frame_store import FrameStore
 from terra_cli.scenarios.held_frames import HELD_FRAMES
 
+# The drain of --videos-at-end: finished videos decoded together (their batches back to back on the
+# device), and how many decoded videos may wait for each encoder before more are decoded
+DRAIN_VIDEOS_PER_DECODE = 4
+DRAIN_READY_PER_ENCODER = 2
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-# TERRA_DECODER_COMPILE=0 keeps the tokenizer's decoder eager on CUDA (to compare; on by default).
-DECODER_COMPILE_ENV = "TERRA_DECODER_COMPILE"
 
 
 @dataclass(frozen=True)
@@ -67,166 +68,6 @@ class DecoderSpec:
             return None
         return {"source": str(tokenizer.source), "device": str(tokenizer.device), "batch_size": tokenizer.batch_size,
                 "image_size": tuple(tokenizer.image_size)}
-
-
-def decoder_compiles(decoder) -> bool:
-    """Whether the decode-ahead compiles `decoder`: an `ImageTokenizer` on CUDA, unless TERRA_DECODER_COMPILE=0."""
-    from terra_cli.runtime import switched_off
-
-    if switched_off(DECODER_COMPILE_ENV):
-        return False
-    return hasattr(decoder, "compile_decoder") and getattr(getattr(decoder, "device", None), "type", None) == "cuda"
-
-
-def compile_decoder(decoder) -> bool:
-    """Decode-ahead batches through the compiled decoder on CUDA (`ImageTokenizer.compile_decoder`),
-    Inductor's cache in terra's cache folder, unless TERRA_DECODER_COMPILE=0. The first run on a
-    machine pays the compile once, in the thread that decodes."""
-    if not decoder_compiles(decoder):
-        return False
-    from terra_cli.refiner.compiled import use_inductor_cache
-    from terra_cli.runtime import decoder_compile_mode_asked
-
-    use_inductor_cache()
-    return decoder.compile_decoder(mode=decoder_compile_mode_asked())
-
-
-class FrameStore:
-    """Frames decoded ahead, per video: (tokens, pixels) by frame index, and the rows that wait to be decoded."""
-
-    def __init__(self, decoder, held_frames: int, before_first_decode: Callable[[], None] | None = None):
-        self.decoder, self.limit = decoder, held_frames
-        compile_decoder(decoder)
-        # Called once, before the first decode: an in-process writer waits there for the child that
-        # compiles this decoder into Inductor's cache (decoder_compile_apart), so its compile is a cache hit.
-        # It returns False when the writer was closed meanwhile: then nothing more is decoded ahead.
-        self._before_first_decode = before_first_decode
-        self.decoding_ahead = True
-        self.videos: dict[str, dict[int, tuple[np.ndarray, np.ndarray | None]]] = {}
-        self.waiting: deque[tuple[str, int]] = deque()  # (key, index) not decoded yet
-        self.count = 0  # frames held, decoded or waiting
-        # What the decode-ahead did (a bench's engine rows): its batches, their frames, the first one's
-        # seconds (with a compiled decoder, the compile, which shares the engine's process), and the
-        # seconds of the others: beside the engine's steps a batch takes longer than alone, and the
-        # product's ms a frame says how much of the card the decoding holds
-        self.batches_ahead, self.frames_ahead, self.first_batch_s = 0, 0, None
-        self.first_batch_cache: list[int] | None = None  # Inductor's FX-graph cache [hits, misses] in it
-        self.ahead_s, self.frames_timed = 0.0, 0  # the batches after the first
-        # Frames decoded when their video was done instead (past `held_frames`, or a batch still short), and
-        # other videos' waiting frames decoded in those batches' padding
-        self.frames_late, self.late_s, self.frames_filled = 0, 0.0, 0
-
-    def add(self, key: str, first: int, tokens: np.ndarray) -> None:
-        video = self.videos.setdefault(key, {})
-        for offset, row in enumerate(tokens):
-            if self.count >= self.limit:
-                return  # decoded when the video is done
-            index = first + offset
-            if index not in video:
-                self.count += 1
-                self.waiting.append((key, index))
-            video[index] = (np.array(row), None)
-
-    def drop(self, key: str) -> None:
-        self.count -= len(self.videos.pop(key, {}))
-
-    def full_batch_waiting(self) -> bool:
-        return self.decoding_ahead and len(self.waiting) >= self.decoder.batch_size
-
-    def decode_waiting(self, partial: bool = False) -> bool:
-        """Decode one batch of the frames that wait (of videos still held); returns whether it decoded.
-
-        Only a full batch unless `partial`: every batch is padded to the decoder's batch size, so a
-        writer that decoded each frame as it came would pay a whole batch per frame. When rollouts'
-        frames end in different steps (continuous refill), frames arrive one at a time and such a
-        writer kept the GPU busy with padding beside the engine (benchmarks/README.md, issue 37)."""
-        batch = self._waiting_frames(self.decoder.batch_size)
-        if not batch or (len(batch) < self.decoder.batch_size and not partial):
-            self.waiting.extendleft(reversed(batch))  # (the stale entries passed over are gone)
-            return False
-        if not self._ready_to_decode():
-            self.waiting.extendleft(reversed(batch))
-            return False
-        rows = np.stack([self.videos[key][index][0] for key, index in batch])
-        first = self.first_batch_s is None
-        cache_before = fx_cache_counts() if first else None
-        started = time.perf_counter()
-        for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
-            self.videos[key][index] = (self.videos[key][index][0], pixels)
-        seconds = time.perf_counter() - started
-        if first:
-            self.first_batch_s = seconds
-            after = fx_cache_counts()
-            self.first_batch_cache = [after[0] - cache_before[0], after[1] - cache_before[1]]
-        else:  # (the first one's is the compile's, apart)
-            self.ahead_s += seconds
-            self.frames_timed += len(batch)
-        self.batches_ahead += 1
-        self.frames_ahead += len(batch)
-        return True
-
-    def _ready_to_decode(self) -> bool:
-        """Whether to decode ahead, after the one call of `before_first_decode` (a video's end decodes
-        what it needs regardless)."""
-        hook, self._before_first_decode = self._before_first_decode, None
-        if hook is not None and hook() is False:
-            self.decoding_ahead = False
-        return self.decoding_ahead
-
-    def stats(self) -> dict:
-        return {"decode_ahead_batches": self.batches_ahead, "decode_ahead_frames": self.frames_ahead,
-                "decode_first_batch_s": self.first_batch_s, "decode_first_batch_cache": self.first_batch_cache,
-                "decode_ahead_s": round(self.ahead_s, 3),
-                "decode_ahead_timed_frames": self.frames_timed,
-                "decode_late_frames": self.frames_late, "decode_late_s": round(self.late_s, 3),
-                "decode_filled_frames": self.frames_filled, "decode_held_limit": self.limit}
-
-    def take(self, key: str, tokens: np.ndarray) -> tuple[list[np.ndarray], int]:
-        """Every frame of a finished video (F, T): the ones decoded ahead whose tokens match, the rest
-        decoded now; and how many were decoded now."""
-        held = self.videos.get(key, {})
-        self.drop(key)
-        frames: list[np.ndarray | None] = []
-        for index, row in enumerate(tokens):
-            entry = held.get(index)
-            frames.append(entry[1] if entry is not None and entry[1] is not None and np.array_equal(entry[0], row)
-                          else None)
-        missing = [i for i, f in enumerate(frames) if f is None]
-        if missing:
-            self._ready_to_decode()
-            started = time.perf_counter()
-            # The batch is padded to the decoder's size anyway: other videos' waiting frames go in the padding.
-            # When a wave of rollouts ends in one step, each video has a frame or two left; decoded alone,
-            # every one paid a whole batch (256 batches a wave end, ~13 s of an H200 beside the engine).
-            fill = self._waiting_frames(-len(missing) % self.decoder.batch_size)
-            rows = np.concatenate([tokens[missing]] + [self.videos[key][index][0][None] for key, index in fill])
-            try:
-                decoded = self.decoder.decode_tokens(rows, full_batches=True)
-            except Exception:
-                if not fill:
-                    raise
-                # Another video's frame may be what failed: this video's frames alone, so that its error (or
-                # success) is its own; the others are decoded, and fail if they must, at their own end.
-                fill = []
-                decoded = self.decoder.decode_tokens(tokens[missing], full_batches=True)
-            for i, pixels in zip(missing, decoded[: len(missing)]):
-                frames[i] = pixels
-            for (key, index), pixels in zip(fill, decoded[len(missing):]):
-                self.videos[key][index] = (self.videos[key][index][0], pixels)
-            self.frames_late += len(missing)
-            self.frames_filled += len(fill)
-            self.late_s += time.perf_counter() - started
-        return frames, len(missing)  # type: ignore[return-value]
-
-    def _waiting_frames(self, count: int) -> list[tuple[str, int]]:
-        """Up to `count` frames that wait to be decoded ahead (of videos still held), taken off the queue."""
-        taken: list[tuple[str, int]] = []
-        while self.decoding_ahead and self.waiting and len(taken) < count:
-            key, index = self.waiting.popleft()
-            entry = self.videos.get(key, {}).get(index)
-            if entry is not None and entry[1] is None:
-                taken.append((key, index))
-        return taken
 
 
 def serve(conn, spec: DecoderSpec) -> None:
@@ -284,8 +125,13 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
         running = any(key not in done_keys for key in store.videos)
         return encoders if running else tail_encoders
 
+    def draining() -> bool:  # --videos-at-end, the engine done: every finished video waits on this loop
+        return engine_done is not None and engine_done.is_set()
+
     def may_take() -> bool:
-        return bool(finished) and (engine_done is None or engine_done.is_set())
+        if draining():  # decoded videos wait for an encoder in memory (20 MB each at 47 frames): bounded
+            return bool(finished) and len(ready) < DRAIN_READY_PER_ENCODER * tail_encoders
+        return bool(finished) and engine_done is None
 
     with ThreadPoolExecutor(max(1, tail_encoders), thread_name_prefix="terra-mp4") as encoding:
 
@@ -317,13 +163,10 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
                     store.drop(message[1])
                 # ("engine done",) only wakes the loop: `engine_done` is set
             if may_take():  # a done video first: the run waits on it, not on frames of videos still running
-                key, tokens = finished.popleft()
-                try:
-                    frames, late = store.take(key, tokens)
-                except Exception as exc:  # this scenario's failure: recorded as failed, the run goes on
-                    reply(("error", key, str(exc)))
-                else:
-                    ready.append((key, frames, late))
+                taking = [finished.popleft()]
+                while draining() and finished and len(taking) < DRAIN_VIDEOS_PER_DECODE:
+                    taking.append(finished.popleft())
+                take_finished(store, taking, ready, reply)
             elif store.full_batch_waiting():
                 try:
                     store.decode_waiting()
@@ -331,6 +174,21 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
                     store.waiting.clear()
             start_encodes(encoders_now())
         start_encodes(len(ready) + busy[0])  # told to stop: what is decoded is still encoded (the pool queues it)
+
+
+def take_finished(store: FrameStore, taking: list[tuple[str, np.ndarray]], ready: deque, reply) -> None:
+    """Finished videos' frames into `ready`, decoded together; if that fails, each video alone, so a
+    scenario's failure is its own (recorded as failed, the run goes on)."""
+    try:
+        taken = store.take_many(taking) if len(taking) > 1 else [store.take(*taking[0])]
+    except Exception as exc:
+        if len(taking) > 1:
+            for one in taking:
+                take_finished(store, [one], ready, reply)
+        else:
+            reply(("error", taking[0][0], str(exc)))
+        return
+    ready.extend((key, frames, late) for (key, _), (frames, late) in zip(taking, taken))
 
 
 def _encode(reply: Callable[[tuple], object], fps: float, folder: str, key: str, frames: list[np.ndarray],

@@ -171,14 +171,14 @@ class EngineService:
         return torch.cuda.stream(self._stream)
 
     def warm_up_pictures(self) -> float:
-        """On CUDA, compile the tokenizer's decoder (`writer_process.compile_decoder`: full batches, Inductor's
+        """On CUDA, compile the tokenizer's decoder (`frame_store.compile_decoder`: full batches, Inductor's
         cache in terra's) and decode one batch, before the first session waits on it: eager, a picture took
         11 ms of the media thread, one after another, so a 32-session row batch's last picture came 0.36 s
         after its first (benchmarks/README.md). Seconds taken; 0.0 where nothing compiles."""
         return self.media.submit(self._warm_up_pictures).result()
 
     def _warm_up_pictures(self) -> float:
-        from terra_cli.scenarios.writer_process import compile_decoder
+        from terra_cli.scenarios.frame_store import compile_decoder
 
         if not compile_decoder(self.tokenizer):
             return 0.0

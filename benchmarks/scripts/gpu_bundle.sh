@@ -4,7 +4,8 @@
 #   a1   (carry .gpu/a1: vLLM part a, first half, + small pure-Python wheels such as diffusers)
 #   a2   (carry .gpu/a2: part a, second half; unpacks part a)
 #   b    (carry .gpu/vllm-b: the rest of vLLM; installs terra from this checkout)
-#   ff   (carry .gpu/ff: imageio-ffmpeg's wheel, for mp4 writing)
+#   ff   (carry .gpu/ff: imageio-ffmpeg's wheel, for mp4 writing; for `bench --env`, the env extra: `pip download
+#        --no-deps -d .gpu/ff gymnasium farama-notifications cloudpickle`)
 #   ray  (carry .gpu/ray: ray-site.tar.xz, Ray and its dependencies unpacked, into /tmp/raysite)
 # /tmp survives between calls while the machine is held: make the calls back to back.
 set -euo pipefail

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from .config import TokenizerConfig
+from .errors import CheckpointError
 
 GN_GROUPS = 32
 GN_EPS = 1e-6
@@ -270,3 +271,36 @@ __all__ = [
     "Upsampler", "build_model", "codes_to_indices", "depth_to_space", "expected_shapes",
     "indices_to_bits", "indices_to_codes", "swish",
 ]
+
+
+# The reference LFQ's buffers are non-persistent, so a checkpoint should not carry them; when one
+# does (a port that made them persistent), they are checked against what they must hold and dropped.
+OPTIONAL_QUANTIZE_KEYS = ("quantize.mask", "quantize.zero", "quantize.codebook", "quantize.pre_mask", "quantize.post_mask")
+
+
+def drop_optional_quantize_buffers(state: dict[str, torch.Tensor], config: TokenizerConfig, directory) -> None:
+    """Check and remove `quantize.*` buffers a port may have saved; refuse ones that disagree with us."""
+    bits = config.z_channels
+    lsb_first = 2 ** torch.arange(bits, dtype=torch.long)
+    for key in OPTIONAL_QUANTIZE_KEYS:
+        if key not in state:
+            continue
+        value = state.pop(key)
+        if key == "quantize.mask":
+            v = value.long().flatten()
+            if v.numel() == bits and torch.equal(v, lsb_first.flip(0)):
+                raise CheckpointError(
+                    f"tokenizer checkpoint {directory}: quantize.mask is most-significant-bit first "
+                    "(Open-MAGVIT2's first release); this build reads channel 0 as the least significant bit"
+                )
+            if not torch.equal(v, lsb_first):
+                raise CheckpointError(f"tokenizer checkpoint {directory}: quantize.mask {v.tolist()} is not 2**arange({bits})")
+        elif key == "quantize.codebook":
+            if tuple(value.shape) != (config.codebook_size, bits):
+                raise CheckpointError(
+                    f"tokenizer checkpoint {directory}: quantize.codebook has shape {tuple(value.shape)}, "
+                    f"config wants ({config.codebook_size}, {bits})"
+                )
+            probe = torch.tensor([0, 1, config.codebook_size - 1, config.codebook_size // 3])
+            if not torch.equal(value[probe].float(), indices_to_codes(probe, bits)):
+                raise CheckpointError(f"tokenizer checkpoint {directory}: quantize.codebook is not the +-1 bit table")

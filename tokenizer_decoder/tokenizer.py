@@ -24,17 +24,13 @@ from .checkpoint import (
     weight_files,
 )
 from .config import TokenizerConfig
-from .errors import CheckpointError, TokenizerInputError, error_summary
+from .errors import TokenizerInputError, error_summary
 from .host_copies import LaggedHostCopies
-from .modules import LFQTokenizerModel, build_model, expected_shapes, indices_to_codes
+from .modules import LFQTokenizerModel, build_model, drop_optional_quantize_buffers, expected_shapes, indices_to_codes
 
 FRAME_HEIGHT = 288
 FRAME_WIDTH = 512
 DEFAULT_BATCH_SIZE = 8
-
-# The reference LFQ's buffers are non-persistent, so a checkpoint should not carry them; when one
-# does (a port that made them persistent), they are checked against what they must hold and dropped.
-_OPTIONAL_QUANTIZE_KEYS = ("quantize.mask", "quantize.zero", "quantize.codebook", "quantize.pre_mask", "quantize.post_mask")
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -111,7 +107,7 @@ class ImageTokenizer:
         config = TokenizerConfig.load(directory)
         model = build_model(config, "meta")
         state = read_state_dict(weight_files(directory), dtype=torch.float32)
-        _drop_optional_quantize_buffers(state, config, directory)
+        drop_optional_quantize_buffers(state, config, directory)
         check_state_dict(expected_shapes(model), state, f"tokenizer checkpoint {directory}")
         model.load_state_dict(state, strict=True, assign=True)
         return cls(model, device=device, batch_size=batch_size, image_size=image_size, source=str(directory))
@@ -366,31 +362,3 @@ def _seeded(seed: int | None):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
-
-
-def _drop_optional_quantize_buffers(state: dict[str, torch.Tensor], config: TokenizerConfig, directory) -> None:
-    """Check and remove `quantize.*` buffers a port may have saved; refuse ones that disagree with us."""
-    bits = config.z_channels
-    lsb_first = 2 ** torch.arange(bits, dtype=torch.long)
-    for key in _OPTIONAL_QUANTIZE_KEYS:
-        if key not in state:
-            continue
-        value = state.pop(key)
-        if key == "quantize.mask":
-            v = value.long().flatten()
-            if v.numel() == bits and torch.equal(v, lsb_first.flip(0)):
-                raise CheckpointError(
-                    f"tokenizer checkpoint {directory}: quantize.mask is most-significant-bit first "
-                    "(Open-MAGVIT2's first release); this build reads channel 0 as the least significant bit"
-                )
-            if not torch.equal(v, lsb_first):
-                raise CheckpointError(f"tokenizer checkpoint {directory}: quantize.mask {v.tolist()} is not 2**arange({bits})")
-        elif key == "quantize.codebook":
-            if tuple(value.shape) != (config.codebook_size, bits):
-                raise CheckpointError(
-                    f"tokenizer checkpoint {directory}: quantize.codebook has shape {tuple(value.shape)}, "
-                    f"config wants ({config.codebook_size}, {bits})"
-                )
-            probe = torch.tensor([0, 1, config.codebook_size - 1, config.codebook_size // 3])
-            if not torch.equal(value[probe].float(), indices_to_codes(probe, bits)):
-                raise CheckpointError(f"tokenizer checkpoint {directory}: quantize.codebook is not the +-1 bit table")

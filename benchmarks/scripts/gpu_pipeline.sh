@@ -63,6 +63,8 @@
 #          FlashAttention-3 (TERRA_SINGLE_STREAM_DECODE_KERNEL, eeb88f9's; taken out after lease 11 of
 #          2026-12-06 measured no gain): 32-row profiles, then 32 sessions (~4 minutes);
 #          ONE_AFTER=decoder: `writer_parts.py`, the tokenizer's decoder alone on the pair's host (~2 minutes);
+#          ONE_AFTER=drain (with ONE_PAIR=0): `gpu_drain.py`, --videos-at-end's drain alone, the old one against
+#          the product's, NDRAIN (192) videos (~3 minutes);
 #          ONE_AFTER=blocks (with ONE_PAIR=0): vLLM's KV-cache block size 16 / 256 / 64, terra's attention and FA3,
 #          tokens only, 128 scenarios of 25 frames (~15 minutes);
 #          ONE_FIRST=flash: `gpu_flash_decode.py` (its layouts: FA3 on the batch layout, pack_gqa, FA4) before the
@@ -652,6 +654,12 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       # the tokenizer's decoder alone on the host of the pair (eager and compiled, batches of 8 and 16)
       timeout 200 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" \
         > "$OUT/writer_parts.log" 2>&1; echo "writer_parts exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = drain ]; then
+      # --videos-at-end's drain alone (no engine): one video a decode call and each batch waited for, against
+      # the product's four a call with a batch kept queued, twice each, NDRAIN (192) videos (~3 minutes)
+      timeout 480 python3 benchmarks/scripts/gpu_drain.py --videos "${NDRAIN:-192}" \
+        --variants one,together,one,together --out "$OUT/drain.json" > "$OUT/drain.log" 2>&1
+      echo "drain exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = next18 ]; then
       # `terra serve` on single-stream at 32 sessions, the rows' caches in fp8, then bf16 (~6 minutes)
       SERVE_ARGS_EXTRA="--kv-cache-dtype fp8" serve_rows 200 32 -fp8

@@ -54,6 +54,15 @@ def load(folder: Path):
     return ImageTokenizer.from_pretrained(folder, device="cpu", image_size=SIZE)
 
 
+def load_counted(folder: Path):
+    """The tokenizer in batches of 4, its own `decode_tokens`, and the rows each decode call of it receives
+    (before padding; `counted_decodes`)."""
+    tokenizer = load(folder)
+    tokenizer.batch_size = 4
+    original = tokenizer.decode_tokens
+    return tokenizer, original, counted_decodes(tokenizer)
+
+
 @pytest.fixture(autouse=True)
 def own_tmp(tmp_path, monkeypatch):
     """The pool's temporary folder goes under this test's tmp_path, so a leftover is seen."""
@@ -578,10 +587,7 @@ def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(to
 
     from terra_cli.scenarios.writer_process import drive
 
-    tokenizer = load(tokenizer_dir)
-    tokenizer.batch_size = 4
-    original = tokenizer.decode_tokens
-    calls = counted_decodes(tokenizer)  # rows each decode call received (before padding)
+    tokenizer, original, calls = load_counted(tokenizer_dir)
     from terra_cli.scenarios.frame_store import FrameStore
 
     store = FrameStore(tokenizer, held_frames=100)
@@ -636,10 +642,7 @@ def test_videos_ending_together_share_the_batches_of_their_last_frames(tokenizer
     one a video (256 padded batches at a wave end, on a GPU beside the engine)."""
     from terra_cli.scenarios.frame_store import FrameStore
 
-    tokenizer = load(tokenizer_dir)
-    tokenizer.batch_size = 4
-    original = tokenizer.decode_tokens
-    calls = counted_decodes(tokenizer)  # rows each decode call received (before padding)
+    tokenizer, original, calls = load_counted(tokenizer_dir)
     rng = np.random.default_rng(8)
     videos = {key: rng.integers(0, 512, size=(5, TOKENS)) for key in ("a", "b", "c")}
     store = FrameStore(tokenizer, held_frames=100)
@@ -681,10 +684,7 @@ def test_the_drain_decodes_finished_videos_together_and_holds_few_decoded_ones(t
     from terra_cli.scenarios.frame_store import FrameStore
 
     assert (writer_process.DRAIN_VIDEOS_PER_DECODE, writer_process.DRAIN_READY_PER_ENCODER) == (4, 2)
-    tokenizer = load(tokenizer_dir)
-    tokenizer.batch_size = 4
-    original = tokenizer.decode_tokens
-    calls = counted_decodes(tokenizer)
+    tokenizer, original, calls = load_counted(tokenizer_dir)
     rng = np.random.default_rng(9)
     videos = {f"v{i}": rng.integers(0, 512, size=(3, TOKENS)) for i in range(6)}
     release, encoding = threading.Event(), writer_process._encode
@@ -737,10 +737,7 @@ def test_a_video_that_fails_in_a_drains_decode_fails_alone(tokenizer_dir):
     from terra_cli.scenarios.frame_store import FrameStore
     from terra_cli.scenarios.writer_process import take_finished
 
-    tokenizer = load(tokenizer_dir)
-    tokenizer.batch_size = 4
-    original = tokenizer.decode_tokens
-    calls = counted_decodes(tokenizer)
+    tokenizer, original, calls = load_counted(tokenizer_dir)
     rng = np.random.default_rng(10)
     videos = {f"v{i}": rng.integers(0, 512, size=(3, TOKENS)) for i in range(3)}
     videos["v1"][2, 5] = tokenizer.codebook_size + 4

@@ -266,13 +266,6 @@ def build_model(config: TokenizerConfig, device: str | torch.device = "cpu") -> 
         return LFQTokenizerModel(config)
 
 
-__all__ = [
-    "AdaptiveGroupNorm", "Decoder", "Encoder", "LFQTokenizerModel", "LookupFreeQuantizer", "ResBlock",
-    "Upsampler", "build_model", "codes_to_indices", "depth_to_space", "expected_shapes",
-    "indices_to_bits", "indices_to_codes", "swish",
-]
-
-
 # The reference LFQ's buffers are non-persistent, so a checkpoint should not carry them; when one
 # does (a port that made them persistent), they are checked against what they must hold and dropped.
 OPTIONAL_QUANTIZE_KEYS = ("quantize.mask", "quantize.zero", "quantize.codebook", "quantize.pre_mask", "quantize.post_mask")
@@ -304,3 +297,10 @@ def drop_optional_quantize_buffers(state: dict[str, torch.Tensor], config: Token
             probe = torch.tensor([0, 1, config.codebook_size - 1, config.codebook_size // 3])
             if not torch.equal(value[probe].float(), indices_to_codes(probe, bits)):
                 raise CheckpointError(f"tokenizer checkpoint {directory}: quantize.codebook is not the +-1 bit table")
+
+
+__all__ = [
+    "AdaptiveGroupNorm", "Decoder", "Encoder", "LFQTokenizerModel", "LookupFreeQuantizer", "ResBlock",
+    "Upsampler", "build_model", "codes_to_indices", "depth_to_space", "expected_shapes",
+    "indices_to_bits", "indices_to_codes", "swish",
+]

@@ -118,15 +118,15 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
             busy[0] -= 1
         inbox.put(("encoded",))  # wakes the loop: an encoder is free
 
+    def draining() -> bool:  # --videos-at-end, the engine done: every finished video waits on this loop
+        return engine_done is not None and engine_done.is_set()
+
     def encoders_now() -> int:
         if engine_done is not None:
-            return tail_encoders if engine_done.is_set() else encoders
+            return tail_encoders if draining() else encoders
         done_keys = {key for key, _ in finished}
         running = any(key not in done_keys for key in store.videos)
         return encoders if running else tail_encoders
-
-    def draining() -> bool:  # --videos-at-end, the engine done: every finished video waits on this loop
-        return engine_done is not None and engine_done.is_set()
 
     def may_take() -> bool:
         if draining():  # decoded videos wait for an encoder in memory (20 MB each at 47 frames): bounded
@@ -180,7 +180,7 @@ def take_finished(store: FrameStore, taking: list[tuple[str, np.ndarray]], ready
     """Finished videos' frames into `ready`, decoded together; if that fails, each video alone, so a
     scenario's failure is its own (recorded as failed, the run goes on)."""
     try:
-        taken = store.take_many(taking) if len(taking) > 1 else [store.take(*taking[0])]
+        taken = store.take_many(taking)
     except Exception as exc:
         if len(taking) > 1:
             for one in taking:

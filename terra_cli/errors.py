@@ -20,3 +20,14 @@ class OutputError(TerraError):
 
 
 USER_ERRORS = (UserError,)
+
+
+def import_extra(module: str, message: str):
+    """Import an optional dependency, or raise one line (`message`, which names the extra to install)
+    before anything loads: a missing extra found deep in a model load would be a traceback."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise InputError(message) from None

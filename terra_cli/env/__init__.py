@@ -7,15 +7,12 @@ ENV_INSTALL_HINT = "pip install 'terra-cli[env]'"
 
 
 def require_gymnasium(reason: str) -> None:
-    """gymnasium is an optional dependency: one line that says how to get it, before anything loads
-    (`terra bench --env` would otherwise load and step an engine first, then fail on the import)."""
-    try:
-        import gymnasium  # noqa: F401
-    except ImportError:
-        from terra_cli.errors import InputError
+    """Checked before anything loads: `terra bench --env` would otherwise load and step an engine
+    first, then fail on the import."""
+    from terra_cli.errors import import_extra
 
-        raise InputError(f"{reason} runs terra's closed-loop simulator, which needs gymnasium, not installed: "
-                         f"{ENV_INSTALL_HINT}") from None
+    import_extra("gymnasium", f"{reason} runs terra's closed-loop simulator, which needs gymnasium, not installed: "
+                 f"{ENV_INSTALL_HINT}")
 
 
 def __getattr__(name: str):

@@ -33,11 +33,7 @@ REFINER_INSTALL_HINT = "pip install 'terra-cli[refiner]'"
 
 
 def require_diffusers() -> None:
-    """The refiner's networks are diffusers' classes, an optional dependency: say how to get it in
-    one line instead of a traceback from deep in a load."""
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
-        from terra_cli.errors import InputError
+    """The refiner's networks are diffusers' classes, an optional dependency."""
+    from terra_cli.errors import import_extra
 
-        raise InputError(f"Terra's video refiner needs diffusers, which is not installed: {REFINER_INSTALL_HINT}") from None
+    import_extra("diffusers", f"Terra's video refiner needs diffusers, which is not installed: {REFINER_INSTALL_HINT}")

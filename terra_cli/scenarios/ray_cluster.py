@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from terra_cli.errors import InputError
+from terra_cli.errors import InputError, import_extra
 from terra_cli.scenarios.job import PreparedJob
 
 CONNECT_SECONDS = float(os.environ.get("TERRA_RAY_CONNECT_TIMEOUT", "30"))
@@ -16,11 +16,7 @@ INSTALL_HINT = "pip install 'terra-cli[ray]' (on the driver and on every node of
 
 
 def require_ray(reason: str):
-    try:
-        import ray
-    except ImportError:
-        raise InputError(f"{reason} runs on Ray, which is not installed: {INSTALL_HINT}") from None
-    return ray
+    return import_extra("ray", f"{reason} runs on Ray, which is not installed: {INSTALL_HINT}")
 
 
 def connect(ray, address: str | None, *, cpus: int, gpus: int, verbose: bool = False) -> bool:

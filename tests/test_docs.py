@@ -52,6 +52,16 @@ def test_help_ends_with_examples_and_an_existing_docs_page(path):
             line for line in lines if line.startswith("Example"))):]), "examples name no terra command"
 
 
+@pytest.mark.parametrize("path", [path for path in COMMANDS if path], ids=lambda path: " ".join(path))
+def test_help_paragraphs_are_not_broken_where_the_source_wraps(path):
+    # rich help prints a docstring's line breaks as they are: a summary wrapped at the source's width comes
+    # out as a ragged line in the middle of a sentence, at any terminal width
+    command = dict(_commands(typer.main.get_command(app)))[path]
+    text = (command.help or "").strip()
+    for paragraph in text.split("\n\n"):
+        assert "\n" not in paragraph.strip(), f"`terra {' '.join(path)} --help` breaks a paragraph: {paragraph!r}"
+
+
 def _markdown_files():
     return [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").glob("*.md"))]
 

@@ -44,8 +44,8 @@ def eval_command(
     strip: Optional[Path] = typer.Option(None, help="Write a PNG strip: true vs generated frames, first seed of each preset."),
     overwrite: bool = opts.overwrite_option(),
 ):
-    """Evaluate the world model on held-out synthetic worlds: PSNR/SSIM vs the truth and a copy-last-frame
-    baseline, the tokenizer's ceiling, and whether the generated motion follows left/right commands."""
+    # one paragraph on one line: rich help keeps a docstring's line breaks
+    """Evaluate the world model on held-out synthetic worlds: PSNR/SSIM against the truth and a copy-last-frame baseline, the tokenizer's ceiling, and whether the generated motion follows left/right commands."""  # noqa: E501
     from terra_cli.cli.progress import TaskProgress
     from terra_cli.evaluation.report import plot_eval, save_json, save_strip
     from terra_cli.evaluation.run import (

@@ -674,26 +674,12 @@ def test_videos_ending_together_share_the_batches_of_their_last_frames(tokenizer
         store.take("e", bad)
 
 
-def test_the_drain_decodes_finished_videos_together_and_holds_few_decoded_ones(tokenizer_dir, monkeypatch):
-    """--videos-at-end's drain (`writer_process.drive` once the engine is done): the finished videos'
-    frames are decoded DRAIN_VIDEOS_PER_DECODE videos a call (their batches back to back on a GPU, not
-    a padded batch and an idle gap a video); no more are decoded while DRAIN_READY_PER_ENCODER decoded
-    videos an encoder wait for one; the mp4s are those of each video decoded alone."""
-    from terra_cli.media.frames import video_bytes
+def run_drain(tokenizer, videos: dict, encode=None):
+    """`writer_process.drive` once the engine is done (--videos-at-end's drain) over `videos`, one
+    encoder (`encode` in place of the mp4 encoder when given); returns (answers queue, inbox, thread, folder)."""
     from terra_cli.scenarios import writer_process
     from terra_cli.scenarios.frame_store import FrameStore
 
-    assert (writer_process.DRAIN_VIDEOS_PER_DECODE, writer_process.DRAIN_READY_PER_ENCODER) == (4, 2)
-    tokenizer, original, calls = load_counted(tokenizer_dir)
-    rng = np.random.default_rng(9)
-    videos = {f"v{i}": rng.integers(0, 512, size=(3, TOKENS)) for i in range(6)}
-    release, encoding = threading.Event(), writer_process._encode
-
-    def held_encode(*args):
-        release.wait(30)
-        encoding(*args)
-
-    monkeypatch.setattr(writer_process, "_encode", held_encode)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     answers: queue.SimpleQueue = queue.SimpleQueue()
     for key, tokens in videos.items():
@@ -705,19 +691,41 @@ def test_the_drain_decodes_finished_videos_together_and_holds_few_decoded_ones(t
                             args=(inbox, FrameStore(tokenizer, held_frames=0), answers.put, 10.0, folder, 1),
                             kwargs={"engine_done": engine_done})
     loop.start()
+    return answers, inbox, loop, folder
+
+
+def test_the_drain_holds_few_decoded_videos_and_makes_each_videos_mp4(tokenizer_dir, monkeypatch):
+    """--videos-at-end's drain: one finished video a decode call; no more are decoded while
+    DRAIN_READY_PER_ENCODER decoded videos an encoder wait for one (20 MB each at 47 frames, every video
+    of a run finished at once); the mp4s are those of each video decoded alone."""
+    from terra_cli.media.frames import video_bytes
+    from terra_cli.scenarios import writer_process
+
+    assert writer_process.DRAIN_READY_PER_ENCODER == 2
+    tokenizer, original, calls = load_counted(tokenizer_dir)
+    rng = np.random.default_rng(9)
+    videos = {f"v{i}": rng.integers(0, 512, size=(3, TOKENS)) for i in range(6)}
+    release, encoding = threading.Event(), writer_process._encode
+
+    def held_encode(*args):
+        release.wait(30)
+        encoding(*args)
+
+    monkeypatch.setattr(writer_process, "_encode", held_encode)
+    answers, inbox, loop, folder = run_drain(tokenizer, videos)
     try:
         deadline = time.monotonic() + 30
-        while not calls and time.monotonic() < deadline:
+        while len(calls) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.3)  # a drain that decoded on while its one encoder is held would have by now
-        assert calls == [12]  # four videos' 3 frames each in one call; three of them wait, one is being encoded
+        assert calls == [3, 3, 3]  # one being encoded, two decoded waiting for it
         release.set()
         done = {}
         for _ in videos:
             message = answers.get(timeout=60)
             assert message[0] == "done", message
             done[message[1]] = message
-        assert calls == [12, 6]  # the last two, once fewer than two decoded videos waited
+        assert calls == [3] * 6
         for key, tokens in videos.items():
             assert done[key][3] == 3  # every frame decoded after the finish
             assert done[key][2] == video_bytes(list(original(tokens, full_batches=True)), 10.0, folder), key
@@ -728,28 +736,25 @@ def test_the_drain_decodes_finished_videos_together_and_holds_few_decoded_ones(t
         shutil.rmtree(folder)
 
 
-def test_a_video_that_fails_in_a_drains_decode_fails_alone(tokenizer_dir):
-    """Videos decoded together (`writer_process.take_finished`): one with a code past the codebook
-    fails that decode; then each video is decoded alone, so it fails with its own message and the
-    others are made, with the pixels of their whole-video decode."""
-    from collections import deque
-
-    from terra_cli.scenarios.frame_store import FrameStore
-    from terra_cli.scenarios.writer_process import take_finished
-
-    tokenizer, original, calls = load_counted(tokenizer_dir)
+def test_a_video_that_fails_in_the_drain_fails_alone(tokenizer_dir):
+    """A finished video with a code past the codebook: the drain answers it with its own error and
+    makes the others' mp4s."""
+    tokenizer, _, _ = load_counted(tokenizer_dir)
     rng = np.random.default_rng(10)
     videos = {f"v{i}": rng.integers(0, 512, size=(3, TOKENS)) for i in range(3)}
     videos["v1"][2, 5] = tokenizer.codebook_size + 4
-    store, ready, replies = FrameStore(tokenizer, held_frames=0), deque(), []
-    take_finished(store, list(videos.items()), ready, replies.append)
-    assert calls == [9, 3, 3, 3]  # together, then each alone
-    assert [key for key, _, _ in ready] == ["v0", "v2"]
-    assert len(replies) == 1 and replies[0][:2] == ("error", "v1") and f"{tokenizer.codebook_size + 4}" in replies[0][2]
-    for key, frames, late in ready:
-        assert late == 3
-        np.testing.assert_array_equal(np.stack(frames), original(videos[key], full_batches=True))
-    assert store.count == 0 and not store.videos
+    answers, inbox, loop, folder = run_drain(tokenizer, videos)
+    try:
+        messages = {}
+        for _ in videos:
+            message = answers.get(timeout=60)
+            messages[message[1]] = message
+        assert [messages[key][0] for key in sorted(messages)] == ["done", "error", "done"]
+        assert f"{tokenizer.codebook_size + 4}" in messages["v1"][2]
+    finally:
+        inbox.put(None)
+        loop.join(10)
+        shutil.rmtree(folder)
 
 
 @pytest.mark.parametrize("where", ["processes", "threads"])

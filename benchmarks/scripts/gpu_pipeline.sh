@@ -655,10 +655,10 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       timeout 200 python3 benchmarks/scripts/writer_parts.py --out "$OUT/writer_parts.json" \
         > "$OUT/writer_parts.log" 2>&1; echo "writer_parts exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = drain ]; then
-      # --videos-at-end's drain alone (no engine): one video a decode call and each batch waited for, against
-      # the product's four a call with a batch kept queued, twice each, NDRAIN (192) videos (~3 minutes)
+      # --videos-at-end's drain alone (no engine): each batch waited for, against the product's batch kept
+      # queued on the card, twice each, NDRAIN (192) videos (~3 minutes)
       timeout 480 python3 benchmarks/scripts/gpu_drain.py --videos "${NDRAIN:-192}" \
-        --variants one,together,one,together --out "$OUT/drain.json" > "$OUT/drain.log" 2>&1
+        --variants one,ahead,one,ahead --out "$OUT/drain.json" > "$OUT/drain.log" 2>&1
       echo "drain exit $?" >> "$STEP_LOG"
     elif [ "${ONE_AFTER:-probes}" = next18 ]; then
       # `terra serve` on single-stream at 32 sessions, the rows' caches in fp8, then bf16 (~6 minutes)

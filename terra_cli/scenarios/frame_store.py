@@ -131,36 +131,21 @@ class FrameStore:
     def take(self, key: str, tokens: np.ndarray) -> tuple[list[np.ndarray], int]:
         """Every frame of a finished video (F, T): the ones decoded ahead whose tokens match, the rest
         decoded now; and how many were decoded now."""
-        return self.take_many([(key, tokens)])[0]
-
-    def take_many(self, finished: list[tuple[str, np.ndarray]]) -> list[tuple[list[np.ndarray], int]]:
-        """`take` of several finished videos, their frames not decoded yet decoded together: in full
-        batches across the videos, queued back to back, where one video at a time paid a padded batch
-        and the device's idle time between videos (the drain of --videos-at-end). If that decode
-        fails, the videos are gone from the store all the same: the caller takes each video alone again
-        (decoding every frame), so that a failure is its own."""
-        held_of = {key: self.videos.get(key, {}) for key, _ in finished}
-        for key in held_of:  # first: their own waiting frames must not fill the batches' padding
-            self.drop(key)
-        taken, rows, places = [], [], []
-        for number, (key, tokens) in enumerate(finished):
-            held = held_of[key]
-            frames: list[np.ndarray | None] = []
-            for index, row in enumerate(tokens):
-                entry = held.get(index)
-                frames.append(entry[1] if entry is not None and entry[1] is not None
-                              and np.array_equal(entry[0], row) else None)
-            missing = [i for i, f in enumerate(frames) if f is None]
-            rows.extend(tokens[missing])
-            places.extend((number, i) for i in missing)
-            taken.append((frames, len(missing)))
-        if rows:
-            for (number, index), pixels in zip(places, self._decode_late(np.stack(rows))):
-                taken[number][0][index] = pixels
-        return taken  # type: ignore[return-value]
+        held = self.videos.get(key, {})
+        self.drop(key)  # first: its own waiting frames must not fill the batch's padding
+        frames: list[np.ndarray | None] = []
+        for index, row in enumerate(tokens):
+            entry = held.get(index)
+            frames.append(entry[1] if entry is not None and entry[1] is not None and np.array_equal(entry[0], row)
+                          else None)
+        missing = [i for i, f in enumerate(frames) if f is None]
+        if missing:
+            for index, pixels in zip(missing, self._decode_late(tokens[missing])):
+                frames[index] = pixels
+        return frames, len(missing)  # type: ignore[return-value]
 
     def _decode_late(self, rows: np.ndarray) -> np.ndarray:
-        """Frames of finished videos, decoded now; other videos' waiting frames go in the last batch's padding.
+        """A finished video's frames, decoded now; other videos' waiting frames go in the last batch's padding.
         When a wave of rollouts ends in one step, each video has a frame or two left; decoded alone,
         every one paid a whole batch (256 batches a wave end, ~13 s of an H200 beside the engine)."""
         self._ready_to_decode()

@@ -37,9 +37,10 @@ import numpy as np
 from terra_cli.scenarios.frame_store import FrameStore
 from terra_cli.scenarios.held_frames import HELD_FRAMES
 
-# The drain of --videos-at-end: finished videos decoded together (their batches back to back on the
-# device), and how many decoded videos may wait for each encoder before more are decoded
-DRAIN_VIDEOS_PER_DECODE = 4
+# The drain of --videos-at-end: how many decoded videos may wait for each encoder before more are
+# decoded (20 MB each at 47 frames). One video a decode call: four a call measured no faster on an
+# H100, its wall 0.5-1.0 s longer for 192 videos (four mp4s start only once all four are decoded;
+# benchmarks/README.md, 2026-12-06, sixth)
 DRAIN_READY_PER_ENCODER = 2
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
@@ -129,7 +130,7 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
         return encoders if running else tail_encoders
 
     def may_take() -> bool:
-        if draining():  # decoded videos wait for an encoder in memory (20 MB each at 47 frames): bounded
+        if draining():  # decoded videos wait for an encoder in memory: bounded
             return bool(finished) and len(ready) < DRAIN_READY_PER_ENCODER * tail_encoders
         return bool(finished) and engine_done is None
 
@@ -163,10 +164,13 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
                     store.drop(message[1])
                 # ("engine done",) only wakes the loop: `engine_done` is set
             if may_take():  # a done video first: the run waits on it, not on frames of videos still running
-                taking = [finished.popleft()]
-                while draining() and finished and len(taking) < DRAIN_VIDEOS_PER_DECODE:
-                    taking.append(finished.popleft())
-                take_finished(store, taking, ready, reply)
+                key, tokens = finished.popleft()
+                try:
+                    frames, late = store.take(key, tokens)
+                except Exception as exc:  # this scenario's failure: recorded as failed, the run goes on
+                    reply(("error", key, str(exc)))
+                else:
+                    ready.append((key, frames, late))
             elif store.full_batch_waiting():
                 try:
                     store.decode_waiting()
@@ -174,21 +178,6 @@ def drive(inbox: queue.SimpleQueue, store: FrameStore, reply: Callable[[tuple], 
                     store.waiting.clear()
             start_encodes(encoders_now())
         start_encodes(len(ready) + busy[0])  # told to stop: what is decoded is still encoded (the pool queues it)
-
-
-def take_finished(store: FrameStore, taking: list[tuple[str, np.ndarray]], ready: deque, reply) -> None:
-    """Finished videos' frames into `ready`, decoded together; if that fails, each video alone, so a
-    scenario's failure is its own (recorded as failed, the run goes on)."""
-    try:
-        taken = store.take_many(taking)
-    except Exception as exc:
-        if len(taking) > 1:
-            for one in taking:
-                take_finished(store, [one], ready, reply)
-        else:
-            reply(("error", taking[0][0], str(exc)))
-        return
-    ready.extend((key, frames, late) for (key, _), (frames, late) in zip(taking, taken))
 
 
 def _encode(reply: Callable[[tuple], object], fps: float, folder: str, key: str, frames: list[np.ndarray],

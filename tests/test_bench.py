@@ -413,6 +413,14 @@ def test_the_engine_loop_line_gives_each_share_of_the_loops_time():
     assert describe_engine_loop({**loop, "decode_late_frames": 16, "decode_late_s": 0.5,
                                  "decode_held_limit": 13442}).endswith(
         "16 frames decoded when their video was done (0.5 s; 13442 frames held ahead at most)")
+    # --videos-at-end's drain: nothing decoded before its first video, whose decode holds the compile
+    drain = {**loop, "decode_late_frames": 9024, "decode_late_s": 34.8, "decode_late_first_s": 12.31,
+             "decode_late_first_cache": [1, 0], "decode_late_timed_s": 22.49, "decode_late_timed_frames": 8977,
+             "decoder_compiled_apart_s": 223.13}
+    assert describe_engine_loop(drain).endswith(
+        "9024 frames decoded when their video was done (34.8 s; the decoder compiled apart first in 223.1 s; the "
+        "first video 12.3 s, the decoder's compile in it (Inductor's cache: 1 hits, 0 misses); then 2.51 ms a frame)")
+    assert "decode_late_first_s" not in loop_since(drain, {**drain, "decode_late_frames": 0})
     # one-time facts (a compile's seconds) are no running sums: a minute's line leaves them out
     apart = {**later, "refined_videos": 3, "refiner_unet_batches": 2, "refiner_busy_s": 12.0, "refiner_compiled_apart_s": 230.0,
              "refiner_compile_s": 20.0}

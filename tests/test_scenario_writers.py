@@ -633,6 +633,13 @@ def test_frames_arriving_one_at_a_time_are_decoded_ahead_only_in_full_batches(to
     assert late == 3 and calls[-1] == 3  # decoded at the end, in one call
     assert store.stats()["decode_late_frames"] == 3 and store.stats()["decode_late_s"] > 0
     np.testing.assert_array_equal(np.stack(frames), original(videos["a"][:3], full_batches=True))
+    # nothing decoded before it: that first late decode (the compile's, on CUDA) is timed apart
+    stats = store.stats()
+    assert stats["decode_late_first_s"] == stats["decode_late_s"] and stats["decode_late_timed_frames"] == 0
+    store.take("d", videos["b"][:2])
+    stats = store.stats()
+    assert stats["decode_late_first_s"] < stats["decode_late_s"] and stats["decode_late_timed_frames"] == 2
+    assert stats["decode_late_timed_s"] == pytest.approx(stats["decode_late_s"] - stats["decode_late_first_s"], abs=2e-3)
 
 
 def test_videos_ending_together_share_the_batches_of_their_last_frames(tokenizer_dir):

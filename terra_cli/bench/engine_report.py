@@ -74,7 +74,8 @@ class BusySampler:
 NOT_CUMULATIVE = ("ms_per_step", "decode_first_batch_s", "mean_in_flight", "full_after_s", "intake_done_after_s",
                   "intake_first_batch_fed_s",
                   "refiner_compiled_apart_s", "refiner_compile_s", "refiner_vae_compile_s", "decode_sms",
-                  "decoder_compiled_apart_s", "decode_first_batch_cache", "refiner_compile_cache", "decode_after")
+                  "decoder_compiled_apart_s", "decode_first_batch_cache", "refiner_compile_cache", "decode_after",
+                  "decode_late_first_s", "decode_late_first_cache")
 
 
 def loop_since(loop: dict, earlier: dict | None) -> dict:
@@ -128,6 +129,13 @@ def describe_engine_loop(loop: dict | None) -> str | None:
     if loop.get("decode_late_frames"):
         stages += (f"; {loop['decode_late_frames']} frames decoded when their video was done "
                    f"({loop.get('decode_late_s', 0.0):.1f} s")
+        if loop.get("decode_late_first_s") is not None:  # nothing decoded before: the decoder's compile in it
+            if not loop.get("decode_ahead_batches") and loop.get("decoder_compiled_apart_s") is not None:
+                stages += f"; the decoder compiled apart first in {loop['decoder_compiled_apart_s']:.1f} s"
+            stages += (f"; the first video {loop['decode_late_first_s']:.1f} s, the decoder's compile in it"
+                       f"{cache_counts(loop.get('decode_late_first_cache'))}")
+            if loop.get("decode_late_timed_frames"):
+                stages += f"; then {1000 * loop['decode_late_timed_s'] / loop['decode_late_timed_frames']:.2f} ms a frame"
         if loop.get("decode_filled_frames"):  # FrameStore.take: other videos' frames in those batches' padding
             stages += f", with {loop['decode_filled_frames']} frames of other videos in the same batches"
         if loop.get("decode_held_limit"):  # held_frames.held_frames_for: frames past it wait for their video's end

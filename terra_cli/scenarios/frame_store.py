@@ -62,6 +62,13 @@ class FrameStore:
         # Frames decoded when their video was done instead (past `held_frames`, or a batch still short), and
         # other videos' waiting frames decoded in those batches' padding
         self.frames_late, self.late_s, self.frames_filled = 0, 0.0, 0
+        # The first late decode of a store that decoded nothing before (--videos-at-end's drain, or a
+        # run too short to fill a batch ahead) holds the decoder's compile: timed apart, with its cache
+        # lookups, so the others' ms a frame is the decoder's pace (on an H100 a 12 s compile hid in a
+        # drain's 34.8 s: benchmarks/README.md, 2026-12-06, sixth)
+        self.late_first_s: float | None = None
+        self.late_first_cache: list[int] | None = None
+        self.late_timed_s, self.late_timed_frames = 0.0, 0
 
     def add(self, key: str, first: int, tokens: np.ndarray) -> None:
         video = self.videos.setdefault(key, {})
@@ -126,6 +133,9 @@ class FrameStore:
                 "decode_ahead_s": round(self.ahead_s, 3),
                 "decode_ahead_timed_frames": self.frames_timed,
                 "decode_late_frames": self.frames_late, "decode_late_s": round(self.late_s, 3),
+                "decode_late_first_s": None if self.late_first_s is None else round(self.late_first_s, 3),
+                "decode_late_first_cache": self.late_first_cache,
+                "decode_late_timed_s": round(self.late_timed_s, 3), "decode_late_timed_frames": self.late_timed_frames,
                 "decode_filled_frames": self.frames_filled, "decode_held_limit": self.limit}
 
     def take(self, key: str, tokens: np.ndarray) -> tuple[list[np.ndarray], int]:
@@ -149,6 +159,8 @@ class FrameStore:
         When a wave of rollouts ends in one step, each video has a frame or two left; decoded alone,
         every one paid a whole batch (256 batches a wave end, ~13 s of an H200 beside the engine)."""
         self._ready_to_decode()
+        first = self.first_batch_s is None and self.frames_late == 0  # nothing decoded yet: the compile is in it
+        cache_before = fx_cache_counts() if first else None
         started = time.perf_counter()
         fill = self._waiting_frames(-len(rows) % self.decoder.batch_size)
         try:
@@ -163,9 +175,16 @@ class FrameStore:
             decoded = self.decoder.decode_tokens(rows, full_batches=True)
         for (key, index), pixels in zip(fill, decoded[len(rows):]):
             self.videos[key][index] = (self.videos[key][index][0], pixels)
+        seconds = time.perf_counter() - started
+        if first:
+            after = fx_cache_counts()
+            self.late_first_s, self.late_first_cache = seconds, [after[0] - cache_before[0], after[1] - cache_before[1]]
+        else:
+            self.late_timed_s += seconds
+            self.late_timed_frames += len(rows) + len(fill)
         self.frames_late += len(rows)
         self.frames_filled += len(fill)
-        self.late_s += time.perf_counter() - started
+        self.late_s += seconds
         return decoded[: len(rows)]
 
     def _waiting_frames(self, count: int) -> list[tuple[str, int]]:

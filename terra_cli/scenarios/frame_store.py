@@ -103,15 +103,11 @@ class FrameStore:
             return False
         rows = np.stack([self.videos[key][index][0] for key, index in batch])
         first = self.first_batch_s is None
-        cache_before = fx_cache_counts() if first else None
-        started = time.perf_counter()
-        for (key, index), pixels in zip(batch, self.decoder.decode_tokens(rows, full_batches=True)):
+        decoded, seconds, cache = self._timed(lambda: self.decoder.decode_tokens(rows, full_batches=True), first)
+        for (key, index), pixels in zip(batch, decoded):
             self.videos[key][index] = (self.videos[key][index][0], pixels)
-        seconds = time.perf_counter() - started
         if first:
-            self.first_batch_s = seconds
-            after = fx_cache_counts()
-            self.first_batch_cache = [after[0] - cache_before[0], after[1] - cache_before[1]]
+            self.first_batch_s, self.first_batch_cache = seconds, cache
         else:  # (the first one's is the compile's, apart)
             self.ahead_s += seconds
             self.frames_timed += len(batch)
@@ -160,25 +156,26 @@ class FrameStore:
         every one paid a whole batch (256 batches a wave end, ~13 s of an H200 beside the engine)."""
         self._ready_to_decode()
         first = self.first_batch_s is None and self.frames_late == 0  # nothing decoded yet: the compile is in it
-        cache_before = fx_cache_counts() if first else None
-        started = time.perf_counter()
         fill = self._waiting_frames(-len(rows) % self.decoder.batch_size)
-        try:
-            decoded = self.decoder.decode_tokens(
-                np.concatenate([rows] + [self.videos[key][index][0][None] for key, index in fill]), full_batches=True)
-        except Exception:
-            if not fill:
-                raise
-            # Another video's frame may be what failed: these frames alone, so that their error (or
-            # success) is their own; the others are decoded, and fail if they must, at their own end.
-            fill = []
-            decoded = self.decoder.decode_tokens(rows, full_batches=True)
+
+        def decode() -> np.ndarray:
+            nonlocal fill
+            try:
+                return self.decoder.decode_tokens(
+                    np.concatenate([rows] + [self.videos[key][index][0][None] for key, index in fill]), full_batches=True)
+            except Exception:
+                if not fill:
+                    raise
+                # Another video's frame may be what failed: these frames alone, so that their error (or
+                # success) is their own; the others are decoded, and fail if they must, at their own end.
+                fill = []
+                return self.decoder.decode_tokens(rows, full_batches=True)
+
+        decoded, seconds, cache = self._timed(decode, first)
         for (key, index), pixels in zip(fill, decoded[len(rows):]):
             self.videos[key][index] = (self.videos[key][index][0], pixels)
-        seconds = time.perf_counter() - started
         if first:
-            after = fx_cache_counts()
-            self.late_first_s, self.late_first_cache = seconds, [after[0] - cache_before[0], after[1] - cache_before[1]]
+            self.late_first_s, self.late_first_cache = seconds, cache
         else:
             self.late_timed_s += seconds
             self.late_timed_frames += len(rows) + len(fill)
@@ -186,6 +183,19 @@ class FrameStore:
         self.frames_filled += len(fill)
         self.late_s += seconds
         return decoded[: len(rows)]
+
+    @staticmethod
+    def _timed(decode: Callable[[], np.ndarray], first: bool) -> tuple[np.ndarray, float, list[int] | None]:
+        """`decode()`, its seconds, and for a store's first decode (the compile's) Inductor's FX-graph
+        cache [hits, misses] in it."""
+        before = fx_cache_counts() if first else None
+        started = time.perf_counter()
+        decoded = decode()
+        seconds = time.perf_counter() - started
+        if before is None:
+            return decoded, seconds, None
+        after = fx_cache_counts()
+        return decoded, seconds, [after[0] - before[0], after[1] - before[1]]
 
     def _waiting_frames(self, count: int) -> list[tuple[str, int]]:
         """Up to `count` frames that wait to be decoded ahead (of videos still held), taken off the queue."""

@@ -63,6 +63,7 @@
 #          FlashAttention-3 (TERRA_SINGLE_STREAM_DECODE_KERNEL, eeb88f9's; taken out after lease 11 of
 #          2026-12-06 measured no gain): 32-row profiles, then 32 sessions (~4 minutes);
 #          ONE_AFTER=decoder: `writer_parts.py`, the tokenizer's decoder alone on the pair's host (~2 minutes);
+#          ONE_AFTER=none: nothing after the pair;
 #          ONE_AFTER=drain (with ONE_PAIR=0): `gpu_drain.py`, --videos-at-end's drain alone, the old one against
 #          the product's, NDRAIN (192) videos (~3 minutes);
 #          ONE_AFTER=blocks (with ONE_PAIR=0): vLLM's KV-cache block size 16 / 256 / 64, terra's attention and FA3,
@@ -675,6 +676,8 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"
       timeout 300 terra bench --refiner --windows 2,4 --refiner-compile default \
         --out "$OUT/refiner-windows.json" > "$OUT/refiner-windows.log" 2>&1; echo "refiner windows exit $?" >> "$STEP_LOG"
+    elif [ "${ONE_AFTER:-probes}" = none ]; then
+      :  # the pair (and its warm-up) alone
     elif [ "${ONE_AFTER:-probes}" = refiner ]; then
       timeout 270 terra bench --refiner --windows 4 --refiner-compile default \
         --out "$OUT/twostage-refiner.json" > "$OUT/twostage-refiner.log" 2>&1; echo "twostage refiner exit $?" >> "$STEP_LOG"

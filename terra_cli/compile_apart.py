@@ -34,6 +34,7 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -45,35 +46,55 @@ _PLAIN = (bool, int, float, str, type(None))  # option values that travel as JSO
 
 class CompileApart:
     """A child process (`command` + [request_json]) filling Inductor's cache. `wait()` blocks
-    (without the interpreter lock) until it ends; `stop()` ends it early (the run ended first)."""
+    (without the interpreter lock) until it ends; `stop()` ends it early (the run ended first).
+
+    Its output goes to files, not pipes, and a thread stamps the moment it ends: a parent may first
+    wait long after the child is done (`--videos-at-end` waits once the engine is done). With a pipe
+    read only at that wait, a child that wrote more than a pipe holds would hang on it meanwhile, its
+    seconds would be counted to the wait, and a child done long before a wait past `timeout` was
+    reported as still compiling (on 2026-12-06 three runs read 223-344 s for a child that compiles in
+    ~24 s cold: benchmarks/README.md)."""
 
     def __init__(self, request_json: str, command: Sequence[str]):
         self.started = time.perf_counter()
         self.seconds: float | None = None  # the child's wall time, once it ended
         self.result: dict | None = None  # its JSON line, when it succeeded
         self.error: str | None = None  # why it did not, in one line
+        self._output = tempfile.TemporaryFile()
         self._errors = tempfile.TemporaryFile()
         self.process = subprocess.Popen([*command, request_json], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=self._errors,
+                                        stdout=self._output, stderr=self._errors,
                                         env={**child_environment(), SETTINGS_ENV: json.dumps(parent_compile_settings())})
+        self._ended_at: float | None = None
+        self._reaper = threading.Thread(target=self._reap, name="compile-apart-reaper", daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        self.process.wait()
+        self._ended_at = time.perf_counter()
 
     def wait(self, timeout: float | None = None) -> dict | None:
         """The child's result (its JSON line), or None with `error` set. A child still running after
-        `timeout` seconds from its start is ended (a hung compile must not hold its parent forever)."""
+        `timeout` seconds from its start is ended (a hung compile must not hold its parent forever);
+        one that ended before, however long ago, is read."""
         if self.seconds is not None:
             return self.result
         left = None if timeout is None else max(0.0, timeout - (time.perf_counter() - self.started))
-        try:
-            out, _ = self.process.communicate(timeout=left)
-        except subprocess.TimeoutExpired:
+        self._reaper.join(left)
+        if self._reaper.is_alive():
             self.stop()
-            out, _ = self.process.communicate()
-            self.seconds = time.perf_counter() - self.started
+            self._reaper.join()
             self.error = f"still compiling after {timeout:g} s: ended"
-            self._errors.close()
-            return None
-        self.seconds = time.perf_counter() - self.started
-        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+        self.seconds = self._ended_at - self.started
+        if self.error is None:
+            self._read_result()
+        self._output.close()
+        self._errors.close()
+        return self.result
+
+    def _read_result(self) -> None:
+        self._output.seek(0)
+        lines = [line for line in self._output.read().decode(errors="replace").splitlines() if line.strip()]
         if self.process.returncode == 0 and lines:
             try:
                 self.result = json.loads(lines[-1])
@@ -81,8 +102,6 @@ class CompileApart:
                 self.error = f"its last line is no JSON: {lines[-1][:200]!r}"
         else:
             self.error = f"exit {self.process.returncode}: {self._last_error_line()}"
-        self._errors.close()
-        return self.result
 
     @property
     def succeeded_seconds(self) -> float | None:

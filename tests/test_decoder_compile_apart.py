@@ -183,3 +183,27 @@ def test_closing_the_writer_ends_a_child_still_compiling_without_a_word(tokenize
     writer.close()
     assert time.perf_counter() - started < 5 and not writer.thread.is_alive()
     assert child.stopped == 1 and writer_lines == [] and calls == []  # nothing compiled or decoded at the close
+
+
+def test_videos_at_end_read_a_child_done_long_before_the_engine_ends(tokenizer_dir, writer_lines, monkeypatch):
+    """--videos-at-end first waits on the child once the engine is done, long after the child's limit
+    counted from its start: a child that has ended is read, with its own seconds, not ended as still
+    compiling (the misreading of 2026-12-06's runs, benchmarks/README.md)."""
+    from terra_cli.scenarios import local_writer
+
+    monkeypatch.setattr(local_writer, "DECODER_APART_TIMEOUT_S", 1.0)
+    tokenizer = load(tokenizer_dir)
+    writer = InProcessWriter(tokenizer, fps=10, decode_after=True,
+                             compile_apart=lambda decoder: CompileApart(cpu_request(decoder), CHILD))
+    try:
+        tokens = np.random.default_rng(8).integers(0, 512, size=(3, TOKENS))
+        video = writer.submit("v8", tokens)
+        writer.apart.process.wait(60)  # the child is done (a CPU takes seconds to import torch: past its limit)
+        time.sleep(1.0)  # and the engine goes on a while
+        writer.engine_done()
+        assert video.result(timeout=120)
+    finally:
+        writer.close()
+    seconds = writer.decode_stats()["decoder_compiled_apart_s"]
+    assert seconds is not None and seconds < time.perf_counter() - writer.apart.started - 0.5
+    assert len(writer_lines) == 1 and writer_lines[0].startswith("INFO: the tokenizer's decoder: compiled apart in ")

@@ -52,8 +52,8 @@ class CompileApart:
     wait long after the child is done (`--videos-at-end` waits once the engine is done). With a pipe
     read only at that wait, a child that wrote more than a pipe holds would hang on it meanwhile, its
     seconds would be counted to the wait, and a child done long before a wait past `timeout` was
-    reported as still compiling (on 2026-12-06 three runs read 223-344 s for a child that compiles in
-    ~24 s cold: benchmarks/README.md)."""
+    reported as still compiling (on 2026-12-06 three runs read 223-344 s: their engines' seconds, not
+    the child's; benchmarks/README.md)."""
 
     def __init__(self, request_json: str, command: Sequence[str]):
         self.started = time.perf_counter()

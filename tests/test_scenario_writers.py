@@ -1093,3 +1093,20 @@ def test_a_ray_engine_actor_reports_its_intake_and_when_it_fed_its_first_batch(t
         assert first.id == file.scenarios[0].id
     finally:
         actor.pool.close()
+
+
+def test_videos_at_end_show_a_bar_of_their_own(tmp_path, tokenizer_dir):
+    """--videos-at-end writes every video after the last frame (minutes on a long run): the CLI shows
+    them on a bar of their own, with its rate and ETA, that ends at the run's count."""
+    model = write_tiny_checkpoint(tmp_path / "m", tiny_config(image_vocab=512, layers=1, max_frames=4))
+    np.save(tmp_path / "ctx.npy", np.random.default_rng(0).integers(0, 512, size=(2, 576)))
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps({"id": f"v{i}", "context": "ctx.npy", "actions": "left",
+                                                          "frames": 3, "seed": i}) + "\n" for i in range(2)))
+    args = ["generate", "--scenarios", str(tmp_path / "s.jsonl"), "--model", str(model), "--tokenizer",
+            str(tokenizer_dir), "--backend", "hf", "--device", "cpu", "--max-rollouts", "2"]
+    at_end = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path / "at_end"), "--videos-at-end"])
+    assert at_end.exit_code == 0, at_end.output
+    bars = [line for line in at_end.output.splitlines() if line.startswith("videos")]
+    assert len(bars) == 1 and "2/2 written" in bars[0], at_end.output
+    plain = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path / "plain")])
+    assert plain.exit_code == 0 and not any(line.startswith("videos") for line in plain.output.splitlines())

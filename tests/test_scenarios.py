@@ -214,3 +214,18 @@ def test_a_scenario_that_cannot_be_written_ends_the_run_with_exit_1_not_2(tmp_pa
     assert len(errors) == 1 and "1 scenario(s) could not be written" in errors[0] and "b: " in errors[0]
     assert "unexpected" not in result.output and "Traceback" not in result.output
     assert sorted(p.name for p in out.glob("*.npy")) == ["a.npy", "c.npy"]
+
+
+def test_a_resumed_runs_bar_counts_only_what_it_still_makes(tmp_path):
+    """The frames bar's total and the written count are this run's: a run that resumes two finished
+    scenarios of three shows 1/1 frames and "1 of 1 written", so its rate and ETA are true."""
+    model = write_tiny_checkpoint(tmp_path / "model", tiny_config(image_tokens=TOKENS, layers=1))
+    args = ["generate", "--scenarios", str(scenario_file(tmp_path, GOOD[:2])), "--out-dir", str(tmp_path / "out"),
+            "--model", str(model), "--backend", "hf", "--device", "cpu", "--no-decode"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0 and "5/5 generated frames" in first.output, first.output
+    scenario_file(tmp_path, GOOD)  # the third scenario added: 1 frame to generate
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert "1/1 generated frames" in again.output and "1 of 1 written" in again.output, again.output
+    assert "1 scenario(s) written, 2 already done" in again.output

@@ -55,4 +55,4 @@ def test_even_waves_start_the_engine_for_equal_waves_and_write_the_same_tokens(t
         f.write(json.dumps({**lines[0], "id": "e7", "seed": 7}) + "\n")
     resumed = ScenarioJob(tmp_path / "s.jsonl", tmp_path / "even", model=ModelSpec(str(engine_checkpoint)),
                           even_waves=True, decode=False)
-    assert job_module._pending_count(prepare_job(resumed), None) == 1
+    assert len(job_module.pending_scenarios(prepare_job(resumed))) == 1

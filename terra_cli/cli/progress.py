@@ -80,15 +80,23 @@ class StepProgress:
 
 class TaskProgress:
     """A bar over a count (frames, scenarios) with rate and ETA, and a free note beside the label
-    (a stage, a running rate); the note is plain text, never read as markup."""
+    (a stage, a running rate); the note is plain text, never read as markup. `add_bar` puts a
+    second count under it (videos written after the frames), with its own rate and ETA."""
 
     def __init__(self, console: Console, label: str, total: int, unit: str = "frames"):
         self.progress = Progress(
-            TextColumn(f"[bold]{label}"), TextColumn("{task.fields[note]}", markup=False), BarColumn(),
-            MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=console, transient=False,
+            TextColumn("[bold]{task.description}"), TextColumn("{task.fields[note]}", markup=False), BarColumn(),
+            MofNCompleteColumn(), TextColumn("{task.fields[unit]}", markup=False), TimeElapsedColumn(),
+            TimeRemainingColumn(), console=console, transient=False,
         )
-        self.task = self.progress.add_task(label, total=total, note="")
+        self.task = self.progress.add_task(label, total=total, note="", unit=unit)
+
+    def add_bar(self, label: str, total: int, unit: str):
+        """Another bar below, started now: its id for `advance_bar`."""
+        return self.progress.add_task(label, total=total, note="", unit=unit)
+
+    def advance_bar(self, bar, n: int = 1) -> None:
+        self.progress.update(bar, advance=n)
 
     def __enter__(self):
         self.progress.__enter__()

@@ -44,7 +44,7 @@ def generate_scenarios(job, data_parallel: int, ray_address: Optional[str] = Non
 
 def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None, plan=None) -> None:
     from terra_cli.cli.progress import TaskProgress
-    from terra_cli.scenarios.job import run_scenario_job
+    from terra_cli.scenarios.job import pending_scenarios, run_scenario_job
 
     job = prepared.job
     file, out_dir = prepared.file, job.out_dir
@@ -54,20 +54,26 @@ def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None, pl
         f"model {prepared.model_label}, {where}, "
         + (f"up to {in_flight} in flight each" if in_flight
            else "each engine's scenarios in equal waves" if job.even_waves else "rollouts in flight as the engine holds") + f" -> {out_dir}/")
-    total_frames = sum(s.frames - s.context_frames for s in file.scenarios)
+    pending = pending_scenarios(prepared)  # a resumed run's bars count what it still makes
+    total_frames = sum(s.frames - s.context_frames for s in pending)
     progress = TaskProgress(console, "scenarios", total_frames, unit="generated frames")
     started = time.perf_counter()
     written = [0]
+    # --videos-at-end writes every video after the last frame (minutes on a long run): a bar of its own, rate and ETA
+    videos_bar = progress.add_bar("videos", len(pending), "written") if job.videos_at_end and pending else None
 
     def note(frames: float) -> str:
         elapsed = time.perf_counter() - started
-        return f"{written[0]} of {len(file.scenarios)} written, {frames / max(elapsed, 1e-9):.1f} frames/s"
+        return f"{written[0]} of {len(pending)} written, {frames / max(elapsed, 1e-9):.1f} frames/s"
 
     def frame_done(worker: int) -> None:
         progress.advance(1, note=note(progress.completed + 1))
 
     def scenario_written(worker: int, record: dict) -> None:
-        written[0] += record.get("status") == "done"
+        done = record.get("status") == "done"
+        written[0] += done
+        if videos_bar is not None and done:
+            progress.advance_bar(videos_bar)
         progress.note(note(progress.completed))  # also once no frame is made any more (--videos-at-end's videos)
 
     def engine_ready(worker: int, ready) -> None:

@@ -268,7 +268,7 @@ def run_scenario_job(
     longest = max((s.frames for s in prepared.file.scenarios), default=None)
     loaded = load_job_engine(job, prepared.backend, prepared.device, prepared.needs_tokenizer, longest,
                              take_refiner_share if job.refiner is not None else (lambda tokenizer, options: None),
-                             rollouts=_pending_count(prepared, only_ids) if job.even_waves else None)
+                             rollouts=len(pending_scenarios(prepared, only_ids)) if job.even_waves else None)
     engine, tokenizer = loaded.engine, loaded.tokenizer
     frame_decoder = decoders[0] if decoders else None
     try:
@@ -286,11 +286,11 @@ def run_scenario_job(
         engine.close()
 
 
-def _pending_count(prepared: PreparedJob, only_ids: set[str] | None) -> int:
-    """The scenarios a run would generate (a resumed run skips what is done), counted before the
-    engine is loaded (`--max-rollouts even` sizes it by them)."""
+def pending_scenarios(prepared: PreparedJob, only_ids: set[str] | None = None) -> list:
+    """The scenarios a run would generate (a resumed run skips what is done), known before the
+    engine is loaded: `--max-rollouts even` sizes its waves by them, the progress bars their totals."""
     job = prepared.job
     mine = [s for s in prepared.file.scenarios if only_ids is None or s.id in only_ids]
     if not Path(job.out_dir).is_dir():
-        return len(mine)
-    return len(plan_outputs(mine, Path(job.out_dir), decode=job.decode, overwrite=job.overwrite).pending)
+        return mine
+    return plan_outputs(mine, Path(job.out_dir), decode=job.decode, overwrite=job.overwrite).pending

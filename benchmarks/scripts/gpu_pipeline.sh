@@ -72,7 +72,7 @@
 #          pair (issue 41, ~2 minutes); ONE_WARM=1: a short
 #          tokens-only run before the pair, so that neither meets a cold host; ONE_WARM=act: a short
 #          `--act-bench 16 --videos-at-end` instead, which also leaves the tokenizer's decoder in Inductor's cache
-#          (a user's second run on the machine: the pair's decoder child then takes seconds, not minutes);
+#          (a user's second run on the machine: the pair's decoder child then compiles from the cache);
 #   flashpage  (in the call, after start1's runs) 32 sessions, the fp8 cache in FlashAttention pages of 256 and of
 #          16, then a 32-row profile in pages of 256 (~5 minutes);
 #          `await` collects it
@@ -448,7 +448,7 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       timeout 240 terra bench --scenarios 32 --frames 8 --kv-cache-dtype fp8 --out "$OUT/one-warm.json" \
         > "$OUT/one-warm.log" 2>&1; echo "one-warm exit $?" >> "$STEP_LOG"
     elif [ "${ONE_WARM:-0}" = act ]; then
-      # the decoder's cold compile (its child ~220 s beside an engine on this kind of host, 2026-12-06) paid here
+      # the decoder's cold compile paid here (how long its child takes beside an engine: not yet measured)
       timeout 420 terra bench --act-bench 16 --videos-at-end --kv-cache-dtype fp8 --out "$OUT/one-warm-act.json" \
         > "$OUT/one-warm-act.log" 2>&1; echo "one-warm-act exit $?" >> "$STEP_LOG"
     fi

@@ -125,16 +125,22 @@ def decoder_compile_mode_asked(environ=None) -> str | None:
 
 REFINER_CHANNELS_LAST_ENV = "TERRA_REFINER_CHANNELS_LAST"
 REFINER_ATTENTION_ENV = "TERRA_REFINER_ATTENTION"
-# torch SDPA backends the refiner's UNet attention may be held to (`refiner.unet.sdpa_backend`);
-# default: torch's own choice per call
-REFINER_ATTENTION_BACKENDS = ("default", "flash", "efficient", "cudnn", "math")
+REFINER_TIME_CONV_ENV = "TERRA_REFINER_TIME_CONV"
+REFINER_GEGLU_ENV = "TERRA_REFINER_GEGLU"
+# the refiner's UNet self-attention: torch SDPA held to one backend (`refiner.unet.sdpa_backend`), or
+# FlashAttention-3 (`fa3`, `refiner.unet_ops.FlashSelfAttention`); default: torch's own choice per call
+REFINER_ATTENTION_BACKENDS = ("default", "flash", "efficient", "cudnn", "math", "fa3")
+REFINER_TIME_CONVS = ("3d", "plane")  # the temporal [3, 1, 1] convolutions: Conv3d, or `FramesPlaneConv`
+REFINER_GEGLUS = ("split", "fused")  # the feed-forwards' GEGLU: diffusers' two steps, or one Triton kernel
 
 
 @dataclass(frozen=True)
 class RefinerSwitches:
     # the UNet's convolution weights and its input frames channels-last; None: the device's default (`for_device`)
     channels_last: bool | None = None
-    attention: str = "default"  # REFINER_ATTENTION_BACKENDS: the torch SDPA backend of its self-attention
+    attention: str = "default"  # REFINER_ATTENTION_BACKENDS: the kernel of its self-attention
+    time_conv: str = "3d"  # REFINER_TIME_CONVS
+    geglu: str = "split"  # REFINER_GEGLUS
 
     def for_device(self, device) -> "RefinerSwitches":
         """Channels-last, when not asked either way, resolved for the device the refiner runs on: on for
@@ -146,7 +152,8 @@ class RefinerSwitches:
 
     def as_env(self) -> dict:
         """As a run's JSON records them: the variables' resolved values."""
-        return {REFINER_CHANNELS_LAST_ENV: int(bool(self.channels_last)), REFINER_ATTENTION_ENV: self.attention}
+        return {REFINER_CHANNELS_LAST_ENV: int(bool(self.channels_last)), REFINER_ATTENTION_ENV: self.attention,
+                REFINER_TIME_CONV_ENV: self.time_conv, REFINER_GEGLU_ENV: self.geglu}
 
 
 def refiner_switches_asked(environ=None) -> RefinerSwitches:
@@ -157,11 +164,18 @@ def refiner_switches_asked(environ=None) -> RefinerSwitches:
     around the convolutions, and channels-last made the window 1.5% faster (H200, 2026-11-27).
     TERRA_REFINER_ATTENTION=flash|efficient|cudnn|math (a lab switch, default off: `flash` measured 5.5%
     slower): its self-attention held to that torch SDPA backend (torch chose cuDNN's there, 313 TFLOP/s
-    at head dim 64); a backend that cannot run the call fails it rather than falling back."""
+    at head dim 64), or `fa3`: FlashAttention-3 from vLLM's GPU build; a kernel that cannot run the call
+    fails it rather than falling back. TERRA_REFINER_TIME_CONV=plane: the temporal [3, 1, 1] Conv3d as a
+    [3, 1] Conv2d over frames x pixels (the same convolution). TERRA_REFINER_GEGLU=fused: the feed-forwards'
+    projection and gelu x mul in one Triton kernel (`kernels.geglu_matmul`; float32 between the two
+    steps where diffusers rounds to the UNet's dtype)."""
     layout = choice_switch(REFINER_CHANNELS_LAST_ENV, ("0", "1"), "1 (on) or 0", environ)
     attention = choice_switch(REFINER_ATTENTION_ENV, REFINER_ATTENTION_BACKENDS, ", ".join(REFINER_ATTENTION_BACKENDS),
                                environ) or "default"
-    return RefinerSwitches(channels_last=None if layout is None else layout == "1", attention=attention)
+    time_conv = choice_switch(REFINER_TIME_CONV_ENV, REFINER_TIME_CONVS, " or ".join(REFINER_TIME_CONVS), environ)
+    geglu = choice_switch(REFINER_GEGLU_ENV, REFINER_GEGLUS, " or ".join(REFINER_GEGLUS), environ)
+    return RefinerSwitches(channels_last=None if layout is None else layout == "1", attention=attention,
+                           time_conv=time_conv or "3d", geglu=geglu or "split")
 
 
 def choice_switch(variable: str, choices: tuple, what: str, environ=None) -> str | None:

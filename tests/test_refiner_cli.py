@@ -87,9 +87,11 @@ def test_refiner_errors_are_one_line_before_any_model_runs(tmp_path, parts):
 
 
 def test_bench_refiner_reports_counted_flops_and_the_act_bench_projection(tmp_path, monkeypatch):
-    """Also with both refiner lab switches on (issue 40), which the JSON and the log record."""
+    """Also with three refiner switches on (issue 40), which the JSON and the log record."""
     monkeypatch.setenv("TERRA_REFINER_CHANNELS_LAST", "1")
     monkeypatch.setenv("TERRA_REFINER_ATTENTION", "math")
+    monkeypatch.setenv("TERRA_REFINER_TIME_CONV", "plane")
+    monkeypatch.delenv("TERRA_REFINER_GEGLU", raising=False)
     out = tmp_path / "bench.json"
     result = run("bench", "--refiner", "--tiny", "--device", "cpu", "--windows", "1", "--full-cfg", "--out", out)
     assert result.exit_code == 0, result.output
@@ -102,8 +104,10 @@ def test_bench_refiner_reports_counted_flops_and_the_act_bench_projection(tmp_pa
     assert row["windows_per_call"] == 1 and row["seconds_per_window"] > 0 and row["peak_memory_gib"] is None
     assert data["compile_mode"] == "none" and data["vae_decode_compiled"] is None  # eager on a CPU
     assert "per call, eager)" in result.output and "VAE decode compiled" not in result.output
-    assert data["lab_switches"] == {"TERRA_REFINER_CHANNELS_LAST": 1, "TERRA_REFINER_ATTENTION": "math"}
-    assert "lab switches {'TERRA_REFINER_CHANNELS_LAST': 1, 'TERRA_REFINER_ATTENTION': 'math'}" in result.output
+    switches = {"TERRA_REFINER_CHANNELS_LAST": 1, "TERRA_REFINER_ATTENTION": "math", "TERRA_REFINER_TIME_CONV": "plane",
+                "TERRA_REFINER_GEGLU": "split"}
+    assert data["lab_switches"] == switches
+    assert f"lab switches {switches}" in result.output
 
 
 def test_bench_refiner_in_a_compiled_run_times_the_products_compiled_vae_decoder(tmp_path, monkeypatch):
@@ -120,7 +124,8 @@ def test_bench_refiner_in_a_compiled_run_times_the_products_compiled_vae_decoder
 
     monkeypatch.setattr(refiner_module, "resolve_compile_mode", lambda mode, device: "default")
     monkeypatch.setattr(refiner_module, "compile_unet", lambda unet, mode: unet)
-    for switch in ("TERRA_REFINER_CHANNELS_LAST", "TERRA_REFINER_ATTENTION"):
+    for switch in ("TERRA_REFINER_CHANNELS_LAST", "TERRA_REFINER_ATTENTION", "TERRA_REFINER_TIME_CONV",
+                   "TERRA_REFINER_GEGLU"):
         monkeypatch.delenv(switch, raising=False)
     monkeypatch.setattr(refiner_module, "compile_vae_decoder", stand_in)
     out = tmp_path / "bench.json"
@@ -131,7 +136,8 @@ def test_bench_refiner_in_a_compiled_run_times_the_products_compiled_vae_decoder
     assert data["compile_mode"] == "default" and len(calls) > 1
     assert compiled["ms_per_frame"] == pytest.approx(1e3 * decode, abs=0.01) and compiled["eager_ms_per_frame"] > 0
     assert compiled["error"] is None and compiled["compile_s"] >= 0 and compiled["max_abs_diff"] < 1e-5
-    assert data["lab_switches"] == {"TERRA_REFINER_CHANNELS_LAST": 0, "TERRA_REFINER_ATTENTION": "default"}
+    assert data["lab_switches"] == {"TERRA_REFINER_CHANNELS_LAST": 0, "TERRA_REFINER_ATTENTION": "default",
+                                    "TERRA_REFINER_TIME_CONV": "3d", "TERRA_REFINER_GEGLU": "split"}
     assert "per call, compiled)" in result.output
     assert "VAE decode compiled (the product's in a compiled run)" in result.output
 

@@ -13,7 +13,8 @@ from terra_cli.refiner.config import tiny_refiner_config  # noqa: E402
 from terra_cli.refiner.refiner import VideoRefiner  # noqa: E402
 from terra_cli.refiner.unet import PinnedSdpaAttention, sdpa_backend  # noqa: E402
 
-SWITCHES = (runtime.REFINER_CHANNELS_LAST_ENV, runtime.REFINER_ATTENTION_ENV)
+SWITCHES = (runtime.REFINER_CHANNELS_LAST_ENV, runtime.REFINER_ATTENTION_ENV, runtime.REFINER_TIME_CONV_ENV,
+            runtime.REFINER_GEGLU_ENV)
 
 
 def with_switches(monkeypatch, **values):
@@ -72,14 +73,16 @@ def test_channels_last_defaults_to_the_device_the_attention_switch_to_off_and_ba
     assert off.channels_last is False and off.for_device("cuda").channels_last is False
     assert VideoRefiner.random(tiny_refiner_config(), "cpu").switches.channels_last is False  # unset, on a CPU
     refusals = ((runtime.REFINER_CHANNELS_LAST_ENV, "yes", "use 1 (on) or 0"),
-                (runtime.REFINER_ATTENTION_ENV, "fa4", "use default, flash, efficient, cudnn, math"))
+                (runtime.REFINER_ATTENTION_ENV, "fa4", "use default, flash, efficient, cudnn, math, fa3"),
+                (runtime.REFINER_TIME_CONV_ENV, "2d", "use 3d or plane"), (runtime.REFINER_GEGLU_ENV, "on", "use split or fused"))
     for variable, bad, allowed in refusals:
         with pytest.raises(InputError) as refused:
             runtime.refiner_switches_asked({variable: bad})
         message = str(refused.value)
         assert message.startswith(f"{variable}={bad!r}: {allowed}") and "\n" not in message
-    # every name the parser allows maps to a torch backend (default: torch's choice)
-    assert [sdpa_backend(name) is None for name in runtime.REFINER_ATTENTION_BACKENDS] == [True] + [False] * 4
+    # every name the parser allows but FlashAttention-3 maps to a torch backend (default: torch's choice)
+    sdpa_names = [name for name in runtime.REFINER_ATTENTION_BACKENDS if name != "fa3"]
+    assert [sdpa_backend(name) is None for name in sdpa_names] == [True] + [False] * 4
     monkeypatch.setenv(runtime.REFINER_ATTENTION_ENV, "fa4")
     with pytest.raises(InputError, match="TERRA_REFINER_ATTENTION='fa4'"):
         VideoRefiner.random(tiny_refiner_config(), "cpu")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from terra_cli.errors import InputError, error_summary
-from terra_cli.refiner import sampler
+from terra_cli.refiner import sampler, unet_ops
 from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_latents, encode_condition, use_center_taps
 from terra_cli.refiner.compiled import (COMPILE_MODES, VAE_DECODER_MODE, compile_unet, compile_vae_decoder,
                                         resolve_compile_mode, tracing_quietly, uses_cuda_graphs)
@@ -210,11 +210,20 @@ class VideoRefiner:
         convolution weights channels-last (its inputs follow in `_call_unet`; on CUDA unless
         TERRA_REFINER_CHANNELS_LAST=0), its self-attention's SDPA backend (a lab switch). Either way the
         UNet computes the same values, up to float rounding: only its kernels and memory order change."""
-        if self.switches.channels_last:
+        switches = self.switches
+        if switches.channels_last:  # first: it reorders Conv3d weights, which the plane convolutions then hold
             use_channels_last(self.unet)
-        if self.switches.attention != "default":
-            LOG.info(f"refiner: lab switch: {use_sdpa_backend(self.unet, self.switches.attention)} attention layers "
-                     f"on SDPA's {self.switches.attention} backend")
+        if switches.time_conv == "plane":
+            LOG.info(f"refiner: {unet_ops.use_frames_plane_conv(self.unet)} temporal convolutions over frames x pixels")
+        if switches.attention == "fa3":
+            LOG.info(f"refiner: {unet_ops.use_flash_self_attention(self.unet)} attention layers on FlashAttention-3")
+        elif switches.attention != "default":
+            LOG.info(f"refiner: lab switch: {use_sdpa_backend(self.unet, switches.attention)} attention layers "
+                     f"on SDPA's {switches.attention} backend")
+        if switches.geglu == "fused":
+            from terra_cli.kernels.geglu_matmul import use_fused_geglu
+
+            LOG.info(f"refiner: {use_fused_geglu(self.unet)} feed-forward GEGLUs in one kernel each")
 
     @torch.inference_mode()
     def prepare_vae_decoder(self) -> None:

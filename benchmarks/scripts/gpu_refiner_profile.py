@@ -102,6 +102,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny refiner config (a CPU dry run)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="let cuDNN time its algorithms for each convolution shape (torch.backends.cudnn.benchmark)")
+    parser.add_argument("--repeat", type=int, default=1, help="timed calls after the compile (their median)")
+    parser.add_argument("--lock", type=Path, default=None,
+                        help="hold this file's lock while timing: variants compile side by side, time one at a time")
     args = parser.parse_args()
     if args.out is not None and args.out.exists():  # before minutes of work: a file it did not make stays
         parser.error(f"{args.out} exists; remove it or name another --out")
@@ -113,6 +118,7 @@ def main() -> None:
     from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner
 
     on_gpu = args.device.startswith("cuda")
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     config = tiny_refiner_config() if args.tiny else TERRA_REFINER
     options = RefinerOptions(compile=args.compile, batch_windows=args.windows)
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -132,9 +138,17 @@ def main() -> None:
     started = time.perf_counter()
     one()  # compile, choose kernels
     first_s = time.perf_counter() - started
-    started = time.perf_counter()
-    one()
-    plain_s = time.perf_counter() - started
+    lock = open(args.lock, "a") if args.lock is not None else None  # noqa: SIM115 - held to the end
+    if lock is not None:
+        import fcntl
+
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    calls = []
+    for _ in range(max(1, args.repeat)):
+        started = time.perf_counter()
+        one()
+        calls.append(time.perf_counter() - started)
+    plain_s = sorted(calls)[len(calls) // 2]
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     with torch.profiler.profile(activities=activities) as prof:
         started = time.perf_counter()
@@ -160,6 +174,7 @@ def main() -> None:
         "windows_per_call": args.windows, "compile": refiner.compile_mode, "first_call_s": round(first_s, 2),
         "lab_switches": refiner.switches.as_env(),  # TERRA_REFINER_CHANNELS_LAST / _ATTENTION, as the refiner read them
         "seconds_per_window": round(plain_s / args.windows, 4),
+        "calls_s": [round(c, 4) for c in calls], "cudnn_benchmark": args.cudnn_benchmark,
         "profiled_seconds_per_window": round(profiled_s / args.windows, 4),
         "busy_share": round(busy / profiled_s, 4) if on_gpu else None,
         "flops_per_window_tflop": round(sum(flops.values()) / 1e12, 2), "groups": groups,

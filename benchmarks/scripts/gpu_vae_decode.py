@@ -81,9 +81,11 @@ def main() -> int:
         vae = build_vae(config, args.device, torch.float32)
         chunk = args.chunk * (2 if name == "product-2x" else 1)
         row = {"chunk": chunk}
-        if name in ("center-taps", "both", "both-bf16"):
+        # both-cudnn-benchmark: the product's decoder with cuDNN timing its algorithms for each shape
+        torch.backends.cudnn.benchmark = name == "both-cudnn-benchmark"
+        if name in ("center-taps", "both", "both-bf16", "both-cudnn-benchmark"):
             row["center_tap_convs"] = use_center_taps(vae.decoder)
-        if name in ("channels-last", "both", "both-bf16"):
+        if name in ("channels-last", "both", "both-bf16", "both-cudnn-benchmark"):
             row["channels_last_convs"] = use_channels_last(vae.decoder)
         if name == "both-bf16":  # not Terra's math: the pixels' PSNR says how far it moves them
             vae.decoder.to(torch.bfloat16)

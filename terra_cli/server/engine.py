@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from terra_cli.backends.driver import JobFeed, RolloutJob
+from terra_cli.runtime import picture_batch_asked
 from terra_cli.server.pictures import PictureBatcher
 
 
@@ -65,6 +66,7 @@ class EngineService:
         self.quantization = getattr(backend, "quantization", None)
         self.layout = backend.config.layout
         self.media = ThreadPoolExecutor(1, thread_name_prefix="terra-media")
+        self.picture_batch = picture_batch_asked()
         self.pictures = PictureBatcher(self.media, self.decode)
         self._stream = None  # the pictures' CUDA stream (`_picture_stream`)
         self.stats = EngineStats()
@@ -150,11 +152,12 @@ class EngineService:
 
         if not isinstance(self.tokenizer, ImageTokenizer):
             return self.tokenizer.decode_tokens(tokens)
-        # one frame a call, always: a session's picture is the same whatever was decoded with it (kernels
-        # of another batch size may round differently), and sessions whose rows end their frames at
-        # different steps ask for their pictures one or two at a time (a padded batch of 8 cost 17 ms)
+        # one batch size a server, padded: a session's picture is the same whatever was decoded with it
+        # (kernels of another batch size may round differently); 1 by default, as sessions whose rows end
+        # their frames at different steps ask for their pictures one or two at a time (a padded batch of 8
+        # cost 17 ms)
         with self._picture_stream():
-            return self.tokenizer.decode_tokens(tokens, full_batches=True, batch_size=1)
+            return self.tokenizer.decode_tokens(tokens, full_batches=True, batch_size=self.picture_batch)
 
     def _picture_stream(self):
         """On CUDA, a stream of high priority of its own: a picture's kernels go ahead of the engine's queued

@@ -208,7 +208,8 @@ class VideoRefiner:
     def apply_switches(self) -> None:
         """The switches (`runtime.refiner_switches_asked`) on the UNet, before it is compiled: its
         convolution weights channels-last (its inputs follow in `_call_unet`; on CUDA unless
-        TERRA_REFINER_CHANNELS_LAST=0), its self-attention's SDPA backend (a lab switch). Either way the
+        TERRA_REFINER_CHANNELS_LAST=0), and the lab switches (its self-attention's kernel, the temporal
+        convolutions as plane ones, the fused GEGLU; all measured slower on an H200, so off). Either way the
         UNet computes the same values, up to float rounding: only its kernels and memory order change."""
         switches = self.switches
         if switches.channels_last:  # first: it reorders Conv3d weights, which the plane convolutions then hold

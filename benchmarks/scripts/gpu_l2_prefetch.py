@@ -11,6 +11,8 @@ without a second stream that, once a projection ends, reads the next one's weigh
 through L2 with Triton's `evict_last` policy, so the projection finds them there.
 
     python3 benchmarks/scripts/gpu_l2_prefetch.py --out $OUT/l2_prefetch.json
+
+Measured on an H100 (2026-12-06, benchmarks/README.md): every variant made the step slower (+11% at the least).
 """
 
 from __future__ import annotations

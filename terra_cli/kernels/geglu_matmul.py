@@ -18,8 +18,14 @@ blocks stay in L2 (the ordering of Triton's matmul tutorial).
 
 Deterministic by construction: one program owns each output element and walks K in one fixed order, and
 the tile is a fixed function of the shape (`tile_for`; never triton.autotune), so a seed gives the same
-bits on every run. `PROBE_TILES` are the candidates a GPU probe sweeps through `tile=`; the table below is
-not yet measured on Hopper.
+bits on every run. `PROBE_TILES` are the candidates a GPU probe sweeps through `tile=`
+(benchmarks/scripts/gpu_refiner_ops.py).
+
+Measured on an H200 (2026-12-06, benchmarks/README.md): slower than what it replaces. Over the UNet's 48
+GEGLUs a call, 290 ms a window with its best tile against 250 for cuBLAS's GEMM and Inductor's gelu x mul
+(309 against ~270 in the compiled window): its GEMM runs at ~350 TFLOP/s where cuBLAS's reach ~750 on
+these short-K shapes. So `TERRA_REFINER_GEGLU=fused` stays a lab switch, off; it would take a GEMM at
+cuBLAS's pace (TMA loads, a persistent warp-specialised kernel) for the fusion to pay.
 
 `use_fused_geglu(unet)` swaps every GEGLU of a module tree for `FusedGEGLU`, which keeps the same `proj`
 Linear (the state_dict is unchanged) and runs the kernel on CUDA, diffusers' math elsewhere. On CPU the
@@ -57,10 +63,10 @@ class Tile:
         return [self.block_m, self.block_n, self.block_k, self.warps, self.stages, self.group_m]
 
 
-# Two 128 x 128 float32 accumulators are one 128 x 256 tile's worth (128 registers a thread over 8 warps),
-# the shape cuBLAS and Triton favour for large bf16 GEMMs on Hopper; 3 stages of x (128 x 64) and both
-# weight halves (2 x 128 x 64) are 144 KB of shared memory. Not measured yet: see PROBE_TILES.
-LARGE_TILE = Tile(block_m=128, block_n=128, block_k=64, warps=8, stages=3, group_m=8)
+# Two 128 x 128 float32 accumulators are one 128 x 256 tile's worth (128 registers a thread over 8 warps).
+# Of PROBE_TILES on an H200 (2026-12-06), depth 32 in 4 stages was the fastest or within 1% of it on each of
+# the UNet's four GEGLU shapes (290.5 ms a window summed, against 307.0 for depth 64 in 3 stages).
+LARGE_TILE = Tile(block_m=128, block_n=128, block_k=32, warps=8, stages=4, group_m=8)
 NARROW_TILE = Tile(block_m=128, block_n=64, block_k=64, warps=4, stages=4, group_m=8)  # N <= 64
 FEW_ROWS_TILE = Tile(block_m=64, block_n=128, block_k=64, warps=4, stages=4, group_m=8)  # M <= 64
 
@@ -68,11 +74,11 @@ FEW_ROWS_TILE = Tile(block_m=64, block_n=128, block_k=64, warps=4, stages=4, gro
 # with 8 warps: with 4, its two accumulators alone would take 256 registers a thread.
 PROBE_TILES = (
     LARGE_TILE,
+    Tile(block_m=128, block_n=128, block_k=64, warps=8, stages=3, group_m=8),
     Tile(block_m=128, block_n=128, block_k=64, warps=8, stages=4, group_m=8),
     NARROW_TILE,
     FEW_ROWS_TILE,
     Tile(block_m=256, block_n=64, block_k=64, warps=8, stages=3, group_m=8),
-    Tile(block_m=128, block_n=128, block_k=32, warps=8, stages=4, group_m=8),
 )
 
 

@@ -7,8 +7,8 @@ distinct shape is then timed on the GPU (bf16, CUDA events, median of `--iters` 
 
 - temporal convolution: the Conv3d in channels_last_3d (the product) against `FramesPlaneConv` (the
   same kernel as a [3, 1] Conv2d over frames x pixels, on a view);
-- self-attention: torch's SDPA as diffusers calls it (the product: cuDNN's kernel on Hopper) against
-  FlashAttention-3 (vLLM's build);
+- self-attention: torch's SDPA as diffusers calls it, compiled as the product is (cuDNN's kernel on Hopper;
+  eager beside it) against FlashAttention-3 (vLLM's build);
 - GEGLU: the projection and gelu x mul as Inductor compiles them (the product: cuBLAS, then one fused
   pointwise kernel) against terra's fused Triton kernel, each tile of `PROBE_TILES`.
 
@@ -118,8 +118,12 @@ def attention_rows(shape, heads, iters, flash):
         flat = [t.view(batch * tokens, heads, d) for t in (q, k, v)]
         return flash_self_attention(*flat, batch, d ** -0.5).view(batch, tokens, channels)
 
+    # Compiled, as in the product: eager, SDPA got the heads' strided layout and its cuDNN kernel took 195 ms
+    # a window where the compiled UNet's took 146 (H200, 2026-12-06), which made FA3 look 50 ms ahead
+    sdpa_compiled = torch.compile(sdpa, dynamic=False)
     want = sdpa()
-    rows = {"sdpa": (timed_ms(sdpa, iters), 0.0)}
+    rows = {"sdpa-eager": (timed_ms(sdpa, iters), 0.0),
+            "sdpa": (timed_ms(sdpa_compiled, iters), relative_error(sdpa_compiled(), want))}
     if flash:
         rows["fa3"] = (timed_ms(fa3, iters), relative_error(fa3(), want))
     return rows

@@ -175,6 +175,7 @@ def main() -> None:
     from terra_cli.kernels import geglu_matmul as kernel
     from terra_cli.refiner.unet_ops import flash_kernel
 
+    torch._dynamo.config.recompile_limit = 64  # one compiled function per shape: 8 attention shapes, 4 GEGLU ones
     started = time.perf_counter()
     flash = flash_kernel("cuda")[0] is not None
     wanted = set(args.only.split(","))

@@ -75,8 +75,14 @@ def test_the_tile_table_is_fixed_by_shape():
     assert kernel.tile_for(4000, 48, 320) == kernel.NARROW_TILE
     assert len(set(kernel.PROBE_TILES)) == len(kernel.PROBE_TILES) >= 5 and kernel.LARGE_TILE in kernel.PROBE_TILES
     for tile in kernel.PROBE_TILES + (kernel.NARROW_TILE, kernel.FEW_ROWS_TILE):
-        kernel._check_kernel(torch.zeros(2, 8), torch.zeros(4, 8), None, tile)  # valid launch shapes
+        kernel._check_kernel(torch.zeros(2, 8), torch.zeros(8, 8), None, tile)  # valid launch shapes
         assert kernel.Tile(*tile.as_list()) == tile
+    # TMA reads rows of 16-byte multiples: 3 float32 outputs a row (12 bytes) or a depth of 6 are refused
+    tma = next(tile for tile in kernel.PROBE_TILES if tile.tma)
+    for x, weight in ((torch.zeros(2, 8), torch.zeros(6, 8)), (torch.zeros(2, 6), torch.zeros(8, 6))):
+        with pytest.raises(ValueError, match="a TMA tile needs"):
+            kernel._check_kernel(x, weight, None, tma)
+    assert tma.as_list()[-1] == 1
 
 
 def test_without_the_interpreter_cpu_runs_diffusers_math(monkeypatch):

@@ -25,7 +25,10 @@ Measured on an H200 (2026-12-06, benchmarks/README.md): slower than what it repl
 GEGLUs a call, 290 ms a window with its best tile against 250 for cuBLAS's GEMM and Inductor's gelu x mul
 (309 against ~270 in the compiled window): its GEMM runs at ~350 TFLOP/s where cuBLAS's reach ~750 on
 these short-K shapes. So `TERRA_REFINER_GEGLU=fused` stays a lab switch, off; it would take a GEMM at
-cuBLAS's pace (TMA loads, a persistent warp-specialised kernel) for the fusion to pay.
+cuBLAS's pace (TMA loads, a persistent warp-specialised kernel) for the fusion to pay. A first step is in
+`PROBE_TILES`: tiles with `tma=True` run a second kernel whose x and weight tiles come through device-side
+tensor descriptors (Hopper's tensor memory accelerator) and whose result is stored the same way; checked
+against float64 under the interpreter, not yet timed on a card (`gpu_refiner_ops.py --only geglu`).
 
 `use_fused_geglu(unet)` swaps every GEGLU of a module tree for `FusedGEGLU`, which keeps the same `proj`
 Linear (the state_dict is unchanged) and runs the kernel on CUDA, diffusers' math elsewhere. On CPU the
@@ -58,9 +61,10 @@ class Tile:
     warps: int
     stages: int
     group_m: int = 8
+    tma: bool = False  # the tiles loaded and the result stored by the tensor memory accelerator (Hopper's TMA)
 
     def as_list(self) -> list[int]:
-        return [self.block_m, self.block_n, self.block_k, self.warps, self.stages, self.group_m]
+        return [self.block_m, self.block_n, self.block_k, self.warps, self.stages, self.group_m, int(self.tma)]
 
 
 # Two 128 x 128 float32 accumulators are one 128 x 256 tile's worth (128 registers a thread over 8 warps).
@@ -79,6 +83,10 @@ PROBE_TILES = (
     NARROW_TILE,
     FEW_ROWS_TILE,
     Tile(block_m=256, block_n=64, block_k=64, warps=8, stages=3, group_m=8),
+    # TMA loads (not yet measured): the pointer kernel's GEMM ran at ~350 TFLOP/s against cuBLAS's ~750
+    Tile(block_m=128, block_n=128, block_k=64, warps=8, stages=3, group_m=8, tma=True),
+    Tile(block_m=128, block_n=128, block_k=32, warps=8, stages=4, group_m=8, tma=True),
+    Tile(block_m=128, block_n=64, block_k=64, warps=4, stages=4, group_m=8, tma=True),
 )
 
 
@@ -92,7 +100,7 @@ def tile_for(M: int, N: int, K: int) -> Tile:
     return LARGE_TILE
 
 
-_kernel = None
+_kernels = None  # (the pointer kernel, the TMA kernel), built on first use
 
 
 def _build():
@@ -158,7 +166,47 @@ def _build():
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], out,
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
-    return geglu_kernel
+    @triton.jit
+    def geglu_tma_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        blocks_m = tl.cdiv(M, BLOCK_M)
+        blocks_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * blocks_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
+        m0 = (first_m + (pid % per_group) % group_rows) * BLOCK_M
+        n0 = ((pid % per_group) // group_rows) * BLOCK_N
+        # Out-of-range rows and depths load as zeros. A last column block's hidden rows may run into the gate
+        # half (rows N and up): those columns are past N and the store drops them.
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[2 * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+        o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+        acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.range(0, K, BLOCK_K):
+            x = x_desc.load([m0, k])
+            w_h = w_desc.load([n0, k]).T
+            w_g = w_desc.load([N + n0, k]).T
+            if UPCAST:
+                x = x.to(tl.float32)
+                acc_h = tl.dot(x, w_h.to(tl.float32), acc_h)
+                acc_g = tl.dot(x, w_g.to(tl.float32), acc_g)
+            elif IEEE:
+                acc_h = tl.dot(x, w_h, acc_h, input_precision="ieee")
+                acc_g = tl.dot(x, w_g, acc_g, input_precision="ieee")
+            else:
+                acc_h = tl.dot(x, w_h, acc_h)
+                acc_g = tl.dot(x, w_g, acc_g)
+        if HAS_BIAS:
+            cols = n0 + tl.arange(0, BLOCK_N)
+            acc_h += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            acc_g += tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        gelu = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476))
+        o_desc.store([m0, n0], (acc_h * gelu).to(out_ptr.dtype.element_ty))
+
+    return geglu_kernel, geglu_tma_kernel
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -207,24 +255,43 @@ def _check_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if any(b < 16 or b & (b - 1) for b in blocks) or tile.warps < 1 or tile.stages < 1 or tile.group_m < 1:
         raise ValueError(f"geglu_matmul: blocks are powers of two of at least 16, warps, stages and group_m at "
                          f"least 1, got {tile}")
+    if tile.tma and (x.stride(0) * x.element_size() % 16 or x.shape[1] * x.element_size() % 16
+                     or weight.shape[0] // 2 * x.element_size() % 16 or any(
+                         t.data_ptr() % 16 for t in (x, weight))):
+        raise ValueError(f"geglu_matmul: a TMA tile needs rows, depth and outputs in multiples of 16 bytes and "
+                         f"16-byte aligned tensors, got x {tuple(x.shape)} (row stride {x.stride(0)}), weight "
+                         f"{tuple(weight.shape)}")
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Where a kernel writes the TMA descriptors it makes (`triton.set_allocator`)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: Tile) -> torch.Tensor:
-    global _kernel
+    global _kernels
     M, K = rows.shape
     N = weight.shape[0] // 2
     out = torch.empty((M, N), dtype=rows.dtype, device=rows.device)
     if M == 0:
         return out
-    if _kernel is None:
-        _kernel = _build()
+    if _kernels is None:
+        _kernels = _build()
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (_cdiv(M, tile.block_m) * _cdiv(N, tile.block_n),)
+    common = dict(HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                  GROUP_M=tile.group_m, UPCAST=interpreted, IEEE=rows.dtype == torch.float32, num_warps=tile.warps,
+                  num_stages=tile.stages)
     with torch.cuda.device(rows.device) if rows.device.type == "cuda" else contextlib.nullcontext():
-        _kernel[grid](rows, weight, weight if bias is None else bias, out, M, N, K, rows.stride(0), weight.stride(0),
-                      out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                      BLOCK_K=tile.block_k, GROUP_M=tile.group_m, EVEN_K=K % tile.block_k == 0, UPCAST=interpreted,
-                      IEEE=rows.dtype == torch.float32, num_warps=tile.warps, num_stages=tile.stages)
+        if tile.tma:
+            if rows.device.type == "cuda":
+                import triton
+
+                triton.set_allocator(_tma_scratch)
+            _kernels[1][grid](rows, weight, weight if bias is None else bias, out, M, N, K, rows.stride(0), **common)
+        else:
+            _kernels[0][grid](rows, weight, weight if bias is None else bias, out, M, N, K, rows.stride(0),
+                              weight.stride(0), out.stride(0), EVEN_K=K % tile.block_k == 0, **common)
     return out
 
 
@@ -239,7 +306,7 @@ def geglu_matmul_op(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                     tile: list[int] | None) -> torch.Tensor:
     """The kernel on (M, K) rows as an operator torch.compile keeps whole (one opaque call, not a GEMM and
     an elementwise kernel). `tile`: `Tile.as_list()`, or None for `tile_for` this shape."""
-    chosen = tile_for(rows.shape[0], weight.shape[0] // 2, rows.shape[1]) if tile is None else Tile(*tile)
+    chosen = tile_for(rows.shape[0], weight.shape[0] // 2, rows.shape[1]) if tile is None else Tile(*tile[:6], tma=bool(tile[6:] and tile[6]))
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     return _launch(rows, weight, bias if bias is None else bias.contiguous(), chosen)
 

@@ -50,11 +50,17 @@ def flash_varlen_kernel(device: torch.device, dtype: torch.dtype):
         return None
     if choice_switch(ATTENTION_ENV, ("flash", "torch"), "torch (to compare) or flash") == "torch":
         return None
+    return vllm_flash_varlen((3, 2))
+
+
+def vllm_flash_varlen(versions: tuple[int, ...]):
+    """vLLM's `flash_attn_varlen_func` and the first of `versions` this card and build run, else None
+    (vLLM's GPU build not installed, a build without it, no version supported here)."""
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
-    except Exception:  # noqa: BLE001 - not installed, or a build without it: torch's attention
+    except Exception:  # noqa: BLE001 - not installed, or a build without it
         return None
-    for version in (3, 2):
+    for version in versions:
         try:
             if is_fa_version_supported(version):
                 return flash_attn_varlen_func, version

@@ -14,6 +14,8 @@ parameters' names, so checkpoints load the same way before or after the swap.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -59,14 +61,15 @@ def flash_kernel(device) -> tuple:
     """vLLM's `flash_attn_varlen_func` and 3 where FlashAttention-3 runs on `device`; else (None, None)."""
     if torch.device(device).type != "cuda":
         return None, None
-    try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
+    return _flash_attention_3()
 
-        if is_fa_version_supported(3):
-            return flash_attn_varlen_func, 3
-    except Exception:  # noqa: BLE001 - vLLM not installed, a build without it, not Hopper
-        pass
-    return None, None
+
+@functools.lru_cache(maxsize=None)
+def _flash_attention_3() -> tuple:
+    # looked up once a process, not at each of a UNet call's 32 attention calls
+    from terra_cli.backends.flash_cache import vllm_flash_varlen
+
+    return vllm_flash_varlen((3,)) or (None, None)
 
 
 @torch.library.custom_op("terra::flash_self_attention", mutates_args=())

@@ -100,15 +100,6 @@ def tile_for(M: int, N: int, K: int) -> Tile:
     return LARGE_TILE
 
 
-_kernels = None  # (the pointer kernel, the TMA kernel), built on first use
-
-
-def _build():
-    from terra_cli.kernels import geglu_triton  # imports Triton: only where a kernel runs
-
-    return geglu_triton.geglu_kernel, geglu_triton.geglu_tma_kernel
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -169,14 +160,13 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: Tile) -> torch.Tensor:
-    global _kernels
+    from terra_cli.kernels import geglu_triton  # imports Triton: only where a kernel runs
+
     M, K = rows.shape
     N = weight.shape[0] // 2
     out = torch.empty((M, N), dtype=rows.dtype, device=rows.device)
     if M == 0:
         return out
-    if _kernels is None:
-        _kernels = _build()
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (_cdiv(M, tile.block_m) * _cdiv(N, tile.block_n),)
     common = dict(HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -188,10 +178,11 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 import triton
 
                 triton.set_allocator(_tma_scratch)
-            _kernels[1][grid](rows, weight, weight if bias is None else bias, out, M, N, K, rows.stride(0), **common)
+            geglu_triton.geglu_tma_kernel[grid](rows, weight, weight if bias is None else bias, out, M, N, K, rows.stride(0), **common)
         else:
-            _kernels[0][grid](rows, weight, weight if bias is None else bias, out, M, N, K, rows.stride(0),
-                              weight.stride(0), out.stride(0), EVEN_K=K % tile.block_k == 0, **common)
+            geglu_triton.geglu_kernel[grid](rows, weight, weight if bias is None else bias, out, M, N, K,
+                                            rows.stride(0), weight.stride(0), out.stride(0),
+                                            EVEN_K=K % tile.block_k == 0, **common)
     return out
 
 

@@ -58,8 +58,8 @@
 #          ONE_AFTER=next17: 32 sessions with the fp8 cache written inside the layer functions, apart, and bf16, a
 #          32-row step's kernels at 10-frame contexts in fp8 and bf16, `terra serve` at 32 in fp8 (~11 minutes);
 #          ONE_AFTER=next18: `terra serve` at 32 sessions with the fp8 cache, then bf16 (~6 minutes);
-#          ONE_AFTER=next20: `terra serve` at 1 and 32 sessions, TERRA_PICTURE_BATCH=8, then 1 (~7 minutes);
-#          ONE_AFTER=next21: the same at 32 sessions only, 4 frames a session (~4 minutes);
+#          ONE_AFTER=pictures: `terra serve` at 1 and 32 sessions, TERRA_PICTURE_BATCH=8, then 1 (~7 minutes);
+#          ONE_AFTER=pictures32: the same at 32 sessions only, 4 frames a session (~4 minutes);
 #          ONE_AFTER=next19: a 32-row step's kernels at 10-frame contexts, fp8 cache then bf16 (~3 minutes);
 #          ONE_AFTER=next20: the fp8 cache's one-query steps through terra's decode kernel against
 #          FlashAttention-3 (TERRA_SINGLE_STREAM_DECODE_KERNEL, eeb88f9's; taken out after lease 11 of
@@ -673,11 +673,11 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       # `terra serve` on single-stream at 32 sessions, the rows' caches in fp8, then bf16 (~6 minutes)
       SERVE_ARGS_EXTRA="--kv-cache-dtype fp8" serve_rows 200 32 -fp8
       serve_rows 200 32 -bf16
-    elif [ "${ONE_AFTER:-probes}" = next20 ]; then
+    elif [ "${ONE_AFTER:-probes}" = pictures ]; then
       # `terra serve` on single-stream at 1 and 32 sessions, pictures padded to batches of 8, then one a call (~7 minutes)
       TERRA_PICTURE_BATCH=8 serve_rows 230 1,32 -pic8
       serve_rows 230 1,32 -pic1
-    elif [ "${ONE_AFTER:-probes}" = next21 ]; then
+    elif [ "${ONE_AFTER:-probes}" = pictures32 ]; then
       # the same at 32 sessions only, 4 frames a session (~4 minutes: the end of a lease)
       SERVE_STEPS=4 TERRA_PICTURE_BATCH=8 serve_rows 130 32 -pic8
       SERVE_STEPS=4 serve_rows 130 32 -pic1

@@ -28,9 +28,9 @@ def main(checkpoint: str) -> dict:
 
     errors = {}
     gen = torch.Generator().manual_seed(0)
-    # Rows 1..16; a vocabulary and a depth that are not multiples of the kernel's blocks.
+    # Rows 1..32 (tiles of 16 and of 32); a vocabulary and a depth that are not multiples of the kernel's blocks.
     for dtype in (torch.float32, torch.bfloat16):
-        for rows in (1, 9, 16):
+        for rows in (1, 9, 16, 17, 32):
             hidden = torch.randn(rows, 200, generator=gen).to(dtype)
             weight = torch.randn(300, 200, generator=gen).to(dtype)
             out = kernel.few_rows_matmul(hidden, weight)
@@ -49,7 +49,7 @@ def main(checkpoint: str) -> dict:
         split_repeatable[splits] = bool(torch.equal(out, kernel.few_rows_matmul(hidden, weight, splits)))
         slices[splits] = kernel.few_rows_partials(hidden, weight, splits).shape[0]
     refused = []
-    for bad in (torch.zeros(17, 200), torch.zeros(2, 199)):
+    for bad in (torch.zeros(33, 200), torch.zeros(2, 199)):
         try:
             kernel.few_rows_matmul(bad, torch.zeros(300, 200))
         except ValueError as exc:
@@ -76,7 +76,7 @@ def main(checkpoint: str) -> dict:
                                                              Sampling(temperature=0))[0]
     kernel.few_rows_matmul, kernel.few_rows_partials = original, original_partials
     fp8 = fp8_checks(kernel, model, context, actions, layout, gen)
-    return {"fp8": fp8, "errors": errors, "refused": refused, "layout": decoder.core.logits_layout,
+    return {"fp8": fp8, "errors": errors, "tile_rows": [kernel.tile_rows(rows) for rows in (1, 16, 17, 32)], "refused": refused, "layout": decoder.core.logits_layout,
             "split_errors": split_errors, "split_repeatable": split_repeatable, "slices": slices,
             "layers": decoder.core.ops.projections, "layer_calls": len(layer_calls),
             "layer_rows": sorted(set(layer_calls)), "logits_calls": len(calls), "model_layers": len(model.model.layers),
@@ -105,7 +105,7 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
     out["rounding_error"] = float((restored - weight.double()).abs().max() / weight.abs().max())
     out["zero_row"] = bool((restored[7] == 0).all())
     out["dtypes"] = [str(values.dtype), str(scale.dtype)]
-    for rows in (1, 9):
+    for rows in (1, 9, 32):
         hidden = torch.randn(rows, 700, generator=gen)
         exact = hidden.double() @ restored.t()
         for splits in (1, 2, 6):
@@ -147,7 +147,7 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
     kernel.few_rows_matmul = lambda h, w, splits=None, scale=None: (
         logits_calls.append((str(w.dtype), scale is not None)) or original_matmul(h, w, splits, scale))
     backend = SingleStreamBackend(model=model, device="cpu", quantization="fp8")
-    out["row_batch_limit"] = backend.driver(128).batch_limit()  # the kernel's tile: 16 rows
+    out["row_batch_limit"] = backend.driver(128).batch_limit()  # the kernel's larger tile: 32 rows
     decoder = SingleStreamBackend(model=model, device="cpu", draft_tokens=3, quantization="fp8").decoder
     codes = decoder.rollout(context, actions, layout.max_frames, Sampling(temperature=0), 0)
     kernel.few_rows_partials, kernel.few_rows_matmul = original, original_matmul

@@ -24,12 +24,14 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {int(case.rsplit("-", 1)[1]) for case in result["errors"]} == {1, 9, 16, 17, 32}
+    assert result["tile_rows"] == [16, 16, 32, 32]  # the rows of 1, 16, 17 and 32 in one tile of each size
     for case, got in result["errors"].items():
         rows = int(case.rsplit("-", 1)[1])
         assert got["shape"] == [rows, 300], case
         # float32: the sum's rounding; bfloat16: the output's own rounding (8 bits of mantissa)
         assert got["error"] < (1e-5 if case.startswith("torch.float32") else 8e-3), (case, got)
-    assert len(result["refused"]) == 4 and "1 to 16 rows" in result["refused"][0]
+    assert len(result["refused"]) == 4 and "1 to 32 rows" in result["refused"][0]
     assert "0 slices" in result["refused"][2] and "7 slices" in result["refused"][3]
     assert result["slices"] == {"1": 1, "2": 2, "4": 3, "6": 6}
     for splits, error in result["split_errors"].items():
@@ -44,6 +46,7 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     assert fp8["dtypes"] == ["torch.float8_e4m3fn", "torch.float32"]
     # e4m3 keeps 3 bits of mantissa: within 2^-4 of each value (or e4m3's subnormal step, relative to the row)
     assert fp8["rounding_within_bound"] and 1e-3 < fp8["rounding_error"] < 2 ** -4 and fp8["zero_row"]
+    assert {f"{rows}-{splits}" for rows in (1, 9, 32) for splits in (1, 2, 6)} <= set(fp8["errors"])
     for case, error in fp8["errors"].items():  # the product with the weights the values and scales stand for
         assert error < (8e-3 if "bf16" in case else 1e-5), (case, error)  # bf16 rows: the output's rounding
     # one row of fp8 weights is a GEMV by default (its errors are the rows=1 cases above), other calls a
@@ -57,4 +60,4 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     assert fp8["scaled_logits"] == [["torch.float8_e4m3fn", True]] and fp8["logits_calls"] > 0
     assert fp8["layer_calls"] == 4 * result["model_layers"] * fp8["logits_calls"]
     assert fp8["codes_equal"]
-    assert fp8["row_batch_limit"] == 16  # fp8 weights' row batches stay within the kernel's tile
+    assert fp8["row_batch_limit"] == 32  # fp8 weights' row batches stay within the kernel's larger tile

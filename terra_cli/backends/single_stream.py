@@ -283,12 +283,12 @@ class SingleStreamBackend:
 
     @property
     def max_row_batch(self) -> int:
-        """Rollouts a row batch takes at most: fp8 weights' projections run through the few-rows kernel,
-        whose tile holds 16 rows (a 32-row batch failed to start on an H200, 2026-11-29, lease 9)."""
+        """Rollouts a row batch takes at most: with fp8 weights, also what the few-rows kernel's tiles
+        hold, since every projection of a step runs through it."""
         from terra_cli.backends.row_batch import MAX_ROWS
         from terra_cli.kernels.few_rows_matmul import MAX_ROWS as FEW_ROWS
 
-        return FEW_ROWS if self.quantization == "fp8" else MAX_ROWS
+        return min(FEW_ROWS, MAX_ROWS) if self.quantization == "fp8" else MAX_ROWS
 
     def warm_row_batch(self, rows: int) -> float:
         """Where steps are compiled or captured (CUDA), the row batch's every row count up to `rows`

@@ -58,7 +58,7 @@ SPARE_POSITIONS = 33
 # (one scale per vocabulary row, half its 1.07 GB a step), an approximation of the weights: what
 # `--quantization fp8` asks for (`fp8_weights`), never a default.
 LOGITS_ENV = "TERRA_SINGLE_STREAM_LOGITS"
-FEW_ROWS = 16  # kernels.few_rows_matmul.MAX_ROWS (a decode step's K + 1 rows; a CPU keeps lm_head)
+FEW_ROWS = 16  # bf16 logits by the few-rows kernel up to here, as measured (K + 1 rows); above, weight-major
 LOGITS_LAYOUTS = ("linear", "weight-major", "few-rows", "few-rows-fp8")
 
 
@@ -245,7 +245,7 @@ class StaticKVDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over a decode step's rows (n, H) -> (n, V), in the layout `logits_layout` names."""
         head = self.model.lm_head
-        if self.head_fp8 is not None and hidden.shape[0] <= FEW_ROWS:
+        if self.head_fp8 is not None and hidden.shape[0] <= few_rows.MAX_ROWS:
             logits = few_rows.few_rows_matmul(hidden.contiguous(), self.head_fp8[0], scale=self.head_fp8[1])
         elif self.logits_layout == "few-rows" and hidden.shape[0] <= FEW_ROWS and few_rows.runs_on(hidden.device):
             logits = few_rows.few_rows_matmul(hidden.contiguous(), head.weight)

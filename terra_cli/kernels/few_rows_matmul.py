@@ -1,4 +1,4 @@
-"""A few rows against a tall weight: (M, K) @ (N, K).T for M <= 16, reading the weight once.
+"""A few rows against a tall weight: (M, K) @ (N, K).T for M <= 32, reading the weight once.
 
 What it is for: a Jacobi step's logits (K + 1 = 9 rows) over Terra's lm_head (262,144 x 2,048 bf16,
 1.07 GB). On the H100 cuBLAS runs 2-16 rows of it as an sm75 CUTLASS kernel at about 1 ms, 2.5x its
@@ -6,7 +6,7 @@ one-row GEMV (0.39 ms, 2.7 TB/s), and padding the rows to 16 picked the same ker
 (benchmarks/README.md, issue 41). The work is memory-bound: 9 rows are 9.7 GFLOP against 1.07 GB, so
 a kernel that streams the weight once at the card's bandwidth is the floor for any row count up to
 16. Here each program owns `BLOCK_N` vocabulary rows and walks K with the hidden rows (a few KB,
-from L2) as the left operand of one tensor-core tile of 16 rows, accumulating in float32.
+from L2) as the left operand of one tensor-core tile of 16 rows (32 for 17-32), accumulating in float32.
 
 It computes the single-stream decoder's logits on CUDA by default (one row, or a Jacobi step's K + 1;
 `backends/static_kv.py`): 3.5-4.7% off a plain step, 25% off a K=8 Jacobi step on H200s
@@ -38,7 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_ROWS = 16  # a tensor-core tile's rows: every call computes 16, the rows past M masked off
+# A call's rows sit in one tensor-core tile of 16 (up to 16 rows: a Jacobi step's K + 1, the rows of
+# small batches) or of 32 (a row batch of 17-32 sessions' steps with fp8 weights); the rows past M masked off.
+TILE_ROWS = (16, 32)
+MAX_ROWS = TILE_ROWS[-1]
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 PROGRAMS_PER_SM = 4  # split-K's aim: enough programs in flight per SM to hide the weight's latency
@@ -64,6 +67,11 @@ class Tile:
 TENSOR_CORE_TILE = Tile(block_n=128, block_k=128, warps=4, stages=4)
 FP8_ONE_ROW_TILE = Tile(block_n=64, block_k=128, warps=8, stages=3, one_row_gemv=True)
 tile_override: Tile | None = None  # a lab probe's one tile for every call (gpu_fp8_rows.py's sweep)
+
+
+def tile_rows(rows: int) -> int:
+    """The tensor-core tile's rows for a call of `rows`: the smallest of `TILE_ROWS` that holds them."""
+    return next(size for size in TILE_ROWS if rows <= size)
 
 
 def tile_for(rows: int, fp8: bool) -> Tile:
@@ -188,7 +196,7 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int, 
     splits, k_per_split, tile = slices
     _kernel[(_cdiv(outputs, tile.block_n), splits)](
         hidden, weight, weight if scale is None else scale, out, hidden.shape[0], outputs, depth, k_per_split,
-        hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=MAX_ROWS,
+        hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=tile_rows(hidden.shape[0]),
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         SCALED=scale is not None, ONE_ROW=tile.one_row_gemv and hidden.shape[0] == 1, num_warps=tile.warps,
         num_stages=tile.stages)
@@ -212,7 +220,7 @@ def _partials(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int
 
 def few_rows_matmul(hidden: torch.Tensor, weight: torch.Tensor, splits: int | None = None,
                     scale: torch.Tensor | None = None) -> torch.Tensor:
-    """hidden (M, K) @ weight (N, K).T -> (M, N) in hidden's dtype, for 1 <= M <= 16. Both contiguous
+    """hidden (M, K) @ weight (N, K).T -> (M, N) in hidden's dtype, for 1 <= M <= 32. Both contiguous
     in K; on CUDA (or under Triton's interpreter, which the tests use). `splits`: slices of K (None:
     `splits_for` this device; one slice writes the result directly). fp8 weights come with their
     rows' `scale` (`quantize_rows_fp8`)."""
@@ -249,7 +257,7 @@ def _(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.
 
 
 def few_rows_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for a decode step's few rows (x (..., K), at most 16 rows in all) by the kernel: the
+    """F.linear for a decode step's few rows (x (..., K), at most 32 rows in all) by the kernel: the
     slices' sum and the bias in float32, then x's dtype (F.linear rounds once too, at its output).
     `weight`: a tensor, or the pair `quantize_rows_fp8` makes (fp8 values, their rows' scale)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()

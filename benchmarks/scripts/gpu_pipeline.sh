@@ -60,7 +60,7 @@
 #          ONE_AFTER=next18: `terra serve` at 32 sessions with the fp8 cache, then bf16 (~6 minutes);
 #          ONE_AFTER=pictures: `terra serve` at 1 and 32 sessions, TERRA_PICTURE_BATCH=8, then 1, then 32 with
 #          `--quantization fp8` (PICTURES_FP8=0: not) (~10 minutes);
-#          ONE_AFTER=pictures32: the same at 32 sessions only, 4 frames a session (~4 minutes);
+#          ONE_AFTER=pictures32: the same at 32 sessions only, 4 frames a session (~7 minutes);
 #          ONE_AFTER=next19: a 32-row step's kernels at 10-frame contexts, fp8 cache then bf16 (~3 minutes);
 #          ONE_AFTER=next20: the fp8 cache's one-query steps through terra's decode kernel against
 #          FlashAttention-3 (TERRA_SINGLE_STREAM_DECODE_KERNEL, eeb88f9's; taken out after lease 11 of
@@ -684,6 +684,7 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       # the same at 32 sessions only, 4 frames a session (~4 minutes: the end of a lease)
       SERVE_STEPS=4 TERRA_PICTURE_BATCH=8 serve_rows 130 32 -pic8
       SERVE_STEPS=4 serve_rows 130 32 -pic1
+      [ "${PICTURES_FP8:-1}" = 0 ] || SERVE_STEPS=4 SERVE_ARGS_EXTRA="--quantization fp8" serve_rows 170 32 -fp8w
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then
       timeout "${AUTOTUNE_S:-540}" terra bench --refiner --windows 4 --refiner-compile max-autotune-no-cudagraphs \
         --out "$OUT/refiner-autotune.json" > "$OUT/refiner-autotune.log" 2>&1; echo "refiner autotune exit $?" >> "$STEP_LOG"

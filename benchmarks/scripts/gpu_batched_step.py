@@ -332,7 +332,8 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
     return result
 
 
-def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_cache_dtype: str | None = None) -> dict:
+def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_cache_dtype: str | None = None,
+                     quantization: str | None = None) -> dict:
     """`--sessions`: the product's driver (`single_stream_driver`, rows joining at any few steps' end) fed as
     a server's sessions feed it, without the server: each session's next frame is put `think_ms` after its
     last one is done (its picture and round trip), urgent, its context the frames so far."""
@@ -357,7 +358,8 @@ def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_
 
         checkpoint = write_tiny_checkpoint(folder, tiny_config(image_vocab=64, image_tokens=40), seed=0)
     backend = load_backend("single-stream", checkpoint, device="cuda" if cuda else "cpu",
-                           dtype="bfloat16" if cuda else "float32", **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}))
+                           dtype="bfloat16" if cuda else "float32", **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
+                           **({"quantization": quantization} if quantization else {}))
     layout = backend.config.layout
     rng = np.random.default_rng(0)
     results = []
@@ -392,7 +394,7 @@ def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_
         results.append({"sessions": count, "frames": frames, "think_ms": think_ms, "wall_s": round(wall, 2),
                         "frames_per_s_per_session_after_first": round(float(np.mean(after_first)), 3),
                         "frames_per_s_all": round(count * frames / wall, 2),
-                        "kv_cache_dtype": kv_cache_dtype or "auto",
+                        "kv_cache_dtype": kv_cache_dtype or "auto", "quantization": quantization or "none",
                         "distinct_codes_in_a_last_frame": int(len(np.unique(history[0][-1]))),  # (NaNs would draw one)
                         "joins": driver.loop.batches, "prompts_reused": (backend.rows.prompts_reused if backend.rows else 0) - reused_before,
                         "loop": driver.loop.as_dict()})
@@ -414,6 +416,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=8, help="--sessions: frames a session asks for")
     parser.add_argument("--think-ms", type=float, default=30.0, help="--sessions: from a frame to the next one's job")
     parser.add_argument("--kv-cache-dtype", default=None, help="--sessions, --profile: fp8 keeps the rows' caches in fp8")
+    parser.add_argument("--quantization", default=None, help="--sessions: fp8 weights (the few-rows kernel)")
     parser.add_argument("--profile", type=int, default=0, help="the row batch of this many rows under torch's profiler")
     parser.add_argument("--profile-context", type=int, default=3, help="--profile: frames in each row's cache")
     parser.add_argument("--out", type=Path)
@@ -422,7 +425,7 @@ def main() -> None:
         result = profile_rows(options.profile, context=options.profile_context, kv_cache_dtype=options.kv_cache_dtype)
     elif options.sessions:
         result = measure_sessions([int(n) for n in options.sessions.split(",")], options.frames, options.think_ms,
-                                  options.kv_cache_dtype)
+                                  options.kv_cache_dtype, options.quantization)
     elif options.check:
         result = check()
     elif options.product:

@@ -180,18 +180,18 @@ def test_pictures_in_padded_batches_do_not_depend_on_their_batchmates(client, en
     assert runtime.picture_batch_asked({}) == 1 and runtime.picture_batch_asked({"TERRA_PICTURE_BATCH": "8"}) == 8
     with pytest.raises(InputError, match="TERRA_PICTURE_BATCH"):
         runtime.picture_batch_asked({"TERRA_PICTURE_BATCH": "0"})
-    session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(3, seed=6)}, "seed": 7}).json()["id"]
-    assert client.post(f"/v1/sessions/{session_id}/step", json={"action": "left", "frames": 2}).status_code == 200
+    session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(2, seed=6)}, "seed": 7}).json()["id"]
+    assert client.post(f"/v1/sessions/{session_id}/step", json={"action": "left", "frames": 1}).status_code == 200
     tokens = np.load(io.BytesIO(client.get(f"/v1/sessions/{session_id}/tokens").content))
     client.delete(f"/v1/sessions/{session_id}")
-    monkeypatch.setattr(engine, "picture_batch", 4)
+    monkeypatch.setattr(engine, "picture_batch", 2)
     calls = []
     original = engine.tokenizer.decode_tokens
     monkeypatch.setattr(engine.tokenizer, "decode_tokens",
                         lambda rows, **kwargs: calls.append(kwargs) or original(rows, **kwargs))
-    together = engine.decode(tokens)  # five frames: a batch of 4 and one padded to 4
+    together = engine.decode(tokens)  # three frames: a batch of 2 and one padded to 2
     alone = [engine.decode(tokens[i:i + 1])[0] for i in range(len(tokens))]
-    assert all(call == {"full_batches": True, "batch_size": 4} for call in calls)
+    assert len(calls) == 4 and all(call == {"full_batches": True, "batch_size": 2} for call in calls)
     for i, picture in enumerate(alone):
         assert np.array_equal(picture, together[i]), i
 

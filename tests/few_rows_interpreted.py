@@ -151,6 +151,16 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
     decoder = SingleStreamBackend(model=model, device="cpu", draft_tokens=3, quantization="fp8").decoder
     codes = decoder.rollout(context, actions, layout.max_frames, Sampling(temperature=0), 0)
     kernel.few_rows_partials, kernel.few_rows_matmul = original, original_matmul
+    # a 20-row step's logits (a row batch of 17-32 sessions): the kernel's tile of 32 over the fp8 copy
+    hidden = torch.randn(20, model.config.hidden_size, generator=gen)
+    rows_seen = []
+    kernel.few_rows_matmul = lambda h, w, splits=None, scale=None: (
+        rows_seen.append((h.shape[0], str(w.dtype))) or original_matmul(h, w, splits, scale))
+    with torch.no_grad():
+        exact = model.lm_head(hidden).double()
+        out["logits_20_rows_error"] = float((decoder.core.logits(hidden).double() - exact).abs().max() / exact.abs().max())
+    kernel.few_rows_matmul = original_matmul
+    out["logits_20_rows_calls"] = rows_seen
     reference = HfBackend(model=model, device="cpu").generate(context, actions, layout.max_frames,
                                                              Sampling(temperature=0))[0]
     out.update(layers=decoder.core.ops.projections, logits=decoder.core.logits_layout,

@@ -60,4 +60,6 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     assert fp8["scaled_logits"] == [["torch.float8_e4m3fn", True]] and fp8["logits_calls"] > 0
     assert fp8["layer_calls"] == 4 * result["model_layers"] * fp8["logits_calls"]
     assert fp8["codes_equal"]
+    assert fp8["logits_20_rows_calls"] == [[20, "torch.float8_e4m3fn"]]
+    assert fp8["logits_20_rows_error"] < 1e-5  # fp8 values times their scales: what the rounded weights hold
     assert fp8["row_batch_limit"] == 32  # fp8 weights' row batches stay within the kernel's larger tile

@@ -56,6 +56,7 @@ class PreparedJob:
     device: str  # resolved: cpu, cuda or cuda:N
     model_label: str
     needs_tokenizer: bool
+    pending: list  # what --out-dir does not hold yet, as prepare_job found it (the run plans again once it holds the folder)
 
 
 def prepare_job(job: ScenarioJob) -> PreparedJob:
@@ -99,9 +100,10 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
         why = "to decode videos" if job.decode else "to encode image contexts"
         raise InputError(f"--model {job.model.model} comes without an image tokenizer, needed {why}: pass --tokenizer "
                          "DIR_OR_HUB_ID" + ("" if images else " (or --no-decode for tokens only)"))
+    pending = list(file.scenarios)
     if out_dir.is_dir():
-        plan_outputs(file.scenarios, out_dir, decode=job.decode, overwrite=job.overwrite)
-    return PreparedJob(job, file, backend, device, choice.label, needs_tokenizer)
+        pending = plan_outputs(file.scenarios, out_dir, decode=job.decode, overwrite=job.overwrite).pending
+    return PreparedJob(job, file, backend, device, choice.label, needs_tokenizer, pending)
 
 
 # --max-rollouts auto: at most this many in flight (256 was the fastest measured, benchmarks/README.md)
@@ -289,8 +291,4 @@ def run_scenario_job(
 def pending_scenarios(prepared: PreparedJob, only_ids: set[str] | None = None) -> list:
     """The scenarios a run would generate (a resumed run skips what is done), known before the
     engine is loaded: `--max-rollouts even` sizes its waves by them, the progress bars their totals."""
-    job = prepared.job
-    mine = [s for s in prepared.file.scenarios if only_ids is None or s.id in only_ids]
-    if not Path(job.out_dir).is_dir():
-        return mine
-    return plan_outputs(mine, Path(job.out_dir), decode=job.decode, overwrite=job.overwrite).pending
+    return [s for s in prepared.pending if only_ids is None or s.id in only_ids]

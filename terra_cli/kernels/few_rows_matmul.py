@@ -196,8 +196,8 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int, 
     splits, k_per_split, tile = slices
     _kernel[(_cdiv(outputs, tile.block_n), splits)](
         hidden, weight, weight if scale is None else scale, out, hidden.shape[0], outputs, depth, k_per_split,
-        hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2), ROWS=tile_rows(hidden.shape[0]),
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
+        ROWS=tile_rows(hidden.shape[0]), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         SCALED=scale is not None, ONE_ROW=tile.one_row_gemv and hidden.shape[0] == 1, num_warps=tile.warps,
         num_stages=tile.stages)
     return out

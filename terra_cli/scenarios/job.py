@@ -56,7 +56,7 @@ class PreparedJob:
     device: str  # resolved: cpu, cuda or cuda:N
     model_label: str
     needs_tokenizer: bool
-    pending: list  # what --out-dir does not hold yet, as prepare_job found it (the run plans again once it holds the folder)
+    pending: list  # what --out-dir does not hold yet, as prepare_job found it (the run plans again, holding it)
 
 
 def prepare_job(job: ScenarioJob) -> PreparedJob:

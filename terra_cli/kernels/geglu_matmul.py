@@ -178,7 +178,8 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 import triton
 
                 triton.set_allocator(_tma_scratch)
-            geglu_triton.geglu_tma_kernel[grid](rows, weight, weight if bias is None else bias, out, M, N, K, rows.stride(0), **common)
+            geglu_triton.geglu_tma_kernel[grid](rows, weight, weight if bias is None else bias, out, M, N, K,
+                                                rows.stride(0), **common)
         else:
             geglu_triton.geglu_kernel[grid](rows, weight, weight if bias is None else bias, out, M, N, K,
                                             rows.stride(0), weight.stride(0), out.stride(0),
@@ -197,7 +198,10 @@ def geglu_matmul_op(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                     tile: list[int] | None) -> torch.Tensor:
     """The kernel on (M, K) rows as an operator torch.compile keeps whole (one opaque call, not a GEMM and
     an elementwise kernel). `tile`: `Tile.as_list()`, or None for `tile_for` this shape."""
-    chosen = tile_for(rows.shape[0], weight.shape[0] // 2, rows.shape[1]) if tile is None else Tile(*tile[:6], tma=bool(tile[6:] and tile[6]))
+    if tile is None:
+        chosen = tile_for(rows.shape[0], weight.shape[0] // 2, rows.shape[1])
+    else:  # `as_list()`'s seven entries, the last TMA as 0 or 1
+        chosen = Tile(*tile[:6], tma=bool(tile[6]))
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     return _launch(rows, weight, bias if bias is None else bias.contiguous(), chosen)
 

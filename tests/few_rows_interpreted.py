@@ -76,7 +76,8 @@ def main(checkpoint: str) -> dict:
                                                              Sampling(temperature=0))[0]
     kernel.few_rows_matmul, kernel.few_rows_partials = original, original_partials
     fp8 = fp8_checks(kernel, model, context, actions, layout, gen)
-    return {"fp8": fp8, "errors": errors, "tile_rows": [kernel.tile_rows(rows) for rows in (1, 16, 17, 32)], "refused": refused, "layout": decoder.core.logits_layout,
+    return {"fp8": fp8, "errors": errors, "tile_rows": [kernel.tile_rows(rows) for rows in (1, 16, 17, 32)],
+            "refused": refused, "layout": decoder.core.logits_layout,
             "split_errors": split_errors, "split_repeatable": split_repeatable, "slices": slices,
             "layers": decoder.core.ops.projections, "layer_calls": len(layer_calls),
             "layer_rows": sorted(set(layer_calls)), "logits_calls": len(calls), "model_layers": len(model.model.layers),
@@ -158,7 +159,8 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
         rows_seen.append((h.shape[0], str(w.dtype))) or original_matmul(h, w, splits, scale))
     with torch.no_grad():
         exact = model.lm_head(hidden).double()
-        out["logits_20_rows_error"] = float((decoder.core.logits(hidden).double() - exact).abs().max() / exact.abs().max())
+        got = decoder.core.logits(hidden).double()
+        out["logits_20_rows_error"] = float((got - exact).abs().max() / exact.abs().max())
     kernel.few_rows_matmul = original_matmul
     out["logits_20_rows_calls"] = rows_seen
     reference = HfBackend(model=model, device="cpu").generate(context, actions, layout.max_frames,

@@ -681,7 +681,7 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       # fp8 weights at 32 sessions in one row batch (the few-rows kernel's 32-row tile; before, batches of 16)
       [ "${PICTURES_FP8:-1}" = 0 ] || SERVE_ARGS_EXTRA="--quantization fp8" serve_rows 200 32 -fp8w
     elif [ "${ONE_AFTER:-probes}" = pictures32 ]; then
-      # the same at 32 sessions only, 4 frames a session (~4 minutes: the end of a lease)
+      # the same at 32 sessions only, 4 frames a session, then fp8 weights at 32 (~7 minutes: the end of a lease)
       SERVE_STEPS=4 TERRA_PICTURE_BATCH=8 serve_rows 130 32 -pic8
       SERVE_STEPS=4 serve_rows 130 32 -pic1
       [ "${PICTURES_FP8:-1}" = 0 ] || SERVE_STEPS=4 SERVE_ARGS_EXTRA="--quantization fp8" serve_rows 170 32 -fp8w

@@ -103,6 +103,7 @@ def test_eval_command_end_to_end(tmp_path):
     data = json.loads(out.read_text())
     assert set(data) >= {"config", "presets", "summary", "seconds", "environment"}
     assert data["config"]["temperature"] == 0 and data["config"]["sampling"] == "greedy"
+    assert (data["config"]["top_k"], data["config"]["top_p"], data["config"]["sampling_seed"]) == (0, 1.0, 0)
     assert data["config"]["world_seeds"] == [1000, 1001]
     s = data["summary"]
     for key in ("psnr_generated_frames_1_5", "psnr_copy_baseline_frames_1_5", "ssim_generated_frames_1_5",

@@ -56,15 +56,14 @@ def eval_command(
     )
     from terra_cli.pipeline.outputs import OutputPlan
 
-    plan = EvalPlan(
-        presets=parse_presets(presets), seeds=seeds, context_frames=context_frames, frames=frames,
-        speed_kmh=speed, ceiling_seeds=ceiling_seeds, temperature=temperature, top_k=top_k, top_p=top_p, sampling_seed=seed,
-    )
-    plan.validate()
     from terra_cli.backends import Sampling, load_backend
     from terra_cli.pipeline.engine_request import resolve_backend_name
 
-    Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # validates before any loading
+    plan = EvalPlan(  # Sampling and validate() check the options before any loading
+        presets=parse_presets(presets), seeds=seeds, context_frames=context_frames, frames=frames, speed_kmh=speed,
+        ceiling_seeds=ceiling_seeds, sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+    )
+    plan.validate()
     backend_name = resolve_backend_name(backend)
     outputs = OutputPlan(overwrite)
     for label, path in (("--model", model), ("--tokenizer", tokenizer)):
@@ -94,7 +93,7 @@ def eval_command(
         f"eval: model {model_dir}, tokenizer {tok.source}, backend: {backend_name} on {dev}; "
         f"{plan.seeds} world(s) x {len(plan.presets)} preset(s) ({','.join(plan.presets)}), "
         f"{plan.context_frames} context + {plan.generated_frames} generated frames, "
-        + ("greedy" if temperature == 0 else f"temperature {temperature}")
+        + ("greedy" if plan.sampling.greedy else f"temperature {temperature}")
         + f"; loaded in {seconds_load:.1f} s",
         highlight=False, soft_wrap=True,
     )

@@ -33,6 +33,7 @@ from typing import Callable
 
 import numpy as np
 
+from terra_cli.backends.base import Sampling
 from terra_cli.errors import TerraError
 from terra_cli.evaluation.metrics import (clean, commanded_lateral, copy_baseline, finite_mean, lateral_from_last_context,
                                           per_frame_psnr, per_frame_ssim, sign_accuracy)
@@ -58,10 +59,7 @@ class EvalPlan:
     context_frames: int = 3
     frames: int = 8
     speed_kmh: float = 30.0
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    sampling_seed: int = 0
+    sampling: Sampling = field(default_factory=lambda: Sampling(temperature=0.0))  # greedy: deterministic
     world_seed_base: int = EVAL_WORLD_SEED_BASE
     ceiling_seeds: int = 4  # the tokenizer ceiling is measured on the first few seeds (encode+decode is slow on CPU)
 
@@ -206,7 +204,6 @@ def evaluate_preset(
 ) -> PresetResult:
     """Render, tokenize, generate (all seeds in one call), decode and score one preset."""
     from terra_cli.actions import preset_actions
-    from terra_cli.backends.base import Sampling
     from terra_cli.synthetic.dataset import render_rollout
 
     stage = on_stage or (lambda _msg: None)
@@ -229,9 +226,9 @@ def evaluate_preset(
     target_tokens = all_tokens[R * K:].reshape(C, G, T)  # explicit T: C may be 0
 
     stage(f"{name}: generating {G} frame(s) x {R} rollout(s)")
-    sampling = Sampling(temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, seed=plan.sampling_seed)
     t0 = time.perf_counter()
-    tokens = backend.generate(context, np.broadcast_to(actions, (R, *actions.shape)), F, sampling, on_frame=on_frame)
+    tokens = backend.generate(context, np.broadcast_to(actions, (R, *actions.shape)), F, plan.sampling,
+                              on_frame=on_frame)
     seconds_generate = time.perf_counter() - t0
     tokens = np.asarray(tokens)
     if tokens.shape[:2] != (R, F):
@@ -304,10 +301,13 @@ def build_results(plan: EvalPlan, results: list[PresetResult], *, model: str, to
     if "straight" in by_name:
         summary["abs_lateral_straight_mean_m"] = finite_mean(np.abs(by_name["straight"].lateral_generated))
     config = asdict(plan)
+    sampling = config.pop("sampling")  # the report's keys as before the settings became one object
+    config.update({"temperature": sampling["temperature"], "top_k": sampling["top_k"], "top_p": sampling["top_p"],
+                   "sampling_seed": sampling["seed"]})
     config.update({
         "model": model, "tokenizer": tokenizer, "backend": backend, "device": device,
         "generated_frames": plan.generated_frames, "world_seeds": plan.world_seeds(),
-        "sampling": "greedy" if plan.temperature == 0 else f"temperature {plan.temperature}",
+        "sampling": "greedy" if plan.sampling.greedy else f"temperature {plan.sampling.temperature}",
     })
     return clean({
         "config": config,

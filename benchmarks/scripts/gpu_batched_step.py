@@ -283,9 +283,11 @@ def measure_product(rows_list: list[int]) -> dict:
                     "`RowBatchDecoder.run_ahead`)", "results": results}
 
 
-def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: str | None = None) -> dict:
+def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: str | None = None,
+                 quantization: str | None = None) -> dict:
     """`--profile N`: the product's row batch of N rows (`RowBatchDecoder`, `context`-frame contexts (3),
-    temperature 0.9; `kv_cache_dtype` fp8: the rows' caches in fp8) mid-frame: `steps` decode steps as CUDA graph replays, timed, then as many launched eagerly under torch's
+    temperature 0.9; `kv_cache_dtype` fp8: the rows' caches in fp8; `quantization` fp8: the layers' and
+    lm_head's weights in fp8 through the few-rows kernel, as `--quantization fp8` runs them) mid-frame: `steps` decode steps as CUDA graph replays, timed, then as many launched eagerly under torch's
     profiler: each kernel's GPU time a step, heaviest first, beside the replays' wall time a step."""
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
@@ -296,7 +298,8 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
 
     torch.manual_seed(0)
     model = build_model(LlamaActionConfig(**TERRA_WORLD_MODEL_CONFIG), torch.device("cuda"), torch.bfloat16)
-    single = SingleStreamDecoder(model, cuda_graphs=True, fp8_cache=kv_cache_dtype in FP8_CACHE_DTYPES)
+    single = SingleStreamDecoder(model, cuda_graphs=True, fp8_cache=kv_cache_dtype in FP8_CACHE_DTYPES,
+                                 fp8_weights=quantization == "fp8")
     layout, sampling = model.layout, Sampling(temperature=0.9)
     rng = np.random.default_rng(0)
     work = [RowWork(rng.integers(0, layout.image_vocab_size, size=(context, layout.image_tokens)),
@@ -325,6 +328,7 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
     busy = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
     result = {"rows": rows, "steps": steps, "context_frames": context, "kv_cache_dtype": kv_cache_dtype or "auto",
+              "quantization": quantization or "none",
               "ms_per_step_wall": round(wall * 1000 / steps, 4),
               "ms_per_step_kernels": round(busy / steps, 4),
               "kernels_ms_per_step": [{"name": name[:160], "ms": round(ms / steps, 4)} for name, ms in top]}
@@ -416,13 +420,14 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=8, help="--sessions: frames a session asks for")
     parser.add_argument("--think-ms", type=float, default=30.0, help="--sessions: from a frame to the next one's job")
     parser.add_argument("--kv-cache-dtype", default=None, help="--sessions, --profile: fp8 keeps the rows' caches in fp8")
-    parser.add_argument("--quantization", default=None, help="--sessions: fp8 weights (the few-rows kernel)")
+    parser.add_argument("--quantization", default=None, help="--sessions, --profile: fp8 weights (the few-rows kernel)")
     parser.add_argument("--profile", type=int, default=0, help="the row batch of this many rows under torch's profiler")
     parser.add_argument("--profile-context", type=int, default=3, help="--profile: frames in each row's cache")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
     if options.profile:
-        result = profile_rows(options.profile, context=options.profile_context, kv_cache_dtype=options.kv_cache_dtype)
+        result = profile_rows(options.profile, context=options.profile_context, kv_cache_dtype=options.kv_cache_dtype,
+                              quantization=options.quantization)
     elif options.sessions:
         result = measure_sessions([int(n) for n in options.sessions.split(",")], options.frames, options.think_ms,
                                   options.kv_cache_dtype, options.quantization)

@@ -1,53 +1,54 @@
 #!/usr/bin/env bash
-# Issue 41's single-stream rows in two device calls instead of five. terra's single-stream backend uses
-# FlashAttention-3 from vLLM's part b (vllm/vllm_flash_attn) and nothing of part a (vLLM's CUDA ops), and
-# `terra serve --backend single-stream` starts no vLLM engine; so when starts are refused often, one call
-# carrying .gpu/vllm-b (24 MB beside the ~35 MB tree) does what `gpu_bundle.sh a1`, `a2`, `b` did.
-#   driver    (carry .gpu/vllm-b) unpack part b, install terra, check FlashAttention-3 loads, build the random
-#             Terra checkpoint, then the driver alone at 32 sessions with fp8 weights and with bf16
-#             (gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30; ~6 minutes); with .gpu/serve carried
-#             too (uvicorn and h11's wheels, 125 kB), then `terra serve` at 32 sessions with fp8 weights in
-#             what is left of CALL_S (540) seconds, if 150 are
-#   pictures  (carry .gpu/ref, the same machine: uvicorn for the server) `terra serve` at 32 sessions, 4
-#             frames a session: pictures in batches of 8 (TERRA_PICTURE_BATCH=8), one a call, then fp8
-#             weights (~8 minutes)
+# Issue 41's single-stream rows with the fewest device calls: after `gpu_bundle.sh a1` and `a2` (vLLM's part a:
+# FlashAttention-3's import loads vLLM's CUDA ops, so single-stream needs it too; a call carrying part b alone
+# found that out on 2026-12-07), then on the same machine:
+#   driver    (carry .gpu/vllm-b and .gpu/serve) unpack part b, install terra, build the random Terra checkpoint,
+#             then the driver alone at 32 sessions with fp8 weights and with bf16 (gpu_batched_step.py --sessions
+#             32 --frames 8 --think-ms 30, ~50 s each once built)
+#   profile   (carry .gpu/vllm-b) the same setup, then a 32-row step's kernels with fp8 weights and with bf16 at
+#             10-frame contexts (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
+#   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB; after driver or profile) `terra serve` at 32
+#             sessions, 4 frames a session: pictures in batches of 8 (TERRA_PICTURE_BATCH=8), then one a call
+#             (~5 minutes)
 set -uo pipefail
 source benchmarks/scripts/gpu_common.sh
 export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1
+setup() {  # part b unpacked, terra installed, FlashAttention-3 loads, the checkpoint built once
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/vllm-b/part.tar.xz || { echo "part b did not unpack"; exit 1; }
+  gpu_setup || exit 1
+  source_stamp "$OUT/code.txt"
+  python3 -c "from vllm.vllm_flash_attn import flash_attn_varlen_func" > "$OUT/flash.log" 2>&1 ||
+    { tail -3 "$OUT/flash.log"; echo "FlashAttention-3 does not load: gpu_bundle.sh a1 and a2 first"; exit 1; }
+  timeout 150 python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
+    > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" | tee -a "$STEP_LOG"
+}
+weights_flag() { [ "$1" = fp8 ] && echo "--quantization fp8"; }
 serve() {  # LIMIT_S SUFFIX ENV...: gpu_serve.py at 32 sessions, 4 frames each
   local limit=$1 suffix=$2; shift 2
   env "$@" timeout -k "$KILL_AFTER_S" "$limit" python3 benchmarks/scripts/gpu_serve.py --only terra-size \
     --concurrency 32 --steps 4 --serve-args "--backend single-stream ${SERVE_ARGS_EXTRA:-}" \
     --out "$OUT/serve-rows$suffix" > "$OUT/serve-rows$suffix.log" 2>&1
   echo "serve rows$suffix exit $?" | tee -a "$STEP_LOG"
-  tail -4 "$OUT/serve-rows$suffix.log" | tee -a "$STEP_LOG"
 }
 case "${1:-}" in
   driver)
-    mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/vllm-b/part.tar.xz || { echo "part b did not unpack"; exit 1; }
-    gpu_setup || exit 1
-    source_stamp "$OUT/code.txt"
-    python3 -c "from vllm.vllm_flash_attn import flash_attn_varlen_func; print('FlashAttention-3 loads')" \
-      2>&1 | tail -3 | tee -a "$STEP_LOG"
-    timeout 150 python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
-      > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" | tee -a "$STEP_LOG"
-    for weights in fp8 bf16; do
-      quantization=$([ "$weights" = fp8 ] && echo "--quantization fp8")
-      timeout "${SESSIONS_S:-170}" python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 \
-        --think-ms 30 $quantization --out "$OUT/sessions-$weights.json" > "$OUT/sessions-$weights.log" 2>&1
+    setup
+    for weights in ${WEIGHTS:-fp8 bf16}; do
+      timeout "${SESSIONS_S:-120}" python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 \
+        --think-ms 30 $(weights_flag "$weights") --out "$OUT/sessions-$weights.json" > "$OUT/sessions-$weights.log" 2>&1
       echo "sessions $weights exit $?" | tee -a "$STEP_LOG"
-      tail -4 "$OUT/sessions-$weights.log" | tee -a "$STEP_LOG"
-    done
-    left=$(( ${CALL_S:-540} - SECONDS ))
-    if compgen -G ".gpu/serve/*.whl" >/dev/null && [ "$left" -ge 150 ]; then
-      for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
-      SERVE_ARGS_EXTRA="--quantization fp8" serve "$left" -fp8w TERRA_PICTURE_BATCH=1
-    fi ;;
+    done ;;
+  profile)
+    setup
+    for weights in ${WEIGHTS:-fp8 bf16}; do
+      timeout "${PROFILE_S:-150}" python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 \
+        $(weights_flag "$weights") --out "$OUT/profile-$weights.json" > "$OUT/profile-$weights.log" 2>&1
+      echo "profile $weights exit $?" | tee -a "$STEP_LOG"
+    done ;;
   pictures)
-    for wheel in .gpu/ref/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
+    for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
     source_stamp "$OUT/code.txt"
-    serve 150 -pic8 TERRA_PICTURE_BATCH=8
-    serve 150 -pic1 TERRA_PICTURE_BATCH=1
-    SERVE_ARGS_EXTRA="--quantization fp8" serve 190 -fp8w TERRA_PICTURE_BATCH=1 ;;
-  *) echo "usage: gpu_lean41.sh driver|pictures" >&2; exit 2 ;;
+    serve 140 -pic8 TERRA_PICTURE_BATCH=8
+    serve 140 -pic1 TERRA_PICTURE_BATCH=1 ;;
+  *) echo "usage: gpu_lean41.sh driver|profile|pictures" >&2; exit 2 ;;
 esac

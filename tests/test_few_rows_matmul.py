@@ -63,3 +63,25 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     assert fp8["logits_20_rows_calls"] == [[20, "torch.float8_e4m3fn"]]
     assert fp8["logits_20_rows_error"] < 1e-5  # fp8 values times their scales: what the rounded weights hold
     assert fp8["row_batch_limit"] == 32  # fp8 weights' row batches stay within the kernel's larger tile
+
+
+def test_splits_capped_by_the_partials_bytes_only_when_asked():
+    """Terra's qkv projection (2,560 x 2,048) on an H100's 528 wanted programs: 16 slices of K by default at any
+    row count; with TERRA_FEW_ROWS_SPLITS=bytes, 32 rows of fp8 weights get the slices whose float32 partials
+    stay within a quarter of the weight's bytes, one row keeps them all, and a bad value is one clear error."""
+    from terra_cli.errors import InputError
+    from terra_cli.kernels.few_rows_matmul import PARTIALS_SHARE, splits_for
+
+    qkv = dict(outputs=2560, depth=2048, programs_wanted=528)
+    assert splits_for(**qkv, rows=32, element_bytes=1, environ={}) == 16
+    capped = splits_for(**qkv, rows=32, element_bytes=1, environ={"TERRA_FEW_ROWS_SPLITS": "bytes"})
+    assert capped == 4 and capped * 32 * 2560 * 4 <= PARTIALS_SHARE * 2560 * 2048 * 1
+    assert splits_for(**qkv, rows=1, element_bytes=1, environ={"TERRA_FEW_ROWS_SPLITS": "bytes"}) == 16
+    # down (2,048 x 5,632, 44 blocks of K): 22 slices; fp8 weights at 32 rows capped to 11 (4 blocks each), bf16
+    # weights' twice the bytes leave 22 within the share
+    down = dict(outputs=2048, depth=5632, programs_wanted=528, rows=32)
+    assert splits_for(**down, element_bytes=1, environ={}) == 22
+    assert splits_for(**down, element_bytes=1, environ={"TERRA_FEW_ROWS_SPLITS": "Bytes "}) == 11
+    assert splits_for(**down, element_bytes=2, environ={"TERRA_FEW_ROWS_SPLITS": "bytes"}) == 22
+    with pytest.raises(InputError, match="TERRA_FEW_ROWS_SPLITS"):
+        splits_for(**qkv, environ={"TERRA_FEW_ROWS_SPLITS": "all"})

@@ -3,10 +3,12 @@
 # FlashAttention-3's import loads vLLM's CUDA ops, so single-stream needs it too; a call carrying part b alone
 # found that out on 2026-12-07), then on the same machine:
 #   driver    (carry .gpu/vllm-b and .gpu/serve) unpack part b, install terra, build the random Terra checkpoint,
-#             then the driver alone at 32 sessions with fp8 weights and with bf16 (gpu_batched_step.py --sessions
-#             32 --frames 8 --think-ms 30, ~50 s each once built)
-#   profile   (carry .gpu/vllm-b) the same setup, then a 32-row step's kernels with fp8 weights and with bf16 at
-#             10-frame contexts (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
+#             then the driver alone at 32 sessions (gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30,
+#             ~50 s each once built) for each of WEIGHTS: fp8 (--quantization fp8), fp8-bytes (the same with
+#             TERRA_FEW_ROWS_SPLITS=bytes: the kernel's split-K partials capped to a quarter of the weights'
+#             bytes), bf16; default "fp8 fp8-bytes bf16"
+#   profile   (carry .gpu/vllm-b) the same setup, then a 32-row step's kernels at 10-frame contexts for each of
+#             WEIGHTS (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
 #   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB; after driver or profile) `terra serve` at 32
 #             sessions, 4 frames a session: pictures in batches of 8 (TERRA_PICTURE_BATCH=8), then one a call
 #             (~5 minutes)
@@ -22,7 +24,8 @@ setup() {  # part b unpacked, terra installed, FlashAttention-3 loads, the check
   timeout 150 python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
     > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" | tee -a "$STEP_LOG"
 }
-weights_flag() { [ "$1" = fp8 ] && echo "--quantization fp8"; }
+weights_flag() { case "$1" in fp8*) echo "--quantization fp8" ;; esac; }
+splits_mode() { case "$1" in *-bytes) echo bytes ;; *) echo programs ;; esac; }
 serve() {  # LIMIT_S SUFFIX ENV...: gpu_serve.py at 32 sessions, 4 frames each
   local limit=$1 suffix=$2; shift 2
   env "$@" timeout -k "$KILL_AFTER_S" "$limit" python3 benchmarks/scripts/gpu_serve.py --only terra-size \
@@ -33,16 +36,18 @@ serve() {  # LIMIT_S SUFFIX ENV...: gpu_serve.py at 32 sessions, 4 frames each
 case "${1:-}" in
   driver)
     setup
-    for weights in ${WEIGHTS:-fp8 bf16}; do
-      timeout "${SESSIONS_S:-120}" python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 \
-        --think-ms 30 $(weights_flag "$weights") --out "$OUT/sessions-$weights.json" > "$OUT/sessions-$weights.log" 2>&1
+    for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
+      TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") timeout "${SESSIONS_S:-120}" \
+        python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 $(weights_flag "$weights") \
+        --out "$OUT/sessions-$weights.json" > "$OUT/sessions-$weights.log" 2>&1
       echo "sessions $weights exit $?" | tee -a "$STEP_LOG"
     done ;;
   profile)
     setup
-    for weights in ${WEIGHTS:-fp8 bf16}; do
-      timeout "${PROFILE_S:-150}" python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 \
-        $(weights_flag "$weights") --out "$OUT/profile-$weights.json" > "$OUT/profile-$weights.log" 2>&1
+    for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
+      TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") timeout "${PROFILE_S:-150}" \
+        python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 $(weights_flag "$weights") \
+        --out "$OUT/profile-$weights.json" > "$OUT/profile-$weights.log" 2>&1
       echo "profile $weights exit $?" | tee -a "$STEP_LOG"
     done ;;
   pictures)

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from terra_cli.runtime import choice_switch
+
 # A call's rows sit in one tensor-core tile of 16 (up to 16 rows: a Jacobi step's K + 1, the rows of
 # small batches) or of 32 (a row batch of 17-32 sessions' steps with fp8 weights); the rows past M masked off.
 TILE_ROWS = (16, 32)
@@ -132,12 +134,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def splits_for(outputs: int, depth: int, programs_wanted: int, tile: Tile = TENSOR_CORE_TILE) -> int:
+# TERRA_FEW_ROWS_SPLITS=bytes (a lab switch; unset: "programs") also caps the slices so that the float32
+# partials a call writes stay within PARTIALS_SHARE of its weight's bytes. The partials grow with the rows
+# and the slices: at 32 rows of fp8 weights the default slices of Terra's projections write about as many
+# bytes as the weights hold (qkv: 16 slices x 32 rows x 2,560 x 4 B = 5.2 MB against 5.2 MB of weight), which
+# may be why fp8 weights made 32 sessions no faster (benchmarks/README.md, 2026-12-07); unmeasured, so opt-in.
+SPLITS_ENV = "TERRA_FEW_ROWS_SPLITS"
+PARTIALS_SHARE = 0.25
+
+
+def splits_for(outputs: int, depth: int, programs_wanted: int, tile: Tile = TENSOR_CORE_TILE, rows: int = 1,
+               element_bytes: int = 2, environ=None) -> int:
     """How many slices of K a product of `outputs` columns over `depth` is cut into: the fewest that
     give `programs_wanted` programs, each slice at least one block of the tile's depth, none empty. 1
-    for a tall weight (Terra's lm_head has 2,048 column blocks already)."""
+    for a tall weight (Terra's lm_head has 2,048 column blocks already). With SPLITS_ENV=bytes, at most
+    as many as keep the partials of `rows` rows within PARTIALS_SHARE of the weight's bytes."""
     columns, k_blocks = _cdiv(outputs, tile.block_n), _cdiv(depth, tile.block_k)
     wanted = max(1, min(k_blocks, _cdiv(programs_wanted, columns)))
+    if choice_switch(SPLITS_ENV, ("programs", "bytes"), "programs (the default) or bytes", environ) == "bytes":
+        # partials: slices x rows x outputs x 4 B; the weight: outputs x depth x element_bytes
+        wanted = max(1, min(wanted, int(PARTIALS_SHARE * depth * element_bytes / (4 * rows))))
     return _cdiv(k_blocks, _cdiv(k_blocks, wanted))  # equal slices of whole blocks: no empty last one
 
 
@@ -179,7 +195,7 @@ def _checked_slices(hidden: torch.Tensor, weight: torch.Tensor, splits: int | No
         raise ValueError(f"few_rows_matmul: a float32 scale per weight row, got {scale.dtype} {tuple(scale.shape)}")
     tile = tile_for(rows, weight.dtype == FP8)
     if splits is None:
-        splits = splits_for(weight.shape[0], depth, programs_wanted(hidden.device), tile)
+        splits = splits_for(weight.shape[0], depth, programs_wanted(hidden.device), tile, rows, weight.element_size())
     k_blocks = _cdiv(depth, tile.block_k)
     if not 1 <= splits <= k_blocks:
         raise ValueError(f"few_rows_matmul: {splits} slices of a depth of {depth} (1 to {k_blocks})")

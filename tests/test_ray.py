@@ -140,12 +140,17 @@ def test_an_engine_that_cannot_start_is_named_with_its_cause_and_the_other_does_
     assert {r["engine"] for r in records} == {0}
 
 
-def test_killed_engines_lose_nothing_and_rejoin(cluster, work, monkeypatch):
+def test_killed_engines_lose_nothing_and_rejoin(cluster, work, monkeypatch, tmp_path):
     """SIGKILL engine 1's process mid-run, then engine 0's once it has taken over: their open
-    scenarios are handed out again, Ray restarts both and the run finishes only once they have
-    rejoined; every scenario is written once, with the tokens of an uninterrupted run."""
+    scenarios are handed out again, Ray restarts both, and both rejoin; every scenario is written
+    once, with the tokens of an uninterrupted run. From engine 0's death on, both engines' frames wait
+    for a gate file that opens once both have rejoined: the run cannot end on the first engine back
+    before the other has rejoined, however long a restart takes on a loaded machine."""
     folder, model = work
+    gate = tmp_path / "both-rejoined"
+    gate.touch()  # open until neither engine is alive
     monkeypatch.setenv("TERRA_TEST_FRAME_DELAY", "0=0.25,1=0.25")
+    monkeypatch.setenv("TERRA_TEST_FRAME_GATE", f"0={gate},1={gate}")
     pids, events = {}, []
 
     def on_event(kind, engine, payload):
@@ -155,6 +160,10 @@ def test_killed_engines_lose_nothing_and_rejoin(cluster, work, monkeypatch):
         victim = 1 if ("lost", 1) not in events else 0
         if kind == "written" and engine.index == victim and victim in pids:
             os.kill(pids.pop(victim), signal.SIGKILL)
+        if kind == "lost" and engine.index == 0:
+            gate.unlink(missing_ok=True)
+        if ("rejoined", 0) in events and ("rejoined", 1) in events:
+            gate.touch()
 
     result = run(folder, model, "killed", on_event=on_event)
     assert events.index(("lost", 1)) < events.index(("lost", 0))

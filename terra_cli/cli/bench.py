@@ -180,8 +180,10 @@ def bench(
         check_backend_options(resolve_backend_name(backend), vllm_options)  # the other measures check in their jobs
         require_gymnasium(f"--env {env}")
 
-        return env_bench(model, EnvBenchPlan(env, steps, context_frames, branches, fork_from, backend, device, dtype,
-                                             temperature, seed, vllm_options), out_json, overwrite)
+        plan = EnvBenchPlan(envs=env, steps=steps, context_frames=context_frames, branches=branches,
+                            fork_from=fork_from, backend=backend, device=device, dtype=dtype, temperature=temperature,
+                            seed=seed, vllm_options=vllm_options)
+        return env_bench(model, plan, out_json, overwrite)
     if refiner:
         from terra_cli.cli.bench_refiner import refiner_bench
 
@@ -199,8 +201,9 @@ def bench(
                              "--decoder refiner: --refiner-windows N)")
         refine, random_refiner = act_bench_refiner(decoder, refiner_weights, model, tiny, seed, device, dtype,
                                                    allow_slow, refiner_windows, refiner_compile, refiner_dtype)
-        plan = ActBenchPlan(act_bench, 47 if frames is None else frames, context_frames, parse_max_rollouts(max_rollouts), backend, device,
-                            dtype, temperature, seed, vllm_options=vllm_options, writers=writers,
+        plan = ActBenchPlan(samples=act_bench, frames=47 if frames is None else frames, context_frames=context_frames,
+                            max_rollouts=parse_max_rollouts(max_rollouts), backend=backend, device=device, dtype=dtype,
+                            temperature=temperature, seed=seed, vllm_options=vllm_options, writers=writers,
                             data_parallel=data_parallel, ray=ray_address, refiner=refine,
                             even_waves=wants_even_waves(max_rollouts), videos_at_end=videos_at_end)
         return run_act_bench(model, plan, keep_outputs, out_json, overwrite, random_refiner)
@@ -215,8 +218,10 @@ def bench(
             raise InputError(f"--scenarios {scenarios} is above the bench's {MAX_BENCH_SCENARIOS} (ACT-Bench is "
                              "2,286 samples); measure fewer")
 
-        plan = ScenarioBenchPlan(scenarios, frames, context_frames, parse_max_rollouts(max_rollouts), data_parallel,
-                                 ray_address, lockstep, backend, device, dtype, temperature, seed, vllm_options,
+        plan = ScenarioBenchPlan(scenarios=scenarios, frames=frames, context_frames=context_frames,
+                                 max_rollouts=parse_max_rollouts(max_rollouts), data_parallel=data_parallel,
+                                 ray=ray_address, lockstep=lockstep, backend=backend, device=device, dtype=dtype,
+                                 temperature=temperature, seed=seed, vllm_options=vllm_options,
                                  even_waves=wants_even_waves(max_rollouts))
         from terra_cli.cli.bench_scenarios import scenario_bench
 

@@ -24,6 +24,18 @@ gpu_setup() {  # WHEEL...: unpack these into /tmp/site (what the host lacks), in
   nvidia-smi -L | tee "$OUT/gpu.txt"
 }
 
+build_checkpoint() {  # the random Terra checkpoint built once, before runs that would race to build it
+  python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
+    > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
+}
+
+serve_rows() {  # LIMIT_S SESSIONS [SUFFIX]: `terra serve` on single-stream, SERVE_STEPS frames a session (8), at the
+  # sessions of SESSIONS (comma-separated), SERVE_ARGS_EXTRA more server options; logs as $OUT/serve-rowsSUFFIX
+  timeout "$1" python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency "$2" \
+    --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream ${SERVE_ARGS_EXTRA:-}" --out "$OUT/serve-rows${3:-}" \
+    > "$OUT/serve-rows${3:-}.log" 2>&1; echo "serve single-stream rows${3:-} exit $?" >> "$STEP_LOG"
+}
+
 step() {  # NAME LIMIT_S TERRA_ARGS...: the log in $OUT/NAME.log; command, tail and exit code in $STEP_LOG
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2

@@ -21,18 +21,10 @@ setup() {  # part b unpacked, terra installed, FlashAttention-3 loads, the check
   source_stamp "$OUT/code.txt"
   python3 -c "from vllm.vllm_flash_attn import flash_attn_varlen_func" > "$OUT/flash.log" 2>&1 ||
     { tail -3 "$OUT/flash.log"; echo "FlashAttention-3 does not load: gpu_bundle.sh a1 and a2 first"; exit 1; }
-  timeout 150 python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
-    > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" | tee -a "$STEP_LOG"
+  build_checkpoint
 }
 weights_flag() { case "$1" in fp8*) echo "--quantization fp8" ;; esac; }
 splits_mode() { case "$1" in *-bytes) echo bytes ;; *) echo programs ;; esac; }
-serve() {  # LIMIT_S SUFFIX ENV...: gpu_serve.py at 32 sessions, 4 frames each
-  local limit=$1 suffix=$2; shift 2
-  env "$@" timeout -k "$KILL_AFTER_S" "$limit" python3 benchmarks/scripts/gpu_serve.py --only terra-size \
-    --concurrency 32 --steps 4 --serve-args "--backend single-stream ${SERVE_ARGS_EXTRA:-}" \
-    --out "$OUT/serve-rows$suffix" > "$OUT/serve-rows$suffix.log" 2>&1
-  echo "serve rows$suffix exit $?" | tee -a "$STEP_LOG"
-}
 case "${1:-}" in
   driver)
     setup
@@ -53,7 +45,7 @@ case "${1:-}" in
   pictures)
     for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
     source_stamp "$OUT/code.txt"
-    serve 140 -pic8 TERRA_PICTURE_BATCH=8
-    serve 140 -pic1 TERRA_PICTURE_BATCH=1 ;;
+    SERVE_STEPS=4 TERRA_PICTURE_BATCH=8 serve_rows 140 32 -pic8
+    SERVE_STEPS=4 serve_rows 140 32 -pic1 ;;
   *) echo "usage: gpu_lean41.sh driver|profile|pictures" >&2; exit 2 ;;
 esac

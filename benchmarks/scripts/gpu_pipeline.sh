@@ -130,10 +130,6 @@ N1=${N1:-256}
 N2=${N2:-512}  # start2: samples a run of the pair (two waves of 256 in flight)
 NAB=${NAB:-256}  # startab: samples a run (one engine each; 256 fill its slots, ~470 s on an H200)
 terra() { python3 -m terra_cli "$@"; }
-build_checkpoint() {  # the random Terra checkpoint built once, before runs that would race to build it
-  python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
-    > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"
-}
 watch_gpus() {  # FILE FIELDS: every 30 s a line of each GPU's FIELDS (nvidia-smi --query-gpu) into $OUT/FILE; run it with &
   while sleep 30; do
     echo "$(date +%s) $(nvidia-smi --query-gpu="$2" --format=csv,noheader | tr '\n' ' ')"
@@ -485,12 +481,6 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
     # with fp8 weights and a `terra serve` session on it, then issue 40's VAE decoder probe, then, with what
     # the lease has left, the same refined run (channels-last in the product now, and the parent's compile
     # from the child's cache)
-    # `terra serve` on single-stream, SERVE_STEPS frames a session, at the sessions of $2, within $1 seconds
-    serve_rows() {
-      timeout "$1" python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency "$2" \
-        --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream ${SERVE_ARGS_EXTRA:-}" --out "$OUT/serve-rows${3:-}" \
-        > "$OUT/serve-rows${3:-}.log" 2>&1; echo "serve single-stream rows${3:-} exit $?" >> "$STEP_LOG"
-    }
     if [ "${ONE_AFTER:-probes}" = next ]; then
       timeout 330 python3 benchmarks/scripts/gpu_fp8_rows.py --out "$OUT/fp8_rows.json" \
         > "$OUT/fp8_rows.log" 2>&1; echo "fp8_rows exit $?" >> "$STEP_LOG"

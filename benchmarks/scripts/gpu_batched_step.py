@@ -287,7 +287,8 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
                  quantization: str | None = None) -> dict:
     """`--profile N`: the product's row batch of N rows (`RowBatchDecoder`, `context`-frame contexts (3),
     temperature 0.9; `kv_cache_dtype` fp8: the rows' caches in fp8; `quantization` fp8: the layers' and
-    lm_head's weights in fp8 through the few-rows kernel, as `--quantization fp8` runs them) mid-frame: `steps` decode steps as CUDA graph replays, timed, then as many launched eagerly under torch's
+    lm_head's weights in fp8 through the few-rows kernel, as `--quantization fp8` runs them) mid-frame:
+    `steps` decode steps as CUDA graph replays, timed, then as many launched eagerly under torch's
     profiler: each kernel's GPU time a step, heaviest first, beside the replays' wall time a step."""
     import numpy as np
     from torch.profiler import ProfilerActivity, profile

@@ -93,7 +93,7 @@ def eval_command(
         f"eval: model {model_dir}, tokenizer {tok.source}, backend: {backend_name} on {dev}; "
         f"{plan.seeds} world(s) x {len(plan.presets)} preset(s) ({','.join(plan.presets)}), "
         f"{plan.context_frames} context + {plan.generated_frames} generated frames, "
-        + ("greedy" if plan.sampling.greedy else f"temperature {temperature}")
+        + ("greedy" if plan.sampling.greedy else f"temperature {plan.sampling.temperature}")
         + f"; loaded in {seconds_load:.1f} s",
         highlight=False, soft_wrap=True,
     )

@@ -25,7 +25,7 @@ GROUPS = (
     ("layout", r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw"),
     ("attention", r"flash|fmha|attention|scaled_dot_product|sdpa"),
     ("conv", r"conv|fprop|implicit_gemm|implicit_convolve|winograd|cudnn"),
-    ("gemm", r"gemm|nvjet|cutlass|cublas|\bmm\b|addmm|bmm|matmul|linear"),
+    ("gemm", r"gemm|nvjet|cutlass|cublas|\bmm\b|addmm|bmm|matmul|linear|scaled_mm|f8f8"),
     ("norm", r"group_norm|layer_norm|native_group_norm|native_layer_norm|rms_norm"),
     ("reduction", r"triton_red|triton_per|reduce"),
     ("elementwise", r"triton_poi|elementwise|vectorized|unrolled|add_|mul_|silu|gelu|copy_|cat"),
@@ -99,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=4, help="windows per UNet call (the product's batch)")
     parser.add_argument("--compile", default="default", help="--refiner-compile: default, reduce-overhead, max-autotune-no-cudagraphs, none, ...")
+    parser.add_argument("--refiner-dtype", default="auto", help="auto (the run's dtype) or fp8 (the transformer blocks' Linears)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny refiner config (a CPU dry run)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
@@ -120,7 +121,7 @@ def main() -> None:
     on_gpu = args.device.startswith("cuda")
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     config = tiny_refiner_config() if args.tiny else TERRA_REFINER
-    options = RefinerOptions(compile=args.compile, batch_windows=args.windows)
+    options = RefinerOptions(compile=args.compile, batch_windows=args.windows, dtype=args.refiner_dtype)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     refiner = VideoRefiner.random(config, args.device, dtype, options=options)
     h, w = config.latent_hw
@@ -171,7 +172,8 @@ def main() -> None:
         groups[group] = row
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "config": "tiny" if args.tiny else "terra",
-        "windows_per_call": args.windows, "compile": refiner.compile_mode, "first_call_s": round(first_s, 2),
+        "windows_per_call": args.windows, "compile": refiner.compile_mode,
+        "refiner_dtype": options.dtype, "fp8_layers": refiner.fp8_layers, "first_call_s": round(first_s, 2),
         "lab_switches": refiner.switches.as_env(),  # TERRA_REFINER_CHANNELS_LAST / _ATTENTION, as the refiner read them
         "seconds_per_window": round(plain_s / args.windows, 4),
         "calls_s": [round(c, 4) for c in calls], "cudnn_benchmark": args.cudnn_benchmark,
@@ -184,7 +186,7 @@ def main() -> None:
         extra = f", {row['tflop_per_window']} TFLOP, {row['achieved_tflops']} TFLOP/s" if "tflop_per_window" in row else ""
         print(f"{group:12s} {row['seconds_per_window'] * 1e3:9.1f} ms a window ({row['share']:.0%}){extra}")
     print(f"{result['seconds_per_window']:.3f} s a window ({args.windows} a call, {refiner.compile_mode}, "
-          f"{refiner.switches.as_env()}); GPU busy "
+          f"{refiner.switches.as_env()}, refiner dtype {options.dtype}); GPU busy "
           f"{result['busy_share']}; first call {result['first_call_s']} s")
     if args.out is not None:
         with open(args.out, "x") as f:  # "x": never replaces a file that appeared meanwhile

@@ -6,7 +6,8 @@
 #             then the driver alone at 32 sessions (gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30,
 #             ~50 s each once built) for each of WEIGHTS: fp8 (--quantization fp8), fp8-bytes (the same with
 #             TERRA_FEW_ROWS_SPLITS=bytes: the kernel's split-K partials capped to a quarter of the weights'
-#             bytes), bf16; default "fp8 fp8-bytes bf16"
+#             bytes), bf16; a name ending -kv8 adds --kv-cache-dtype fp8 (fp8-bytes-kv8, bf16-kv8); default
+#             "fp8 fp8-bytes bf16"
 #   profile   (carry .gpu/vllm-b) the same setup, then a 32-row step's kernels at 10-frame contexts for each of
 #             WEIGHTS (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
 #   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB; after driver or profile) `terra serve` at 32
@@ -23,8 +24,11 @@ setup() {  # part b unpacked, terra installed, FlashAttention-3 loads, the check
     { tail -3 "$OUT/flash.log"; echo "FlashAttention-3 does not load: gpu_bundle.sh a1 and a2 first"; exit 1; }
   build_checkpoint
 }
-weights_flag() { case "$1" in fp8*) echo "--quantization fp8" ;; esac; }
-splits_mode() { case "$1" in *-bytes) echo bytes ;; *) echo programs ;; esac; }
+weights_flag() {  # a WEIGHTS name -> gpu_batched_step.py's flags: fp8* (fp8 weights), *-kv8 (the rows' caches in fp8)
+  case "$1" in fp8*) echo -n "--quantization fp8 " ;; esac
+  case "$1" in *-kv8) echo "--kv-cache-dtype fp8" ;; esac
+}
+splits_mode() { case "$1" in *-bytes*) echo bytes ;; *) echo programs ;; esac; }
 case "${1:-}" in
   driver)
     setup

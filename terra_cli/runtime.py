@@ -138,11 +138,14 @@ REFINER_CHANNELS_LAST_ENV = "TERRA_REFINER_CHANNELS_LAST"
 REFINER_ATTENTION_ENV = "TERRA_REFINER_ATTENTION"
 REFINER_TIME_CONV_ENV = "TERRA_REFINER_TIME_CONV"
 REFINER_GEGLU_ENV = "TERRA_REFINER_GEGLU"
+REFINER_FP8_LAYERS_ENV = "TERRA_REFINER_FP8_LAYERS"
 # the refiner's UNet self-attention: torch SDPA held to one backend (`refiner.unet.sdpa_backend`), or
 # FlashAttention-3 (`fa3`, `refiner.unet_ops.FlashSelfAttention`); default: torch's own choice per call
 REFINER_ATTENTION_BACKENDS = ("default", "flash", "efficient", "cudnn", "math", "fa3")
 REFINER_TIME_CONVS = ("3d", "plane")  # the temporal [3, 1, 1] convolutions: Conv3d, or `FramesPlaneConv`
 REFINER_GEGLUS = ("split", "fused")  # the feed-forwards' GEGLU: diffusers' two steps, or one Triton kernel
+# --refiner-dtype fp8's layers: every transformer-block Linear, or those whose bf16 GEMM is compute-bound
+REFINER_FP8_LAYERS = ("all", "compute-bound")
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class RefinerSwitches:
     attention: str = "default"  # REFINER_ATTENTION_BACKENDS: the kernel of its self-attention
     time_conv: str = "3d"  # REFINER_TIME_CONVS
     geglu: str = "split"  # REFINER_GEGLUS
+    fp8_layers: str = "all"  # REFINER_FP8_LAYERS (read only with --refiner-dtype fp8)
 
     def for_device(self, device) -> "RefinerSwitches":
         """Channels-last, when not asked either way, resolved for the device the refiner runs on: on for
@@ -164,11 +168,12 @@ class RefinerSwitches:
     def as_env(self) -> dict:
         """As a run's JSON records them: the variables' resolved values."""
         return {REFINER_CHANNELS_LAST_ENV: int(bool(self.channels_last)), REFINER_ATTENTION_ENV: self.attention,
-                REFINER_TIME_CONV_ENV: self.time_conv, REFINER_GEGLU_ENV: self.geglu}
+                REFINER_TIME_CONV_ENV: self.time_conv, REFINER_GEGLU_ENV: self.geglu,
+                REFINER_FP8_LAYERS_ENV: self.fp8_layers}
 
 
 def refiner_switches_asked(environ=None) -> RefinerSwitches:
-    """Two switches for the refiner's UNet (issue 40), read where the refiner is built (`VideoRefiner`,
+    """Switches for the refiner's UNet (issue 40), read where the refiner is built (`VideoRefiner`,
     which resolves them for its device). TERRA_REFINER_CHANNELS_LAST=1|0: its convolution weights and
     input frames in channels-last memory order, or not; unset: on for CUDA (`RefinerSwitches.for_device`).
     A GPU profile of the compiled 25-frame window spent 40 ms of 1.15 s in cuDNN's NCHW<->NHWC copies
@@ -179,14 +184,16 @@ def refiner_switches_asked(environ=None) -> RefinerSwitches:
     fails it rather than falling back. TERRA_REFINER_TIME_CONV=plane: the temporal [3, 1, 1] Conv3d as a
     [3, 1] Conv2d over frames x pixels (the same convolution). TERRA_REFINER_GEGLU=fused: the feed-forwards'
     projection and gelu x mul in one Triton kernel (`kernels.geglu_matmul`; float32 between the two
-    steps where diffusers rounds to the UNet's dtype)."""
+    steps where diffusers rounds to the UNet's dtype). TERRA_REFINER_FP8_LAYERS=compute-bound: with
+    --refiner-dtype fp8, only the Linears whose bf16 GEMM is compute-bound (`refiner.fp8`)."""
     layout = choice_switch(REFINER_CHANNELS_LAST_ENV, ("0", "1"), "1 (on) or 0", environ)
     attention = choice_switch(REFINER_ATTENTION_ENV, REFINER_ATTENTION_BACKENDS, ", ".join(REFINER_ATTENTION_BACKENDS),
                                environ) or "default"
     time_conv = choice_switch(REFINER_TIME_CONV_ENV, REFINER_TIME_CONVS, " or ".join(REFINER_TIME_CONVS), environ)
     geglu = choice_switch(REFINER_GEGLU_ENV, REFINER_GEGLUS, " or ".join(REFINER_GEGLUS), environ)
+    fp8_layers = choice_switch(REFINER_FP8_LAYERS_ENV, REFINER_FP8_LAYERS, " or ".join(REFINER_FP8_LAYERS), environ)
     return RefinerSwitches(channels_last=None if layout is None else layout == "1", attention=attention,
-                           time_conv=time_conv or "3d", geglu=geglu or "split")
+                           time_conv=time_conv or "3d", geglu=geglu or "split", fp8_layers=fp8_layers or "all")
 
 
 def choice_switch(variable: str, choices: tuple, what: str, environ=None) -> str | None:

@@ -72,6 +72,36 @@ def test_fp8_refiner_agrees_with_the_unquantized_one_and_repeats_itself():
     assert psnr(first, other_seed) < agreement["psnr_db"] - 10  # the agreement is not what any video would show
 
 
+def test_compute_bound_fp8_keeps_the_memory_bound_layers_in_the_run_dtype(monkeypatch):
+    """TERRA_REFINER_FP8_LAYERS=compute-bound: only Linears with KN / (K + N) at or above the threshold turn fp8.
+    Terra's shapes split at it (the 320-channel level stays); the tiny config's channels are all below it, so
+    the selection is checked on Terra's UNet built on the meta device and, end to end, on the tiny refiner."""
+    from terra_cli.refiner.config import TERRA_REFINER, tiny_refiner_config
+    from terra_cli.refiner.fp8 import COMPUTE_BOUND_FLOP_PER_BYTE, flop_per_byte, quantize_unet_linears
+    from terra_cli.refiner.refiner import RefinerOptions, VideoRefiner
+    from terra_cli.refiner.unet import build_unet
+
+    unet = build_unet(TERRA_REFINER, "meta", exact_cross_attention=True)
+    linears = {name: (m.in_features, m.out_features) for name, m in unet.named_modules()
+               if type(m) is torch.nn.Linear and ("transformer_blocks." in name)}
+    everything = quantize_unet_linears(build_unet(TERRA_REFINER, "meta", exact_cross_attention=True))
+    chosen = quantize_unet_linears(unet, min_flop_per_byte=COMPUTE_BOUND_FLOP_PER_BYTE)
+    assert 0 < chosen < everything == len(linears)
+    kept = {name: shape for name, shape in linears.items() if type(unet.get_submodule(name)) is torch.nn.Linear}
+    assert len(kept) == everything - chosen
+    assert all(k * n / (k + n) < COMPUTE_BOUND_FLOP_PER_BYTE for k, n in kept.values())
+    assert {min(k, n) for k, n in kept.values()} == {320}  # the top level (and its 2,560-wide GEGLU) stays
+    turned = [m for m in unet.modules() if isinstance(m, Fp8Linear)]
+    assert all(flop_per_byte(torch.nn.Linear(m.in_features, m.out_features, device="meta")) >= COMPUTE_BOUND_FLOP_PER_BYTE
+               for m in turned)
+
+    monkeypatch.setenv("TERRA_REFINER_FP8_LAYERS", "compute-bound")
+    tiny = VideoRefiner.random(tiny_refiner_config(), "cpu", options=RefinerOptions(dtype="fp8", compile="none"))
+    assert tiny.fp8_layers == 0 and tiny.switches.as_env()["TERRA_REFINER_FP8_LAYERS"] == "compute-bound"
+    monkeypatch.setenv("TERRA_REFINER_FP8_LAYERS", "all")
+    assert VideoRefiner.random(tiny_refiner_config(), "cpu", options=RefinerOptions(dtype="fp8", compile="none")).fp8_layers > 0
+
+
 def test_refiner_dtype_is_checked_in_one_line_and_listed(tmp_path, monkeypatch):
     assert check_refiner_dtype(" FP8 ") == "fp8" and check_refiner_dtype("auto") == "auto"
     check_fp8_device("cpu")  # torch 2.13's CPU build has the fp8 matmul

@@ -14,7 +14,7 @@ from terra_cli.refiner.refiner import VideoRefiner  # noqa: E402
 from terra_cli.refiner.unet import PinnedSdpaAttention, sdpa_backend  # noqa: E402
 
 SWITCHES = (runtime.REFINER_CHANNELS_LAST_ENV, runtime.REFINER_ATTENTION_ENV, runtime.REFINER_TIME_CONV_ENV,
-            runtime.REFINER_GEGLU_ENV)
+            runtime.REFINER_GEGLU_ENV, runtime.REFINER_FP8_LAYERS_ENV)
 
 
 def with_switches(monkeypatch, **values):
@@ -74,7 +74,8 @@ def test_channels_last_defaults_to_the_device_the_attention_switch_to_off_and_ba
     assert VideoRefiner.random(tiny_refiner_config(), "cpu").switches.channels_last is False  # unset, on a CPU
     refusals = ((runtime.REFINER_CHANNELS_LAST_ENV, "yes", "use 1 (on) or 0"),
                 (runtime.REFINER_ATTENTION_ENV, "fa4", "use default, flash, efficient, cudnn, math, fa3"),
-                (runtime.REFINER_TIME_CONV_ENV, "2d", "use 3d or plane"), (runtime.REFINER_GEGLU_ENV, "on", "use split or fused"))
+                (runtime.REFINER_TIME_CONV_ENV, "2d", "use 3d or plane"), (runtime.REFINER_GEGLU_ENV, "on", "use split or fused"),
+                (runtime.REFINER_FP8_LAYERS_ENV, "some", "use all or compute-bound"))
     for variable, bad, allowed in refusals:
         with pytest.raises(InputError) as refused:
             runtime.refiner_switches_asked({variable: bad})

@@ -6,6 +6,7 @@
 #          compiled side by side and timed one at a time (a lock), REPEAT (3) timed calls each;
 #          `cudnn`: the product's UNet with torch.backends.cudnn.benchmark on; `base2`: the product again;
 #          `fp8`: --refiner-dtype fp8 (the transformer blocks' Linears in float8, per-token activation scales);
+#          `fp8cb`: the same for the Linears whose bf16 GEMM is compute-bound only (TERRA_REFINER_FP8_LAYERS);
 #          NO_OPS=1 leaves out the parts
 #   await  wait up to AWAIT_S (default 540), then pack /tmp/bg/kernels into $OUT/kernels.tar.gz
 set -uo pipefail
@@ -20,6 +21,7 @@ variant_env() {  # NAME -> the switches it sets (the product's defaults otherwis
     fused) echo "TERRA_REFINER_GEGLU=fused" ;;
     all) echo "TERRA_REFINER_TIME_CONV=plane TERRA_REFINER_ATTENTION=fa3 TERRA_REFINER_GEGLU=fused" ;;
     cudnn|base2|fp8) echo "" ;;
+    fp8cb) echo "TERRA_REFINER_FP8_LAYERS=compute-bound" ;;
     *) echo "unknown variant $1" >&2; return 1 ;;
   esac
 }
@@ -35,7 +37,7 @@ case "${1:-}" in
     [ -n "${NO_OPS:-}" ] || flock "$lock" timeout 300 python3 benchmarks/scripts/gpu_refiner_ops.py --out "$OUT/ops.json" > "$OUT/ops.log" 2>&1 &
     sleep 2
     for v in ${VARIANTS:-base plane fa3 fused all}; do
-      extra=""; [ "$v" = cudnn ] && extra=--cudnn-benchmark; [ "$v" = fp8 ] && extra="--refiner-dtype fp8"
+      extra=""; [ "$v" = cudnn ] && extra=--cudnn-benchmark; [ "${v#fp8}" != "$v" ] && extra="--refiner-dtype fp8"
       env $(variant_env "$v") timeout "${RUN_S:-900}" python3 benchmarks/scripts/gpu_refiner_profile.py --windows 4 \
         --compile default --repeat "${REPEAT:-3}" $extra --lock "$lock" --out "$OUT/window-$v.json" > "$OUT/window-$v.log" 2>&1 &
     done

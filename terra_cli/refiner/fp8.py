@@ -32,6 +32,11 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_CUDA_CAPABILITY = (8, 9)
 # Linear layers of these blocks are quantized (attention projections, feed-forwards).
 QUANTIZED_BLOCKS = (".transformer_blocks.", ".temporal_transformer_blocks.")
+# An H100's bf16 ridge: 989 TFLOP/s over 3.35 TB/s. A Linear of K inputs and N outputs does 2KN FLOPs a token
+# for 2(K + N) bytes of bf16 activations in and out, so below KN / (K + N) = 295 its bf16 GEMM is already
+# bound by memory, and fp8 (which adds a pass to quantize the activations) cannot make it faster. Terra's
+# 320-channel level (K, N of 320 and 2,560 or 1,280) sits at 160-284; the 640 and 1,280 levels at 320-1,138.
+COMPUTE_BOUND_FLOP_PER_BYTE = 295.0
 
 
 def check_refiner_dtype(value: str) -> str:
@@ -89,13 +94,21 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn"
 
 
-def quantize_unet_linears(unet: nn.Module) -> int:
+def flop_per_byte(linear: nn.Linear) -> float:
+    """A token's FLOPs over its activations' bytes (in and out, 2 bytes each): KN / (K + N)."""
+    k, n = linear.in_features, linear.out_features
+    return k * n / (k + n)
+
+
+def quantize_unet_linears(unet: nn.Module, min_flop_per_byte: float = 0.0) -> int:
     """Replace the Linear layers of the UNet's transformer blocks by `Fp8Linear`, in place; returns
     how many. `_scaled_mm` takes dimensions that are multiples of 16 (all of Terra's and the tiny
-    configs'); a layer of other sizes stays as it is."""
+    configs'); a layer of other sizes stays as it is, and so does one whose `flop_per_byte` is below
+    `min_flop_per_byte` (`COMPUTE_BOUND_FLOP_PER_BYTE`: only the layers whose bf16 GEMM is compute-bound)."""
     chosen = [(name, module) for name, module in unet.named_modules()
               if isinstance(module, nn.Linear) and any(block in f".{name}" for block in QUANTIZED_BLOCKS)
-              and module.in_features % 16 == 0 and module.out_features % 16 == 0]
+              and module.in_features % 16 == 0 and module.out_features % 16 == 0
+              and flop_per_byte(module) >= min_flop_per_byte]
     for name, module in chosen:
         parent_name, _, child = name.rpartition(".")
         setattr(unet.get_submodule(parent_name), child, Fp8Linear(module))

@@ -31,7 +31,7 @@ from terra_cli.refiner.autoencoder import build_vae, condition_pixels, decode_la
 from terra_cli.refiner.compiled import (COMPILE_MODES, VAE_DECODER_MODE, compile_unet, compile_vae_decoder,
                                         resolve_compile_mode, tracing_quietly, uses_cuda_graphs)
 from terra_cli.refiner.config import TERRA_REFINER, RefinerConfig
-from terra_cli.refiner.fp8 import check_refiner_dtype, quantize_unet_linears
+from terra_cli.refiner.fp8 import COMPUTE_BOUND_FLOP_PER_BYTE, check_refiner_dtype, quantize_unet_linears
 from terra_cli.refiner.unet import (added_time_ids, build_unet, channels_last_frames, use_channels_last,
                                     use_sdpa_backend, zero_context)
 from terra_cli.refiner.windows import check_frames, kept_frames, start_end_indices
@@ -81,13 +81,14 @@ class VideoRefiner:
         self.config, self.device, self.dtype, self.source, self.options = config, device, dtype, source, options
         self.unet, self.vae = unet, vae
         self.center_tap_convs = use_center_taps(vae.decoder)  # every decode is of one-frame clips: the same sum
+        self.switches_asked = refiner_switches_asked()  # TERRA_REFINER_*, read once; `switches` resolves them
         self.fp8_layers = 0  # Linear layers turned into fp8.Fp8Linear (--refiner-dtype fp8)
         if check_refiner_dtype(options.dtype) == "fp8":
-            self.fp8_layers = quantize_unet_linears(unet)
+            least = COMPUTE_BOUND_FLOP_PER_BYTE if self.switches_asked.fp8_layers == "compute-bound" else 0.0
+            self.fp8_layers = quantize_unet_linears(unet, min_flop_per_byte=least)
             LOG.info(f"refiner: {self.fp8_layers} UNet Linear layers in fp8 (--refiner-dtype fp8: opt-in; on an H100 "
                      f"it measured slower than bf16, docs/refiner.md)")
         self.ignored = ignored or []
-        self.switches_asked = refiner_switches_asked()  # TERRA_REFINER_*, read once; `switches` resolves them
         self.target_device = device  # where refining runs (load_refiner loads on the CPU first)
         self.forward = None  # the UNet, eager or compiled: chosen at the first call, on the device it runs on
         self.compile_mode = "none"  # what the first call resolved `options.compile` to

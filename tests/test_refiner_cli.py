@@ -105,7 +105,7 @@ def test_bench_refiner_reports_counted_flops_and_the_act_bench_projection(tmp_pa
     assert data["compile_mode"] == "none" and data["vae_decode_compiled"] is None  # eager on a CPU
     assert "per call, eager)" in result.output and "VAE decode compiled" not in result.output
     switches = {"TERRA_REFINER_CHANNELS_LAST": 1, "TERRA_REFINER_ATTENTION": "math", "TERRA_REFINER_TIME_CONV": "plane",
-                "TERRA_REFINER_GEGLU": "split"}
+                "TERRA_REFINER_GEGLU": "split", "TERRA_REFINER_FP8_LAYERS": "all"}
     assert data["lab_switches"] == switches
     assert f"lab switches {switches}" in result.output
 
@@ -137,7 +137,8 @@ def test_bench_refiner_in_a_compiled_run_times_the_products_compiled_vae_decoder
     assert compiled["ms_per_frame"] == pytest.approx(1e3 * decode, abs=0.01) and compiled["eager_ms_per_frame"] > 0
     assert compiled["error"] is None and compiled["compile_s"] >= 0 and compiled["max_abs_diff"] < 1e-5
     assert data["lab_switches"] == {"TERRA_REFINER_CHANNELS_LAST": 0, "TERRA_REFINER_ATTENTION": "default",
-                                    "TERRA_REFINER_TIME_CONV": "3d", "TERRA_REFINER_GEGLU": "split"}
+                                    "TERRA_REFINER_TIME_CONV": "3d", "TERRA_REFINER_GEGLU": "split",
+                                    "TERRA_REFINER_FP8_LAYERS": "all"}
     assert "per call, compiled)" in result.output
     assert "VAE decode compiled (the product's in a compiled run)" in result.output
 

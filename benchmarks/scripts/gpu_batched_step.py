@@ -330,6 +330,9 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
     top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
     result = {"rows": rows, "steps": steps, "context_frames": context, "kv_cache_dtype": kv_cache_dtype or "auto",
               "quantization": quantization or "none",
+              # a failed compile runs the layers eagerly (EagerFallback): name it, or the profile reads as the product's
+              "compiled_layers": single.core.compiled, "compile_error": single.core.ops.compile_error,
+              "sampler_error": single.sampler.error,
               "ms_per_step_wall": round(wall * 1000 / steps, 4),
               "ms_per_step_kernels": round(busy / steps, 4),
               "kernels_ms_per_step": [{"name": name[:160], "ms": round(ms / steps, 4)} for name, ms in top]}
@@ -401,6 +404,8 @@ def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_
                         "frames_per_s_all": round(count * frames / wall, 2),
                         "kv_cache_dtype": kv_cache_dtype or "auto", "quantization": quantization or "none",
                         "distinct_codes_in_a_last_frame": int(len(np.unique(history[0][-1]))),  # (NaNs would draw one)
+                        "compiled_layers": backend.decoder.core.compiled,
+                        "compile_error": backend.decoder.core.ops.compile_error,
                         "joins": driver.loop.batches, "prompts_reused": (backend.rows.prompts_reused if backend.rows else 0) - reused_before,
                         "loop": driver.loop.as_dict()})
         print(json.dumps(results[-1]), flush=True)

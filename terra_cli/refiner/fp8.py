@@ -16,7 +16,9 @@ itself (QK^T, softmax, AV) and the VAE stay in the run's dtype. `_scaled_mm` run
 torch terra installs (2.13), so the CPU runs the same code as the GPU (slower than float32 there:
 it is for tests, not speed). On CUDA it needs compute capability 8.9 or newer (Ada, Hopper).
 On an H100 (2026-11-27, Terra's shapes, random weights): slower than bf16 (1.33 vs 1.20 s a window,
-compiled), 58 dB PSNR from bf16: the per-token activation quantizing costs more than it saves.
+compiled), 58 dB PSNR from bf16: the per-token activation quantizing costs more than it saves; again
+on 2026-12-07 (1.280 against 1.164 s, and 1.177 with TERRA_REFINER_FP8_LAYERS=compute-bound): the quantizing
+is a reduction pass of its own that reads the activations twice (amax, then the cast).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def serve(
     max_sessions: int = typer.Option(32, "--max-sessions", min=1, help="Open sessions at most; more get 429."),
     session_timeout: float = typer.Option(300.0, "--session-timeout", min=0.1, help="Seconds an idle session lives."),
     max_queued_jobs: int = typer.Option(64, "--max-queued-jobs", min=1, help="Video jobs queued or running at most; more get 429."),
-    max_in_flight: int = typer.Option(128, "--max-in-flight", min=1, help="Rollouts at once (sessions + jobs): vLLM's engine; --backend single-stream runs up to 32 sessions' frames as rows of one batch (16 with --quantization fp8), a session's next frame joining within 16 steps."),
+    max_in_flight: int = typer.Option(128, "--max-in-flight", min=1, help="Rollouts at once (sessions + jobs): vLLM's engine; --backend single-stream runs up to 32 sessions' frames as rows of one batch, a session's next frame joining within 16 steps."),
     max_frames: int = typer.Option(100, "--max-frames", min=2, max=100, help="Frames per video or session at most."),
     max_upload_mb: float = typer.Option(32.0, "--max-upload-mb", min=0.001, help="Request body size cap in MiB."),
     max_image_pixels: int = typer.Option(4096 * 4096, "--max-image-pixels", min=1, help="Pixels per uploaded image at most."),

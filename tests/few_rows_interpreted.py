@@ -69,14 +69,14 @@ def main(checkpoint: str) -> dict:
     calls, layer_calls = [], []
     original, original_partials = kernel.few_rows_matmul, kernel.few_rows_partials
     kernel.few_rows_matmul = lambda h, w: calls.append(h.shape[0]) or original(h, w)
-    kernel.few_rows_partials = lambda h, w: layer_calls.append(h.shape[0]) or original_partials(h, w)
+    kernel.few_rows_partials = lambda h, w, splits: layer_calls.append(h.shape[0]) or original_partials(h, w, splits)
     decoder = SingleStreamDecoder(model, draft_tokens=3)
     codes = decoder.rollout(context, actions, layout.max_frames, Sampling(temperature=0), 0)
     reference = HfBackend(model=model, device="cpu").generate(context, actions, layout.max_frames,
                                                              Sampling(temperature=0))[0]
     kernel.few_rows_matmul, kernel.few_rows_partials = original, original_partials
     fp8 = fp8_checks(kernel, model, context, actions, layout, gen)
-    return {"fp8": fp8, "errors": errors, "tile_rows": [kernel.tile_rows(rows) for rows in (1, 16, 17, 32)],
+    return {"fp8": fp8, "traced_slices": traced_slices(kernel, gen), "errors": errors, "tile_rows": [kernel.tile_rows(rows) for rows in (1, 16, 17, 32)],
             "refused": refused, "layout": decoder.core.logits_layout,
             "split_errors": split_errors, "split_repeatable": split_repeatable, "slices": slices,
             "layers": decoder.core.ops.projections, "layer_calls": len(layer_calls),
@@ -169,6 +169,34 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
                head_fp8=decoder.core.head_fp8 is not None, scaled_calls=sorted(set(scaled_calls)),
                layer_calls=len(scaled_calls), logits_calls=len(logits_calls),
                scaled_logits=sorted(set(logits_calls)), codes_equal=bool(np.array_equal(codes, reference)))
+    return out
+
+
+def traced_slices(kernel, gen) -> dict:
+    """The slices stand in the graph torch.compile traces, so Inductor's cache, keyed by the graph's code,
+    tells a TERRA_FEW_ROWS_SPLITS=bytes layer from a default one (it did not when the operator chose them
+    inside: on a GPU the cached graph's size check failed and the layers went eager). 32 rows of fp8
+    weights, Terra's qkv shape, an H100's 528 programs; the projection bound as `linear_for` binds it."""
+    import functools
+
+    import torch
+
+    graphs = []
+
+    def keep_code(graph, inputs):
+        graphs.append(graph.code)
+        return graph.forward
+
+    values, scale = kernel.quantize_rows_fp8(torch.randn(2560, 2048, generator=gen))
+    hidden = torch.randn(32, 2048, generator=gen)
+    out = {}
+    for mode in ("programs", "bytes"):
+        linear = functools.partial(kernel.few_rows_linear, programs=528, splits_mode=mode)
+        got = torch.compile(lambda x: linear(x, (values, scale), None), backend=keep_code, dynamic=False,
+                            fullgraph=True)(hidden)
+        out[mode] = {"slices": kernel.default_splits(hidden, values, 528, mode),
+                     "error": float((got - linear(hidden, (values, scale), None)).abs().max())}
+    out["slice_args"] = [[str(n) for n in (16, 4) if f", {n})" in code] for code in graphs]
     return out
 
 

@@ -63,6 +63,10 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     assert fp8["logits_20_rows_calls"] == [[20, "torch.float8_e4m3fn"]]
     assert fp8["logits_20_rows_error"] < 1e-5  # fp8 values times their scales: what the rounded weights hold
     assert fp8["row_batch_limit"] == 32  # fp8 weights' row batches stay within the kernel's larger tile
+    traced = result["traced_slices"]  # the slices are in the traced graph: a cache keyed by its code tells them apart
+    assert traced["programs"]["slices"] == 16 and traced["bytes"]["slices"] == 4
+    assert traced["slice_args"] == [["16"], ["4"]]  # one graph each, its operator call naming its slices
+    assert traced["programs"]["error"] == 0 and traced["bytes"]["error"] == 0
 
 
 def test_splits_capped_by_the_partials_bytes_only_when_asked():

@@ -196,8 +196,13 @@ def test_the_layer_projections_switch_is_checked_and_needs_a_device_that_runs_th
     assert layer_ops.layer_projections(cpu, {layer_ops.LAYERS_ENV: "few-rows", "TRITON_INTERPRET": "1"}) == "few-rows"
     assert layer_ops.layer_projections(cuda, {layer_ops.LAYERS_ENV: "few-rows-fp8"}) == "few-rows-fp8"
     assert layer_ops.layer_projections(cpu, {layer_ops.LAYERS_ENV: "few-rows-fp8"}) == "linear"
-    assert layer_ops.projection("few-rows-fp8") is few_rows_linear  # it takes (values, scale) pairs too
-    assert layer_ops.projection("few-rows") is few_rows_linear and layer_ops.projection("linear") is F.linear
+    monkeypatch.setenv("TERRA_FEW_ROWS_SPLITS", "bytes")  # read where the projection is made, bound to it
+    for name in ("few-rows-fp8", "few-rows"):  # fp8: it takes (values, scale) pairs too
+        bound = layer_ops.projection(name, cpu)
+        assert bound.func is few_rows_linear and bound.keywords == {"programs": 1, "splits_mode": "bytes"}
+    monkeypatch.delenv("TERRA_FEW_ROWS_SPLITS")
+    assert layer_ops.projection("few-rows", cpu).keywords["splits_mode"] == "programs"
+    assert layer_ops.projection("linear", cpu) is F.linear
     with pytest.raises(ValueError, match="TERRA_SINGLE_STREAM_LAYERS='cutlass'"):
         layer_ops.layer_projections(cuda, {layer_ops.LAYERS_ENV: "cutlass"})
     monkeypatch.setenv(layer_ops.LAYERS_ENV, "few-rows")

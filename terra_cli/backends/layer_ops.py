@@ -64,12 +64,12 @@ def layer_projections(device: torch.device, environ=None, asked: str | None = No
     return choice if runs_on(device, environ) else "linear"
 
 
-def projection(name: str):
-    """The F.linear-like function `layer_projections` names."""
+def projection(name: str, device: torch.device):
+    """The F.linear-like function `layer_projections` names, for weights on `device`."""
     if name in ("few-rows", "few-rows-fp8"):  # fp8: its weights are (values, scale) pairs, `fp8_weights`
-        from terra_cli.kernels.few_rows_matmul import few_rows_linear
+        from terra_cli.kernels.few_rows_matmul import linear_for
 
-        return few_rows_linear
+        return linear_for(device)
     return F.linear
 
 
@@ -267,8 +267,9 @@ class LayerOps:
         self.eager = BoundOps(EagerOps(), [self.attention_weights(layer) for layer in layers],
                               [self.output_weights(layer) for layer in layers])
         compiled = compile_wanted(compile_layers)
-        self.projections = layer_projections(next(model.parameters()).device, asked=projections)
-        linear = projection(self.projections)
+        device = next(model.parameters()).device
+        self.projections = layer_projections(device, asked=projections)
+        linear = projection(self.projections, device)
         # Fusing is what the compiled path runs; `fuse_projections` alone (eager) lets a CPU check it,
         # and so does the few-rows kernel under Triton's interpreter.
         if compiled or fuse_projections or self.projections != "linear":

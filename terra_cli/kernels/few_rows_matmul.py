@@ -33,6 +33,7 @@ of fp8 weights runs as a plain GEMV on the CUDA cores (`tile_for`).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -143,15 +144,21 @@ SPLITS_ENV = "TERRA_FEW_ROWS_SPLITS"
 PARTIALS_SHARE = 0.25
 
 
+def splits_mode(environ=None) -> str:
+    """SPLITS_ENV: `programs` (unset) or `bytes`."""
+    return choice_switch(SPLITS_ENV, ("programs", "bytes"), "programs (the default) or bytes", environ) or "programs"
+
+
 def splits_for(outputs: int, depth: int, programs_wanted: int, tile: Tile = TENSOR_CORE_TILE, rows: int = 1,
-               element_bytes: int = 2, environ=None) -> int:
+               element_bytes: int = 2, environ=None, mode: str | None = None) -> int:
     """How many slices of K a product of `outputs` columns over `depth` is cut into: the fewest that
     give `programs_wanted` programs, each slice at least one block of the tile's depth, none empty. 1
-    for a tall weight (Terra's lm_head has 2,048 column blocks already). With SPLITS_ENV=bytes, at most
-    as many as keep the partials of `rows` rows within PARTIALS_SHARE of the weight's bytes."""
+    for a tall weight (Terra's lm_head has 2,048 column blocks already). With `mode` (None: SPLITS_ENV
+    read from `environ`) `bytes`, at most as many as keep the partials of `rows` rows within
+    PARTIALS_SHARE of the weight's bytes."""
     columns, k_blocks = _cdiv(outputs, tile.block_n), _cdiv(depth, tile.block_k)
     wanted = max(1, min(k_blocks, _cdiv(programs_wanted, columns)))
-    if choice_switch(SPLITS_ENV, ("programs", "bytes"), "programs (the default) or bytes", environ) == "bytes":
+    if (splits_mode(environ) if mode is None else mode) == "bytes":
         # partials: slices x rows x outputs x 4 B; the weight: outputs x depth x element_bytes
         wanted = max(1, min(wanted, int(PARTIALS_SHARE * depth * element_bytes / (4 * rows))))
     return _cdiv(k_blocks, _cdiv(k_blocks, wanted))  # equal slices of whole blocks: no empty last one
@@ -167,6 +174,16 @@ def programs_wanted(device: torch.device) -> int:
     if device.type == "cuda":
         return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # Triton's interpreter (the CPU tests): split only when asked
+
+
+def default_splits(hidden: torch.Tensor, weight: torch.Tensor, programs: int | None = None,
+                   mode: str | None = None) -> int:
+    """`splits_for` this call's rows and weight; `programs` (None: `programs_wanted` for hidden's device)
+    and `mode` (None: SPLITS_ENV) as `few_rows_linear` is bound to them."""
+    rows, depth = hidden.shape
+    wanted = programs_wanted(hidden.device) if programs is None else programs
+    return splits_for(weight.shape[0], depth, wanted, tile_for(rows, weight.dtype == FP8), rows, weight.element_size(),
+                      mode=mode)
 
 
 def quantize_rows_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +212,7 @@ def _checked_slices(hidden: torch.Tensor, weight: torch.Tensor, splits: int | No
         raise ValueError(f"few_rows_matmul: a float32 scale per weight row, got {scale.dtype} {tuple(scale.shape)}")
     tile = tile_for(rows, weight.dtype == FP8)
     if splits is None:
-        splits = splits_for(weight.shape[0], depth, programs_wanted(hidden.device), tile, rows, weight.element_size())
+        splits = default_splits(hidden, weight)
     k_blocks = _cdiv(depth, tile.block_k)
     if not 1 <= splits <= k_blocks:
         raise ValueError(f"few_rows_matmul: {splits} slices of a depth of {depth} (1 to {k_blocks})")
@@ -247,42 +264,56 @@ def few_rows_matmul(hidden: torch.Tensor, weight: torch.Tensor, splits: int | No
     return _launch(hidden, weight, slices, out, scale)
 
 
+# The slices are an argument of the operators, not chosen inside them: so they stand in the traced graph, and
+# Inductor's cache (keyed by the graph's code, not by its shapes) tells graphs of other slices apart. Chosen
+# inside, a graph compiled for one TERRA_FEW_ROWS_SPLITS was reused for the other from the cache, failed its
+# size check and left the layers eager (an H100, 2026-12-07).
 @torch.library.custom_op("terra::few_rows_partials", mutates_args=())
-def few_rows_partials_op(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`few_rows_partials` (slices for this device) as an operator torch.compile keeps whole; the
-    decode step's compiled layer functions fuse the slices' sum into their next kernel."""
-    return few_rows_partials(hidden, weight)
+def few_rows_partials_op(hidden: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """`few_rows_partials` as an operator torch.compile keeps whole; the decode step's compiled layer
+    functions fuse the slices' sum into their next kernel."""
+    return few_rows_partials(hidden, weight, splits)
 
 
 @few_rows_partials_op.register_fake
-def _(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    splits, _, _ = _checked_slices(hidden, weight, None)
-    return hidden.new_empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
+def _(hidden: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    slices, _, _ = _checked_slices(hidden, weight, splits)
+    return hidden.new_empty((slices, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("terra::few_rows_partials_fp8", mutates_args=())
-def few_rows_partials_fp8_op(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def few_rows_partials_fp8_op(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                             splits: int) -> torch.Tensor:
     """`few_rows_partials_op` for fp8 weights and their rows' scale."""
-    return few_rows_partials(hidden, weight, scale=scale)
+    return few_rows_partials(hidden, weight, splits, scale=scale)
 
 
 @few_rows_partials_fp8_op.register_fake
-def _(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    splits, _, _ = _checked_slices(hidden, weight, None, scale)
-    return hidden.new_empty((splits, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
+def _(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, splits: int) -> torch.Tensor:
+    slices, _, _ = _checked_slices(hidden, weight, splits, scale)
+    return hidden.new_empty((slices, hidden.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-def few_rows_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+def few_rows_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, *, programs: int | None = None,
+                    splits_mode: str | None = None) -> torch.Tensor:
     """F.linear for a decode step's few rows (x (..., K), at most 32 rows in all) by the kernel: the
     slices' sum and the bias in float32, then x's dtype (F.linear rounds once too, at its output).
-    `weight`: a tensor, or the pair `quantize_rows_fp8` makes (fp8 values, their rows' scale)."""
+    `weight`: a tensor, or the pair `quantize_rows_fp8` makes (fp8 values, their rows' scale).
+    `programs`, `splits_mode`: as `linear_for` binds them, so a compiled step traces no device query or
+    environment read (None: read here)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if isinstance(weight, tuple):
         values, scale = weight
-        out = few_rows_partials_fp8_op(rows, values, scale).sum(0)
+        out = few_rows_partials_fp8_op(rows, values, scale, default_splits(rows, values, programs, splits_mode)).sum(0)
     else:
         values = weight
-        out = few_rows_partials_op(rows, values).sum(0)
+        out = few_rows_partials_op(rows, values, default_splits(rows, values, programs, splits_mode)).sum(0)
     if bias is not None:
         out = out + bias
     return out.to(x.dtype).reshape(*x.shape[:-1], values.shape[0])
+
+
+def linear_for(device: torch.device):
+    """`few_rows_linear` with this device's wanted programs and SPLITS_ENV read now, where the weights are
+    bound, not inside a compiled step's trace."""
+    return functools.partial(few_rows_linear, programs=programs_wanted(device), splits_mode=splits_mode())

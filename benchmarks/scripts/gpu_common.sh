@@ -24,6 +24,12 @@ gpu_setup() {  # WHEEL...: unpack these into /tmp/site (what the host lacks), in
   nvidia-smi -L | tee "$OUT/gpu.txt"
 }
 
+pack_out() {  # NAME: everything in $OUT as $OUT/NAME.tgz, beside summary.txt: the device returns at most 8 files
+  # (a 2026-12-07 call lost two runs' results to that limit)
+  (cd "$OUT" && tar czf "/tmp/$1.tgz" --exclude=summary.txt . && find . -mindepth 1 ! -name summary.txt -delete &&
+    mv "/tmp/$1.tgz" .)
+}
+
 build_checkpoint() {  # the random Terra checkpoint built once, before runs that would race to build it
   python3 -c "from terra_cli.bench.cache import random_terra_checkpoint as r; r('cuda', 0)" \
     > "$OUT/build.log" 2>&1; echo "checkpoint exit $?" >> "$STEP_LOG"

@@ -53,3 +53,4 @@ case "${1:-}" in
     SERVE_STEPS=4 serve_rows 140 32 -pic1 ;;
   *) echo "usage: gpu_lean41.sh driver|profile|pictures" >&2; exit 2 ;;
 esac
+pack_out "lean41-$1"

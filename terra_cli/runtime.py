@@ -94,17 +94,6 @@ def sparse_graph_sizes_asked(environ=None) -> bool:
     return choice_switch(GRAPH_SIZES_ENV, ("sparse", "vllm"), "sparse (terra's sizes) or vllm", environ) == "sparse"
 
 
-PICTURE_BATCH_ENV = "TERRA_PICTURE_BATCH"
-
-
-def picture_batch_asked(environ=None) -> int:
-    """Frames in every picture decode of a server (`EngineService.decode`), padded to it: TERRA_PICTURE_BATCH
-    (a lab switch; 1 by default). A picture never depends on what was decoded with it either way, as every
-    call has the one shape; what changes is the GPU time 32 sessions' pictures take beside the row batch
-    (11-14 ms each one at a time, H100 and H200, benchmarks/README.md) against one padded call's for several."""
-    return _whole_number_switch(PICTURE_BATCH_ENV, 32, "a whole number of frames from 1 to 32", environ) or 1
-
-
 TOKENIZER_BATCH_ENV = "TERRA_TOKENIZER_BATCH"
 
 

@@ -64,3 +64,27 @@ def test_info_describes_a_checkpoint(tiny_checkpoint):
     result = run_terra("info", tiny_checkpoint)
     assert result.returncode == 0, result.stderr
     assert "LlamaActionForCausalLM" in result.stdout and "576 per frame" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["serve", "--picture-batch", "0"], "Invalid value for '--picture-batch'"),
+    (["serve", "--picture-batch", "33"], "Invalid value for '--picture-batch'"),
+    (["generate", "--no-such-flag"], "No such option: --no-such-flag"),
+    (["tokenize"], "Missing argument 'INPUT'"),
+    (["actions", "convert", "--bogus", "1"], "No such option: --bogus"),
+])
+def test_a_mistyped_command_line_is_one_error_line_naming_its_help(args, message):
+    """Typer's own checks (ranges, unknown options, missing arguments) go through the same one-line format as
+    terra's, exit 2, instead of Typer's box of several lines."""
+    result = run_terra(*args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines
+    assert lines[0].endswith(f"{' '.join(args[:2 if args[0] == 'actions' else 1])} --help)"), lines
+
+
+def test_terra_alone_prints_its_help_and_help_exits_zero():
+    alone, asked = run_terra(), run_terra("--help")
+    assert alone.returncode == 2 and asked.returncode == 0
+    for result in (alone, asked):
+        assert "Usage:" in result.stdout + result.stderr and "serve" in result.stdout + result.stderr

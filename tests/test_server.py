@@ -172,14 +172,15 @@ def test_a_session_picture_is_the_frame_its_video_holds(client, engine):
 
 
 def test_pictures_in_padded_batches_do_not_depend_on_their_batchmates(client, engine, monkeypatch):
-    """TERRA_PICTURE_BATCH (a lab switch): every picture call padded to that many frames, so a frame's picture
-    is the same alone or decoded with others, as at the default of one frame a call."""
-    from terra_cli import runtime
+    """`terra serve --picture-batch N`: every picture call padded to N frames, so a frame's picture is the same
+    alone or decoded with others, as at the default of one frame a call."""
     from terra_cli.errors import InputError
+    from terra_cli.server.loader import EngineConfig, check_engine_config
 
-    assert runtime.picture_batch_asked({}) == 1 and runtime.picture_batch_asked({"TERRA_PICTURE_BATCH": "8"}) == 8
-    with pytest.raises(InputError, match="TERRA_PICTURE_BATCH"):
-        runtime.picture_batch_asked({"TERRA_PICTURE_BATCH": "0"})
+    assert engine.picture_batch == 1  # load_engine's default
+    for bad in (0, 33):
+        with pytest.raises(InputError, match=f"--picture-batch must be 1 to 32 frames, got {bad}"):
+            check_engine_config(EngineConfig(picture_batch=bad))
     session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(2, seed=6)}, "seed": 7}).json()["id"]
     assert client.post(f"/v1/sessions/{session_id}/step", json={"action": "left", "frames": 1}).status_code == 200
     tokens = np.load(io.BytesIO(client.get(f"/v1/sessions/{session_id}/tokens").content))

@@ -11,8 +11,8 @@
 #   profile   (carry .gpu/vllm-b) the same setup, then a 32-row step's kernels at 10-frame contexts for each of
 #             WEIGHTS (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
 #   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB; after driver or profile) `terra serve` at 32
-#             sessions, 4 frames a session: pictures in batches of 8 (TERRA_PICTURE_BATCH=8), then one a call
-#             (~5 minutes)
+#             sessions, 4 frames a session: pictures in batches of 8 (--picture-batch 8), then one a call
+#             (~3 minutes); SERVE_ARGS_EXTRA adds server options to both (e.g. --kv-cache-dtype fp8)
 set -uo pipefail
 source benchmarks/scripts/gpu_common.sh
 export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1
@@ -49,8 +49,9 @@ case "${1:-}" in
   pictures)
     for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
     source_stamp "$OUT/code.txt"
-    SERVE_STEPS=4 TERRA_PICTURE_BATCH=8 serve_rows 140 32 -pic8
-    SERVE_STEPS=4 serve_rows 140 32 -pic1 ;;
+    extra=${SERVE_ARGS_EXTRA:-}
+    SERVE_STEPS=4 SERVE_ARGS_EXTRA="$extra --picture-batch 8" serve_rows 140 32 -pic8
+    SERVE_STEPS=4 SERVE_ARGS_EXTRA="$extra" serve_rows 140 32 -pic1 ;;
   *) echo "usage: gpu_lean41.sh driver|profile|pictures" >&2; exit 2 ;;
 esac
 pack_out "lean41-$1"

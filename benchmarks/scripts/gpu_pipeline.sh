@@ -58,7 +58,7 @@
 #          ONE_AFTER=next17: 32 sessions with the fp8 cache written inside the layer functions, apart, and bf16, a
 #          32-row step's kernels at 10-frame contexts in fp8 and bf16, `terra serve` at 32 in fp8 (~11 minutes);
 #          ONE_AFTER=next18: `terra serve` at 32 sessions with the fp8 cache, then bf16 (~6 minutes);
-#          ONE_AFTER=pictures: `terra serve` at 1 and 32 sessions, TERRA_PICTURE_BATCH=8, then 1, then 32 with
+#          ONE_AFTER=pictures: `terra serve` at 1 and 32 sessions, --picture-batch 8, then 1, then 32 with
 #          `--quantization fp8` (PICTURES_FP8=0: not) (~10 minutes);
 #          ONE_AFTER=pictures32: the same at 32 sessions only, 4 frames a session (~7 minutes);
 #          ONE_AFTER=next19: a 32-row step's kernels at 10-frame contexts, fp8 cache then bf16 (~3 minutes);
@@ -666,13 +666,13 @@ open(sys.argv[1], "w").write(json.dumps(merged, indent=1) + "\n")' "$OUT/reflayo
       serve_rows 200 32 -bf16
     elif [ "${ONE_AFTER:-probes}" = pictures ]; then
       # `terra serve` on single-stream at 1 and 32 sessions, pictures padded to batches of 8, then one a call (~7 minutes)
-      TERRA_PICTURE_BATCH=8 serve_rows 230 1,32 -pic8
+      SERVE_ARGS_EXTRA="--picture-batch 8" serve_rows 230 1,32 -pic8
       serve_rows 230 1,32 -pic1
       # fp8 weights at 32 sessions in one row batch (the few-rows kernel's 32-row tile; before, batches of 16)
       [ "${PICTURES_FP8:-1}" = 0 ] || SERVE_ARGS_EXTRA="--quantization fp8" serve_rows 200 32 -fp8w
     elif [ "${ONE_AFTER:-probes}" = pictures32 ]; then
       # the same at 32 sessions only, 4 frames a session, then fp8 weights at 32 (~7 minutes: the end of a lease)
-      SERVE_STEPS=4 TERRA_PICTURE_BATCH=8 serve_rows 130 32 -pic8
+      SERVE_STEPS=4 SERVE_ARGS_EXTRA="--picture-batch 8" serve_rows 130 32 -pic8
       SERVE_STEPS=4 serve_rows 130 32 -pic1
       [ "${PICTURES_FP8:-1}" = 0 ] || SERVE_STEPS=4 SERVE_ARGS_EXTRA="--quantization fp8" serve_rows 170 32 -fp8w
     elif [ "${ONE_AFTER:-probes}" = refinerx ]; then

@@ -5,13 +5,47 @@ from __future__ import annotations
 import functools
 import time
 
+import sys
+
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from terra_cli.errors import USER_ERRORS
 
+
+# Click's usage errors as this Typer raises them (Typer 0.2x carries a copy of Click of its own; older ones use
+# Click itself): found from the one Typer exports, not imported by a path that depends on the version.
+UsageError = next(kind for kind in typer.BadParameter.__mro__ if kind.__name__ == "UsageError")
+NoArgsIsHelpError = getattr(sys.modules[UsageError.__module__], "NoArgsIsHelpError", ())
+
+
+class OneLineUsageErrors(TyperGroup):
+    """A mistyped command line (an unknown option, a value out of range, a missing argument) as one `error:`
+    line naming the command's --help, exit 2, where Typer would draw a box of several lines. `terra` alone
+    still prints the help."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except NoArgsIsHelpError as exc:
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        except UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "terra"
+            error_line(f"{exc.format_message()} (see {where} --help)")
+            raise SystemExit(EXIT_USER_ERROR) from None
+        except typer.Abort:
+            console.print("[yellow]interrupted[/]")
+            raise SystemExit(EXIT_INTERRUPTED) from None
+        raise SystemExit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=OneLineUsageErrors,
     name="terra",
     help="Run the Terra action-conditioned driving world model: tokenize frames, generate video, benchmark.",
     no_args_is_help=True,

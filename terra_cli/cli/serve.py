@@ -60,6 +60,7 @@ def serve(
     session_timeout: float = typer.Option(300.0, "--session-timeout", min=0.1, help="Seconds an idle session lives."),
     max_queued_jobs: int = typer.Option(64, "--max-queued-jobs", min=1, help="Video jobs queued or running at most; more get 429."),
     max_in_flight: int = typer.Option(128, "--max-in-flight", min=1, help="Rollouts at once (sessions + jobs): vLLM's engine; --backend single-stream runs up to 32 sessions' frames as rows of one batch, a session's next frame joining within 16 steps."),
+    picture_batch: int = typer.Option(1, "--picture-batch", min=1, max=32, help="Frames in every picture decode, padded: 8 for a server of many sessions (32 sessions on an H100: 0.46 frames/s each against 0.42 at 1), 1 for one (its every picture decodes the whole batch). A picture is the same whatever was decoded beside it."),
     max_frames: int = typer.Option(100, "--max-frames", min=2, max=100, help="Frames per video or session at most."),
     max_upload_mb: float = typer.Option(32.0, "--max-upload-mb", min=0.001, help="Request body size cap in MiB."),
     max_image_pixels: int = typer.Option(4096 * 4096, "--max-image-pixels", min=1, help="Pixels per uploaded image at most."),
@@ -90,7 +91,7 @@ def serve(
     check_port_free(host, port)  # a busy port fails here, not after the engine has loaded
     config = EngineConfig(model, variant, tokenizer, backend, device, dtype,
                           engine_options(kv_cache_dtype, quantization, draft, draft_tokens, torch_compile, attention),
-                          threads, max_in_flight, max_sessions)
+                          threads, max_in_flight, max_sessions, picture_batch)
     check_engine_config(config)  # a typo fails here, before the engine loads
     limits = Limits(max_frames=max_frames, max_image_pixels=max_image_pixels,
                     data_root=data_root.resolve() if data_root else None)

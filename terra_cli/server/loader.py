@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from terra_cli.errors import InputError
 from terra_cli.server.engine import EngineService
 
+MAX_PICTURE_BATCH = 32  # a row batch's sessions at most
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -22,6 +24,7 @@ class EngineConfig:
     threads: int = 0
     max_in_flight: int = 128  # rollouts at once (sessions + video jobs); the reference batches lockstep ones
     session_slots: int = 32  # of those, kept for sessions
+    picture_batch: int = 1  # frames in every picture decode, padded (--picture-batch)
 
 
 def check_engine_config(config: EngineConfig):
@@ -37,6 +40,8 @@ def check_engine_config(config: EngineConfig):
     check_backend_options(backend, config.options, device)
     if config.max_in_flight < 1:
         raise InputError(f"--max-in-flight must be at least 1, got {config.max_in_flight}")
+    if not 1 <= config.picture_batch <= MAX_PICTURE_BATCH:
+        raise InputError(f"--picture-batch must be 1 to {MAX_PICTURE_BATCH} frames, got {config.picture_batch}")
     choice = resolve_model(config.model, config.variant, config.tokenizer)
     model_config = load_config(choice.world_model_dir)
     if choice.tokenizer is None:
@@ -53,7 +58,7 @@ def load_engine(config: EngineConfig) -> EngineService:
                              max_rollouts=config.max_in_flight)
     service = EngineService(world.backend, world.tokenizer, max_in_flight=config.max_in_flight,
                             session_slots=min(config.session_slots, max(config.max_in_flight - 1, 0)),
-                            model_label=choice.label)
+                            model_label=choice.label, picture_batch=config.picture_batch)
     try:
         service.warm_up_pictures()
     except BaseException:

@@ -215,7 +215,7 @@ def test_compiled_layer_functions_keep_a_graph_for_every_row_count(model, monkey
     torch._dynamo.reset()
 
 
-def test_a_step_sampler_that_cannot_compile_samples_eagerly_and_says_why(model, monkeypatch):
+def test_a_step_sampler_that_cannot_compile_samples_eagerly_and_says_why(model, monkeypatch, caplog):
     from terra_cli.backends import device_sampling
 
     def no_compiler(fn, **options):
@@ -228,7 +228,11 @@ def test_a_step_sampler_that_cannot_compile_samples_eagerly_and_says_why(model, 
     logits, noise = torch.randn(3, VOCAB + 1), torch.empty(3, VOCAB).exponential_()
     sampling = Sampling(temperature=0.7, top_k=5)
     want = device_sampling.race_codes(logits, noise, model.layout, sampling)
-    assert torch.equal(sampler(logits, noise, model.layout, sampling), want)
+    with caplog.at_level("WARNING", logger="terra.single_stream"):
+        assert torch.equal(sampler(logits, noise, model.layout, sampling), want)
+        assert torch.equal(sampler(logits, noise, model.layout, sampling), want)
     assert "no C++ compiler here" in sampler.error
+    warned = [r.getMessage() for r in caplog.records if r.name == "terra.single_stream"]
+    assert len(warned) == 1 and "StepSampler could not run compiled" in warned[0] and "no C++ compiler here" in warned[0]
     monkeypatch.setenv(device_sampling.SAMPLER_ENV, "eager")  # the lab switch: no compile at all
     assert device_sampling.StepSampler(compiled=True).compiled is None

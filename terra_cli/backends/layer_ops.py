@@ -18,6 +18,7 @@ Terra's size); prompts keep the modules' own.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -198,9 +199,13 @@ class FusedOps:
 RECOMPILE_LIMIT = 32
 
 
+LOG = logging.getLogger("terra.single_stream")
+
+
 class EagerFallback:
     """Calls compiled functions until one fails (no Triton, no compiler: on a warm-up call, before any CUDA
-    graph capture); from then on their eager twins, and `error` says why."""
+    graph capture); from then on their eager twins, and `error` says why, also as one warning line: eager
+    steps are slower, and a run that fell back silently once passed for a measurement (2026-12-07)."""
 
     def __init__(self):
         self.error: str | None = None
@@ -211,6 +216,8 @@ class EagerFallback:
                 return compiled(*args)
             except Exception as error:  # noqa: BLE001 - no Triton or no compiler: eager is correct too
                 self.error = error_summary(error)
+                LOG.warning(f"the decode step's {type(self).__name__} could not run compiled ({self.error}); "
+                            f"it runs eager from now on, slower ({COMPILE_ENV}=0 skips the compile)")
         return eager(*args)
 
 

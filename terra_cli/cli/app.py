@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import functools
-import time
-
 import sys
+import time
 
 import typer
 from rich.console import Console
@@ -13,7 +12,6 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from terra_cli.errors import USER_ERRORS
-
 
 # Click's usage errors as this Typer raises them (Typer 0.2x carries a copy of Click of its own; older ones use
 # Click itself): found from the one Typer exports, not imported by a path that depends on the version.

@@ -80,7 +80,7 @@ def decode_sms_asked(environ=None) -> int | None:
     None: all of them, as any stream. Why: beside the decoder the engine's steps ran 13-15% slower, and
     larger decoder calls slowed them more (benchmarks/README.md, 2026-11-27 night), so what costs the
     engine is how much of the card the decoder holds at once; a bounded share leaves the rest to it."""
-    return _whole_number_switch(DECODE_SMS_ENV, 1024, "a whole number of SMs (e.g. 16 of an H100's 132)", environ)
+    return whole_number_switch(DECODE_SMS_ENV, 1024, "a whole number of SMs (e.g. 16 of an H100's 132)", environ)
 
 
 GRAPH_SIZES_ENV = "TERRA_CUDA_GRAPH_SIZES"
@@ -105,7 +105,7 @@ def tokenizer_batch_asked(environ=None) -> int | None:
     the engine loses follows how much of the card one decoder call holds. Pixels depend on it (kernels
     of another shape round differently), so a run's videos are deterministic for a seed at one batch
     size, not across them."""
-    return _whole_number_switch(TOKENIZER_BATCH_ENV, 256, "a whole number of frames from 1 to 256", environ)
+    return whole_number_switch(TOKENIZER_BATCH_ENV, 256, "a whole number of frames from 1 to 256", environ)
 
 
 DECODER_COMPILE_MODE_ENV = "TERRA_DECODER_COMPILE_MODE"
@@ -197,7 +197,7 @@ def choice_switch(variable: str, choices: tuple, what: str, environ=None) -> str
     return value
 
 
-def _whole_number_switch(variable: str, largest: int, what: str, environ=None) -> int | None:
+def whole_number_switch(variable: str, largest: int, what: str, environ=None) -> int | None:
     """A lab switch holding a count from 1 to `largest`; None when unset. A bad value is one InputError
     saying `what` to use."""
     environ = os.environ if environ is None else environ

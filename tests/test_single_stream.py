@@ -211,6 +211,32 @@ def test_the_layer_projections_switch_is_checked_and_needs_a_device_that_runs_th
     assert ops.projections == "linear" and ops.decode is ops.eager
 
 
+def test_the_unroll_switch_reaches_the_layer_functions_compile_and_is_checked(model, monkeypatch):
+    """TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=N: Inductor's unroll_reductions_threshold for the three compiled
+    layer functions (no mode beside it: torch.compile takes one); unset, torch.compile's defaults."""
+    from terra_cli.backends import layer_ops
+    from terra_cli.errors import InputError
+
+    unroll, mode = layer_ops.UNROLL_ENV, layer_ops.COMPILE_MODE_ENV
+    assert layer_ops.compile_options({}) is None
+    assert layer_ops.compile_options({unroll: " 32 "}) == {"unroll_reductions_threshold": 32}
+    for bad in ("0", "65", "many"):
+        with pytest.raises(InputError, match=f"{unroll}='{bad}': use a whole number of terms from 1 to 64"):
+            layer_ops.compile_options({unroll: bad})
+    with pytest.raises(InputError, match="cannot both be set"):
+        layer_ops.compile_options({unroll: "32", mode: "max-autotune-no-cudagraphs"})
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: asked.append(options) or fn)
+    for value, expected in (("32", {"unroll_reductions_threshold": 32}), (None, None)):
+        if value is None:
+            monkeypatch.delenv(unroll)
+        else:
+            monkeypatch.setenv(unroll, value)
+        asked.clear()
+        assert isinstance(layer_ops.LayerOps(model, compile_layers=True).decode.functions, layer_ops.CompiledOps)
+        assert len(asked) == 3 and all(o["options"] == expected and o["mode"] is None for o in asked), asked
+
+
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """One sequence's attention, written plainly: q (n, heads, d) over its keys and values (used, KV, d),
     query heads sharing KV heads in groups, the causal mask aligned to the bottom right."""

@@ -332,12 +332,21 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
               "quantization": quantization or "none",
               # a failed compile runs the layers eagerly (EagerFallback): name it, or the profile reads as the product's
               "compiled_layers": single.core.compiled, "compile_error": single.core.ops.compile_error,
+              "lab_switches": lab_switches(),
               "sampler_error": single.sampler.error,
               "ms_per_step_wall": round(wall * 1000 / steps, 4),
               "ms_per_step_kernels": round(busy / steps, 4),
               "kernels_ms_per_step": [{"name": name[:160], "ms": round(ms / steps, 4)} for name, ms in top]}
     print(json.dumps(result, indent=1), flush=True)
     return result
+
+
+def lab_switches() -> dict:
+    """The decode step's lab switches this run was given (what `gpu_lean41.sh` varies between runs)."""
+    import os
+
+    names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS")
+    return {name: os.environ[name] for name in names if os.environ.get(name)}
 
 
 def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_cache_dtype: str | None = None,
@@ -404,7 +413,7 @@ def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_
                         "frames_per_s_all": round(count * frames / wall, 2),
                         "kv_cache_dtype": kv_cache_dtype or "auto", "quantization": quantization or "none",
                         "distinct_codes_in_a_last_frame": int(len(np.unique(history[0][-1]))),  # (NaNs would draw one)
-                        "compiled_layers": backend.decoder.core.compiled,
+                        "compiled_layers": backend.decoder.core.compiled, "lab_switches": lab_switches(),
                         "compile_error": backend.decoder.core.ops.compile_error,
                         "joins": driver.loop.batches, "prompts_reused": (backend.rows.prompts_reused if backend.rows else 0) - reused_before,
                         "loop": driver.loop.as_dict()})

@@ -6,7 +6,8 @@
 #             then the driver alone at 32 sessions (gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30,
 #             ~50 s each once built) for each of WEIGHTS: fp8 (--quantization fp8), fp8-bytes (the same with
 #             TERRA_FEW_ROWS_SPLITS=bytes: the kernel's split-K partials capped to a quarter of the weights'
-#             bytes), bf16; a name ending -kv8 adds --kv-cache-dtype fp8 (fp8-bytes-kv8, bf16-kv8); default
+#             bytes), bf16; a name ending -kv8 adds --kv-cache-dtype fp8 (fp8-bytes-kv8, bf16-kv8), one with
+#             -unroll TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=32 (the split-K sums fused; fp8-unroll-kv8); default
 #             "fp8 fp8-bytes bf16"
 #   profile   (carry .gpu/vllm-b) the same setup, then a 32-row step's kernels at 10-frame contexts for each of
 #             WEIGHTS (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
@@ -29,11 +30,13 @@ weights_flag() {  # a WEIGHTS name -> gpu_batched_step.py's flags: fp8* (fp8 wei
   case "$1" in *-kv8) echo "--kv-cache-dtype fp8" ;; esac
 }
 splits_mode() { case "$1" in *-bytes*) echo bytes ;; *) echo programs ;; esac; }
+unroll_for() { case "$1" in *-unroll*) echo 32 ;; esac; }  # TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS (empty: unset)
 case "${1:-}" in
   driver)
     setup
     for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
-      TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") timeout "${SESSIONS_S:-120}" \
+      TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$(unroll_for "$weights") \
+        timeout "${SESSIONS_S:-120}" \
         python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 $(weights_flag "$weights") \
         --out "$OUT/sessions-$weights.json" > "$OUT/sessions-$weights.log" 2>&1
       echo "sessions $weights exit $?" | tee -a "$STEP_LOG"
@@ -41,7 +44,8 @@ case "${1:-}" in
   profile)
     setup
     for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
-      TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") timeout "${PROFILE_S:-150}" \
+      TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$(unroll_for "$weights") \
+        timeout "${PROFILE_S:-150}" \
         python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 $(weights_flag "$weights") \
         --out "$OUT/profile-$weights.json" > "$OUT/profile-$weights.log" 2>&1
       echo "profile $weights exit $?" | tee -a "$STEP_LOG"

@@ -23,8 +23,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from terra_cli.errors import error_summary
-from terra_cli.runtime import choice_switch, switched_off
+from terra_cli.errors import InputError, error_summary
+from terra_cli.runtime import choice_switch, switched_off, whole_number_switch
 
 # TERRA_SINGLE_STREAM_COMPILE=0 keeps the eager functions on CUDA too (to compare, or where
 # Inductor cannot build).
@@ -43,6 +43,12 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # weights: what `--quantization fp8` asks for on this backend (`LayerOps(projections=...)`), never a
 # default; prompts keep the modules' own weights.
 LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
+# TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=N (a lab switch): Inductor turns reductions of at most N terms into
+# sums written out (8 by default), which fuse into the kernel that reads them. The few-rows kernel's split-K
+# sums add 6 to 22 slices: at 32 rows of fp8 weights on an H100 the 16- and 22-slice ones ran as kernels
+# of their own, 0.38 ms of a 3.65 ms step (2026-12-07); N=32 lets the o and down projections' sums join
+# the next kernel (on the CPU's backend the MLP function's kernels 9 -> 7; qkv's, read three times, stays).
+UNROLL_ENV = "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS"
 LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
 # On FlashAttention's cache layout a decode step's k and v go into the cache inside the compiled
 # function that makes them (`attention_inputs_written`), not by two `index_copy_` kernels a layer
@@ -78,6 +84,18 @@ def compile_mode(environ=None) -> str | None:
     """The torch.compile mode of the decode step's layer functions (None: the default)."""
     mode = choice_switch(COMPILE_MODE_ENV, COMPILE_MODES, ", ".join(COMPILE_MODES), environ)
     return None if mode == "default" else mode
+
+
+def compile_options(environ=None) -> dict | None:
+    """Inductor options for the decode step's layer functions: `unroll_reductions_threshold` from
+    UNROLL_ENV (None: Inductor's defaults). torch.compile takes a mode or options, not both."""
+    threshold = whole_number_switch(UNROLL_ENV, 64, "a whole number of terms from 1 to 64", environ)
+    if threshold is None:
+        return None
+    if compile_mode(environ) is not None:
+        raise InputError(f"{UNROLL_ENV} and {COMPILE_MODE_ENV} cannot both be set (torch.compile takes one of "
+                         "options and a mode): leave one unset")
+    return {"unroll_reductions_threshold": threshold}
 
 
 FP8_KV = torch.float8_e4m3fn  # `StaticKVDecoder(fp8_cache=True)`'s: FlashAttention-3's fp8, as vLLM's fp8 cache
@@ -226,7 +244,7 @@ class CompiledOps(EagerFallback):
     compiling fails on the first call (a warm-up step, before any CUDA graph capture), the eager
     functions take over and `error` says why."""
 
-    def __init__(self, mode: str | None = None, linear=F.linear):
+    def __init__(self, mode: str | None = None, linear=F.linear, options: dict | None = None):
         super().__init__()
         self._eager = FusedOps(linear)
         dynamo = torch._dynamo.config
@@ -234,7 +252,7 @@ class CompiledOps(EagerFallback):
         # The module's functions themselves where they can be: partials all run through one wrapper of
         # dynamo's, whose one code object would hold every function's shapes under one limit.
         plain = linear is F.linear
-        compile = functools.partial(torch.compile, dynamic=False, fullgraph=True, mode=mode)
+        compile = functools.partial(torch.compile, dynamic=False, fullgraph=True, mode=mode, options=options)
         self._inputs = compile(attention_inputs_fused if plain else self._eager.attention_inputs)
         self._written = compile(attention_inputs_written if plain else self._eager.attention_inputs_written)
         self._output = compile(attention_output_and_mlp_fused if plain else self._eager.attention_output_and_mlp)
@@ -280,7 +298,7 @@ class LayerOps:
         # Fusing is what the compiled path runs; `fuse_projections` alone (eager) lets a CPU check it,
         # and so does the few-rows kernel under Triton's interpreter.
         if compiled or fuse_projections or self.projections != "linear":
-            functions = CompiledOps(compile_mode(), linear) if compiled else FusedOps(linear)
+            functions = CompiledOps(compile_mode(), linear, compile_options()) if compiled else FusedOps(linear)
             attention = [self.fused_attention_weights(layer) for layer in layers]
             output = [self.fused_output_weights(layer) for layer in layers]
             if self.projections == "few-rows-fp8":

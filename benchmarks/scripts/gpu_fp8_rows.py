@@ -1,4 +1,4 @@
-"""Issue 41 lab probe: one decode step's weight reads at one row, bf16 against fp8 weights.
+"""Issue 41 lab probe: one decode step's weight reads at one row (or `--rows N`), bf16 against fp8 weights.
 
 A one-row step of the single-stream decoder at Terra's size reads every projection of its 22 layers
 (q, k and v as one 2,560 x 2,048 weight; o 2,048 x 2,048; gate and up as one 11,264 x 2,048; down
@@ -18,6 +18,7 @@ step's layers and lm_head again: which tile reads fastest, and whether one tile 
 variants above run the kernel's own choice (`tile_for`). Needs only torch and Triton (no vLLM):
 
     PYTHONPATH=$PWD python3 benchmarks/scripts/gpu_fp8_rows.py --out $OUT/fp8_rows.json
+    PYTHONPATH=$PWD python3 benchmarks/scripts/gpu_fp8_rows.py --rows 32 --out $OUT/fp8_rows32.json   # a 32-row batch
     PYTHONPATH=$PWD python3 benchmarks/scripts/gpu_fp8_rows.py --dry-run --out /tmp/f.json   # CPU: checks the script
 """
 
@@ -79,6 +80,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--rows", type=int, default=1, help="rows a product (1: one rollout; 32: a row batch of "
+                        "32 sessions, split-K's partials summed after each product as the eager path sums them)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on a CPU under Triton's interpreter "
                         "(checks the script, not a speed)")
@@ -98,7 +101,7 @@ def main() -> int:
     head = torch.randn(vocab, hidden_size, device=device, generator=gen).to(dtype) * 0.02
     layers8 = [[kernel.quantize_rows_fp8(w) for w in weights] for weights in layers]
     head8 = kernel.quantize_rows_fp8(head)
-    rows = {k: torch.randn(1, k, device=device, generator=gen).to(dtype) for k in (hidden_size, intermediate)}
+    rows = {k: torch.randn(args.rows, k, device=device, generator=gen).to(dtype) for k in (hidden_size, intermediate)}
     layer_bytes = {"bf16": sum(w.numel() * 2 for ws in layers for w in ws), "fp8": sum(w.numel() for ws in layers for w in ws)}
     head_bytes = {"bf16": head.numel() * 2, "fp8": head.numel()}
 
@@ -121,7 +124,8 @@ def main() -> int:
         return calls
 
     result = {"device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(), "torch": torch.__version__,
-              "replays": args.replays, "variants": {}, "sizes": [hidden_size, intermediate, layer_count, vocab]}
+              "replays": args.replays, "variants": {}, "sizes": [hidden_size, intermediate, layer_count, vocab],
+              "rows": args.rows, "splits": kernel.splits_mode()}
     for variant in ("cublas", "few-rows", "few-rows-fp8"):
         dtype = "fp8" if variant.endswith("fp8") else "bf16"
         layers_ms = timed_graph(products(variant, "layers"), args.replays)
@@ -133,7 +137,8 @@ def main() -> int:
         print(json.dumps({variant: row}), flush=True)
     if not args.no_sweep:
         result["sweep"] = []
-        grid = [(n, k, warps, stages, gemv) for gemv in (False, True) for n in (64, 128) for k in (128, 256)
+        gemvs = (False, True) if args.rows == 1 else (False,)  # the plain GEMV serves one row only
+        grid = [(n, k, warps, stages, gemv) for gemv in gemvs for n in (64, 128) for k in (128, 256)
                 for warps in (4, 8) for stages in (3, 4)]
         for block_n, block_k, warps, stages, gemv in grid:
             kernel.tile_override = kernel.Tile(block_n, block_k, warps, stages, one_row_gemv=gemv)
@@ -148,7 +153,7 @@ def main() -> int:
             print(json.dumps(point), flush=True)
         kernel.tile_override = None
     # fp8 against bf16 for one row: the approximation's size (random weights, 0.02 scale)
-    x = rows[hidden_size]
+    x = rows[hidden_size][:1]
     exact = F.linear(x.float(), head.float())
     got = kernel.few_rows_matmul(x, head8[0], scale=head8[1]).float()
     result["lm_head_fp8_max_error_relative"] = round(float((got - exact).abs().max() / exact.abs().max()), 5)

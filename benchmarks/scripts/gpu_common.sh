@@ -24,10 +24,16 @@ gpu_setup() {  # WHEEL...: unpack these into /tmp/site (what the host lacks), in
   nvidia-smi -L | tee "$OUT/gpu.txt"
 }
 
-pack_out() {  # NAME: everything in $OUT as $OUT/NAME.tgz, beside summary.txt: the device returns at most 8 files
-  # (a 2026-12-07 call lost two runs' results to that limit)
-  (cd "$OUT" && tar czf "/tmp/$1.tgz" --exclude=summary.txt . && find . -mindepth 1 ! -name summary.txt -delete &&
-    mv "/tmp/$1.tgz" .)
+RUN_MARK=$(mktemp /tmp/terra-run-mark.XXXXXX)  # files in $OUT newer than this are this run's (pack_out)
+
+pack_out() {  # NAME: the files this run wrote in $OUT as $OUT/NAME.tgz, beside summary.txt: the device returns
+  # at most 8 files (a 2026-12-07 call lost two runs' results to that limit); older files stay as they are
+  local list
+  list=$(mktemp)
+  (cd "$OUT" && find . -type f ! -name summary.txt -newer "$RUN_MARK" > "$list")
+  tar czf "/tmp/$1.tgz" -C "$OUT" -T "$list" && (cd "$OUT" && xargs -d '\n' -r rm -f < "$list") &&
+    find "$OUT" -mindepth 1 -type d -empty -newer "$RUN_MARK" -delete && mv "/tmp/$1.tgz" "$OUT/"
+  rm -f "$list"
 }
 
 build_checkpoint() {  # the random Terra checkpoint built once, before runs that would race to build it

@@ -74,18 +74,18 @@ def test_splits_capped_by_the_partials_bytes_only_when_asked():
     row count; with TERRA_FEW_ROWS_SPLITS=bytes, 32 rows of fp8 weights get the slices whose float32 partials
     stay within a quarter of the weight's bytes, one row keeps them all, and a bad value is one clear error."""
     from terra_cli.errors import InputError
-    from terra_cli.kernels.few_rows_matmul import PARTIALS_SHARE, splits_for
+    from terra_cli.kernels.few_rows_matmul import PARTIALS_SHARE, splits_for, splits_mode
 
     qkv = dict(outputs=2560, depth=2048, programs_wanted=528)
-    assert splits_for(**qkv, rows=32, element_bytes=1, environ={}) == 16
-    capped = splits_for(**qkv, rows=32, element_bytes=1, environ={"TERRA_FEW_ROWS_SPLITS": "bytes"})
+    assert splits_for(**qkv, rows=32, element_bytes=1, mode=splits_mode({})) == 16
+    capped = splits_for(**qkv, rows=32, element_bytes=1, mode=splits_mode({"TERRA_FEW_ROWS_SPLITS": "bytes"}))
     assert capped == 4 and capped * 32 * 2560 * 4 <= PARTIALS_SHARE * 2560 * 2048 * 1
-    assert splits_for(**qkv, rows=1, element_bytes=1, environ={"TERRA_FEW_ROWS_SPLITS": "bytes"}) == 16
+    assert splits_for(**qkv, rows=1, element_bytes=1, mode=splits_mode({"TERRA_FEW_ROWS_SPLITS": "bytes"})) == 16
     # down (2,048 x 5,632, 44 blocks of K): 22 slices; fp8 weights at 32 rows capped to 11 (4 blocks each), bf16
     # weights' twice the bytes leave 22 within the share
     down = dict(outputs=2048, depth=5632, programs_wanted=528, rows=32)
-    assert splits_for(**down, element_bytes=1, environ={}) == 22
-    assert splits_for(**down, element_bytes=1, environ={"TERRA_FEW_ROWS_SPLITS": "Bytes "}) == 11
-    assert splits_for(**down, element_bytes=2, environ={"TERRA_FEW_ROWS_SPLITS": "bytes"}) == 22
+    assert splits_for(**down, element_bytes=1, mode=splits_mode({})) == 22
+    assert splits_for(**down, element_bytes=1, mode=splits_mode({"TERRA_FEW_ROWS_SPLITS": "Bytes "})) == 11
+    assert splits_for(**down, element_bytes=2, mode=splits_mode({"TERRA_FEW_ROWS_SPLITS": "bytes"})) == 22
     with pytest.raises(InputError, match="TERRA_FEW_ROWS_SPLITS"):
-        splits_for(**qkv, environ={"TERRA_FEW_ROWS_SPLITS": "all"})
+        splits_mode({"TERRA_FEW_ROWS_SPLITS": "all"})

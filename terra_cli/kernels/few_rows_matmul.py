@@ -150,15 +150,15 @@ def splits_mode(environ=None) -> str:
 
 
 def splits_for(outputs: int, depth: int, programs_wanted: int, tile: Tile = TENSOR_CORE_TILE, rows: int = 1,
-               element_bytes: int = 2, environ=None, mode: str | None = None) -> int:
+               element_bytes: int = 2, mode: str = "programs") -> int:
     """How many slices of K a product of `outputs` columns over `depth` is cut into: the fewest that
     give `programs_wanted` programs, each slice at least one block of the tile's depth, none empty. 1
-    for a tall weight (Terra's lm_head has 2,048 column blocks already). With `mode` (None: SPLITS_ENV
-    read from `environ`) `bytes`, at most as many as keep the partials of `rows` rows within
-    PARTIALS_SHARE of the weight's bytes."""
+    for a tall weight (Terra's lm_head has 2,048 column blocks already). With `mode` `bytes`
+    (`splits_mode`), at most as many as keep the partials of `rows` rows within PARTIALS_SHARE of the
+    weight's bytes."""
     columns, k_blocks = _cdiv(outputs, tile.block_n), _cdiv(depth, tile.block_k)
     wanted = max(1, min(k_blocks, _cdiv(programs_wanted, columns)))
-    if (splits_mode(environ) if mode is None else mode) == "bytes":
+    if mode == "bytes":
         # partials: slices x rows x outputs x 4 B; the weight: outputs x depth x element_bytes
         wanted = max(1, min(wanted, int(PARTIALS_SHARE * depth * element_bytes / (4 * rows))))
     return _cdiv(k_blocks, _cdiv(k_blocks, wanted))  # equal slices of whole blocks: no empty last one
@@ -183,7 +183,7 @@ def default_splits(hidden: torch.Tensor, weight: torch.Tensor, programs: int | N
     rows, depth = hidden.shape
     wanted = programs_wanted(hidden.device) if programs is None else programs
     return splits_for(weight.shape[0], depth, wanted, tile_for(rows, weight.dtype == FP8), rows, weight.element_size(),
-                      mode=mode)
+                      splits_mode() if mode is None else mode)
 
 
 def quantize_rows_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,12 +302,12 @@ def few_rows_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, *, progr
     `programs`, `splits_mode`: as `linear_for` binds them, so a compiled step traces no device query or
     environment read (None: read here)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    if isinstance(weight, tuple):
-        values, scale = weight
-        out = few_rows_partials_fp8_op(rows, values, scale, default_splits(rows, values, programs, splits_mode)).sum(0)
+    values, scale = weight if isinstance(weight, tuple) else (weight, None)
+    splits = default_splits(rows, values, programs, splits_mode)
+    if scale is None:
+        out = few_rows_partials_op(rows, values, splits).sum(0)
     else:
-        values = weight
-        out = few_rows_partials_op(rows, values, default_splits(rows, values, programs, splits_mode)).sum(0)
+        out = few_rows_partials_fp8_op(rows, values, scale, splits).sum(0)
     if bias is not None:
         out = out + bias
     return out.to(x.dtype).reshape(*x.shape[:-1], values.shape[0])

@@ -2,7 +2,7 @@
 # Issue 41's single-stream rows with the fewest device calls: after `gpu_bundle.sh a1` and `a2` (vLLM's part a:
 # FlashAttention-3's import loads vLLM's CUDA ops, so single-stream needs it too; a call carrying part b alone
 # found that out on 2026-12-07), then on the same machine:
-#   driver    (carry .gpu/vllm-b and .gpu/serve) unpack part b, install terra, build the random Terra checkpoint,
+#   driver    (carry .gpu/vllm-b) unpack part b, install terra, build the random Terra checkpoint,
 #             then the driver alone at 32 sessions (gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30,
 #             ~50 s each once built) for each of WEIGHTS: fp8 (--quantization fp8), fp8-bytes (the same with
 #             TERRA_FEW_ROWS_SPLITS=bytes: the kernel's split-K partials capped to a quarter of the weights'
@@ -31,25 +31,23 @@ weights_flag() {  # a WEIGHTS name -> gpu_batched_step.py's flags: fp8* (fp8 wei
 }
 splits_mode() { case "$1" in *-bytes*) echo bytes ;; *) echo programs ;; esac; }
 unroll_for() { case "$1" in *-unroll*) echo 32 ;; esac; }  # TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS (empty: unset)
+each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name
+  local kind=$1 limit=$2 weights
+  shift 2
+  for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
+    TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$(unroll_for "$weights") \
+      timeout "$limit" python3 benchmarks/scripts/gpu_batched_step.py "$@" $(weights_flag "$weights") \
+      --out "$OUT/$kind-$weights.json" > "$OUT/$kind-$weights.log" 2>&1
+    echo "$kind $weights exit $?" | tee -a "$STEP_LOG"
+  done
+}
 case "${1:-}" in
   driver)
     setup
-    for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
-      TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$(unroll_for "$weights") \
-        timeout "${SESSIONS_S:-120}" \
-        python3 benchmarks/scripts/gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30 $(weights_flag "$weights") \
-        --out "$OUT/sessions-$weights.json" > "$OUT/sessions-$weights.log" 2>&1
-      echo "sessions $weights exit $?" | tee -a "$STEP_LOG"
-    done ;;
+    each_weights sessions "${SESSIONS_S:-120}" --sessions 32 --frames 8 --think-ms 30 ;;
   profile)
     setup
-    for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
-      TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$(unroll_for "$weights") \
-        timeout "${PROFILE_S:-150}" \
-        python3 benchmarks/scripts/gpu_batched_step.py --profile 32 --profile-context 10 $(weights_flag "$weights") \
-        --out "$OUT/profile-$weights.json" > "$OUT/profile-$weights.log" 2>&1
-      echo "profile $weights exit $?" | tee -a "$STEP_LOG"
-    done ;;
+    each_weights profile "${PROFILE_S:-150}" --profile 32 --profile-context 10 ;;
   pictures)
     for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
     source_stamp "$OUT/code.txt"

@@ -440,6 +440,8 @@ def main() -> None:
     parser.add_argument("--profile-context", type=int, default=3, help="--profile: frames in each row's cache")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
+    if options.out is not None and options.out.exists():  # before minutes of work: a file it did not make stays
+        parser.error(f"{options.out} exists; remove it or name another --out")
     if options.profile:
         result = profile_rows(options.profile, context=options.profile_context, kv_cache_dtype=options.kv_cache_dtype,
                               quantization=options.quantization)
@@ -456,7 +458,8 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if options.out:
         options.out.parent.mkdir(parents=True, exist_ok=True)
-        options.out.write_text(json.dumps(result, indent=1))
+        with open(options.out, "x") as f:  # "x": never replaces a file that appeared meanwhile
+            f.write(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

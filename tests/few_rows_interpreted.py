@@ -116,6 +116,9 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
     # a lab probe's tile: bf16, float32 and fp8 weights, with split-K
     out["fp8_one_row_tile"] = kernel.tile_for(1, fp8=True).one_row_gemv
     out["other_tiles"] = [kernel.tile_for(1, fp8=False).one_row_gemv, kernel.tile_for(9, fp8=True).one_row_gemv]
+    # 17-32 rows of fp8 weights (the errors above for rows=32) take the row batch's narrower tile
+    out["block_n_by_rows"] = {f"{rows}-{'fp8' if fp8 else 'bf16'}": kernel.tile_for(rows, fp8=fp8).block_n
+                              for rows in (9, 16, 17, 32) for fp8 in (True, False)}
     kernel.tile_override = kernel.Tile(block_n=64, block_k=128, warps=8, stages=3, one_row_gemv=True)
     one = torch.randn(1, 700, generator=gen)
     for name, w, s, reference in (("fp32", weight, None, weight.double()), ("bf16", weight.bfloat16(), None,
@@ -196,7 +199,8 @@ def traced_slices(kernel, gen) -> dict:
                             fullgraph=True)(hidden)
         out[mode] = {"slices": kernel.default_splits(hidden, values, 528, mode),
                      "error": float((got - linear(hidden, (values, scale), None)).abs().max())}
-    out["slice_args"] = [[str(n) for n in (16, 4) if f", {n})" in code] for code in graphs]
+    counts = (out["programs"]["slices"], out["bytes"]["slices"])
+    out["slice_args"] = [[str(n) for n in counts if f", {n})" in code] for code in graphs]
     return out
 
 

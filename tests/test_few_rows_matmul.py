@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from terra_cli.kernels import few_rows_matmul as kernel
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 
 pytest.importorskip("triton")
@@ -52,6 +53,10 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     # one row of fp8 weights is a GEMV by default (its errors are the rows=1 cases above), other calls a
     # tensor-core tile; any weights as a GEMV through a probe's tile, one slice and three
     assert fp8["fp8_one_row_tile"] is True and fp8["other_tiles"] == [False, False]
+    wide, narrow = kernel.TENSOR_CORE_TILE.block_n, kernel.FP8_ROW_BATCH_TILE.block_n
+    assert narrow < wide
+    assert fp8["block_n_by_rows"] == {"9-fp8": wide, "9-bf16": wide, "16-fp8": wide, "16-bf16": wide,
+                                      "17-fp8": narrow, "17-bf16": wide, "32-fp8": narrow, "32-bf16": wide}
     assert {case for case in fp8["errors"] if case.startswith("gemv")} == {
         f"gemv-{name}-{splits}" for name in ("fp32", "bf16", "fp8") for splits in (1, 3)}
     assert len(fp8["refused"]) == 3 and all("scale" in message for message in fp8["refused"])
@@ -64,8 +69,9 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
     assert fp8["logits_20_rows_error"] < 1e-5  # fp8 values times their scales: what the rounded weights hold
     assert fp8["row_batch_limit"] == 32  # fp8 weights' row batches stay within the kernel's larger tile
     traced = result["traced_slices"]  # the slices are in the traced graph: a cache keyed by its code tells them apart
-    assert traced["programs"]["slices"] == 16 and traced["bytes"]["slices"] == 4
-    assert traced["slice_args"] == [["16"], ["4"]]  # one graph each, its operator call naming its slices
+    # 40 column blocks of the row batch's tile: 8 slices give the 528 programs; bytes caps them at 4
+    assert traced["programs"]["slices"] == 8 and traced["bytes"]["slices"] == 4
+    assert traced["slice_args"] == [["8"], ["4"]]  # one graph each, its operator call naming its slices
     assert traced["programs"]["error"] == 0 and traced["bytes"]["error"] == 0
 
 

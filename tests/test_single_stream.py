@@ -213,13 +213,20 @@ def test_the_layer_projections_switch_is_checked_and_needs_a_device_that_runs_th
 
 def test_the_unroll_switch_reaches_the_layer_functions_compile_and_is_checked(model, monkeypatch):
     """TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=N: Inductor's unroll_reductions_threshold for the three compiled
-    layer functions (no mode beside it: torch.compile takes one); unset, torch.compile's defaults."""
+    layer functions (no mode beside it: torch.compile takes one); unset, torch.compile's defaults for
+    cuBLAS's projections and SPLIT_SUM_UNROLL for the few-rows kernel's (its split-K sums)."""
     from terra_cli.backends import layer_ops
     from terra_cli.errors import InputError
 
     unroll, mode = layer_ops.UNROLL_ENV, layer_ops.COMPILE_MODE_ENV
     assert layer_ops.compile_options({}) is None
     assert layer_ops.compile_options({unroll: " 32 "}) == {"unroll_reductions_threshold": 32}
+    split_sums = {"unroll_reductions_threshold": layer_ops.SPLIT_SUM_UNROLL}
+    assert layer_ops.SPLIT_SUM_UNROLL > 8  # more terms than Inductor writes out by default
+    for kind in ("few-rows", "few-rows-fp8"):
+        assert layer_ops.compile_options({}, kind) == split_sums
+        assert layer_ops.compile_options({unroll: "8"}, kind) == {"unroll_reductions_threshold": 8}
+        assert layer_ops.compile_options({mode: "max-autotune-no-cudagraphs"}, kind) is None  # the mode alone
     for bad in ("0", "65", "many"):
         with pytest.raises(InputError, match=f"{unroll}='{bad}': use a whole number of terms from 1 to 64"):
             layer_ops.compile_options({unroll: bad})
@@ -235,6 +242,11 @@ def test_the_unroll_switch_reaches_the_layer_functions_compile_and_is_checked(mo
         asked.clear()
         assert isinstance(layer_ops.LayerOps(model, compile_layers=True).decode.functions, layer_ops.CompiledOps)
         assert len(asked) == 3 and all(o["options"] == expected and o["mode"] is None for o in asked), asked
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # where the few-rows kernel runs on this CPU
+    asked.clear()
+    ops = layer_ops.LayerOps(model, compile_layers=True, projections="few-rows-fp8")
+    assert ops.projections == "few-rows-fp8" and isinstance(ops.decode.functions, layer_ops.CompiledOps)
+    assert len(asked) == 3 and all(o["options"] == split_sums for o in asked), asked
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softmax_scale: float) -> torch.Tensor:

@@ -345,8 +345,13 @@ def lab_switches() -> dict:
     """The decode step's lab switches this run was given (what `gpu_lean41.sh` varies between runs)."""
     import os
 
+    from terra_cli.kernels import few_rows_matmul
+
     names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS")
-    return {name: os.environ[name] for name in names if os.environ.get(name)}
+    switches = {name: os.environ[name] for name in names if os.environ.get(name)}
+    if few_rows_matmul.tile_override is not None:  # --tile
+        switches["tile"] = list(vars(few_rows_matmul.tile_override).values())
+    return switches
 
 
 def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_cache_dtype: str | None = None,
@@ -438,10 +443,21 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="--sessions, --profile: fp8 weights (the few-rows kernel)")
     parser.add_argument("--profile", type=int, default=0, help="the row batch of this many rows under torch's profiler")
     parser.add_argument("--profile-context", type=int, default=3, help="--profile: frames in each row's cache")
+    parser.add_argument("--tile", default=None, help="--sessions, --profile: one few-rows kernel tile for every call, "
+                        "BLOCK_N,BLOCK_K,WARPS,STAGES (e.g. 128,128,4,4: the 32-row fp8 tile before 2026-12-07c)")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
     if options.out is not None and options.out.exists():  # before minutes of work: a file it did not make stays
         parser.error(f"{options.out} exists; remove it or name another --out")
+    if options.tile:
+        from terra_cli.kernels import few_rows_matmul
+
+        try:
+            block_n, block_k, warps, stages = (int(part) for part in options.tile.split(","))
+        except ValueError:
+            parser.error(f"--tile {options.tile!r}: four whole numbers, BLOCK_N,BLOCK_K,WARPS,STAGES")
+        # set before any weights are bound: the slices each projection gets are chosen from the tile
+        few_rows_matmul.tile_override = few_rows_matmul.Tile(block_n, block_k, warps, stages)
     if options.profile:
         result = profile_rows(options.profile, context=options.profile_context, kv_cache_dtype=options.kv_cache_dtype,
                               quantization=options.quantization)

@@ -138,7 +138,8 @@ def main() -> int:
     if not args.no_sweep:
         result["sweep"] = []
         gemvs = (False, True) if args.rows == 1 else (False,)  # the plain GEMV serves one row only
-        grid = [(n, k, warps, stages, gemv) for gemv in gemvs for n in (64, 128) for k in (128, 256)
+        widths = (32, 64, 128) if args.rows > 1 else (64, 128)
+        grid = [(n, k, warps, stages, gemv) for gemv in gemvs for n in widths for k in (128, 256)
                 for warps in (4, 8) for stages in (3, 4)]
         for block_n, block_k, warps, stages, gemv in grid:
             kernel.tile_override = kernel.Tile(block_n, block_k, warps, stages, one_row_gemv=gemv)

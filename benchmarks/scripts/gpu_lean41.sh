@@ -7,8 +7,12 @@
 #             ~50 s each once built) for each of WEIGHTS: fp8 (--quantization fp8), fp8-bytes (the same with
 #             TERRA_FEW_ROWS_SPLITS=bytes: the kernel's split-K partials capped to a quarter of the weights'
 #             bytes), bf16; a name ending -kv8 adds --kv-cache-dtype fp8 (fp8-bytes-kv8, bf16-kv8), one with
-#             -unroll TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=32 (the split-K sums fused; fp8-unroll-kv8); default
+#             -unroll TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=32 (the split-K sums fused; the few-rows kernel's
+#             default since 2026-12-07c), -unroll8 =8 (Inductor's own: the default before), -tile128 --tile
+#             128,128,4,4 (the 32-row fp8 tile before 2026-12-07c; fp8-kv8-tile128); default
 #             "fp8 fp8-bytes bf16"
+#   one       (carry .gpu/vllm-b) the same setup, then one session alone (--sessions 1 --frames 6 --think-ms 0:
+#             one rollout through the driver) for each of WEIGHTS
 #   profile   (carry .gpu/vllm-b) the same setup, then a 32-row step's kernels at 10-frame contexts for each of
 #             WEIGHTS (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
 #   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB; after driver or profile) `terra serve` at 32
@@ -30,13 +34,14 @@ weights_flag() {  # a WEIGHTS name -> gpu_batched_step.py's flags: fp8* (fp8 wei
   case "$1" in *-kv8) echo "--kv-cache-dtype fp8" ;; esac
 }
 splits_mode() { case "$1" in *-bytes*) echo bytes ;; *) echo programs ;; esac; }
-unroll_for() { case "$1" in *-unroll*) echo 32 ;; esac; }  # TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS (empty: unset)
+unroll_for() { case "$1" in *-unroll8*) echo 8 ;; *-unroll*) echo 32 ;; esac; }  # TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS (empty: unset)
+tile_flag() { case "$1" in *-tile128*) echo "--tile 128,128,4,4" ;; esac; }
 each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name
   local kind=$1 limit=$2 weights
   shift 2
   for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
     TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$(unroll_for "$weights") \
-      timeout "$limit" python3 benchmarks/scripts/gpu_batched_step.py "$@" $(weights_flag "$weights") \
+      timeout "$limit" python3 benchmarks/scripts/gpu_batched_step.py "$@" $(weights_flag "$weights") $(tile_flag "$weights") \
       --out "$OUT/$kind-$weights.json" > "$OUT/$kind-$weights.log" 2>&1
     echo "$kind $weights exit $?" | tee -a "$STEP_LOG"
   done
@@ -45,6 +50,9 @@ case "${1:-}" in
   driver)
     setup
     each_weights sessions "${SESSIONS_S:-120}" --sessions 32 --frames 8 --think-ms 30 ;;
+  one)
+    setup
+    each_weights one "${SESSIONS_S:-120}" --sessions 1 --frames 6 --think-ms 0 ;;
   profile)
     setup
     each_weights profile "${PROFILE_S:-150}" --profile 32 --profile-context 10 ;;
@@ -54,6 +62,6 @@ case "${1:-}" in
     extra=${SERVE_ARGS_EXTRA:-}
     SERVE_STEPS=4 SERVE_ARGS_EXTRA="$extra --picture-batch 8" serve_rows 140 32 -pic8
     SERVE_STEPS=4 SERVE_ARGS_EXTRA="$extra" serve_rows 140 32 -pic1 ;;
-  *) echo "usage: gpu_lean41.sh driver|profile|pictures" >&2; exit 2 ;;
+  *) echo "usage: gpu_lean41.sh driver|one|profile|pictures" >&2; exit 2 ;;
 esac
 pack_out "lean41-$1"

@@ -43,12 +43,14 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # weights: what `--quantization fp8` asks for on this backend (`LayerOps(projections=...)`), never a
 # default; prompts keep the modules' own weights.
 LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
-# TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=N (a lab switch): Inductor turns reductions of at most N terms into
-# sums written out (8 by default), which fuse into the kernel that reads them. The few-rows kernel's split-K
-# sums add 6 to 22 slices: at 32 rows of fp8 weights on an H100 the 16- and 22-slice ones ran as kernels
-# of their own, 0.38 ms of a 3.65 ms step (2026-12-07); N=32 lets the o and down projections' sums join
-# the next kernel (on the CPU's backend the MLP function's kernels 9 -> 7; qkv's, read three times, stays).
+# Inductor turns reductions of at most N terms into sums written out (N=8 by its default), which fuse into
+# the kernel that reads them. The few-rows kernel's split-K sums add up to 22 slices: at 32 rows of fp8
+# weights on an H100 the 16- and 22-slice ones ran as kernels of their own, 0.38 ms of a 3.65 ms step
+# (2026-12-07); with N=32 the o and down projections' sums join the next kernel, and 32 sessions went from
+# 0.525 to 0.561 frames/s each (2026-12-07c). So the few-rows projections compile with SPLIT_SUM_UNROLL;
+# TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=N (a lab switch) sets N for any projections (8: Inductor's own).
 UNROLL_ENV = "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS"
+SPLIT_SUM_UNROLL = 32
 LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
 # On FlashAttention's cache layout a decode step's k and v go into the cache inside the compiled
 # function that makes them (`attention_inputs_written`), not by two `index_copy_` kernels a layer
@@ -86,12 +88,15 @@ def compile_mode(environ=None) -> str | None:
     return None if mode == "default" else mode
 
 
-def compile_options(environ=None) -> dict | None:
+def compile_options(environ=None, projections: str = "linear") -> dict | None:
     """Inductor options for the decode step's layer functions: `unroll_reductions_threshold` from
-    UNROLL_ENV (None: Inductor's defaults). torch.compile takes a mode or options, not both."""
+    UNROLL_ENV, else SPLIT_SUM_UNROLL for the few-rows `projections` (None: Inductor's defaults; so too
+    under a compile mode, which torch.compile takes instead of options, not beside them)."""
     threshold = whole_number_switch(UNROLL_ENV, 64, "a whole number of terms from 1 to 64", environ)
     if threshold is None:
-        return None
+        if projections == "linear" or compile_mode(environ) is not None:
+            return None
+        return {"unroll_reductions_threshold": SPLIT_SUM_UNROLL}
     if compile_mode(environ) is not None:
         raise InputError(f"{UNROLL_ENV} and {COMPILE_MODE_ENV} cannot both be set (torch.compile takes one of "
                          "options and a mode): leave one unset")
@@ -298,7 +303,7 @@ class LayerOps:
         # Fusing is what the compiled path runs; `fuse_projections` alone (eager) lets a CPU check it,
         # and so does the few-rows kernel under Triton's interpreter.
         if compiled or fuse_projections or self.projections != "linear":
-            functions = CompiledOps(compile_mode(), linear, compile_options()) if compiled else FusedOps(linear)
+            functions = CompiledOps(compile_mode(), linear, compile_options(projections=self.projections)) if compiled else FusedOps(linear)
             attention = [self.fused_attention_weights(layer) for layer in layers]
             output = [self.fused_output_weights(layer) for layer in layers]
             if self.projections == "few-rows-fp8":

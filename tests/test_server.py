@@ -171,6 +171,40 @@ def test_a_session_picture_is_the_frame_its_video_holds(client, engine):
     client.delete(f"/v1/sessions/{session_id}")
 
 
+def test_a_tokens_step_answers_codes_and_decodes_no_picture(client, engine):
+    """`"format": "tokens"`: each frame's message holds the frame's codes (those /tokens then holds) and no image,
+    and no picture is decoded for it; /frames/{i} decodes that frame's picture when asked."""
+    from PIL import Image
+
+    def pictures_decoded() -> float:
+        lines = client.get("/metrics").text.splitlines()
+        return float(dict(line.split() for line in lines if not line.startswith("#"))["terra_pictures_total"])
+
+    session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(2, seed=8)}, "seed": 9}).json()["id"]
+    before = pictures_decoded()
+    step = client.post(f"/v1/sessions/{session_id}/step", json={"action": "left", "frames": 2, "format": "tokens"})
+    assert step.status_code == 200, step.text
+    assert pictures_decoded() == before
+    tokens = np.load(io.BytesIO(client.get(f"/v1/sessions/{session_id}/tokens").content))
+    frames = step.json()["frames"]
+    assert [frame["index"] for frame in frames] == [2, 3] and all("image" not in frame for frame in frames)
+    assert all(frame["format"] == "tokens" for frame in frames)
+    assert np.array_equal(np.array([frame["tokens"] for frame in frames]), tokens[2:4])
+    later = client.get(f"/v1/sessions/{session_id}/frames/3", params={"format": "png"})
+    assert pictures_decoded() == before + 1
+    picture = np.asarray(Image.open(io.BytesIO(later.content)))
+    assert np.array_equal(picture, engine.tokenizer.decode_tokens(tokens[3:4], batch_size=1)[0])
+    bad = client.post(f"/v1/sessions/{session_id}/step", json={"format": "npy"})
+    assert bad.status_code == 422 and bad.json()["error"] == {
+        "field": "format", "message": "format must be jpeg, png or tokens, got 'npy'"}, bad.text
+    with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as socket:  # the same on the socket
+        assert [socket.receive_json()["index"] for _ in range(4)] == [0, 1, 2, 3]  # the replay, pictures
+        socket.send_json({"action": "right", "format": "tokens"})
+        message = socket.receive_json()
+        assert message["index"] == 4 and "image" not in message and len(message["tokens"]) == tokens.shape[1]
+    assert pictures_decoded() == before + 1 + 4
+
+
 def test_pictures_in_padded_batches_do_not_depend_on_their_batchmates(client, engine, monkeypatch):
     """`terra serve --picture-batch N`: every picture call padded to N frames, so a frame's picture is the same
     alone or decoded with others, as at the default of one frame a call."""

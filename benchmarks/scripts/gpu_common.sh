@@ -42,9 +42,10 @@ build_checkpoint() {  # the random Terra checkpoint built once, before runs that
 }
 
 serve_rows() {  # LIMIT_S SESSIONS [SUFFIX]: `terra serve` on single-stream, SERVE_STEPS frames a session (8), at the
-  # sessions of SESSIONS (comma-separated), SERVE_ARGS_EXTRA more server options; logs as $OUT/serve-rowsSUFFIX
+  # sessions of SESSIONS (comma-separated), SERVE_ARGS_EXTRA more server options, SERVE_STEP_FORMAT what a step
+  # answers (jpeg, or tokens: no picture); logs as $OUT/serve-rowsSUFFIX
   timeout "$1" python3 benchmarks/scripts/gpu_serve.py --only terra-size --concurrency "$2" \
-    --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream ${SERVE_ARGS_EXTRA:-}" --out "$OUT/serve-rows${3:-}" \
+    --step-format "${SERVE_STEP_FORMAT:-jpeg}" --steps "${SERVE_STEPS:-8}" --serve-args "--backend single-stream ${SERVE_ARGS_EXTRA:-}" --out "$OUT/serve-rows${3:-}" \
     > "$OUT/serve-rows${3:-}.log" 2>&1; echo "serve single-stream rows${3:-} exit $?" >> "$STEP_LOG"
 }
 

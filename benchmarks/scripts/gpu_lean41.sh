@@ -17,7 +17,8 @@
 #             WEIGHTS (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
 #   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB; after driver or profile) `terra serve` at 32
 #             sessions, 4 frames a session: pictures in batches of 8 (--picture-batch 8), then one a call
-#             (~3 minutes); SERVE_ARGS_EXTRA adds server options to both (e.g. --kv-cache-dtype fp8)
+#             (~3 minutes); SERVE_ARGS_EXTRA adds server options to both (e.g. --kv-cache-dtype fp8); TOKENS_ROW=1
+#             adds a third run whose sessions ask for tokens, no pictures (a step's "format": "tokens")
 set -uo pipefail
 source benchmarks/scripts/gpu_common.sh
 export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1
@@ -61,7 +62,8 @@ case "${1:-}" in
     source_stamp "$OUT/code.txt"
     extra=${SERVE_ARGS_EXTRA:-}
     SERVE_STEPS=4 SERVE_ARGS_EXTRA="$extra --picture-batch 8" serve_rows 140 32 -pic8
-    SERVE_STEPS=4 SERVE_ARGS_EXTRA="$extra" serve_rows 140 32 -pic1 ;;
+    SERVE_STEPS=4 SERVE_ARGS_EXTRA="$extra" serve_rows 140 32 -pic1
+    [ -n "${TOKENS_ROW:-}" ] && SERVE_STEPS=4 SERVE_STEP_FORMAT=tokens SERVE_ARGS_EXTRA="$extra" serve_rows 140 32 -tokens ;;
   *) echo "usage: gpu_lean41.sh driver|one|profile|pictures" >&2; exit 2 ;;
 esac
 pack_out "lean41-$1"

@@ -73,24 +73,26 @@ def start_server(name: str, args: list[str], out: Path, ready_s: float):
     raise RuntimeError(f"terra serve not ready after {ready_s} s")
 
 
-def drive(url: str, steps: int, seed: int, context: dict) -> dict:
-    """One session: open it, then `steps` frames one at a time; each step's latency."""
+def drive(url: str, steps: int, seed: int, context: dict, step_format: str = "jpeg") -> dict:
+    """One session: open it, then `steps` frames one at a time, each answered as `step_format` (a picture, or
+    the frame's tokens); each step's latency."""
     session = call(url + "/v1/sessions", {"context": context, "seed": seed})
     latencies = []
     try:
         for k in range(steps):
             t0 = time.perf_counter()
-            call(f"{url}/v1/sessions/{session['id']}/step", {"action": ("left", "straight", "right")[k % 3]})
+            call(f"{url}/v1/sessions/{session['id']}/step", {"action": ("left", "straight", "right")[k % 3],
+                                                             "format": step_format})
             latencies.append(time.perf_counter() - t0)
     finally:
         call(f"{url}/v1/sessions/{session['id']}", method="DELETE")
     return {"latencies": latencies}
 
 
-def sessions_load(url: str, concurrent: int, steps: int, context: dict) -> dict:
+def sessions_load(url: str, concurrent: int, steps: int, context: dict, step_format: str = "jpeg") -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrent) as pool:
-        results = list(pool.map(lambda i: drive(url, steps, i, context), range(concurrent)))
+        results = list(pool.map(lambda i: drive(url, steps, i, context, step_format), range(concurrent)))
     wall = time.perf_counter() - t0
     per_session = [len(r["latencies"]) / sum(r["latencies"]) for r in results]
     return {"sessions": concurrent, "steps": steps, "wall_s": round(wall, 2),
@@ -145,7 +147,7 @@ def bench_model(name: str, serve_args: list[str], generate_args: list[str] | Non
         result["sessions"] = []
         for n in plan["concurrency"]:
             before = server_metrics(url)
-            load = sessions_load(url, n, plan["steps"], {"tokens": tokens.tolist()})
+            load = sessions_load(url, n, plan["steps"], {"tokens": tokens.tolist()}, plan["step_format"])
             after = server_metrics(url)
             load["metrics"] = {name: round(after[name] - before.get(name, 0.0), 3) for name in after}
             result["sessions"].append(load)
@@ -199,6 +201,8 @@ def main() -> None:
                         "(default 1,8,32,128; the single-stream backend runs one rollout at a time)")
     parser.add_argument("--steps", type=int, default=None, help="frames a session asks for, one at a time "
                         "(default 3; more measures sessions whose context has grown)")
+    parser.add_argument("--step-format", choices=("jpeg", "tokens"), default="jpeg", help="what the load's sessions "
+                        "ask each step for: a picture (jpeg), or the frame's tokens, no picture decoded (tokens)")
     options = parser.parse_args()
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,6 +223,7 @@ def main() -> None:
             models["terra-size"] = ["--model", str(checkpoint), "--tokenizer", str(tokenizer)]
         if options.only == "terra-size":
             models.pop("terra-mini")
+    plan["step_format"] = options.step_format
     if options.steps:
         plan["steps"] = options.steps
     if options.concurrency:

@@ -92,6 +92,8 @@ class SessionBody(BaseModel):
 
 
 MANOEUVRES = ("straight", "left", "right", "faster", "brake")
+PICTURE_FORMATS = ("jpeg", "png")
+STEP_FORMATS = (*PICTURE_FORMATS, "tokens")  # tokens: the frame's codes, no picture decoded
 
 
 class StepBody(BaseModel):
@@ -100,7 +102,8 @@ class StepBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     action: str | list = Field("straight", description=f"{', '.join(MANOEUVRES)}, or one frame's (6, 3) waypoints.")
     frames: Whole = Field(1, description="How many frames to generate with it.")
-    format: str = Field("jpeg", description="jpeg or png.")
+    format: str = Field("jpeg", description="jpeg or png: each frame's picture; tokens: each frame's codes instead, "
+                                            "no picture decoded (GET .../frames/{index} decodes one later).")
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocketDisconnected
 
 from terra_cli.media.files import read_npy
-from terra_cli.server.requests import (FieldError, SessionBody, StepBody, VideoBody, check_context_tokens, parse_context,
-                                      parse_video, sampling_of)
+from terra_cli.server.requests import (PICTURE_FORMATS, STEP_FORMATS, FieldError, SessionBody, StepBody, VideoBody,
+                                      check_context_tokens, parse_context, parse_video, sampling_of)
 from terra_cli.server.sessions import SessionGone
 
 videos = APIRouter(prefix="/v1/videos", tags=["videos"])
@@ -132,7 +132,7 @@ async def session_frame(session_id: str, index: int, request: Request, format: s
     session = _state(request).sessions.get(session_id)
     if not 0 <= index < len(session.tokens):
         raise FieldError("index", f"the session holds frames 0..{len(session.tokens) - 1}", 404)
-    if format not in ("jpeg", "png"):
+    if format not in PICTURE_FORMATS:
         raise FieldError("format", f"format must be jpeg or png, got {format!r}")
     return Response(await _state(request).sessions.picture(session, index, format), media_type=f"image/{format}")
 
@@ -293,7 +293,7 @@ def socket_message(received: dict) -> dict:
         raise FieldError("frames", f"frames must be a whole number, got {str(frames)[:40]}")
     fmt = message.get("format", "jpeg")
     if not isinstance(fmt, str):
-        raise FieldError("format", "format must be jpeg or png")
+        raise FieldError("format", f"format must be one of {', '.join(STEP_FORMATS)}")
     return {"type": "step", "action": message.get("action", "straight"), "frames": frames, "format": fmt}
 
 

@@ -53,7 +53,7 @@ async function start() {
 function onMessage(m) {
   if (m.type === "frame") {
     const img = $("frame");
-    img.src = `data:image/${m.format};base64,${m.image}`;
+    if (m.image) img.src = `data:image/${m.format};base64,${m.image}`;  // another client's "tokens" step has none
     img.dataset.index = m.index;
     $("caption").textContent = `frame ${m.index}  ·  ${m.speed_kmh.toFixed(1)} km/h`;
     if (!m.replay) { path.push(m.position); drawPath(); busy = false; status(`frame ${m.index}`); }

@@ -16,9 +16,11 @@
 #   profile   (carry .gpu/vllm-b) the same setup, then a 32-row step's kernels at 10-frame contexts for each of
 #             WEIGHTS (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
 #   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB; after driver or profile) `terra serve` at 32
-#             sessions, 4 frames a session: pictures in batches of 8 (--picture-batch 8), then one a call
-#             (~3 minutes); SERVE_ARGS_EXTRA adds server options to both (e.g. --kv-cache-dtype fp8); TOKENS_ROW=1
-#             adds a third run whose sessions ask for tokens, no pictures (a step's "format": "tokens")
+#             sessions, PICTURE_STEPS frames a session (4; 8 is the driver's, so the first frame, a prompt,
+#             weighs as much in both), one ~90 s run for each of PICTURE_ROWS (default "pic8 pic1"): pic8
+#             pictures in batches of 8 (--picture-batch 8), pic1 one a call, tokens the sessions' steps ask
+#             for tokens, no picture ("format": "tokens"; server as pic8); SERVE_ARGS_EXTRA adds server options
+#             to every row (e.g. --kv-cache-dtype fp8)
 set -uo pipefail
 source benchmarks/scripts/gpu_common.sh
 export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1
@@ -61,9 +63,16 @@ case "${1:-}" in
     for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
     source_stamp "$OUT/code.txt"
     extra=${SERVE_ARGS_EXTRA:-}
-    SERVE_STEPS=4 SERVE_ARGS_EXTRA="$extra --picture-batch 8" serve_rows 140 32 -pic8
-    SERVE_STEPS=4 SERVE_ARGS_EXTRA="$extra" serve_rows 140 32 -pic1
-    [ -n "${TOKENS_ROW:-}" ] && SERVE_STEPS=4 SERVE_STEP_FORMAT=tokens SERVE_ARGS_EXTRA="$extra" serve_rows 140 32 -tokens ;;
+    for row in ${PICTURE_ROWS:-pic8 pic1}; do
+      case "$row" in
+        pic8) options="--picture-batch 8" format=jpeg ;;
+        pic1) options="" format=jpeg ;;
+        tokens) options="--picture-batch 8" format=tokens ;;
+        *) echo "PICTURE_ROWS takes pic8, pic1 and tokens, not $row" >&2; exit 2 ;;
+      esac
+      SERVE_STEPS=${PICTURE_STEPS:-4} SERVE_STEP_FORMAT=$format SERVE_ARGS_EXTRA="$extra $options" \
+        serve_rows 160 32 "-$row"
+    done ;;
   *) echo "usage: gpu_lean41.sh driver|one|profile|pictures" >&2; exit 2 ;;
 esac
 pack_out "lean41-$1"

@@ -46,9 +46,10 @@ LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
 # Inductor turns reductions of at most N terms into sums written out (N=8 by its default), which fuse into
 # the kernel that reads them. The few-rows kernel's split-K sums add up to 22 slices: at 32 rows of fp8
 # weights on an H100 the 16- and 22-slice ones ran as kernels of their own, 0.38 ms of a 3.65 ms step
-# (2026-12-07); with N=32 the o and down projections' sums join the next kernel, and 32 sessions went from
-# 0.525 to 0.561 frames/s each (2026-12-07c). So the few-rows projections compile with SPLIT_SUM_UNROLL;
-# TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=N (a lab switch) sets N for any projections (8: Inductor's own).
+# (2026-12-07); with N=32 the o and down projections' sums join the next kernel: that 32-row step's kernels
+# 3.69 -> 3.48 ms, one session alone 0.878 -> 0.838 s a frame (2026-12-07c). So the few-rows projections
+# compile with SPLIT_SUM_UNROLL; TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=N (a lab switch) sets N for any
+# projections (8: Inductor's own).
 UNROLL_ENV = "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS"
 SPLIT_SUM_UNROLL = 32
 LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
@@ -303,7 +304,10 @@ class LayerOps:
         # Fusing is what the compiled path runs; `fuse_projections` alone (eager) lets a CPU check it,
         # and so does the few-rows kernel under Triton's interpreter.
         if compiled or fuse_projections or self.projections != "linear":
-            functions = CompiledOps(compile_mode(), linear, compile_options(projections=self.projections)) if compiled else FusedOps(linear)
+            if compiled:
+                functions = CompiledOps(compile_mode(), linear, compile_options(projections=self.projections))
+            else:
+                functions = FusedOps(linear)
             attention = [self.fused_attention_weights(layer) for layer in layers]
             output = [self.fused_output_weights(layer) for layer in layers]
             if self.projections == "few-rows-fp8":

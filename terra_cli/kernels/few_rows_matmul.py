@@ -72,7 +72,7 @@ FP8_ONE_ROW_TILE = Tile(block_n=64, block_k=128, warps=8, stages=3, one_row_gemv
 # fp8 weights at 17-32 rows (a row batch of many sessions): the same sweep at 32 rows on an H100 (2026-12-07c)
 # read a step's layers and lm_head, partials summed, in 1.395 ms with this tile against 1.591 with
 # TENSOR_CORE_TILE: half the columns a program gives twice the programs, so fewer split-K slices (and
-# float32 partials) fill the SMs. In the driver at 32 sessions (fp8 cache): 2.72 against 3.28 ms a step.
+# float32 partials) fill the SMs. In a 32-row step's profile: 0.91 against 1.06 ms (two H100 hosts).
 FP8_ROW_BATCH_TILE = Tile(block_n=64, block_k=128, warps=4, stages=3)
 tile_override: Tile | None = None  # a lab probe's one tile for every call (gpu_fp8_rows.py's sweep)
 

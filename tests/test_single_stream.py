@@ -86,6 +86,24 @@ def test_the_device_sampler_draws_what_sample_next_draws(sampling):
     assert len(set(drawn)) == 1 if sampling.greedy else len(set(drawn)) > 1
 
 
+def test_noise_streams_are_a_checked_cuda_switch_and_the_rows_draw_from_their_own_generators():
+    """TERRA_NOISE_STREAMS=N: CUDA streams for a row batch's noise draws (none on a CPU or unset; a bad value is
+    one clear error). Row by row, each row's noise is what its generator alone draws, whatever the other rows."""
+    from terra_cli.backends import device_sampling
+    from terra_cli.errors import InputError
+
+    env = device_sampling.NOISE_STREAMS_ENV
+    cpu = torch.device("cpu")
+    assert device_sampling.noise_streams(cpu, {}) == [] and device_sampling.noise_streams(cpu, {env: "4"}) == []
+    for bad in ("0", "33", "four"):
+        with pytest.raises(InputError, match=f"{env}='{bad}': use a whole number of streams from 1 to 32"):
+            device_sampling.noise_streams(cpu, {env: bad})
+    noise = torch.zeros(3, 50)
+    device_sampling.draw_noise(noise, [torch.Generator().manual_seed(seed) for seed in (1, 2, 3)])
+    for row, seed in zip(noise, (1, 2, 3)):
+        assert torch.equal(row, torch.empty(50).exponential_(generator=torch.Generator().manual_seed(seed)))
+
+
 def test_greedy_codes_equal_the_reference_backend(checkpoint, model):
     context, actions = inputs(rollouts=2)
     reported = []

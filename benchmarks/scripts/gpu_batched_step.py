@@ -347,7 +347,8 @@ def lab_switches() -> dict:
 
     from terra_cli.kernels import few_rows_matmul
 
-    names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS")
+    names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS",
+             "TERRA_NOISE_STREAMS")
     switches = {name: os.environ[name] for name in names if os.environ.get(name)}
     if few_rows_matmul.tile_override is not None:  # --tile
         switches["tile"] = list(vars(few_rows_matmul.tile_override).values())
@@ -359,6 +360,7 @@ def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_
     """`--sessions`: the product's driver (`single_stream_driver`, rows joining at any few steps' end) fed as
     a server's sessions feed it, without the server: each session's next frame is put `think_ms` after its
     last one is done (its picture and round trip), urgent, its context the frames so far."""
+    import hashlib
     import tempfile
     import threading
 
@@ -418,6 +420,10 @@ def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_
                         "frames_per_s_all": round(count * frames / wall, 2),
                         "kv_cache_dtype": kv_cache_dtype or "auto", "quantization": quantization or "none",
                         "distinct_codes_in_a_last_frame": int(len(np.unique(history[0][-1]))),  # (NaNs would draw one)
+                        # every session's frames: a seed gives a session the same codes whatever the batching, so
+                        # runs of the same weights and caches must agree (a lab switch that changes no draw)
+                        "codes_sha256": hashlib.sha256(b"".join(np.ascontiguousarray(history[s], dtype=np.int64)
+                                                                .tobytes() for s in range(count))).hexdigest()[:16],
                         "compiled_layers": backend.decoder.core.compiled, "lab_switches": lab_switches(),
                         "compile_error": backend.decoder.core.ops.compile_error,
                         "joins": driver.loop.batches, "prompts_reused": (backend.rows.prompts_reused if backend.rows else 0) - reused_before,

@@ -9,7 +9,8 @@
 #             bytes), bf16; a name ending -kv8 adds --kv-cache-dtype fp8 (fp8-bytes-kv8, bf16-kv8), one with
 #             -unroll TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=32 (the split-K sums fused; the few-rows kernel's
 #             default since 2026-12-07c), -unroll8 =8 (Inductor's own: the default before), -tile128 --tile
-#             128,128,4,4 (the 32-row fp8 tile before 2026-12-07c; fp8-kv8-tile128); default
+#             128,128,4,4 (the 32-row fp8 tile before 2026-12-07c; fp8-kv8-tile128), -streams4
+#             TERRA_NOISE_STREAMS=4 (the rows' noise drawn on 4 streams; codes_sha256 must match); default
 #             "fp8 fp8-bytes bf16"
 #   one       (carry .gpu/vllm-b) the same setup, then one session alone (--sessions 1 --frames 6 --think-ms 0:
 #             one rollout through the driver) for each of WEIGHTS
@@ -34,16 +35,18 @@ setup() {  # part b unpacked, terra installed, FlashAttention-3 loads, the check
 }
 weights_flag() {  # a WEIGHTS name -> gpu_batched_step.py's flags: fp8* (fp8 weights), *-kv8 (the rows' caches in fp8)
   case "$1" in fp8*) echo -n "--quantization fp8 " ;; esac
-  case "$1" in *-kv8) echo "--kv-cache-dtype fp8" ;; esac
+  case "$1" in *-kv8*) echo "--kv-cache-dtype fp8" ;; esac  # anywhere in the name (fp8-kv8-tile128 ran without it)
 }
 splits_mode() { case "$1" in *-bytes*) echo bytes ;; *) echo programs ;; esac; }
 unroll_for() { case "$1" in *-unroll8*) echo 8 ;; *-unroll*) echo 32 ;; esac; }  # TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS (empty: unset)
 tile_flag() { case "$1" in *-tile128*) echo "--tile 128,128,4,4" ;; esac; }
+streams_for() { case "$1" in *-streams4*) echo 4 ;; esac; }  # TERRA_NOISE_STREAMS (empty: unset)
 each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name
   local kind=$1 limit=$2 weights
   shift 2
   for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
     TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$(unroll_for "$weights") \
+      TERRA_NOISE_STREAMS=$(streams_for "$weights") \
       timeout "$limit" python3 benchmarks/scripts/gpu_batched_step.py "$@" $(weights_flag "$weights") $(tile_flag "$weights") \
       --out "$OUT/$kind-$weights.json" > "$OUT/$kind-$weights.log" 2>&1
     echo "$kind $weights exit $?" | tee -a "$STEP_LOG"

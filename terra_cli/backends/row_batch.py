@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from terra_cli.backends.base import Sampling
-from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, draw_codes
+from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, draw_codes, noise_streams
 from terra_cli.backends.static_kv import StaticKVDecoder, host_to_device
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -118,6 +118,7 @@ class RowBatchDecoder:
         self.frame_codes = torch.zeros(rows, self.layout.image_tokens + 1, **long)
         self.noise = torch.zeros(rows, self.layout.image_vocab_size, dtype=torch.float32, device=device)
         self.generators = [torch.Generator(device=device) for _ in range(rows)]
+        self.noise_streams = noise_streams(device)  # a lab switch's (TERRA_NOISE_STREAMS); none by default
         self.sampling = Sampling()
         self.sampler = StepSampler(self.core.compiled)
         # a graph needs FlashAttention's path: the torch one reads each row's length on the host
@@ -158,7 +159,8 @@ class RowBatchDecoder:
     def step(self, n: int) -> None:
         """Rows 0..n-1: feed each row's code at its position and decide its next code (no host sync)."""
         logits = self.core.forward_rows(self.codes[:n], self.positions[:n])
-        codes = draw_codes(logits, self.layout, self.sampling, self.generators[:n], self.noise, self.sampler)
+        codes = draw_codes(logits, self.layout, self.sampling, self.generators[:n], self.noise, self.sampler,
+                           self.noise_streams)
         self.frame_codes[:n].scatter_(1, self.next_index[:n, None], codes[:, None])
         self.codes[:n].copy_(codes)
         self.positions[:n].add_(self.moving[:n])

@@ -6,7 +6,7 @@
 #             then the driver alone at 32 sessions (gpu_batched_step.py --sessions 32 --frames 8 --think-ms 30,
 #             ~50 s each once built) for each of WEIGHTS: fp8 (--quantization fp8), fp8-bytes (the same with
 #             TERRA_FEW_ROWS_SPLITS=bytes: the kernel's split-K partials capped to a quarter of the weights'
-#             bytes), bf16; a name ending -kv8 adds --kv-cache-dtype fp8 (fp8-bytes-kv8, bf16-kv8), one with
+#             bytes), bf16; -kv8 in a name adds --kv-cache-dtype fp8 (fp8-bytes-kv8, bf16-kv8), one with
 #             -unroll TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=32 (the split-K sums fused; the few-rows kernel's
 #             default since 2026-12-07c), -unroll8 =8 (Inductor's own: the default before), -tile128 --tile
 #             128,128,4,4 (the 32-row fp8 tile before 2026-12-07c; fp8-kv8-tile128), -streams4
@@ -33,33 +33,54 @@ setup() {  # part b unpacked, terra installed, FlashAttention-3 loads, the check
     { tail -3 "$OUT/flash.log"; echo "FlashAttention-3 does not load: gpu_bundle.sh a1 and a2 first"; exit 1; }
   build_checkpoint
 }
-weights_flag() {  # a WEIGHTS name -> gpu_batched_step.py's flags: fp8* (fp8 weights), *-kv8 (the rows' caches in fp8)
-  case "$1" in fp8*) echo -n "--quantization fp8 " ;; esac
-  case "$1" in *-kv8*) echo "--kv-cache-dtype fp8" ;; esac  # anywhere in the name (fp8-kv8-tile128 ran without it)
+variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) and V_SPLITS, V_UNROLL, V_STREAMS (the
+  # lab switches; empty: unset). fp8 or bf16 first, then any of the suffixes above; anything else stops the
+  # script before a run (a part the old suffix matching missed ran a row with the bf16 cache, 2026-12-07)
+  local part parts
+  IFS=- read -r -a parts <<< "$1"
+  V_FLAGS="" V_SPLITS=programs V_UNROLL="" V_STREAMS=""
+  case "${parts[0]}" in fp8) V_FLAGS="--quantization fp8" ;; bf16) ;; *) return 1 ;; esac
+  for part in "${parts[@]:1}"; do
+    case "$part" in
+      kv8) V_FLAGS="$V_FLAGS --kv-cache-dtype fp8" ;;
+      bytes) V_SPLITS=bytes ;;
+      unroll) V_UNROLL=32 ;;
+      unroll8) V_UNROLL=8 ;;
+      tile128) V_FLAGS="$V_FLAGS --tile 128,128,4,4" ;;
+      streams4) V_STREAMS=4 ;;
+      *) return 1 ;;
+    esac
+  done
 }
-splits_mode() { case "$1" in *-bytes*) echo bytes ;; *) echo programs ;; esac; }
-unroll_for() { case "$1" in *-unroll8*) echo 8 ;; *-unroll*) echo 32 ;; esac; }  # TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS (empty: unset)
-tile_flag() { case "$1" in *-tile128*) echo "--tile 128,128,4,4" ;; esac; }
-streams_for() { case "$1" in *-streams4*) echo 4 ;; esac; }  # TERRA_NOISE_STREAMS (empty: unset)
+check_weights() {  # every WEIGHTS name parses, before minutes of setup
+  local weights
+  for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
+    variant "$weights" || { echo "WEIGHTS: $weights is not fp8 or bf16 followed by -kv8, -bytes, -unroll, -unroll8," \
+      "-tile128 or -streams4" >&2; exit 2; }
+  done
+}
 each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name
   local kind=$1 limit=$2 weights
   shift 2
   for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
-    TERRA_FEW_ROWS_SPLITS=$(splits_mode "$weights") TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$(unroll_for "$weights") \
-      TERRA_NOISE_STREAMS=$(streams_for "$weights") \
-      timeout "$limit" python3 benchmarks/scripts/gpu_batched_step.py "$@" $(weights_flag "$weights") $(tile_flag "$weights") \
+    variant "$weights"
+    TERRA_FEW_ROWS_SPLITS=$V_SPLITS TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$V_UNROLL TERRA_NOISE_STREAMS=$V_STREAMS \
+      timeout "$limit" python3 benchmarks/scripts/gpu_batched_step.py "$@" $V_FLAGS \
       --out "$OUT/$kind-$weights.json" > "$OUT/$kind-$weights.log" 2>&1
     echo "$kind $weights exit $?" | tee -a "$STEP_LOG"
   done
 }
 case "${1:-}" in
   driver)
+    check_weights
     setup
     each_weights sessions "${SESSIONS_S:-120}" --sessions 32 --frames 8 --think-ms 30 ;;
   one)
+    check_weights
     setup
     each_weights one "${SESSIONS_S:-120}" --sessions 1 --frames 6 --think-ms 0 ;;
   profile)
+    check_weights
     setup
     each_weights profile "${PROFILE_S:-150}" --profile 32 --profile-context 10 ;;
   pictures)

@@ -104,6 +104,45 @@ def test_noise_streams_are_a_checked_cuda_switch_and_the_rows_draw_from_their_ow
         assert torch.equal(row, torch.empty(50).exponential_(generator=torch.Generator().manual_seed(seed)))
 
 
+def test_the_sliced_argmax_is_argmax_and_the_samplers_slices_are_read_once_outside_the_trace():
+    """TERRA_SAMPLER_CHUNKS=N: the race's argmax through N slices of each row gives argmax's index, the first of
+    equal maxima (scores drawn from a few values, so ties are everywhere); a width N does not divide keeps the
+    plain argmax. The sampler reads the switch when made, so the traced graph holds the slices."""
+    import functools
+
+    from terra_cli.backends import device_sampling
+    from terra_cli.errors import InputError
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        scores = torch.randint(0, 4, (6, 96), generator=gen).float()
+        scores[trial % 6, -1] = 9.0  # a lone maximum at the last index of one row
+        for chunks in (1, 2, 3, 4, 32, 96, 7, 200):
+            assert torch.equal(device_sampling.first_argmax(scores, chunks), scores.argmax(dim=-1)), (trial, chunks)
+    layout = FrameLayout(image_tokens=4, action_tokens=6, max_frames=2, image_vocab_size=256)
+    logits = torch.randn(5, 258, generator=gen) * 3
+    noise = torch.empty(5, 256).exponential_(generator=gen)
+    sampling = Sampling(temperature=0.9, seed=1)
+    env = device_sampling.SAMPLER_CHUNKS_ENV
+    plain = device_sampling.race_codes(logits, noise, layout, sampling)
+    sliced = device_sampling.StepSampler(False, {env: "8"})
+    assert sliced.chunks == 8 and torch.equal(sliced(logits, noise, layout, sampling), plain)
+    assert device_sampling.StepSampler(False, {}).chunks == 1
+    for bad in ("0", "4097", "some"):
+        with pytest.raises(InputError, match=f"{env}='{bad}': use a whole number of slices from 1 to 4096"):
+            device_sampling.StepSampler(False, {env: bad})
+    codes = []
+
+    def keep_code(graph, inputs):
+        codes.append(graph.code)
+        return graph.forward
+
+    traced = torch.compile(functools.partial(device_sampling.race_codes, chunks=8), backend=keep_code, fullgraph=True,
+                           dynamic=False)
+    assert torch.equal(traced(logits, noise, layout, sampling), plain)
+    assert "5, 8, 32" in codes[0]  # the rows' slices, in the graph a cache is keyed by
+
+
 def test_greedy_codes_equal_the_reference_backend(checkpoint, model):
     context, actions = inputs(rollouts=2)
     reported = []

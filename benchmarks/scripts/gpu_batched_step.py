@@ -348,7 +348,7 @@ def lab_switches() -> dict:
     from terra_cli.kernels import few_rows_matmul
 
     names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS",
-             "TERRA_NOISE_STREAMS")
+             "TERRA_NOISE_STREAMS", "TERRA_SAMPLER_CHUNKS")
     switches = {name: os.environ[name] for name in names if os.environ.get(name)}
     if few_rows_matmul.tile_override is not None:  # --tile
         switches["tile"] = list(vars(few_rows_matmul.tile_override).values())

@@ -8,6 +8,8 @@ probability p using one noise tensor and one argmax, both fixed-shape kernels a 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from terra_cli.backends.base import Sampling
@@ -25,6 +27,11 @@ SAMPLER_ENV = "TERRA_SINGLE_STREAM_SAMPLER"
 # 2.67 ms 32-row step on an H100 (2026-12-07c). Each row still draws from its own generator, the same
 # numbers in the same order: only which draws overlap changes. Unmeasured, so not the default.
 NOISE_STREAMS_ENV = "TERRA_NOISE_STREAMS"
+# TERRA_SAMPLER_CHUNKS=N (a lab switch): the race's argmax over each row's 262,144 scores as a max over N equal
+# slices, then the best slice (`first_argmax`: the same index). Compiled, the argmax was one program a row, so
+# 32 rows kept 32 of an H100's 132 SMs busy for 0.10 ms of a 2.67 ms step (2026-12-07c); slices give rows x N
+# programs. Unmeasured, so not the default.
+SAMPLER_CHUNKS_ENV = "TERRA_SAMPLER_CHUNKS"
 
 
 def filtered_probabilities(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling) -> torch.Tensor:
@@ -52,9 +59,23 @@ def race_sample(probabilities: torch.Tensor, generator: torch.Generator) -> torc
     return (probabilities / race).argmax(dim=-1)
 
 
-def race_codes(logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout, sampling: Sampling) -> torch.Tensor:
-    """Codes (R,) from logits (R, >= V) and each row's noise (R, V) already drawn: `race_sample`'s rule."""
-    return (filtered_probabilities(logits, layout, sampling) / noise).argmax(dim=-1)
+def first_argmax(scores: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+    """scores (R, V).argmax(-1), the first of equal maxima; with `chunks` > 1 dividing V, through each of that
+    many equal slices' max first (its first index), then the first slice holding the row's max: the same
+    index, from a reduction of R x chunks outputs instead of R."""
+    rows, width = scores.shape
+    if chunks <= 1 or width % chunks:
+        return scores.argmax(dim=-1)
+    best, where = scores.view(rows, chunks, width // chunks).max(dim=-1)
+    chunk = best.argmax(dim=-1, keepdim=True)
+    return (chunk * (width // chunks) + where.gather(-1, chunk)).squeeze(-1)
+
+
+def race_codes(logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout, sampling: Sampling,
+               chunks: int = 1) -> torch.Tensor:
+    """Codes (R,) from logits (R, >= V) and each row's noise (R, V) already drawn: `race_sample`'s rule
+    (`chunks`: `first_argmax`'s, the same codes)."""
+    return first_argmax(filtered_probabilities(logits, layout, sampling) / noise, chunks)
 
 
 class StepSampler(EagerFallback):
@@ -63,14 +84,18 @@ class StepSampler(EagerFallback):
     thread block a row (softmax, argmax), a share of a 32-row step that grows with the rows. A failed
     compile (on the warm-up step, before any graph capture) leaves it eager; `error` says why."""
 
-    def __init__(self, compiled: bool):
+    def __init__(self, compiled: bool, environ=None):
         super().__init__()
-        eager = choice_switch(SAMPLER_ENV, ("compiled", "eager"), "compiled (the default) or eager") == "eager"
-        self.compiled = torch.compile(race_codes, dynamic=False, fullgraph=True) if compiled and not eager else None
+        eager = choice_switch(SAMPLER_ENV, ("compiled", "eager"), "compiled (the default) or eager", environ) == "eager"
+        # read here, not in the trace: the slices then stand in the traced graph (and Inductor's cache key)
+        self.chunks = whole_number_switch(SAMPLER_CHUNKS_ENV, 4096, "a whole number of slices from 1 to 4096",
+                                          environ) or 1
+        self.race = functools.partial(race_codes, chunks=self.chunks)
+        self.compiled = torch.compile(self.race, dynamic=False, fullgraph=True) if compiled and not eager else None
 
     def __call__(self, logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout,
                  sampling: Sampling) -> torch.Tensor:
-        return self.call(self.compiled, race_codes, logits, noise, layout, sampling)
+        return self.call(self.compiled, self.race, logits, noise, layout, sampling)
 
 
 def noise_streams(device: torch.device, environ=None) -> list:

@@ -173,8 +173,10 @@ def test_a_session_picture_is_the_frame_its_video_holds(client, engine):
 
 def test_a_tokens_step_answers_codes_and_decodes_no_picture(client, engine):
     """`"format": "tokens"`: each frame's message holds the frame's codes (those /tokens then holds) and no image,
-    and no picture is decoded for it; /frames/{i} decodes that frame's picture when asked."""
+    and no picture is decoded for it; /frames/{i} decodes that frame's picture when asked. The socket replays its
+    held frames as ?format= says (tokens: codes, no picture; another format is closed with 4422)."""
     from PIL import Image
+    from starlette.websockets import WebSocketDisconnect
 
     def pictures_decoded() -> float:
         lines = client.get("/metrics").text.splitlines()
@@ -197,12 +199,19 @@ def test_a_tokens_step_answers_codes_and_decodes_no_picture(client, engine):
     bad = client.post(f"/v1/sessions/{session_id}/step", json={"format": "npy"})
     assert bad.status_code == 422 and bad.json()["error"] == {
         "field": "format", "message": "format must be jpeg, png or tokens, got 'npy'"}, bad.text
-    with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as socket:  # the same on the socket
-        assert [socket.receive_json()["index"] for _ in range(4)] == [0, 1, 2, 3]  # the replay, pictures
+    with pytest.raises(WebSocketDisconnect) as refused:
+        with client.websocket_connect(f"/v1/sessions/{session_id}/stream?format=gif") as socket:
+            socket.receive_json()
+    assert refused.value.code == 4422
+    # the same on the socket, its replay of the held frames too
+    with client.websocket_connect(f"/v1/sessions/{session_id}/stream?format=tokens") as socket:
+        replayed = [socket.receive_json() for _ in range(4)]
+        assert [m["index"] for m in replayed] == [0, 1, 2, 3] and all(m["replay"] for m in replayed)
+        assert np.array_equal(np.array([m["tokens"] for m in replayed]), tokens)
         socket.send_json({"action": "right", "format": "tokens"})
         message = socket.receive_json()
         assert message["index"] == 4 and "image" not in message and len(message["tokens"]) == tokens.shape[1]
-    assert pictures_decoded() == before + 1 + 4
+    assert pictures_decoded() == before + 1
 
 
 def test_pictures_in_padded_batches_do_not_depend_on_their_batchmates(client, engine, monkeypatch):

@@ -198,16 +198,20 @@ async def delete_session(session_id: str, request: Request):
     return {"id": session_id, "closed": True}
 
 
-async def stream(websocket: WebSocket, session_id: str):
+async def stream(websocket: WebSocket, session_id: str, format: str = "jpeg"):
     """Each frame is pushed the moment it is decoded; actions come in as {"action": ..., "frames": n}
     (optionally "type": "step") or {"type": "reset"}; anything else gets {"type": "error"} and the
-    socket stays open. The socket closing, at any moment (a page reload during the replay of the
+    socket stays open. The held frames are replayed first in `format` (?format=: jpeg, png, or tokens,
+    which decodes no picture). The socket closing, at any moment (a page reload during the replay of the
     held frames included), closes the session."""
     from terra_cli.server.app import websocket_allowed
 
     state = websocket.app.state
     if not websocket_allowed(websocket):
         await websocket.close(code=4401, reason="missing or wrong API key")
+        return
+    if format not in STEP_FORMATS:
+        await websocket.close(code=4422, reason=f"format must be one of {', '.join(STEP_FORMATS)}")
         return
     try:
         session = state.sessions.get(session_id)
@@ -248,8 +252,8 @@ async def stream(websocket: WebSocket, session_id: str):
     tasks: list[asyncio.Task] = []
     try:
         for index in range(len(session.tokens)):  # what the session holds already, once
-            picture = await state.sessions.picture(session, index)
-            await websocket.send_json(state.sessions.frame_message(session, index, picture, "jpeg") | {"replay": True})
+            picture = None if format == "tokens" else await state.sessions.picture(session, index, format)
+            await websocket.send_json(state.sessions.frame_message(session, index, picture, format) | {"replay": True})
         tasks = [asyncio.create_task(pump()), asyncio.create_task(actions())]
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in done:

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from terra_cli.errors import InputError
 from terra_cli.server.engine import EngineService
+from terra_cli.server.pictures import MAX_PICTURES
 
-MAX_PICTURE_BATCH = 32  # a row batch's sessions at most
+MAX_PICTURE_BATCH = MAX_PICTURES  # a padded decode holds no more than the pictures one call takes
 
 
 @dataclass(frozen=True)

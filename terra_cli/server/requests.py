@@ -96,6 +96,14 @@ PICTURE_FORMATS = ("jpeg", "png")
 STEP_FORMATS = (*PICTURE_FORMATS, "tokens")  # tokens: the frame's codes, no picture decoded
 
 
+def check_format(value: str, formats: tuple[str, ...]) -> str:
+    """`value` if it is one of `formats`, else the FieldError naming them: a frame's picture and a step's
+    answer are checked, and refused, alike."""
+    if value not in formats:
+        raise FieldError("format", f"format must be {', '.join(formats[:-1])} or {formats[-1]}, got {value!r}")
+    return value
+
+
 class StepBody(BaseModel):
     """`POST /v1/sessions/{id}/step`: the next frame(s)' action."""
 

@@ -16,7 +16,7 @@ from starlette.websockets import WebSocketDisconnected
 
 from terra_cli.media.files import read_npy
 from terra_cli.server.requests import (PICTURE_FORMATS, STEP_FORMATS, FieldError, SessionBody, StepBody, VideoBody,
-                                      check_context_tokens, parse_context, parse_video, sampling_of)
+                                      check_context_tokens, check_format, parse_context, parse_video, sampling_of)
 from terra_cli.server.sessions import SessionGone
 
 videos = APIRouter(prefix="/v1/videos", tags=["videos"])
@@ -132,8 +132,7 @@ async def session_frame(session_id: str, index: int, request: Request, format: s
     session = _state(request).sessions.get(session_id)
     if not 0 <= index < len(session.tokens):
         raise FieldError("index", f"the session holds frames 0..{len(session.tokens) - 1}", 404)
-    if format not in PICTURE_FORMATS:
-        raise FieldError("format", f"format must be jpeg or png, got {format!r}")
+    check_format(format, PICTURE_FORMATS)
     return Response(await _state(request).sessions.picture(session, index, format), media_type=f"image/{format}")
 
 

@@ -30,7 +30,7 @@ from terra_cli.backends.base import Sampling
 from terra_cli.backends.driver import RolloutJob
 from terra_cli.pipeline.rounds import MAX_TOTAL_FRAMES, plan_rounds
 from terra_cli.server.engine import EngineService, Handlers
-from terra_cli.server.requests import MANOEUVRES, STEP_FORMATS, FieldError
+from terra_cli.server.requests import MANOEUVRES, STEP_FORMATS, FieldError, check_format
 from terra_cli.seeds import Lineage
 
 PRESET_OF = {"straight": "straight", "left": "left", "right": "right", "faster": "accelerate", "brake": "stop"}
@@ -182,8 +182,7 @@ class Sessions:
     async def step(self, session: Session, action, frames: int, fmt: str) -> list[dict]:
         if not 1 <= frames <= 25:
             raise FieldError("frames", f"frames must be from 1 to 25 per step, got {frames}")
-        if fmt not in STEP_FORMATS:
-            raise FieldError("format", f"format must be {', '.join(STEP_FORMATS[:-1])} or {STEP_FORMATS[-1]}, got {fmt!r}")
+        check_format(fmt, STEP_FORMATS)
         manoeuvre_waypoints(action, session.speed, self.engine.layout)  # a bad action fails before any work
         async with session.lock:
             if len(session.tokens) + frames > self.max_frames:

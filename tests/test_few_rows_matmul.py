@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from terra_cli.errors import InputError
 from terra_cli.kernels import few_rows_matmul as kernel
 from terra_cli.models.testing import tiny_config, write_tiny_checkpoint
 
@@ -59,6 +60,8 @@ def test_the_few_rows_kernel_computes_the_product_and_the_reference_codes(tmp_pa
                                       "17-fp8": narrow, "17-bf16": wide, "32-fp8": narrow, "32-bf16": wide}
     assert {case for case in fp8["errors"] if case.startswith("gemv")} == {
         f"gemv-{name}-{splits}" for name in ("fp32", "bf16", "fp8") for splits in (1, 3)}
+    # TERRA_FEW_ROWS_PDL's GEMV (its first weight tile loaded before the wait) gives the same bits
+    assert fp8["peeled_equal"] == {f"{name}-{splits}": True for name in ("fp32", "bf16", "fp8") for splits in (1, 3)}
     assert len(fp8["refused"]) == 3 and all("scale" in message for message in fp8["refused"])
     assert fp8["layers"] == "few-rows-fp8" and fp8["logits"] == "few-rows-fp8" and fp8["head_fp8"]
     assert fp8["scaled_calls"] == [["torch.float8_e4m3fn", True]]  # every layer projection read fp8 values
@@ -95,3 +98,10 @@ def test_splits_capped_by_the_partials_bytes_only_when_asked():
     assert splits_for(**down, element_bytes=2, mode=splits_mode({"TERRA_FEW_ROWS_SPLITS": "bytes"})) == 22
     with pytest.raises(InputError, match="TERRA_FEW_ROWS_SPLITS"):
         splits_mode({"TERRA_FEW_ROWS_SPLITS": "all"})
+
+
+def test_the_programmatic_launch_switch_takes_1_or_0_only():
+    assert kernel.pdl_asked({}) is False
+    assert kernel.pdl_asked({kernel.PDL_ENV: "1"}) is True and kernel.pdl_asked({kernel.PDL_ENV: " 0 "}) is False
+    with pytest.raises(InputError, match="TERRA_FEW_ROWS_PDL='yes'"):
+        kernel.pdl_asked({kernel.PDL_ENV: "yes"})

@@ -348,7 +348,8 @@ def lab_switches() -> dict:
     from terra_cli.kernels import few_rows_matmul
 
     names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS",
-             "TERRA_NOISE_STREAMS", "TERRA_SAMPLER_CHUNKS", "TORCHINDUCTOR_ENABLE_PDL")
+             "TERRA_NOISE_STREAMS", "TERRA_SAMPLER_CHUNKS", "TORCHINDUCTOR_ENABLE_PDL",
+             "TERRA_FEW_ROWS_PDL")
     switches = {name: os.environ[name] for name in names if os.environ.get(name)}
     if os.environ.get("TORCHINDUCTOR_ENABLE_PDL"):  # whether this torch's Inductor knows the switch at all
         from torch._inductor import config

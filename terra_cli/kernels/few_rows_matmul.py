@@ -89,6 +89,20 @@ def tile_for(rows: int, fp8: bool) -> Tile:
         return FP8_ONE_ROW_TILE
     return FP8_ROW_BATCH_TILE if fp8 and rows > TILE_ROWS[0] else TENSOR_CORE_TILE
 
+# TERRA_FEW_ROWS_PDL=1 (a lab switch): the kernel launched as a programmatic dependent launch (Hopper and
+# later; `launch_pdl`), so in the decode step's CUDA graph it may start while the kernel before it ends,
+# and wait (`gdc_wait`) only before it reads the hidden rows, that kernel's output: the weights, no
+# kernel's output, stream in meanwhile (at one row the GEMV's first tile is loaded before the wait). At one
+# row of fp8 weights the step's 89 projections read 4-23 MB each at a quarter of the card's bandwidth, so
+# each kernel's start and end are much of its time (benchmarks/README.md, 2026-11-29). The same products in
+# the same order. Read at each launch (outside any trace: the operators are opaque to torch.compile).
+PDL_ENV = "TERRA_FEW_ROWS_PDL"
+
+
+def pdl_asked(environ=None) -> bool:
+    return choice_switch(PDL_ENV, ("0", "1"), "1 (launch as a programmatic dependent launch) or 0", environ) == "1"
+
+
 _kernel = None
 
 
@@ -99,12 +113,32 @@ def _build():
     @triton.jit
     def few_rows_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, stride_hm, stride_wn, stride_os,
                         stride_om, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, SCALED: tl.constexpr, ONE_ROW: tl.constexpr):
+                        UPCAST: tl.constexpr, SCALED: tl.constexpr, ONE_ROW: tl.constexpr, PEEL: tl.constexpr,
+                        GDC: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         k_from = split * k_per_split
         k_to = tl.minimum(K, k_from + k_per_split)
-        if ONE_ROW:  # a plain GEMV: products and a row sum on the CUDA cores, no tile of 15 masked rows
+        if ONE_ROW and PEEL:  # the GEMV with its first weight tile asked for before the wait (PDL_ENV)
+            ks = k_from + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                        mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
+            if GDC:  # the hidden row is the kernel before's output; the weights are no kernel's
+                tl.extra.cuda.gdc_wait()
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for start in range(k_from, k_to, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                h = tl.load(h_ptr + ks, mask=ks < k_to, other=0.0).to(tl.float32)
+                total += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+                ks = ks + BLOCK_K  # the next tile (past k_to: masked, nothing read)
+                w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                            mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
+            if GDC:
+                tl.extra.cuda.gdc_launch_dependents()
+            if SCALED:
+                total *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)
+            tl.store(out_ptr + split * stride_os + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+        elif ONE_ROW:  # a plain GEMV: products and a row sum on the CUDA cores, no tile of 15 masked rows
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for start in range(k_from, k_to, BLOCK_K):
                 ks = start + tl.arange(0, BLOCK_K)
@@ -118,6 +152,8 @@ def _build():
         else:
             rows = tl.arange(0, ROWS)
             acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            if GDC:
+                tl.extra.cuda.gdc_wait()
             for start in range(k_from, k_to, BLOCK_K):
                 ks = start + tl.arange(0, BLOCK_K)
                 h = tl.load(h_ptr + rows[:, None] * stride_hm + ks[None, :],
@@ -130,6 +166,8 @@ def _build():
                     acc += tl.dot(h, tl.trans(w.to(h.dtype)))
                 else:
                     acc += tl.dot(h, tl.trans(w))
+            if GDC:
+                tl.extra.cuda.gdc_launch_dependents()
             if SCALED:  # the product is linear in each output row's weights: scaling a partial sum is exact
                 acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
             tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :],
@@ -234,12 +272,14 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int, 
         _kernel = _build()
     depth, outputs = hidden.shape[1], weight.shape[0]
     splits, k_per_split, tile = slices
+    peel = pdl_asked()
+    gdc = peel and hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] >= 9
     _kernel[(_cdiv(outputs, tile.block_n), splits)](
         hidden, weight, weight if scale is None else scale, out, hidden.shape[0], outputs, depth, k_per_split,
         hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
         ROWS=tile_rows(hidden.shape[0]), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        SCALED=scale is not None, ONE_ROW=tile.one_row_gemv and hidden.shape[0] == 1, num_warps=tile.warps,
-        num_stages=tile.stages)
+        SCALED=scale is not None, ONE_ROW=tile.one_row_gemv and hidden.shape[0] == 1, PEEL=peel, GDC=gdc,
+        num_warps=tile.warps, num_stages=tile.stages, **({"launch_pdl": True} if gdc else {}))
     return out
 
 

@@ -87,14 +87,17 @@ def test_the_device_sampler_draws_what_sample_next_draws(sampling):
 
 
 def test_noise_streams_are_a_checked_cuda_switch_and_the_rows_draw_from_their_own_generators():
-    """TERRA_NOISE_STREAMS=N: CUDA streams for a row batch's noise draws (none on a CPU or unset; a bad value is
-    one clear error). Row by row, each row's noise is what its generator alone draws, whatever the other rows."""
+    """A row batch's noise draws spread over NOISE_STREAMS CUDA streams, or TERRA_NOISE_STREAMS=N (1: none; none
+    on a CPU; a bad value is one clear error). Row by row, each row's noise is what its generator alone draws,
+    whatever the other rows."""
     from terra_cli.backends import device_sampling
     from terra_cli.errors import InputError
 
     env = device_sampling.NOISE_STREAMS_ENV
     cpu = torch.device("cpu")
     assert device_sampling.noise_streams(cpu, {}) == [] and device_sampling.noise_streams(cpu, {env: "4"}) == []
+    assert device_sampling.noise_stream_count({}) == device_sampling.NOISE_STREAMS == 4
+    assert device_sampling.noise_stream_count({env: "1"}) == 1 and device_sampling.noise_stream_count({env: "7"}) == 7
     for bad in ("0", "33", "four"):
         with pytest.raises(InputError, match=f"{env}='{bad}': use a whole number of streams from 1 to 32"):
             device_sampling.noise_streams(cpu, {env: bad})
@@ -105,9 +108,9 @@ def test_noise_streams_are_a_checked_cuda_switch_and_the_rows_draw_from_their_ow
 
 
 def test_the_sliced_argmax_is_argmax_and_the_samplers_slices_are_read_once_outside_the_trace():
-    """TERRA_SAMPLER_CHUNKS=N: the race's argmax through N slices of each row gives argmax's index, the first of
-    equal maxima (scores drawn from a few values, so ties are everywhere); a width N does not divide keeps the
-    plain argmax. The sampler reads the switch when made, so the traced graph holds the slices."""
+    """The race's argmax through N slices of each row (SAMPLER_CHUNKS, or TERRA_SAMPLER_CHUNKS=N) gives argmax's
+    index, the first of equal maxima (scores drawn from a few values, so ties are everywhere); a width N does not
+    divide keeps the plain argmax. The sampler reads the switch when made, so the traced graph holds the slices."""
     import functools
 
     from terra_cli.backends import device_sampling
@@ -127,7 +130,8 @@ def test_the_sliced_argmax_is_argmax_and_the_samplers_slices_are_read_once_outsi
     plain = device_sampling.race_codes(logits, noise, layout, sampling)
     sliced = device_sampling.StepSampler(False, {env: "8"})
     assert sliced.chunks == 8 and torch.equal(sliced(logits, noise, layout, sampling), plain)
-    assert device_sampling.StepSampler(False, {}).chunks == 1
+    assert device_sampling.StepSampler(False, {}).chunks == device_sampling.SAMPLER_CHUNKS == 64
+    assert device_sampling.StepSampler(False, {env: "1"}).chunks == 1
     for bad in ("0", "4097", "some"):
         with pytest.raises(InputError, match=f"{env}='{bad}': use a whole number of slices from 1 to 4096"):
             device_sampling.StepSampler(False, {env: bad})

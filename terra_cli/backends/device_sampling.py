@@ -21,17 +21,21 @@ from terra_cli.seeds import draw_seed
 # TERRA_SINGLE_STREAM_SAMPLER=eager keeps a decode step's sampling eager where the step's layer functions are
 # compiled (to compare).
 SAMPLER_ENV = "TERRA_SINGLE_STREAM_SAMPLER"
-# TERRA_NOISE_STREAMS=N (a lab switch; CUDA, row batches): a step's rows draw their noise on N streams of their
-# own, in parallel branches of the step's CUDA graph. One row's draw (262,144 exponentials from its own
-# generator) is a kernel too small to fill the card, and 32 of them one after another took 0.14 ms of a
-# 2.67 ms 32-row step on an H100 (2026-12-07c). Each row still draws from its own generator, the same
-# numbers in the same order: only which draws overlap changes. Unmeasured, so not the default.
+# A row batch's rows draw their noise on NOISE_STREAMS CUDA streams of their own, parallel branches of the
+# step's CUDA graph. One row's draw (262,144 exponentials from its own generator) is a kernel too small to fill
+# the card, and 32 of them one after another took 0.14 ms of a 2.67 ms 32-row step on an H100 (2026-12-07c).
+# Each row still draws from its own generator, the same numbers in the same order: only which draws overlap
+# changes. On 4 streams, 32 sessions in the driver 0.611 -> 0.622 frames/s each (an H100, 2026-12-07d).
+# TERRA_NOISE_STREAMS=N sets N (1: one stream, as before).
 NOISE_STREAMS_ENV = "TERRA_NOISE_STREAMS"
-# TERRA_SAMPLER_CHUNKS=N (a lab switch): the race's argmax over each row's 262,144 scores as a max over N equal
-# slices, then the best slice (`first_argmax`: the same index). Compiled, the argmax was one program a row, so
-# 32 rows kept 32 of an H100's 132 SMs busy for 0.10 ms of a 2.67 ms step (2026-12-07c); slices give rows x N
-# programs. Unmeasured, so not the default.
+NOISE_STREAMS = 4
+# The race's argmax over each row's 262,144 scores goes through SAMPLER_CHUNKS equal slices, then the best
+# slice (`first_argmax`: the same index). Compiled as one argmax, it was one program a row: 32 rows kept 32 of
+# an H100's 132 SMs busy for 0.10 ms of a 2.67 ms step (2026-12-07c), and one row one SM. With 64 slices
+# (an H100, 2026-12-07d, the same codes): 32 sessions 0.611 -> 0.626 frames/s each, one rollout with fp8
+# weights 0.842 -> 0.818 s a frame (each pair in one call). TERRA_SAMPLER_CHUNKS=N sets N (1: the plain argmax).
 SAMPLER_CHUNKS_ENV = "TERRA_SAMPLER_CHUNKS"
+SAMPLER_CHUNKS = 64
 
 
 def filtered_probabilities(logits: torch.Tensor, layout: FrameLayout, sampling: Sampling) -> torch.Tensor:
@@ -89,7 +93,7 @@ class StepSampler(EagerFallback):
         eager = choice_switch(SAMPLER_ENV, ("compiled", "eager"), "compiled (the default) or eager", environ) == "eager"
         # read here, not in the trace: the slices then stand in the traced graph (and Inductor's cache key)
         self.chunks = whole_number_switch(SAMPLER_CHUNKS_ENV, 4096, "a whole number of slices from 1 to 4096",
-                                          environ) or 1
+                                          environ) or SAMPLER_CHUNKS
         self.race = functools.partial(race_codes, chunks=self.chunks)
         self.compiled = torch.compile(self.race, dynamic=False, fullgraph=True) if compiled and not eager else None
 
@@ -98,10 +102,16 @@ class StepSampler(EagerFallback):
         return self.call(self.compiled, self.race, logits, noise, layout, sampling)
 
 
+def noise_stream_count(environ=None) -> int:
+    """How many streams a row batch's noise draws spread over: NOISE_STREAMS, or NOISE_STREAMS_ENV's count."""
+    return whole_number_switch(NOISE_STREAMS_ENV, 32, "a whole number of streams from 1 to 32", environ) or NOISE_STREAMS
+
+
 def noise_streams(device: torch.device, environ=None) -> list:
-    """NOISE_STREAMS_ENV's CUDA streams for a row batch's noise draws on `device`; none elsewhere or unset."""
-    count = whole_number_switch(NOISE_STREAMS_ENV, 32, "a whole number of streams from 1 to 32", environ)
-    if count is None or count < 2 or device.type != "cuda":
+    """The CUDA streams for a row batch's noise draws on `device` (`noise_stream_count`); none on other devices
+    or for a count of 1."""
+    count = noise_stream_count(environ)
+    if count < 2 or device.type != "cuda":
         return []
     return [torch.cuda.Stream(device=device) for _ in range(count)]
 

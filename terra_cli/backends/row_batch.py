@@ -118,7 +118,7 @@ class RowBatchDecoder:
         self.frame_codes = torch.zeros(rows, self.layout.image_tokens + 1, **long)
         self.noise = torch.zeros(rows, self.layout.image_vocab_size, dtype=torch.float32, device=device)
         self.generators = [torch.Generator(device=device) for _ in range(rows)]
-        self.noise_streams = noise_streams(device)  # a lab switch's (TERRA_NOISE_STREAMS); none by default
+        self.noise_streams = noise_streams(device)  # the rows' noise drawn in parallel (device_sampling.NOISE_STREAMS)
         self.sampling = Sampling()
         self.sampler = StepSampler(self.core.compiled)
         # a graph needs FlashAttention's path: the torch one reads each row's length on the host

@@ -89,6 +89,7 @@ def tile_for(rows: int, fp8: bool) -> Tile:
         return FP8_ONE_ROW_TILE
     return FP8_ROW_BATCH_TILE if fp8 and rows > TILE_ROWS[0] else TENSOR_CORE_TILE
 
+
 # TERRA_FEW_ROWS_PDL=1 (a lab switch): the kernel launched as a programmatic dependent launch (Hopper and
 # later; `launch_pdl`), so in the decode step's CUDA graph it may start while the kernel before it ends,
 # and wait (`gdc_wait`) only before it reads the hidden rows, that kernel's output: the weights, no
@@ -96,6 +97,8 @@ def tile_for(rows: int, fp8: bool) -> Tile:
 # row of fp8 weights the step's 89 projections read 4-23 MB each at a quarter of the card's bandwidth, so
 # each kernel's start and end are much of its time (benchmarks/README.md, 2026-11-29). The same products in
 # the same order. Read at each launch (outside any trace: the operators are opaque to torch.compile).
+# Measured on an H100 (2026-12-07d): with Inductor's kernels launched so too (TORCHINDUCTOR_ENABLE_PDL=1),
+# 32 sessions +3.3% and one rollout +1.1%, but alone 7% slower at one row: a lab switch.
 PDL_ENV = "TERRA_FEW_ROWS_PDL"
 
 

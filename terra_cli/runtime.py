@@ -109,7 +109,23 @@ def tokenizer_batch_asked(environ=None) -> int | None:
 
 
 DECODER_COMPILE_MODE_ENV = "TERRA_DECODER_COMPILE_MODE"
-DECODER_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# reduce-overhead: the compiled decoder's kernels replayed as CUDA graphs (one batch size a server, so one
+# graph): a decode call's hundreds of launches leave the Python thread, which at 32 sessions shares the
+# interpreter and the card with the engine's steps (pictures made those steps 11% slower, 2026-12-07d).
+DECODER_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
+
+
+# TERRA_PICTURE_STREAM (a lab switch): where `terra serve` decodes session pictures on CUDA. `high` (unset): a
+# stream of high priority, so a picture's kernels go ahead of the engine's queued steps (a session waits on its
+# picture) but run beside them; `normal`: a stream of normal priority; `shared`: the engine's own (default)
+# stream, after the steps queued before it (at most two advances, ~85 ms) and never beside them. At 32
+# sessions on an H100 the pictures made the steps 11% slower with `high` (2026-12-07d); the others unmeasured.
+PICTURE_STREAM_ENV = "TERRA_PICTURE_STREAM"
+PICTURE_STREAMS = ("high", "normal", "shared")
+
+
+def picture_stream_asked(environ=None) -> str:
+    return choice_switch(PICTURE_STREAM_ENV, PICTURE_STREAMS, ", ".join(PICTURE_STREAMS), environ) or "high"
 
 
 def decoder_compile_mode_asked(environ=None) -> str | None:

@@ -44,8 +44,9 @@ def test_the_decode_aheads_compile_mode_comes_from_its_lab_switch_and_reaches_to
     assert runtime.decoder_compile_mode_asked({"TERRA_DECODER_COMPILE_MODE": " default "}) is None
     assert runtime.decoder_compile_mode_asked(
         {"TERRA_DECODER_COMPILE_MODE": "max-autotune-no-cudagraphs"}) == "max-autotune-no-cudagraphs"
+    assert runtime.decoder_compile_mode_asked({"TERRA_DECODER_COMPILE_MODE": "reduce-overhead"}) == "reduce-overhead"
     with pytest.raises(InputError, match=r"TERRA_DECODER_COMPILE_MODE='max-autotune': use default or "
-                                         r"max-autotune-no-cudagraphs"):
+                                         r"max-autotune-no-cudagraphs or reduce-overhead"):
         runtime.decoder_compile_mode_asked({"TERRA_DECODER_COMPILE_MODE": "max-autotune"})
 
     compiled = []
@@ -109,3 +110,13 @@ def test_the_light_parts_of_backends_do_not_import_transformers():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "True"]
+
+
+def test_the_servers_picture_stream_is_a_checked_lab_switch():
+    """TERRA_PICTURE_STREAM: unset is the stream of high priority (the measured one); normal and shared
+    (the engine's own stream) are asked by name; a bad value is one line, read when the server's engine is made."""
+    assert runtime.picture_stream_asked({}) == "high"
+    assert runtime.picture_stream_asked({"TERRA_PICTURE_STREAM": " Shared "}) == "shared"
+    assert runtime.picture_stream_asked({"TERRA_PICTURE_STREAM": "normal"}) == "normal"
+    with pytest.raises(InputError, match=r"TERRA_PICTURE_STREAM='low': use high, normal, shared"):
+        runtime.picture_stream_asked({"TERRA_PICTURE_STREAM": "low"})

@@ -136,6 +136,13 @@ def test_serve_refuses_before_loading(args, message):
     assert result.returncode == 2 and message in result.stdout and "Traceback" not in result.stdout
 
 
+def test_a_bad_picture_stream_switch_is_refused_before_loading(monkeypatch):
+    monkeypatch.setenv("TERRA_PICTURE_STREAM", "low")
+    result = invoke_terra("serve")
+    assert result.returncode == 2 and "TERRA_PICTURE_STREAM='low': use high, normal, shared" in result.stdout
+    assert "Traceback" not in result.stdout and "loading the engine" not in result.stdout
+
+
 def test_a_busy_port_is_refused_before_the_engine_loads():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

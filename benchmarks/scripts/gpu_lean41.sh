@@ -24,8 +24,10 @@
 #             sessions, PICTURE_STEPS frames a session (4; 8 is the driver's, so the first frame, a prompt,
 #             weighs as much in both), one ~90 s run for each of PICTURE_ROWS (default "pic8 pic1"): pic8
 #             pictures in batches of 8 (--picture-batch 8), pic1 one a call, tokens the sessions' steps ask
-#             for tokens, no picture ("format": "tokens"; server as pic8); SERVE_ARGS_EXTRA adds server options
-#             to every row (e.g. --kv-cache-dtype fp8)
+#             for tokens, no picture ("format": "tokens"; server as pic8); -normal or -shared after a row's name
+#             TERRA_PICTURE_STREAM=normal|shared (the pictures' CUDA stream), -graphs TERRA_DECODER_COMPILE_MODE=
+#             reduce-overhead (the decoder as CUDA graphs); SERVE_ARGS_EXTRA adds server options to every row
+#             (e.g. --kv-cache-dtype fp8)
 set -uo pipefail
 source benchmarks/scripts/gpu_common.sh
 export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1
@@ -78,6 +80,25 @@ each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of W
     echo "$kind $weights exit $?" | tee -a "$STEP_LOG"
   done
 }
+picture_row() {  # NAME: a PICTURE_ROWS name -> P_OPTIONS (server options), P_FORMAT (a step's answer), P_STREAM,
+  # P_MODE (lab switches; empty: unset)
+  local part parts
+  IFS=- read -r -a parts <<< "$1"
+  P_STREAM="" P_MODE=""
+  case "${parts[0]}" in
+    pic8) P_OPTIONS="--picture-batch 8" P_FORMAT=jpeg ;;
+    pic1) P_OPTIONS="" P_FORMAT=jpeg ;;
+    tokens) P_OPTIONS="--picture-batch 8" P_FORMAT=tokens ;;
+    *) return 1 ;;
+  esac
+  for part in "${parts[@]:1}"; do
+    case "$part" in
+      normal|shared) P_STREAM=$part ;;
+      graphs) P_MODE=reduce-overhead ;;
+      *) return 1 ;;
+    esac
+  done
+}
 case "${1:-}" in
   driver)
     check_weights
@@ -95,15 +116,14 @@ case "${1:-}" in
     for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
     source_stamp "$OUT/code.txt"
     extra=${SERVE_ARGS_EXTRA:-}
+    for row in ${PICTURE_ROWS:-pic8 pic1}; do  # every row parses, before any runs
+      picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic8, pic1 or tokens followed by -normal, -shared" \
+        "or -graphs" >&2; exit 2; }
+    done
     for row in ${PICTURE_ROWS:-pic8 pic1}; do
-      case "$row" in
-        pic8) options="--picture-batch 8" format=jpeg ;;
-        pic1) options="" format=jpeg ;;
-        tokens) options="--picture-batch 8" format=tokens ;;
-        *) echo "PICTURE_ROWS takes pic8, pic1 and tokens, not $row" >&2; exit 2 ;;
-      esac
-      SERVE_STEPS=${PICTURE_STEPS:-4} SERVE_STEP_FORMAT=$format SERVE_ARGS_EXTRA="$extra $options" \
-        serve_rows 160 32 "-$row"
+      picture_row "$row"
+      TERRA_PICTURE_STREAM=$P_STREAM TERRA_DECODER_COMPILE_MODE=$P_MODE SERVE_STEPS=${PICTURE_STEPS:-4} \
+        SERVE_STEP_FORMAT=$P_FORMAT SERVE_ARGS_EXTRA="$extra $P_OPTIONS" serve_rows 160 32 "-$row"
     done ;;
   *) echo "usage: gpu_lean41.sh driver|one|profile|pictures" >&2; exit 2 ;;
 esac

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from terra_cli.backends.driver import JobFeed, RolloutJob
+from terra_cli.runtime import picture_stream_asked
 from terra_cli.server.pictures import PictureBatcher
 
 
@@ -68,6 +69,7 @@ class EngineService:
         self.picture_batch = picture_batch  # --picture-batch: frames in every picture decode, padded
         self.pictures = PictureBatcher(self.media, self.decode)
         self._stream = None  # the pictures' CUDA stream (`_picture_stream`)
+        self.picture_stream = picture_stream_asked()  # read once, at start-up: a bad value stops the server there
         self.stats = EngineStats()
         self.failure: BaseException | None = None
         self._lock = threading.Condition()
@@ -159,17 +161,18 @@ class EngineService:
             return self.tokenizer.decode_tokens(tokens, full_batches=True, batch_size=self.picture_batch)
 
     def _picture_stream(self):
-        """On CUDA, a stream of high priority of its own: a picture's kernels go ahead of the engine's queued
-        decode steps instead of behind them (a session waits on its picture; the steps are many)."""
+        """On CUDA, by default a stream of high priority of its own: a picture's kernels go ahead of the
+        engine's queued decode steps instead of behind them (a session waits on its picture; the steps are
+        many). `runtime.PICTURE_STREAM_ENV` may ask for one of normal priority, or the engine's own."""
         import contextlib
 
         import torch
 
         device = getattr(self.tokenizer, "device", None)
-        if getattr(device, "type", None) != "cuda":
+        if getattr(device, "type", None) != "cuda" or self.picture_stream == "shared":
             return contextlib.nullcontext()
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device, priority=-1)
+            self._stream = torch.cuda.Stream(device=device, priority=-1 if self.picture_stream == "high" else 0)
         return torch.cuda.stream(self._stream)
 
     def warm_up_pictures(self) -> float:

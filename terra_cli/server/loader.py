@@ -33,7 +33,7 @@ def check_engine_config(config: EngineConfig):
     from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_model
-    from terra_cli.runtime import resolve_device, resolve_dtype_name
+    from terra_cli.runtime import picture_stream_asked, resolve_device, resolve_dtype_name
 
     device = resolve_device(config.device)
     resolve_dtype_name(config.dtype, device)
@@ -43,6 +43,7 @@ def check_engine_config(config: EngineConfig):
         raise InputError(f"--max-in-flight must be at least 1, got {config.max_in_flight}")
     if not 1 <= config.picture_batch <= MAX_PICTURE_BATCH:
         raise InputError(f"--picture-batch must be 1 to {MAX_PICTURE_BATCH} frames, got {config.picture_batch}")
+    picture_stream_asked()  # its lab switch, before minutes of loading
     choice = resolve_model(config.model, config.variant, config.tokenizer)
     model_config = load_config(choice.world_model_dir)
     if choice.tokenizer is None:

@@ -549,3 +549,35 @@ def test_fp8_weights_are_refused_where_the_kernel_cannot_run(checkpoint, monkeyp
         load_backend("single-stream", checkpoint, device="cpu", dtype="float32", **options)
     with pytest.raises(ValueError, match="quantization: None or 'fp8'"):
         SingleStreamBackend(checkpoint, device="cpu", quantization="int4")
+
+
+def test_the_rotary_table_holds_what_each_step_computes(checkpoint, monkeypatch):
+    """A step's rotary cos and sin come from a table the model's rotary module makes once: each row is, bit for
+    bit, what the module gives at that position alone or inside a window (float32 and bf16 weights). With
+    TERRA_SINGLE_STREAM_ROTARY=step the decoder computes them at every step, and its logits are the same."""
+    from terra_cli.backends import static_kv
+
+    rng = np.random.default_rng(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(checkpoint, device="cpu", dtype=dtype)
+        last = model.layout.max_positions
+        cos, sin = static_kv.rotary_table(model, last, dtype)
+        assert cos.shape == sin.shape == (1, last, model.config.hidden_size // model.config.num_attention_heads)
+        for start, width in [(0, 1), (last - 1, 1), (1, 5), *((int(p), 1) for p in rng.integers(0, last, 20))]:
+            alone = model.model.rotary_emb(torch.empty(0, dtype=dtype), torch.arange(start, start + width)[None])
+            assert alone[0].dtype == dtype and torch.equal(cos[:, start:start + width], alone[0]), (dtype, start)
+            assert torch.equal(sin[:, start:start + width], alone[1]), (dtype, start)
+    model = load_model(checkpoint, device="cpu", dtype=torch.float32)
+    codes = torch.as_tensor(rng.integers(0, VOCAB, size=12))
+    logits = {}
+    for mode in ("table", "step"):
+        monkeypatch.setenv(static_kv.ROTARY_ENV, mode)
+        decoder = static_kv.StaticKVDecoder(model)
+        assert (decoder.rotary is None) == (mode == "step")
+        prompt = decoder.forward_codes(codes[:10], torch.arange(10), 10)
+        steps = [decoder.forward_codes(codes[i:i + 1], torch.tensor([i]), i + 1) for i in (10, 11)]
+        logits[mode] = torch.cat([prompt, *steps])
+    assert torch.equal(logits["table"], logits["step"])
+    monkeypatch.setenv(static_kv.ROTARY_ENV, "cached")
+    with pytest.raises(InputError, match="TERRA_SINGLE_STREAM_ROTARY='cached': use table"):
+        static_kv.StaticKVDecoder(model)

@@ -349,7 +349,7 @@ def lab_switches() -> dict:
 
     names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS",
              "TERRA_NOISE_STREAMS", "TERRA_SAMPLER_CHUNKS", "TORCHINDUCTOR_ENABLE_PDL",
-             "TERRA_FEW_ROWS_PDL")
+             "TERRA_FEW_ROWS_PDL", "TERRA_SINGLE_STREAM_ROTARY")
     switches = {name: os.environ[name] for name in names if os.environ.get(name)}
     if os.environ.get("TORCHINDUCTOR_ENABLE_PDL"):  # whether this torch's Inductor knows the switch at all
         from torch._inductor import config

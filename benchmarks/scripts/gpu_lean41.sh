@@ -14,7 +14,9 @@
 #             TERRA_SAMPLER_CHUNKS=64 (the race's argmax over 64 slices a row; codes_sha256 must match), -pdl
 #             TORCHINDUCTOR_ENABLE_PDL=1 (Inductor's kernels launched as programmatic dependent launches: each may
 #             start while the one before ends, inside the step's CUDA graph; the JSON says whether torch knew it), -fewpdl
-#             TERRA_FEW_ROWS_PDL=1 (the few-rows kernel launched so too, its weights read before the wait); default
+#             TERRA_FEW_ROWS_PDL=1 (the few-rows kernel launched so too, its weights read before the wait),
+#             -rotstep TERRA_SINGLE_STREAM_ROTARY=step (rotary's cos and sin computed each step, as before
+#             2026-12-07d, instead of rows of a table; codes_sha256 of one rollout must match); default
 #             "fp8 fp8-bytes bf16"
 #   one       (carry .gpu/vllm-b) the same setup, then one session alone (--sessions 1 --frames 6 --think-ms 0:
 #             one rollout through the driver) for each of WEIGHTS
@@ -40,11 +42,11 @@ setup() {  # part b unpacked, terra installed, FlashAttention-3 loads, the check
   build_checkpoint
 }
 variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) and V_SPLITS, V_UNROLL, V_STREAMS,
-  # V_CHUNKS, V_PDL, V_FEWPDL (lab switches; empty: unset). fp8 or bf16 first, then any of the suffixes above; anything else stops the
+  # V_CHUNKS, V_PDL, V_FEWPDL, V_ROTARY (lab switches; empty: unset). fp8 or bf16 first, then any of the suffixes above; anything else stops the
   # script before a run (a part the old suffix matching missed ran a row with the bf16 cache, 2026-12-07)
   local part parts
   IFS=- read -r -a parts <<< "$1"
-  V_FLAGS="" V_SPLITS=programs V_UNROLL="" V_STREAMS="" V_CHUNKS="" V_PDL="" V_FEWPDL=""
+  V_FLAGS="" V_SPLITS=programs V_UNROLL="" V_STREAMS="" V_CHUNKS="" V_PDL="" V_FEWPDL="" V_ROTARY=""
   case "${parts[0]}" in fp8) V_FLAGS="--quantization fp8" ;; bf16) ;; *) return 1 ;; esac
   for part in "${parts[@]:1}"; do
     case "$part" in
@@ -57,6 +59,7 @@ variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) a
       chunks64) V_CHUNKS=64 ;;
       pdl) V_PDL=1 ;;
       fewpdl) V_FEWPDL=1 ;;
+      rotstep) V_ROTARY=step ;;
       *) return 1 ;;
     esac
   done
@@ -65,7 +68,7 @@ check_weights() {  # every WEIGHTS name parses, before minutes of setup
   local weights
   for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
     variant "$weights" || { echo "WEIGHTS: $weights is not fp8 or bf16 followed by -kv8, -bytes, -unroll, -unroll8," \
-      "-tile128, -streams4, -chunks64, -pdl or -fewpdl" >&2; exit 2; }
+      "-tile128, -streams4, -chunks64, -pdl, -fewpdl or -rotstep" >&2; exit 2; }
   done
 }
 each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name
@@ -75,6 +78,7 @@ each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of W
     variant "$weights"
     TERRA_FEW_ROWS_SPLITS=$V_SPLITS TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$V_UNROLL TERRA_NOISE_STREAMS=$V_STREAMS \
       TERRA_SAMPLER_CHUNKS=$V_CHUNKS TORCHINDUCTOR_ENABLE_PDL=$V_PDL TERRA_FEW_ROWS_PDL=$V_FEWPDL \
+      TERRA_SINGLE_STREAM_ROTARY=$V_ROTARY \
       timeout "$limit" python3 benchmarks/scripts/gpu_batched_step.py "$@" $V_FLAGS \
       --out "$OUT/$kind-$weights.json" > "$OUT/$kind-$weights.log" 2>&1
     echo "$kind $weights exit $?" | tee -a "$STEP_LOG"

@@ -58,6 +58,11 @@ SPARE_POSITIONS = 33
 # (one scale per vocabulary row, half its 1.07 GB a step), an approximation of the weights: what
 # `--quantization fp8` asks for (`fp8_weights`), never a default.
 LOGITS_ENV = "TERRA_SINGLE_STREAM_LOGITS"
+# A step's rotary cos and sin are rows of a table the model's own rotary module makes once over every position:
+# its ops are elementwise, so row p holds the bits a step at position p would compute, and a decode step's CUDA
+# graph gathers two rows instead of running ~9 small kernels (cast, product, concatenation, cos, sin, two
+# scalings, two casts). TERRA_SINGLE_STREAM_ROTARY=step computes them at every step, as before (to compare).
+ROTARY_ENV = "TERRA_SINGLE_STREAM_ROTARY"
 FEW_ROWS = 16  # bf16 logits by the few-rows kernel up to here, as measured (K + 1 rows); above, weight-major
 LOGITS_LAYOUTS = ("linear", "weight-major", "few-rows", "few-rows-fp8")
 
@@ -108,6 +113,20 @@ def host_to_device(values, device: torch.device, dtype: torch.dtype = torch.long
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def rotary_table(model: LlamaActionForCausalLM, positions: int, dtype: torch.dtype):
+    """(cos, sin), each (1, positions, head_dim) in `dtype`: the model's rotary module at positions 0..positions-1;
+    None where ROTARY_ENV asks for it at every step, or where its frequencies may follow the positions seen
+    (a RoPE type other than Llama's default, such as `dynamic`)."""
+    if (choice_switch(ROTARY_ENV, ("table", "step"), "table (the default) or step") or "table") == "step":
+        return None
+    if getattr(model.model.rotary_emb, "rope_type", "default") != "default":
+        return None
+    device = model.lm_head.weight.device
+    with torch.no_grad():
+        return model.model.rotary_emb(torch.empty(0, dtype=dtype, device=device),
+                                      torch.arange(positions, device=device)[None])
 
 
 def weight_major_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -172,7 +191,9 @@ class StaticKVDecoder:
         self.fused_cache_write = cache_write() == "fused"
         if ops_from is not None:
             self.ops, self.logits_layout, self.head_fp8 = ops_from.ops, ops_from.logits_layout, ops_from.head_fp8
+            self.rotary = ops_from.rotary
             return
+        self.rotary = rotary_table(model, self.max_positions, self.dtype)
         compile_layers = self.device.type == "cuda" if compile_layers is None else compile_layers
         self.ops = LayerOps(model, compile_layers=compile_layers, projections="few-rows-fp8" if fp8_weights else None)
         self.logits_layout = (choice_switch(LOGITS_ENV, LOGITS_LAYOUTS, ", ".join(LOGITS_LAYOUTS))
@@ -269,7 +290,10 @@ class StaticKVDecoder:
         # Positions past the table only come from draft rows that run off the last frame; their
         # outputs are never used. Rotary takes them clamped; their K/V go to the spare rows.
         rotary_positions = positions.clamp(max=self.max_positions - 1)
-        cos, sin = self.model.model.rotary_emb(embeds, rotary_positions[None])
+        if self.rotary is not None and embeds.dtype == self.rotary[0].dtype:
+            cos, sin = (table.index_select(1, rotary_positions) for table in self.rotary)
+        else:
+            cos, sin = self.model.model.rotary_emb(embeds, rotary_positions[None])
         ops = self.ops.for_rows(decode)
         n = embeds.shape[1]
         table_rows = None  # the flash kernel's block-table rows: 0..S-1 when batched, these otherwise

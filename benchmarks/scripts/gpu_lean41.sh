@@ -15,6 +15,7 @@
 #             TORCHINDUCTOR_ENABLE_PDL=1 (Inductor's kernels launched as programmatic dependent launches: each may
 #             start while the one before ends, inside the step's CUDA graph; the JSON says whether torch knew it), -fewpdl
 #             TERRA_FEW_ROWS_PDL=1 (the few-rows kernel launched so too, its weights read before the wait),
+#             -fewwait TERRA_FEW_ROWS_PDL=wait (launched so, waiting at its start: no early read),
 #             -rotstep TERRA_SINGLE_STREAM_ROTARY=step (rotary's cos and sin computed each step, as before
 #             2026-12-07d, instead of rows of a table; codes_sha256 of one rollout must match); default
 #             "fp8 fp8-bytes bf16"
@@ -59,6 +60,7 @@ variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) a
       chunks64) V_CHUNKS=64 ;;
       pdl) V_PDL=1 ;;
       fewpdl) V_FEWPDL=1 ;;
+      fewwait) V_FEWPDL=wait ;;
       rotstep) V_ROTARY=step ;;
       *) return 1 ;;
     esac
@@ -68,7 +70,7 @@ check_weights() {  # every WEIGHTS name parses, before minutes of setup
   local weights
   for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
     variant "$weights" || { echo "WEIGHTS: $weights is not fp8 or bf16 followed by -kv8, -bytes, -unroll, -unroll8," \
-      "-tile128, -streams4, -chunks64, -pdl, -fewpdl or -rotstep" >&2; exit 2; }
+      "-tile128, -streams4, -chunks64, -pdl, -fewpdl, -fewwait or -rotstep" >&2; exit 2; }
   done
 }
 each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name

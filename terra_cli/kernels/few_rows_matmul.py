@@ -98,12 +98,17 @@ def tile_for(rows: int, fp8: bool) -> Tile:
 # each kernel's start and end are much of its time (benchmarks/README.md, 2026-11-29). The same products in
 # the same order. Read at each launch (outside any trace: the operators are opaque to torch.compile).
 # Measured on an H100 (2026-12-07d): with Inductor's kernels launched so too (TORCHINDUCTOR_ENABLE_PDL=1),
-# 32 sessions +3.3% and one rollout +1.1%, but alone 7% slower at one row: a lab switch.
+# 32 sessions +3.3% and one rollout +1.1%, but alone 7% slower at one row: a lab switch. =wait launches it
+# so with the wait at its start and no early read, to tell the two apart.
 PDL_ENV = "TERRA_FEW_ROWS_PDL"
+PDL_MODES = ("0", "1", "wait")
 
 
-def pdl_asked(environ=None) -> bool:
-    return choice_switch(PDL_ENV, ("0", "1"), "1 (launch as a programmatic dependent launch) or 0", environ) == "1"
+def pdl_mode(environ=None) -> str:
+    """PDL_ENV: `0` (unset: a plain launch), `1` (a programmatic dependent launch; the one-row GEMV reads its
+    first weight tile before it waits), `wait` (the same launch, every kernel waiting first: to tell the
+    launch's effect from the early read's)."""
+    return choice_switch(PDL_ENV, PDL_MODES, "1, wait or 0", environ) or "0"
 
 
 _kernel = None
@@ -143,12 +148,16 @@ def _build():
             tl.store(out_ptr + split * stride_os + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
         elif ONE_ROW:  # a plain GEMV: products and a row sum on the CUDA cores, no tile of 15 masked rows
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if GDC:
+                tl.extra.cuda.gdc_wait()
             for start in range(k_from, k_to, BLOCK_K):
                 ks = start + tl.arange(0, BLOCK_K)
                 h = tl.load(h_ptr + ks, mask=ks < k_to, other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
                             mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
                 total += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+            if GDC:
+                tl.extra.cuda.gdc_launch_dependents()
             if SCALED:
                 total *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)
             tl.store(out_ptr + split * stride_os + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
@@ -275,8 +284,9 @@ def _launch(hidden: torch.Tensor, weight: torch.Tensor, slices: tuple[int, int, 
         _kernel = _build()
     depth, outputs = hidden.shape[1], weight.shape[0]
     splits, k_per_split, tile = slices
-    peel = pdl_asked()
-    gdc = peel and hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] >= 9
+    mode = pdl_mode()
+    peel = mode == "1"
+    gdc = mode != "0" and hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] >= 9
     _kernel[(_cdiv(outputs, tile.block_n), splits)](
         hidden, weight, weight if scale is None else scale, out, hidden.shape[0], outputs, depth, k_per_split,
         hidden.stride(0), weight.stride(0), out.stride(0) if out.dim() == 3 else 0, out.stride(-2),

@@ -127,35 +127,30 @@ def _build():
         split = tl.program_id(1)
         k_from = split * k_per_split
         k_to = tl.minimum(K, k_from + k_per_split)
-        if ONE_ROW and PEEL:  # the GEMV with its first weight tile asked for before the wait (PDL_ENV)
-            ks = k_from + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
-                        mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
-            if GDC:  # the hidden row is the kernel before's output; the weights are no kernel's
-                tl.extra.cuda.gdc_wait()
+        if ONE_ROW:  # a plain GEMV: products and a row sum on the CUDA cores, no tile of 15 masked rows
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for start in range(k_from, k_to, BLOCK_K):
-                ks = start + tl.arange(0, BLOCK_K)
-                h = tl.load(h_ptr + ks, mask=ks < k_to, other=0.0).to(tl.float32)
-                total += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
-                ks = ks + BLOCK_K  # the next tile (past k_to: masked, nothing read)
+            if PEEL:  # the first weight tile asked for before the wait (PDL_ENV)
+                ks = k_from + tl.arange(0, BLOCK_K)
                 w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
                             mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
-            if GDC:
-                tl.extra.cuda.gdc_launch_dependents()
-            if SCALED:
-                total *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)
-            tl.store(out_ptr + split * stride_os + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
-        elif ONE_ROW:  # a plain GEMV: products and a row sum on the CUDA cores, no tile of 15 masked rows
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            if GDC:
-                tl.extra.cuda.gdc_wait()
-            for start in range(k_from, k_to, BLOCK_K):
-                ks = start + tl.arange(0, BLOCK_K)
-                h = tl.load(h_ptr + ks, mask=ks < k_to, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
-                            mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
-                total += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+                if GDC:  # the hidden row is the kernel before's output; the weights are no kernel's
+                    tl.extra.cuda.gdc_wait()
+                for start in range(k_from, k_to, BLOCK_K):
+                    ks = start + tl.arange(0, BLOCK_K)
+                    h = tl.load(h_ptr + ks, mask=ks < k_to, other=0.0).to(tl.float32)
+                    total += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+                    ks = ks + BLOCK_K  # the next tile (past k_to: masked, nothing read)
+                    w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                                mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
+            else:
+                if GDC:
+                    tl.extra.cuda.gdc_wait()
+                for start in range(k_from, k_to, BLOCK_K):
+                    ks = start + tl.arange(0, BLOCK_K)
+                    h = tl.load(h_ptr + ks, mask=ks < k_to, other=0.0).to(tl.float32)
+                    w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                                mask=(cols[:, None] < N) & (ks[None, :] < k_to), other=0.0)
+                    total += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
             if GDC:
                 tl.extra.cuda.gdc_launch_dependents()
             if SCALED:

@@ -202,7 +202,7 @@ def test_a_tokens_step_answers_codes_and_decodes_no_picture(client, engine):
     with pytest.raises(WebSocketDisconnect) as refused:
         with client.websocket_connect(f"/v1/sessions/{session_id}/stream?format=gif") as socket:
             socket.receive_json()
-    assert refused.value.code == 4422
+    assert refused.value.code == 4422 and refused.value.reason == "format must be jpeg, png or tokens, got 'gif'"
     # the same on the socket, its replay of the held frames too
     with client.websocket_connect(f"/v1/sessions/{session_id}/stream?format=tokens") as socket:
         replayed = [socket.receive_json() for _ in range(4)]

@@ -126,6 +126,8 @@ def test_an_oversized_message_closes_with_1009_and_one_log_line(server):
     ('{"action": "left", "surprise": 1}', "surprise"),
     ('{"action": "sideways"}', "action"),
     ('{"frames": 100}', "frames"),
+    ('{"action": "left", "format": 5}', "format"),
+    ('{"action": "left", "format": "gif"}', "format"),
 ])
 def test_malformed_messages_get_an_error_message_and_the_socket_stays_open(server, payload, field):
     mark = len(server["records"].problems())

@@ -209,8 +209,10 @@ async def stream(websocket: WebSocket, session_id: str, format: str = "jpeg"):
     if not websocket_allowed(websocket):
         await websocket.close(code=4401, reason="missing or wrong API key")
         return
-    if format not in STEP_FORMATS:
-        await websocket.close(code=4422, reason=f"format must be one of {', '.join(STEP_FORMATS)}")
+    try:
+        check_format(format, STEP_FORMATS)
+    except FieldError as error:  # HTTP's field check, answered as a WebSocket close code can be
+        await websocket.close(code=4422, reason=error.message)
         return
     try:
         session = state.sessions.get(session_id)
@@ -296,7 +298,7 @@ def socket_message(received: dict) -> dict:
         raise FieldError("frames", f"frames must be a whole number, got {str(frames)[:40]}")
     fmt = message.get("format", "jpeg")
     if not isinstance(fmt, str):
-        raise FieldError("format", f"format must be one of {', '.join(STEP_FORMATS)}")
+        check_format(str(fmt)[:40], STEP_FORMATS)  # no JSON non-string reads as a format name
     return {"type": "step", "action": message.get("action", "straight"), "frames": frames, "format": fmt}
 
 

@@ -215,6 +215,7 @@ def test_compiled_layer_functions_give_the_eager_codes(model):
     decoder.core = StaticKVDecoder(model, compile_layers=True)
     codes = decoder.rollout(context[0], actions[0], 4, Sampling(temperature=0), 0)
     assert decoder.core.compiled, decoder.core.ops.compile_error
+    assert decoder.core.prologue.compiled, decoder.core.prologue.error  # the step's inputs too
     reference = HfBackend(model=model, device="cpu").generate(context[0], actions[0], 4, Sampling(temperature=0))[0]
     np.testing.assert_array_equal(codes, reference)
 

@@ -332,6 +332,7 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
               "quantization": quantization or "none",
               # a failed compile runs the layers eagerly (EagerFallback): name it, or the profile reads as the product's
               "compiled_layers": single.core.compiled, "compile_error": single.core.ops.compile_error,
+              "compiled_step_inputs": single.core.prologue.compiled, "step_inputs_error": single.core.prologue.error,
               "lab_switches": lab_switches(),
               "sampler_error": single.sampler.error,
               "ms_per_step_wall": round(wall * 1000 / steps, 4),
@@ -349,7 +350,7 @@ def lab_switches() -> dict:
 
     names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS",
              "TERRA_NOISE_STREAMS", "TERRA_SAMPLER_CHUNKS", "TORCHINDUCTOR_ENABLE_PDL",
-             "TERRA_FEW_ROWS_PDL", "TERRA_SINGLE_STREAM_ROTARY")
+             "TERRA_FEW_ROWS_PDL", "TERRA_SINGLE_STREAM_ROTARY", "TERRA_STEP_PROLOGUE")
     switches = {name: os.environ[name] for name in names if os.environ.get(name)}
     if os.environ.get("TORCHINDUCTOR_ENABLE_PDL"):  # whether this torch's Inductor knows the switch at all
         from torch._inductor import config
@@ -431,6 +432,8 @@ def measure_sessions(sessions_list: list[int], frames: int, think_ms: float, kv_
                                                                 .tobytes() for s in range(count))).hexdigest()[:16],
                         "compiled_layers": backend.decoder.core.compiled, "lab_switches": lab_switches(),
                         "compile_error": backend.decoder.core.ops.compile_error,
+                        "compiled_step_inputs": backend.decoder.core.prologue.compiled,
+                        "step_inputs_error": backend.decoder.core.prologue.error,
                         "joins": driver.loop.batches, "prompts_reused": (backend.rows.prompts_reused if backend.rows else 0) - reused_before,
                         "loop": driver.loop.as_dict()})
         print(json.dumps(results[-1]), flush=True)

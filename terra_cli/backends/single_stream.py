@@ -195,7 +195,7 @@ class SingleStreamDecoder:
         self.stats = {"frames": frames, "steps": steps, "codes_per_step": decided / steps if steps else None,
                       "accepted_drafts": int(self.accepted), "frame_seconds": frame_seconds,
                       "graphs_captured": self.graphs.captures, "attention": self.core.attention,
-                      "compiled_layers": self.core.compiled}
+                      "compiled_layers": self.core.compiled, "compiled_step_inputs": self.core.prologue.compiled}
 
     @torch.inference_mode()
     def prepare(self, frames: range, sampling: Sampling) -> float:

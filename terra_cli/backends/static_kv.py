@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from terra_cli.backends.flash_cache import FlashCacheAttention, flash_page, flash_planner, flash_varlen_kernel
 from terra_cli.backends.layer_ops import FP8_KV, LayerOps, cache_write, to_cache, write_cache
+from terra_cli.backends.step_prologue import StepPrologue
 from terra_cli.errors import InputError
 from terra_cli.kernels import few_rows_matmul as few_rows
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
@@ -191,11 +192,12 @@ class StaticKVDecoder:
         self.fused_cache_write = cache_write() == "fused"
         if ops_from is not None:
             self.ops, self.logits_layout, self.head_fp8 = ops_from.ops, ops_from.logits_layout, ops_from.head_fp8
-            self.rotary = ops_from.rotary
+            self.rotary, self.prologue = ops_from.rotary, ops_from.prologue
             return
         self.rotary = rotary_table(model, self.max_positions, self.dtype)
         compile_layers = self.device.type == "cuda" if compile_layers is None else compile_layers
         self.ops = LayerOps(model, compile_layers=compile_layers, projections="few-rows-fp8" if fp8_weights else None)
+        self.prologue = StepPrologue(model, self.rotary, self.max_positions - 1, compiled=self.ops.compiled)
         self.logits_layout = (choice_switch(LOGITS_ENV, LOGITS_LAYOUTS, ", ".join(LOGITS_LAYOUTS))
                               or default_logits_layout(self.device, fp8_weights))
         self.head_fp8 = few_rows.quantize_rows_fp8(model.lm_head.weight) \
@@ -205,14 +207,10 @@ class StaticKVDecoder:
     def compiled(self) -> bool:
         return self.ops.compiled
 
-    def embed_codes(self, codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(n,) codes at (n,) positions -> (1, n, H); the same sum as `model.embed` for code rows."""
-        embeds = self.model.model.embed_tokens(codes[None])
-        return embeds + self.model.pos_embedding_spatio_temporal(positions[None]).to(embeds.dtype)
-
     def forward_codes(self, codes: torch.Tensor, positions: torch.Tensor, key_length: int) -> torch.Tensor:
         """Logits (n, V) for codes (n,) at positions (n,) on the device; keys read: [0, key_length)."""
-        return self.run(self.embed_codes(codes, positions), positions, key_length, decode=True)
+        embeds, rotary = self.prologue(codes, positions)
+        return self.logits(self.hidden(embeds, positions, key_length, decode=True, rotary=rotary))
 
     def forward_with_actions(self, ids: torch.Tensor, positions: torch.Tensor, waypoints: torch.Tensor,
                              logits_to_keep: int = 1, row: int = 0) -> torch.Tensor:
@@ -257,11 +255,8 @@ class StaticKVDecoder:
 
     def forward_rows(self, codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step of rows 0..S-1: codes (S,) at the rows' own positions (S,) -> logits (S, V)."""
-        return self.logits(self.hidden(self.embed_codes(codes, positions), positions, 0, decode=True, batched=True))
-
-    def run(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False) -> torch.Tensor:
-        hidden = self.hidden(embeds, positions, key_length, decode)
-        return self.logits(hidden) if decode else self.model.lm_head(hidden)
+        embeds, rotary = self.prologue(codes, positions)
+        return self.logits(self.hidden(embeds, positions, 0, decode=True, batched=True, rotary=rotary))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over a decode step's rows (n, H) -> (n, V), in the layout `logits_layout` names."""
@@ -278,22 +273,25 @@ class StaticKVDecoder:
         return logits if head.bias is None else logits + head.bias
 
     def hidden(self, embeds: torch.Tensor, positions: torch.Tensor, key_length: int, decode: bool = False,
-               row: int = 0, batched: bool = False, segment_rows: list[int] | None = None) -> torch.Tensor:
+               row: int = 0, batched: bool = False, segment_rows: list[int] | None = None,
+               rotary: tuple | None = None) -> torch.Tensor:
         """Final hidden states (n, H): every layer writes its K/V at `positions` first, then attends.
         `positions` are consecutive (a prompt, a step's window) in row `row`'s region; `decode`: a
         decode step's few rows (the compiled functions' shapes), not a prompt. `batched`: instead,
         query i is row i's one code at its own position `positions[i]` (`forward_rows`).
         `segment_rows`: instead, S equal runs of consecutive positions, run i in row segment_rows[i]
-        (`forward_frame_ends`)."""
+        (`forward_frame_ends`). `rotary`: the positions' (cos, sin) rows, made already (`StepPrologue`)."""
         if batched:
             segment_rows = list(range(embeds.shape[1]))
         # Positions past the table only come from draft rows that run off the last frame; their
         # outputs are never used. Rotary takes them clamped; their K/V go to the spare rows.
-        rotary_positions = positions.clamp(max=self.max_positions - 1)
-        if self.rotary is not None and embeds.dtype == self.rotary[0].dtype:
-            cos, sin = (table.index_select(1, rotary_positions) for table in self.rotary)
+        if rotary is not None:
+            cos, sin = rotary
+        elif self.rotary is not None and embeds.dtype == self.rotary[0].dtype:
+            at = positions.clamp(max=self.max_positions - 1)
+            cos, sin = (table.index_select(1, at) for table in self.rotary)
         else:
-            cos, sin = self.model.model.rotary_emb(embeds, rotary_positions[None])
+            cos, sin = self.model.model.rotary_emb(embeds, positions.clamp(max=self.max_positions - 1)[None])
         ops = self.ops.for_rows(decode)
         n = embeds.shape[1]
         table_rows = None  # the flash kernel's block-table rows: 0..S-1 when batched, these otherwise
@@ -343,7 +341,7 @@ class StaticKVDecoder:
                 out = attend(q, keys[:, :, base:base + key_length], values[:, :, base:base + key_length], mask, scale)
                 out = out.view(1, self.kv_heads, group, n, self.head_dim).permute(0, 3, 1, 2, 4).reshape(1, n, -1)
             x = ops.attention_output_and_mlp(index, x, out)
-        return self.model.model.norm(x)[0]
+        return (self.prologue.norm(x) if decode else self.model.model.norm(x))[0]
 
     def attend_rows(self, q, keys, values, positions, scale: float, group: int, rows: list[int]) -> torch.Tensor:
         """The torch path of runs in rows of their own (a batched step's one query a row, or frame ends'

@@ -115,17 +115,18 @@ DECODER_COMPILE_MODE_ENV = "TERRA_DECODER_COMPILE_MODE"
 DECODER_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 
 
-# TERRA_PICTURE_STREAM (a lab switch): where `terra serve` decodes session pictures on CUDA. `high` (unset): a
-# stream of high priority, so a picture's kernels go ahead of the engine's queued steps (a session waits on its
-# picture) but run beside them; `normal`: a stream of normal priority; `shared`: the engine's own (default)
-# stream, after the steps queued before it (at most two advances, ~85 ms) and never beside them. At 32
-# sessions on an H100 the pictures made the steps 11% slower with `high` (2026-12-07d); the others unmeasured.
+# TERRA_PICTURE_STREAM (a lab switch): where `terra serve` decodes session pictures on CUDA. `normal` (unset): a
+# stream of its own, of normal priority, its kernels beside the engine's steps; `high`: of high priority, so a
+# picture's kernels go ahead of the engine's queued steps; `shared`: the engine's own (default) stream, after the
+# steps queued before it (at most two advances, ~85 ms) and never beside them. 32 sessions through the server on
+# an H100, one call (2026-12-07e): normal 0.548 frames/s each, high 0.521, shared 0.527, tokens only 0.603; high
+# made the steps slower (3.09 against 2.98 ms) and a session waits on the steps as much as on its picture.
 PICTURE_STREAM_ENV = "TERRA_PICTURE_STREAM"
 PICTURE_STREAMS = ("high", "normal", "shared")
 
 
 def picture_stream_asked(environ=None) -> str:
-    return choice_switch(PICTURE_STREAM_ENV, PICTURE_STREAMS, ", ".join(PICTURE_STREAMS), environ) or "high"
+    return choice_switch(PICTURE_STREAM_ENV, PICTURE_STREAMS, ", ".join(PICTURE_STREAMS), environ) or "normal"
 
 
 def decoder_compile_mode_asked(environ=None) -> str | None:

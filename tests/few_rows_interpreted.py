@@ -125,13 +125,13 @@ def fp8_checks(kernel, model, context, actions, layout, gen) -> dict:
                                   weight.bfloat16().double()), ("fp8", values, scale, restored)):
         exact = one.to(w.dtype if s is None else torch.float32).double() @ reference.t()
         for splits in (1, 3):
+            os.environ[kernel.PDL_ENV] = "0"  # the plain loop
             got = kernel.few_rows_matmul(one.to(w.dtype if s is None else torch.float32), w, splits, scale=s)
             out["errors"][f"gemv-{name}-{splits}"] = float((got.double() - exact).abs().max() / exact.abs().max())
-            # TERRA_FEW_ROWS_PDL=1: the GEMV's first weight tile loaded ahead (the wait itself is CUDA's), the
-            # same products in the same order, so the same bits
-            os.environ[kernel.PDL_ENV] = "1"
-            peeled = kernel.few_rows_matmul(one.to(w.dtype if s is None else torch.float32), w, splits, scale=s)
+            # TERRA_FEW_ROWS_PDL=1 (the default): the GEMV's first weight tile loaded ahead (the wait itself is
+            # CUDA's), the same products in the same order, so the same bits
             del os.environ[kernel.PDL_ENV]
+            peeled = kernel.few_rows_matmul(one.to(w.dtype if s is None else torch.float32), w, splits, scale=s)
             out.setdefault("peeled_equal", {})[f"{name}-{splits}"] = bool(torch.equal(peeled, got))
     kernel.tile_override = None
     for call in (lambda: kernel.few_rows_matmul(torch.zeros(2, 700), values),

@@ -101,7 +101,7 @@ def test_splits_capped_by_the_partials_bytes_only_when_asked():
 
 
 def test_the_programmatic_launch_switch_takes_1_wait_or_0_only():
-    assert kernel.pdl_mode({}) == "0" and kernel.pdl_mode({kernel.PDL_ENV: " 0 "}) == "0"
+    assert kernel.pdl_mode({}) == "1" and kernel.pdl_mode({kernel.PDL_ENV: " 0 "}) == "0"  # on unless switched off
     assert kernel.pdl_mode({kernel.PDL_ENV: "1"}) == "1" and kernel.pdl_mode({kernel.PDL_ENV: "Wait"}) == "wait"
     with pytest.raises(InputError, match="TERRA_FEW_ROWS_PDL='yes': use 1, wait or 0"):
         kernel.pdl_mode({kernel.PDL_ENV: "yes"})

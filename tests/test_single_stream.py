@@ -276,18 +276,20 @@ def test_the_layer_projections_switch_is_checked_and_needs_a_device_that_runs_th
 def test_the_unroll_switch_reaches_the_layer_functions_compile_and_is_checked(model, monkeypatch):
     """TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=N: Inductor's unroll_reductions_threshold for the three compiled
     layer functions (no mode beside it: torch.compile takes one); unset, torch.compile's defaults for
-    cuBLAS's projections and SPLIT_SUM_UNROLL for the few-rows kernel's (its split-K sums)."""
+    cuBLAS's projections and SPLIT_SUM_UNROLL for the few-rows kernel's (its split-K sums). Here with the
+    programmatic launches off (TORCHINDUCTOR_ENABLE_PDL=0); the next test has them."""
     from terra_cli.backends import layer_ops
     from terra_cli.errors import InputError
 
-    unroll, mode = layer_ops.UNROLL_ENV, layer_ops.COMPILE_MODE_ENV
-    assert layer_ops.compile_options({}) is None
-    assert layer_ops.compile_options({unroll: " 32 "}) == {"unroll_reductions_threshold": 32}
+    unroll, mode, plain = layer_ops.UNROLL_ENV, layer_ops.COMPILE_MODE_ENV, {"TORCHINDUCTOR_ENABLE_PDL": "0"}
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "0")
+    assert layer_ops.compile_options(plain) is None
+    assert layer_ops.compile_options({unroll: " 32 ", **plain}) == {"unroll_reductions_threshold": 32}
     split_sums = {"unroll_reductions_threshold": layer_ops.SPLIT_SUM_UNROLL}
     assert layer_ops.SPLIT_SUM_UNROLL > 8  # more terms than Inductor writes out by default
     for kind in ("few-rows", "few-rows-fp8"):
-        assert layer_ops.compile_options({}, kind) == split_sums
-        assert layer_ops.compile_options({unroll: "8"}, kind) == {"unroll_reductions_threshold": 8}
+        assert layer_ops.compile_options(plain, kind) == split_sums
+        assert layer_ops.compile_options({unroll: "8", **plain}, kind) == {"unroll_reductions_threshold": 8}
         assert layer_ops.compile_options({mode: "max-autotune-no-cudagraphs"}, kind) is None  # the mode alone
     for bad in ("0", "65", "many"):
         with pytest.raises(InputError, match=f"{unroll}='{bad}': use a whole number of terms from 1 to 64"):
@@ -309,6 +311,37 @@ def test_the_unroll_switch_reaches_the_layer_functions_compile_and_is_checked(mo
     ops = layer_ops.LayerOps(model, compile_layers=True, projections="few-rows-fp8")
     assert ops.projections == "few-rows-fp8" and isinstance(ops.decode.functions, layer_ops.CompiledOps)
     assert len(asked) == 3 and all(o["options"] == split_sums for o in asked), asked
+
+
+def test_every_compiled_part_of_a_step_launches_programmatically_unless_switched_off(model, monkeypatch):
+    """Inductor's programmatic dependent launches (`step_compile.launch_options`) reach the layer functions,
+    the sampler and the step's inputs, with the options each needs besides; TORCHINDUCTOR_ENABLE_PDL=0 takes
+    them off all three, and a value other than 0 or 1 is refused."""
+    from terra_cli.backends import step_compile
+    from terra_cli.backends.device_sampling import StepSampler
+    from terra_cli.backends.static_kv import StaticKVDecoder
+    from terra_cli.errors import InputError
+
+    pdl = {"triton.enable_pdl": True}
+    assert step_compile.launch_options({}) == pdl and step_compile.launch_options({"TORCHINDUCTOR_ENABLE_PDL": "0"}) == {}
+    assert step_compile.compile_options({}, "few-rows-fp8") == {**pdl, "unroll_reductions_threshold": 32}
+    with pytest.raises(InputError, match="TORCHINDUCTOR_ENABLE_PDL='2': use 1 or 0"):
+        step_compile.launch_options({"TORCHINDUCTOR_ENABLE_PDL": "2"})
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: asked.append(options) or fn)
+    for value, launches in ((None, pdl), ("1", pdl), ("0", {})):
+        if value is None:
+            monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", value)
+        asked.clear()
+        StaticKVDecoder(model, compile_layers=True)
+        StepSampler(compiled=True)
+        options = [o["options"] or {} for o in asked]
+        assert len(options) == 5, asked  # three layer functions, the step's inputs, the sampler
+        assert all(o.items() >= launches.items() for o in options) and (launches or all("triton.enable_pdl" not in o
+                                                                                        for o in options)), options
+        assert options[3] == {"emulate_precision_casts": True, **launches}  # the step's inputs keep eager's bits
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softmax_scale: float) -> torch.Tensor:

@@ -62,6 +62,7 @@ variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) a
       fewpdl) V_FEWPDL=1 ;;
       fewwait) V_FEWPDL=wait ;;
       rotstep) V_ROTARY=step ;;
+      nopdl) V_PDL=0 V_FEWPDL=0 ;;  # plain launches (programmatic ones are the default since 2026-12-07e)
       proleager) V_PROLOGUE=eager ;;
       norm) V_PROLOGUE=compiled-norm ;;
       *) return 1 ;;
@@ -72,7 +73,7 @@ check_weights() {  # every WEIGHTS name parses, before minutes of setup
   local weights
   for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
     variant "$weights" || { echo "WEIGHTS: $weights is not fp8 or bf16 followed by -kv8, -bytes, -unroll, -unroll8," \
-      "-tile128, -streams4, -chunks64, -pdl, -fewpdl, -fewwait, -rotstep, -proleager or -norm" >&2; exit 2; }
+      "-tile128, -streams4, -chunks64, -pdl, -fewpdl, -fewwait, -nopdl, -rotstep, -proleager or -norm" >&2; exit 2; }
   done
 }
 each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name
@@ -101,7 +102,7 @@ picture_row() {  # NAME: a PICTURE_ROWS name -> P_OPTIONS (server options), P_FO
   esac
   for part in "${parts[@]:1}"; do
     case "$part" in
-      normal|shared) P_STREAM=$part ;;
+      normal|high|shared) P_STREAM=$part ;;
       graphs) P_MODE=reduce-overhead ;;
       *) return 1 ;;
     esac
@@ -125,7 +126,7 @@ case "${1:-}" in
     source_stamp "$OUT/code.txt"
     extra=${SERVE_ARGS_EXTRA:-}
     for row in ${PICTURE_ROWS:-pic8 pic1}; do  # every row parses, before any runs
-      picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic8, pic1 or tokens followed by -normal, -shared" \
+      picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic8, pic1 or tokens followed by -normal, -high, -shared" \
         "or -graphs" >&2; exit 2; }
     done
     for row in ${PICTURE_ROWS:-pic8 pic1}; do

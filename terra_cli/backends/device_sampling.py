@@ -14,6 +14,7 @@ import torch
 
 from terra_cli.backends.base import Sampling
 from terra_cli.backends.layer_ops import EagerFallback
+from terra_cli.backends.step_compile import launch_options
 from terra_cli.models.config import FrameLayout
 from terra_cli.runtime import choice_switch, whole_number_switch
 from terra_cli.seeds import draw_seed
@@ -95,7 +96,8 @@ class StepSampler(EagerFallback):
         self.chunks = whole_number_switch(SAMPLER_CHUNKS_ENV, 4096, "a whole number of slices from 1 to 4096",
                                           environ) or SAMPLER_CHUNKS
         self.race = functools.partial(race_codes, chunks=self.chunks)
-        self.compiled = torch.compile(self.race, dynamic=False, fullgraph=True) if compiled and not eager else None
+        self.compiled = (torch.compile(self.race, dynamic=False, fullgraph=True, options=launch_options() or None)
+                         if compiled and not eager else None)
 
     def __call__(self, logits: torch.Tensor, noise: torch.Tensor, layout: FrameLayout,
                  sampling: Sampling) -> torch.Tensor:

@@ -23,18 +23,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from terra_cli.errors import InputError, error_summary
-from terra_cli.runtime import choice_switch, switched_off, whole_number_switch
+from terra_cli.backends.step_compile import (COMPILE_ENV, COMPILE_MODE_ENV, RECOMPILE_LIMIT, SPLIT_SUM_UNROLL,  # noqa: F401
+                                             UNROLL_ENV, compile_mode, compile_options, compile_wanted)
+from terra_cli.errors import error_summary
+from terra_cli.runtime import choice_switch
 
-# TERRA_SINGLE_STREAM_COMPILE=0 keeps the eager functions on CUDA too (to compare, or where
-# Inductor cannot build).
-COMPILE_ENV = "TERRA_SINGLE_STREAM_COMPILE"
-# TERRA_SINGLE_STREAM_COMPILE_MODE=max-autotune-no-cudagraphs lets Inductor time its GEMM choices for
-# the step's few rows against cuBLAS (whose small-M tiles read the layers' weights at about 2.1 TB/s
-# on the H100, 62% of the card: benchmarks/README.md, issue 41). Unset: torch.compile's default, the
-# measured one. The step is captured in a CUDA graph by single_stream.StepGraphs either way.
-COMPILE_MODE_ENV = "TERRA_SINGLE_STREAM_COMPILE_MODE"
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # TERRA_SINGLE_STREAM_LAYERS=few-rows runs the decode step's four projections a layer through terra's
 # split-K kernel for a few rows (kernels/few_rows_matmul.py) instead of cuBLAS, on CUDA (or under
 # Triton's interpreter: the CPU tests). Measured on an H100: no faster than cuBLAS (benchmarks/README.md,
@@ -43,15 +36,6 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # weights: what `--quantization fp8` asks for on this backend (`LayerOps(projections=...)`), never a
 # default; prompts keep the modules' own weights.
 LAYERS_ENV = "TERRA_SINGLE_STREAM_LAYERS"
-# Inductor turns reductions of at most N terms into sums written out (N=8 by its default), which fuse into
-# the kernel that reads them. The few-rows kernel's split-K sums add up to 22 slices: at 32 rows of fp8
-# weights on an H100 the 16- and 22-slice ones ran as kernels of their own, 0.38 ms of a 3.65 ms step
-# (2026-12-07); with N=32 the o and down projections' sums join the next kernel: that 32-row step's kernels
-# 3.69 -> 3.48 ms, one session alone 0.878 -> 0.838 s a frame (2026-12-07c). So the few-rows projections
-# compile with SPLIT_SUM_UNROLL; TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=N (a lab switch) sets N for any
-# projections (8: Inductor's own).
-UNROLL_ENV = "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS"
-SPLIT_SUM_UNROLL = 32
 LAYER_PROJECTIONS = ("linear", "few-rows", "few-rows-fp8")
 # On FlashAttention's cache layout a decode step's k and v go into the cache inside the compiled
 # function that makes them (`attention_inputs_written`), not by two `index_copy_` kernels a layer
@@ -81,27 +65,6 @@ def projection(name: str, device: torch.device):
 
         return linear_for(device)
     return F.linear
-
-
-def compile_mode(environ=None) -> str | None:
-    """The torch.compile mode of the decode step's layer functions (None: the default)."""
-    mode = choice_switch(COMPILE_MODE_ENV, COMPILE_MODES, ", ".join(COMPILE_MODES), environ)
-    return None if mode == "default" else mode
-
-
-def compile_options(environ=None, projections: str = "linear") -> dict | None:
-    """Inductor options for the decode step's layer functions: `unroll_reductions_threshold` from
-    UNROLL_ENV, else SPLIT_SUM_UNROLL for the few-rows `projections` (None: Inductor's defaults; so too
-    under a compile mode, which torch.compile takes instead of options, not beside them)."""
-    threshold = whole_number_switch(UNROLL_ENV, 64, "a whole number of terms from 1 to 64", environ)
-    if threshold is None:
-        if projections == "linear" or compile_mode(environ) is not None:
-            return None
-        return {"unroll_reductions_threshold": SPLIT_SUM_UNROLL}
-    if compile_mode(environ) is not None:
-        raise InputError(f"{UNROLL_ENV} and {COMPILE_MODE_ENV} cannot both be set (torch.compile takes one of "
-                         "options and a mode): leave one unset")
-    return {"unroll_reductions_threshold": threshold}
 
 
 FP8_KV = torch.float8_e4m3fn  # `StaticKVDecoder(fp8_cache=True)`'s: FlashAttention-3's fp8, as vLLM's fp8 cache
@@ -216,13 +179,6 @@ class FusedOps:
         self.attention_output_and_mlp = functools.partial(attention_output_and_mlp_fused, linear=linear)
 
 
-# Dynamo keeps at most `recompile_limit` (8) compiled shapes a code object, then runs new shapes
-# eagerly without a word but a log line. A decoder asks for one row count a step kind (1, a draft
-# window's K) and row batches for five more (2-32): `terra serve` with row batches ran past 8 on an H200
-# (2026-11-29, lease 8) and its batched steps went eager.
-RECOMPILE_LIMIT = 32
-
-
 LOG = logging.getLogger("terra.single_stream")
 
 
@@ -271,12 +227,6 @@ class CompiledOps(EagerFallback):
 
     def attention_output_and_mlp(self, *args):
         return self.call(self._output, self._eager.attention_output_and_mlp, *args)
-
-
-def compile_wanted(requested: bool) -> bool:
-    if switched_off(COMPILE_ENV):
-        return False
-    return requested and hasattr(torch, "compile")
 
 
 class LayerOps:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from terra_cli.backends.layer_ops import EagerFallback, rms_norm
+from terra_cli.backends.step_compile import launch_options
 from terra_cli.runtime import choice_switch
 
 PROLOGUE_ENV = "TERRA_STEP_PROLOGUE"
@@ -66,9 +67,10 @@ class StepPrologue(EagerFallback):
                        embeddings.temporal_embeddings.weight, rotary, last_position)
         self.final_norm = model.model.norm
         compile = functools.partial(torch.compile, dynamic=False, fullgraph=True)
-        self._inputs = (compile(code_step_inputs, options={"emulate_precision_casts": True})
+        launches = launch_options()
+        self._inputs = (compile(code_step_inputs, options={"emulate_precision_casts": True, **launches})
                         if compiled and mode != "eager" else None)
-        self._norm = compile(rms_norm) if compiled and mode == "compiled-norm" else None
+        self._norm = compile(rms_norm, options=launches or None) if compiled and mode == "compiled-norm" else None
 
     @property
     def compiled(self) -> bool:

@@ -90,7 +90,7 @@ def kv_cache_dtype_option():
         "KV-cache dtype: auto (the model's) or fp8 (fp8_e4m3, fp8_e5m2; a GPU). On vLLM fp8 holds twice the "
         "rollouts and, with --attention auto on a Hopper GPU, decodes faster. --backend single-stream takes fp8 "
         "(e4m3; a Hopper GPU, or the CPU), an approximation: with --quantization fp8, 32 sessions through terra serve on an "
-        "H100 at 0.552 frames/s each with pictures, 0.620 with tokens steps (benchmarks/README.md)."))
+        "H100 at 0.548 frames/s each with pictures, 0.603 with tokens steps, one call (benchmarks/README.md)."))
 
 
 def quantization_option():

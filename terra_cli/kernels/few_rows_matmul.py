@@ -90,25 +90,25 @@ def tile_for(rows: int, fp8: bool) -> Tile:
     return FP8_ROW_BATCH_TILE if fp8 and rows > TILE_ROWS[0] else TENSOR_CORE_TILE
 
 
-# TERRA_FEW_ROWS_PDL=1 (a lab switch): the kernel launched as a programmatic dependent launch (Hopper and
-# later; `launch_pdl`), so in the decode step's CUDA graph it may start while the kernel before it ends,
+# The kernel is launched as a programmatic dependent launch (Hopper and later; `launch_pdl`; TERRA_FEW_ROWS_PDL=0:
+# a plain launch, to compare), so in the decode step's CUDA graph it may start while the kernel before it ends,
 # and wait (`gdc_wait`) only before it reads the hidden rows, that kernel's output: the weights, no
 # kernel's output, stream in meanwhile (at one row the GEMV's first tile is loaded before the wait). At one
 # row of fp8 weights the step's 89 projections read 4-23 MB each at a quarter of the card's bandwidth, so
 # each kernel's start and end are much of its time (benchmarks/README.md, 2026-11-29). The same products in
 # the same order. Read at each launch (outside any trace: the operators are opaque to torch.compile).
-# Measured on an H100 (2026-12-07d): with Inductor's kernels launched so too (TORCHINDUCTOR_ENABLE_PDL=1),
-# 32 sessions +3.3% and one rollout +1.1%, but alone 7% slower at one row: a lab switch. =wait launches it
-# so with the wait at its start and no early read, to tell the two apart.
+# Measured on H100s with Inductor's kernels launched so too (backends/step_compile.py, where they go together:
+# alone it was 7% slower at one row): the same codes, 32 sessions +3.3% and +3.9%, one rollout +1.1% (fp8
+# weights) and +0.6% (bf16). =wait launches it so with the wait at its start and no early read (a lab probe).
 PDL_ENV = "TERRA_FEW_ROWS_PDL"
 PDL_MODES = ("0", "1", "wait")
 
 
 def pdl_mode(environ=None) -> str:
-    """PDL_ENV: `0` (unset: a plain launch), `1` (a programmatic dependent launch; the one-row GEMV reads its
-    first weight tile before it waits), `wait` (the same launch, every kernel waiting first: to tell the
-    launch's effect from the early read's)."""
-    return choice_switch(PDL_ENV, PDL_MODES, "1, wait or 0", environ) or "0"
+    """PDL_ENV: `1` (unset: a programmatic dependent launch; the one-row GEMV reads its first weight tile before
+    it waits), `0` (a plain launch), `wait` (the same launch, every kernel waiting first: to tell the launch's
+    effect from the early read's)."""
+    return choice_switch(PDL_ENV, PDL_MODES, "1, wait or 0", environ) or "1"
 
 
 _kernel = None

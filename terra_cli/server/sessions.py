@@ -224,7 +224,7 @@ class Sessions:
         if session.closed or generation != session.generation:
             raise SessionGone(session.id)
         # "tokens": no picture decoded (pictures' GPU time runs beside the decode steps: on an H100, 32 sessions
-        # through the server made 0.552 frames/s each with pictures, 0.620 with tokens, 2026-12-07d);
+        # through the server made 0.548 frames/s each with pictures, 0.603 with tokens, 2026-12-07e);
         # /frames/{i} decodes one later
         picture = None if fmt == "tokens" else await self.engine.pictures.picture(frame_tokens, fmt)
         session.tokens.append(np.asarray(frame_tokens, dtype=np.int64))

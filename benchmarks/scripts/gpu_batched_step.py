@@ -323,9 +323,11 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
         batch.run_steps(rows, steps)
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}
+    launches = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total / 1000
+            launches += 1
     busy = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
     result = {"rows": rows, "steps": steps, "context_frames": context, "kv_cache_dtype": kv_cache_dtype or "auto",
@@ -336,7 +338,10 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
               "lab_switches": lab_switches(),
               "sampler_error": single.sampler.error,
               "ms_per_step_wall": round(wall * 1000 / steps, 4),
-              "ms_per_step_kernels": round(busy / steps, 4),
+              "ms_per_step_kernels": round(busy / steps, 4), "kernels_per_step": round(launches / steps, 1),
+              # the kernels' time over the replays' wall: at one row, how busy the GPU is (issue 41's 95%); kernels
+              # on parallel streams (a row batch's noise) each count, so with many rows it can pass 1
+              "gpu_busy_share": round(busy / (wall * 1000), 3),
               "kernels_ms_per_step": [{"name": name[:160], "ms": round(ms / steps, 4)} for name, ms in top]}
     print(json.dumps(result, indent=1), flush=True)
     return result

@@ -120,7 +120,7 @@ case "${1:-}" in
   profile)
     check_weights
     setup
-    each_weights profile "${PROFILE_S:-150}" --profile 32 --profile-context 10 ;;
+    each_weights profile "${PROFILE_S:-150}" --profile "${PROFILE_ROWS:-32}" --profile-context 10 ;;
   pictures)
     for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
     source_stamp "$OUT/code.txt"

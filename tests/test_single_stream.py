@@ -338,7 +338,7 @@ def test_every_compiled_part_of_a_step_launches_programmatically_unless_switched
         StaticKVDecoder(model, compile_layers=True)
         StepSampler(compiled=True)
         options = [o["options"] or {} for o in asked]
-        assert len(options) == 5, asked  # three layer functions, the step's inputs, the sampler
+        assert len(options) == 6, asked  # three layer functions, the step's inputs and final norm, the sampler
         assert all(o.items() >= launches.items() for o in options) and (launches or all("triton.enable_pdl" not in o
                                                                                         for o in options)), options
         assert options[3] == {"emulate_precision_casts": True, **launches}  # the step's inputs keep eager's bits

@@ -64,7 +64,7 @@ variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) a
       rotstep) V_ROTARY=step ;;
       nopdl) V_PDL=0 V_FEWPDL=0 ;;  # plain launches (programmatic ones are the default since 2026-12-07e)
       proleager) V_PROLOGUE=eager ;;
-      norm) V_PROLOGUE=compiled-norm ;;
+      eagernorm) V_PROLOGUE=inputs ;;  # the final norm eager (compiled by default since 2026-12-07e)
       *) return 1 ;;
     esac
   done
@@ -73,7 +73,7 @@ check_weights() {  # every WEIGHTS name parses, before minutes of setup
   local weights
   for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
     variant "$weights" || { echo "WEIGHTS: $weights is not fp8 or bf16 followed by -kv8, -bytes, -unroll, -unroll8," \
-      "-tile128, -streams4, -chunks64, -pdl, -fewpdl, -fewwait, -nopdl, -rotstep, -proleager or -norm" >&2; exit 2; }
+      "-tile128, -streams4, -chunks64, -pdl, -fewpdl, -fewwait, -nopdl, -rotstep, -proleager or -eagernorm" >&2; exit 2; }
   done
 }
 each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name

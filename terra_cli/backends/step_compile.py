@@ -1,7 +1,7 @@
 """How a decode step's functions go through torch.compile: whether, in which mode, with which Inductor options.
 
 Every compiled part of the step (the layer functions, `layer_ops.py`; the sampler, `device_sampling.py`; the
-step's inputs, `step_prologue.py`) takes its settings from here, so one switch reaches all of them.
+step's inputs and final norm, `step_prologue.py`) takes its settings from here, so one switch reaches all of them.
 """
 
 from __future__ import annotations

@@ -46,6 +46,52 @@ def test_single_stream_rows_report_codes_and_ms_per_step(tiny_checkpoint):
     assert "exact in distribution" in jacobi["notes"] and "attention torch" in plain["notes"]
 
 
+def test_each_rows_gpu_busy_share_is_the_samplers_mean_over_its_timed_frames(tiny_checkpoint, monkeypatch, capsys):
+    """Issue 41's rows give the GPU's busy share: NVML's samples while the row's frames were timed, not while
+    the backend loaded (a CPU run has none: "-")."""
+    from terra_cli.bench import engine_report
+    from terra_cli.bench.hf_vs_vllm import BenchPlan, run_bench
+    from terra_cli.cli.bench import _print_table
+
+    plan = BenchPlan(frames=4, context_frames=2, device="cpu", run_hf=False, run_vllm=False)
+    assert run_bench(str(tiny_checkpoint), plan, log=lambda msg: None)["runs"][0]["gpu_busy"] is None
+    timed = []
+
+    class Sampler:  # NVML's stand-in: busy while started, as a GPU would be
+        def __init__(self, gpus, interval):
+            assert gpus == [5] and interval <= 0.1
+            self.samples = []
+
+        def start(self):
+            timed.append("start")
+
+        def stop(self):
+            timed.append("stop")
+            self.samples = [90, 94]
+
+        def busy(self):
+            return {"5": sum(self.samples) / len(self.samples) / 100}
+
+    monkeypatch.setattr(engine_report, "BusySampler", Sampler)
+    monkeypatch.setattr(engine_report, "gpu_indices", lambda device, workers: [5] if device == "cpu" else [])
+    original = engine_report.busy_while
+    frames_seen = []
+
+    def watched(device, run):
+        def counted():
+            result = run()
+            frames_seen.append(len(result[1]))
+            return result
+        return original(device, counted)
+
+    monkeypatch.setattr("terra_cli.bench.hf_vs_vllm.busy_while", watched)
+    results = run_bench(str(tiny_checkpoint), plan, log=lambda msg: None)
+    (row,) = results["runs"]
+    assert row["gpu_busy"] == 0.92 and timed == ["start", "stop"] and frames_seen == [2]
+    _print_table(results)
+    assert "92%" in capsys.readouterr().out
+
+
 @pytest.mark.vllm
 def test_bench_cli_smoke_on_cpu(tmp_path, engine_checkpoint):
     pytest.importorskip("vllm")

@@ -7,6 +7,7 @@ figure in one report reads the same as in the other.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -68,6 +69,30 @@ class BusySampler:
                 timeline[str(g)] = [round(float(values[owners == b].mean()) / 100, 3) if (owners == b).any() else None
                                     for b in range(int(owners.max()) + 1)]
         return timeline
+
+
+def gpu_indices(device: str, workers: int) -> list[int]:
+    """NVML indices of the GPUs the engines run on (CUDA_VISIBLE_DEVICES order)."""
+    if not device.startswith("cuda"):
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [int(v) for v in visible.split(",") if v.strip().isdigit()] if visible else list(range(workers))
+    if device.startswith("cuda:"):
+        return [ids[int(device.split(":")[1])]] if ids else [int(device.split(":")[1])]
+    return ids[:workers]
+
+
+def busy_while(device: str, run):
+    """(run(), the mean busy share NVML gave the GPU `device` names while it ran); the share is None on a CPU
+    or without NVML. Sampled every 50 ms: a rollout's frames are a second or so each."""
+    gpus = gpu_indices(device, 1)
+    sampler = BusySampler(gpus, interval=0.05)
+    sampler.start()
+    try:
+        result = run()
+    finally:
+        sampler.stop()
+    return result, (sampler.busy().get(str(gpus[0])) if gpus else None)
 
 
 # An engine loop's values that are no running sums: a minute's line leaves them out (the run's last says them)

@@ -21,6 +21,7 @@ import numpy as np
 
 from terra_cli.actions import preset_actions
 from terra_cli.backends.base import Sampling
+from terra_cli.bench.engine_report import busy_while
 
 
 @dataclass
@@ -36,6 +37,7 @@ class RunResult:
     notes: str = ""
     tokens_per_step: float | None = None  # with a draft: codes one engine step kept, per rollout
     ms_per_step: float | None = None  # single-stream: decode time per step (prefill and frame ends included)
+    gpu_busy: float | None = None  # NVML's share of the timed frames' wall in which a kernel ran (None: a CPU)
 
     @property
     def total_seconds(self) -> float:
@@ -60,6 +62,7 @@ class RunResult:
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "tokens_per_step": self.tokens_per_step,
             "ms_per_step": self.ms_per_step,
+            "gpu_busy": self.gpu_busy,
             "frame_seconds": [round(x, 4) for x in s],
             "notes": self.notes,
         }
@@ -147,7 +150,8 @@ def run_hf(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callabl
     started = time.perf_counter()
     backend = HfBackend(checkpoint_dir, device=plan.device, dtype=plan.dtype)
     startup = time.perf_counter() - started
-    _, times = timed_generate(backend, context, actions, frames, Sampling(temperature=plan.temperature, seed=plan.seed), log, "hf")
+    sampling = Sampling(temperature=plan.temperature, seed=plan.seed)
+    (_, times), busy = busy_while(plan.device, lambda: timed_generate(backend, context, actions, frames, sampling, log, "hf"))
     peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
     backend.close()
     del backend
@@ -155,7 +159,7 @@ def run_hf(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Callabl
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     note = f"measured over the first {frames - plan.context_frames} of {generated} generated frames" if frames < plan.frames else ""
-    return RunResult("hf", 1, len(times), times, startup, context.shape[-1], peak, None, note)
+    return RunResult("hf", 1, len(times), times, startup, context.shape[-1], peak, None, note, gpu_busy=busy)
 
 
 def timed_generate(backend, context, actions, frames, sampling, log=lambda msg: None, label="", rollouts=1):
@@ -198,7 +202,8 @@ def run_single_stream(checkpoint_dir: Path, plan: BenchPlan, context, actions, l
         backend.decoder.prepare(range(plan.context_frames, plan.frames), sampling)
         startup = time.perf_counter() - started
         log(f"{label}: ready in {startup:.1f} s")
-        _, times = timed_generate(backend, context, actions, plan.frames, sampling, log, label)
+        (_, times), busy = busy_while(plan.device, lambda: timed_generate(backend, context, actions, plan.frames,
+                                                                          sampling, log, label))
         stats = backend.stats[0]
         core = backend.decoder.core
     finally:
@@ -212,7 +217,7 @@ def run_single_stream(checkpoint_dir: Path, plan: BenchPlan, context, actions, l
             f"CUDA graphs {'on' if stats['graphs_captured'] else 'off'}"
             + ("; exact in distribution, not plain sampling's stream" if draft_tokens else ""))
     return RunResult(label, 1, len(times), times, startup, context.shape[-1], peak, None, note,
-                     round(stats["codes_per_step"], 3), ms)
+                     round(stats["codes_per_step"], 3), ms, busy)
 
 
 def tokens_per_step(before: dict | None, after: dict | None) -> float | None:
@@ -242,13 +247,14 @@ def run_vllm(checkpoint_dir: Path, plan: BenchPlan, context, actions, log: Calla
     results = []
     for rollouts in plan.batches:
         before = backend.speculation_counts()
-        _, times = timed_generate(backend, context, actions, plan.frames, sampling, log, f"vllm x{rollouts}", rollouts)
+        (_, times), busy = busy_while(plan.device, lambda: timed_generate(backend, context, actions, plan.frames, sampling,
+                                                                          log, f"vllm x{rollouts}", rollouts))
         prompts = np.array(backend.last_prompt_tokens[1:], dtype=float)
         cached = np.array(backend.last_cached_tokens[1:], dtype=float)
         hit = round(float(cached.sum() / prompts.sum()), 4) if prompts.size else None
         results.append(RunResult("vllm", rollouts, len(times), times, startup, context.shape[-1],
                                  _gpu_used_gb(), hit, "peak memory: whole GPU in use (weights + KV cache reservation)",
-                                 tokens_per_step(before, backend.speculation_counts())))
+                                 tokens_per_step(before, backend.speculation_counts()), gpu_busy=busy))
         on_run(results[-1])
     backend.close()
     return results

@@ -10,7 +10,6 @@ lockstep figure (all rollouts advancing frame by frame) on a fresh engine in the
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from terra_cli.bench.engine_report import BUSY_BUCKET_S, BusySampler, describe_engine_loop, loop_since
+from terra_cli.bench.engine_report import BUSY_BUCKET_S, BusySampler, describe_engine_loop, gpu_indices, loop_since
 from terra_cli.scenarios.spec import ACT_BENCH_FRAMES, ACT_BENCH_SAMPLES  # noqa: F401  (act_bench imports them here)
 
 ACT_BENCH_GENERATED_FRAMES = ACT_BENCH_FRAMES - 3  # 3 context frames
@@ -88,7 +87,7 @@ def run_scenario_bench(checkpoint: Path, plan: ScenarioBenchPlan, out_dir: Path 
                           sampling=Sampling(temperature=plan.temperature), max_rollouts=plan.max_rollouts,
                           even_waves=plan.even_waves, decode=False)
         prepared = prepare_job(job)
-        gpus = _gpu_indices(prepared.device, plan.data_parallel)
+        gpus = gpu_indices(prepared.device, plan.data_parallel)
         where = f"on Ray ({plan.ray or 'local'}), " if uses_ray(plan.data_parallel, plan.ray) else ""
         log(f"{plan.scenarios} scenarios of {plan.frames} frames, {plan.data_parallel} engine(s) {where}"
             f"up to {plan.max_rollouts or ('even' if plan.even_waves else 'auto')} in flight each, KV cache {plan.vllm_options.get('kv_cache_dtype', 'auto')}")
@@ -125,7 +124,7 @@ class TimedRun:
                  progress: Callable[[int, int], None] = lambda done, total: None):
         self.prepared, self.engine_count, self.ray, self.log, self.progress = prepared, engines, ray, log, progress
         self.total = sum(s.frames - s.context_frames for s in prepared.file.scenarios)
-        self.sampler = BusySampler(_gpu_indices(prepared.device, engines))
+        self.sampler = BusySampler(gpu_indices(prepared.device, engines))
         self.marks: dict[str, float] = {}
         self.engines: dict[int, dict] = {}
         self.frames = 0
@@ -300,14 +299,3 @@ def _lockstep(checkpoint: Path, layout, plan: ScenarioBenchPlan, gpus: list[int]
     log(f"lockstep x{plan.lockstep}: {generated / seconds:.2f} generated frames/s")
     return {"rollouts": plan.lockstep, "seconds": round(seconds, 2), "generated_frames_per_s": round(generated / seconds, 3),
             "gpu_busy": sampler.busy()[str(gpus[0])] if gpus else None}
-
-
-def _gpu_indices(device: str, workers: int) -> list[int]:
-    """NVML indices of the GPUs the engines run on (CUDA_VISIBLE_DEVICES order)."""
-    if not device.startswith("cuda"):
-        return []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [int(v) for v in visible.split(",") if v.strip().isdigit()] if visible else list(range(workers))
-    if device.startswith("cuda:"):
-        return [ids[int(device.split(":")[1])]] if ids else [int(device.split(":")[1])]
-    return ids[:workers]

@@ -264,7 +264,7 @@ def bench(
 def _print_table(results: dict) -> None:
     table = Table(title=f"terra bench: {results['model']}")
     for col in ("backend", "rollouts", "start-up s", "first frame s", "s/frame (mean ± sd)", "tokens/s", "frames/s",
-                "GPU mem GB", "prefix hit", "codes/step", "ms/step"):
+                "GPU mem GB", "prefix hit", "codes/step", "ms/step", "GPU busy"):
         table.add_column(col, justify="right" if col != "backend" else "left")
     for r in results["runs"]:
         table.add_row(
@@ -274,6 +274,7 @@ def _print_table(results: dict) -> None:
             "-" if r["prefix_cache_hit_rate"] is None else f"{r['prefix_cache_hit_rate']:.1%}",
             "-" if r.get("tokens_per_step") is None else f"{r['tokens_per_step']:.2f}",
             "-" if r.get("ms_per_step") is None else f"{r['ms_per_step']:.2f}",
+            "-" if r.get("gpu_busy") is None else f"{r['gpu_busy']:.0%}",
         )
     out.print(table)
     if results.get("speedup_vllm_over_hf"):

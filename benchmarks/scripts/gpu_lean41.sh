@@ -95,8 +95,8 @@ picture_row() {  # NAME: a PICTURE_ROWS name -> P_OPTIONS (server options), P_FO
   IFS=- read -r -a parts <<< "$1"
   P_STREAM="" P_MODE=""
   case "${parts[0]}" in
-    pic8) P_OPTIONS="--picture-batch 8" P_FORMAT=jpeg ;;
     pic1) P_OPTIONS="" P_FORMAT=jpeg ;;
+    pic2|pic4|pic8|pic16) P_OPTIONS="--picture-batch ${parts[0]#pic}" P_FORMAT=jpeg ;;
     tokens) P_OPTIONS="--picture-batch 8" P_FORMAT=tokens ;;
     *) return 1 ;;
   esac
@@ -126,7 +126,7 @@ case "${1:-}" in
     source_stamp "$OUT/code.txt"
     extra=${SERVE_ARGS_EXTRA:-}
     for row in ${PICTURE_ROWS:-pic8 pic1}; do  # every row parses, before any runs
-      picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic8, pic1 or tokens followed by -normal, -high, -shared" \
+      picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic1, pic2, pic4, pic8, pic16 or tokens followed by -normal, -high, -shared" \
         "or -graphs" >&2; exit 2; }
     done
     for row in ${PICTURE_ROWS:-pic8 pic1}; do

@@ -21,7 +21,7 @@ EPILOG = (
     "  terra bench --hf-vs-vllm --model tiny_ckpt --device cpu --frames 4 --context-frames 2 --batch 1,2   # smoke test\n\n"
     "  terra bench --draft-acceptance --seeds 3 --frames 8 --out acceptance.json --heatmap acceptance.png\n\n"
     "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft previous-frame --draft-tokens 4   # codes/step column\n\n"
-    "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft jacobi --draft-tokens 8   # single-stream rows, plain and Jacobi\n\n"
+    "  terra bench --hf-vs-vllm --skip-hf --batch 1 --draft jacobi --draft-tokens 8   # single-stream rows, plain and Jacobi (codes/step, ms/step, GPU busy)\n\n"
     "  terra bench --hf-vs-vllm --skip-hf --batch 1 --quantization fp8   # one rollout, fp8 weights (vLLM, single-stream)\n\n"
     "  terra bench --scenarios 256 --max-rollouts 128 --lockstep 64 --out scen.json      # continuous batching (GPU)\n\n"
     "  terra bench --scenarios 512 --data-parallel 2 --kv-cache-dtype fp8 --keep-outputs runs/dp2   # 2 GPUs (Ray)\n\n"

@@ -357,6 +357,9 @@ def lab_switches() -> dict:
              "TERRA_NOISE_STREAMS", "TERRA_SAMPLER_CHUNKS", "TORCHINDUCTOR_ENABLE_PDL",
              "TERRA_FEW_ROWS_PDL", "TERRA_SINGLE_STREAM_ROTARY", "TERRA_STEP_PROLOGUE")
     switches = {name: os.environ[name] for name in names if os.environ.get(name)}
+    from terra_cli.backends.step_compile import launch_options
+
+    switches["step_launch_options"] = launch_options()  # what the step's own compiles take (2026-12-07e: PDL on)
     if os.environ.get("TORCHINDUCTOR_ENABLE_PDL"):  # whether this torch's Inductor knows the switch at all
         from torch._inductor import config
 

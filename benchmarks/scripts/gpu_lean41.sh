@@ -43,11 +43,11 @@ setup() {  # part b unpacked, terra installed, FlashAttention-3 loads, the check
   build_checkpoint
 }
 variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) and V_SPLITS, V_UNROLL, V_STREAMS,
-  # V_CHUNKS, V_PDL, V_FEWPDL, V_ROTARY, V_PROLOGUE (lab switches; empty: unset). fp8 or bf16 first, then any of the suffixes above; anything else stops the
+  # V_CHUNKS, V_PDL, V_FEWPDL, V_ROTARY, V_PROLOGUE, V_EARLY (lab switches; empty: unset). fp8 or bf16 first, then any of the suffixes above; anything else stops the
   # script before a run (a part the old suffix matching missed ran a row with the bf16 cache, 2026-12-07)
   local part parts
   IFS=- read -r -a parts <<< "$1"
-  V_FLAGS="" V_SPLITS=programs V_UNROLL="" V_STREAMS="" V_CHUNKS="" V_PDL="" V_FEWPDL="" V_ROTARY="" V_PROLOGUE=""
+  V_FLAGS="" V_SPLITS=programs V_UNROLL="" V_STREAMS="" V_CHUNKS="" V_PDL="" V_FEWPDL="" V_ROTARY="" V_PROLOGUE="" V_EARLY=""
   case "${parts[0]}" in fp8) V_FLAGS="--quantization fp8" ;; bf16) ;; *) return 1 ;; esac
   for part in "${parts[@]:1}"; do
     case "$part" in
@@ -62,7 +62,8 @@ variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) a
       fewpdl) V_FEWPDL=1 ;;
       fewwait) V_FEWPDL=wait ;;
       rotstep) V_ROTARY=step ;;
-      nopdl) V_PDL=0 V_FEWPDL=0 ;;  # plain launches (programmatic ones are the default since 2026-12-07e)
+      nopdl) V_PDL=0 V_FEWPDL=0 ;;
+      early) V_EARLY=1 ;;  # the rows' noise drawn at the step's start, beside the layers  # plain launches (programmatic ones are the default since 2026-12-07e)
       proleager) V_PROLOGUE=eager ;;
       eagernorm) V_PROLOGUE=inputs ;;  # the final norm eager (compiled by default since 2026-12-07e)
       *) return 1 ;;
@@ -73,7 +74,7 @@ check_weights() {  # every WEIGHTS name parses, before minutes of setup
   local weights
   for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
     variant "$weights" || { echo "WEIGHTS: $weights is not fp8 or bf16 followed by -kv8, -bytes, -unroll, -unroll8," \
-      "-tile128, -streams4, -chunks64, -pdl, -fewpdl, -fewwait, -nopdl, -rotstep, -proleager or -eagernorm" >&2; exit 2; }
+      "-tile128, -streams4, -chunks64, -pdl, -fewpdl, -fewwait, -nopdl, -early, -rotstep, -proleager or -eagernorm" >&2; exit 2; }
   done
 }
 each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name
@@ -83,7 +84,7 @@ each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of W
     variant "$weights"
     TERRA_FEW_ROWS_SPLITS=$V_SPLITS TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$V_UNROLL TERRA_NOISE_STREAMS=$V_STREAMS \
       TERRA_SAMPLER_CHUNKS=$V_CHUNKS TORCHINDUCTOR_ENABLE_PDL=$V_PDL TERRA_FEW_ROWS_PDL=$V_FEWPDL \
-      TERRA_SINGLE_STREAM_ROTARY=$V_ROTARY TERRA_STEP_PROLOGUE=$V_PROLOGUE \
+      TERRA_SINGLE_STREAM_ROTARY=$V_ROTARY TERRA_STEP_PROLOGUE=$V_PROLOGUE TERRA_NOISE_EARLY=$V_EARLY \
       timeout "$limit" python3 benchmarks/scripts/gpu_batched_step.py "$@" $V_FLAGS \
       --out "$OUT/$kind-$weights.json" > "$OUT/$kind-$weights.log" 2>&1
     echo "$kind $weights exit $?" | tee -a "$STEP_LOG"

@@ -160,13 +160,13 @@ class RowBatchDecoder:
 
     def step(self, n: int) -> None:
         """Rows 0..n-1: feed each row's code at its position and decide its next code (no host sync)."""
-        if self.noise_early and not self.sampling.greedy:
-            drawing = draw_noise(self.noise[:n], self.generators[:n], self.noise_streams, join=False)
-            logits = self.core.forward_rows(self.codes[:n], self.positions[:n])
+        early = self.noise_early and not self.sampling.greedy
+        drawing = draw_noise(self.noise[:n], self.generators[:n], self.noise_streams, join=False) if early else []
+        logits = self.core.forward_rows(self.codes[:n], self.positions[:n])
+        if early:
             join_noise(self.noise.device, drawing)
             codes = self.sampler(logits, self.noise[:n], self.layout, self.sampling)
         else:
-            logits = self.core.forward_rows(self.codes[:n], self.positions[:n])
             codes = draw_codes(logits, self.layout, self.sampling, self.generators[:n], self.noise, self.sampler,
                                self.noise_streams)
         self.frame_codes[:n].scatter_(1, self.next_index[:n, None], codes[:, None])

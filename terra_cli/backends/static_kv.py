@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from terra_cli.backends.flash_cache import FlashCacheAttention, flash_page, flash_planner, flash_varlen_kernel
 from terra_cli.backends.layer_ops import FP8_KV, LayerOps, cache_write, to_cache, write_cache
-from terra_cli.backends.step_prologue import StepPrologue
+from terra_cli.backends.step_prologue import StepPrologue, rotary_rows
 from terra_cli.errors import InputError
 from terra_cli.kernels import few_rows_matmul as few_rows
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM
@@ -285,13 +285,11 @@ class StaticKVDecoder:
             segment_rows = list(range(embeds.shape[1]))
         # Positions past the table only come from draft rows that run off the last frame; their
         # outputs are never used. Rotary takes them clamped; their K/V go to the spare rows.
-        if rotary is not None:
-            cos, sin = rotary
-        elif self.rotary is not None and embeds.dtype == self.rotary[0].dtype:
-            at = positions.clamp(max=self.max_positions - 1)
-            cos, sin = (table.index_select(1, at) for table in self.rotary)
-        else:
-            cos, sin = self.model.model.rotary_emb(embeds, positions.clamp(max=self.max_positions - 1)[None])
+        if rotary is None and self.rotary is not None and embeds.dtype == self.rotary[0].dtype:
+            rotary = rotary_rows(self.rotary, positions, self.max_positions - 1)
+        if rotary is None:
+            rotary = self.model.model.rotary_emb(embeds, positions.clamp(max=self.max_positions - 1)[None])
+        cos, sin = rotary
         ops = self.ops.for_rows(decode)
         n = embeds.shape[1]
         table_rows = None  # the flash kernel's block-table rows: 0..S-1 when batched, these otherwise

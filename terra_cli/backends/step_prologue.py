@@ -42,10 +42,14 @@ def code_step_inputs(codes: torch.Tensor, positions: torch.Tensor, tokens: torch
     position = F.embedding(positions % spatial.shape[0], spatial) + F.embedding(frame, temporal)
     embeds = F.embedding(codes, tokens)
     embeds = (embeds + position.to(embeds.dtype))[None]
-    if rotary is None:
-        return embeds, None
+    return embeds, None if rotary is None else rotary_rows(rotary, positions, last_position)
+
+
+def rotary_rows(tables: tuple, positions: torch.Tensor, last_position: int) -> tuple:
+    """The rows of rotary (cos, sin) tables (1, P, d) at positions (n,) clamped to `last_position` (draft rows
+    past the last frame; `StaticKVDecoder.hidden` says why): (1, n, d) each."""
     at = positions.clamp(max=last_position)
-    return embeds, (rotary[0].index_select(1, at), rotary[1].index_select(1, at))
+    return tables[0].index_select(1, at), tables[1].index_select(1, at)
 
 
 def prologue_mode(environ=None) -> str:

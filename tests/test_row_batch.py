@@ -51,33 +51,6 @@ def test_each_rollout_of_a_batch_gets_its_own_codes_alone(model, sampling):
     assert decoder.steps == 3 * (CODES - 1)  # one step a code for all rows: the longest rollout's frames
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temperature=0.9), Sampling(temperature=1.2, top_k=9)])
-def test_noise_drawn_at_the_steps_start_gives_the_codes_drawn_after_the_logits(model, sampling, monkeypatch):
-    """TERRA_NOISE_EARLY=1: each row's noise drawn before the step's forward (beside it, on a GPU) is what the
-    row's generator gives after it, so every rollout keeps the codes it gets alone; a bad value is one line."""
-    from terra_cli.backends import device_sampling
-    from terra_cli.errors import InputError
-
-    monkeypatch.setenv(device_sampling.NOISE_EARLY_ENV, "1")
-    batch = [work(0, 2, 5), work(1, 1, 3, first_frame=7), work(2, 3, 5, first_frame=2)]
-    decoder = RowBatchDecoder(SingleStreamDecoder(model).core, rows=4)
-    assert decoder.noise_early
-    drawn = []
-    original = device_sampling.draw_noise
-
-    def watched(noise, generators, streams=(), join=True):
-        drawn.append(join)
-        return original(noise, generators, streams, join)
-
-    monkeypatch.setattr("terra_cli.backends.row_batch.draw_noise", watched)
-    for w, frames in zip(batch, decoder.rollouts(batch, sampling)):
-        np.testing.assert_array_equal(frames, alone(model, w, sampling))
-    assert drawn and not any(drawn)  # every step drew ahead of its forward
-    assert not device_sampling.noise_early({}) and device_sampling.noise_early({device_sampling.NOISE_EARLY_ENV: "0"}) is False
-    with pytest.raises(InputError, match="TERRA_NOISE_EARLY='yes': use 1 or 0"):
-        device_sampling.noise_early({device_sampling.NOISE_EARLY_ENV: "yes"})
-
-
 def test_running_ahead_of_the_frames_hand_out_changes_no_code(model):
     """With `run_ahead` (the CUDA default), the next frames' steps are queued before the done frames are
     handed out, and a frame a run-ahead ended is handed out at the next call without more steps."""

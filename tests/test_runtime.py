@@ -2,7 +2,7 @@
 
 import pytest
 
-from terra_cli import runtime
+from terra_cli import runtime, streams
 from terra_cli.errors import InputError
 
 
@@ -115,9 +115,9 @@ def test_the_light_parts_of_backends_do_not_import_transformers():
 def test_the_servers_picture_stream_is_a_checked_lab_switch():
     """TERRA_PICTURE_STREAM: unset is a stream of normal priority (the fastest measured); high and shared
     (the engine's own stream) are asked by name; a bad value is one line, read when the server's engine is made."""
-    assert runtime.picture_stream_asked({}) == "normal"
-    assert runtime.picture_stream_asked({"TERRA_PICTURE_STREAM": "high"}) == "high"
-    assert runtime.picture_stream_asked({"TERRA_PICTURE_STREAM": " Shared "}) == "shared"
-    assert runtime.picture_stream_asked({"TERRA_PICTURE_STREAM": "normal"}) == "normal"
+    assert streams.picture_stream_asked({}) == "normal"
+    assert streams.picture_stream_asked({"TERRA_PICTURE_STREAM": "high"}) == "high"
+    assert streams.picture_stream_asked({"TERRA_PICTURE_STREAM": " Shared "}) == "shared"
+    assert streams.picture_stream_asked({"TERRA_PICTURE_STREAM": "normal"}) == "normal"
     with pytest.raises(InputError, match=r"TERRA_PICTURE_STREAM='low': use high, normal, shared"):
-        runtime.picture_stream_asked({"TERRA_PICTURE_STREAM": "low"})
+        streams.picture_stream_asked({"TERRA_PICTURE_STREAM": "low"})

@@ -886,7 +886,7 @@ def test_the_decode_stream_switch_is_checked_when_the_writer_starts(tokenizer_di
     """TERRA_DECODE_STREAM (a lab switch: the decode-ahead's kernels on a stream of their own, or behind the
     engine's): a typo is one InputError when the writer is made, not a failed thread in the middle of a run."""
     from terra_cli.errors import InputError
-    from terra_cli.runtime import decode_stream_asked
+    from terra_cli.streams import decode_stream_asked
     from terra_cli.scenarios.local_writer import InProcessWriter
 
     assert decode_stream_asked({}) == "own" and decode_stream_asked({"TERRA_DECODE_STREAM": " Engine"}) == "engine"
@@ -914,7 +914,7 @@ def test_the_decoders_sm_share_is_checked_at_start_and_falls_back_to_an_own_stre
     import torch
 
     from terra_cli.errors import InputError
-    from terra_cli.runtime import decode_sms_asked
+    from terra_cli.streams import decode_sms_asked
     from terra_cli.scenarios import local_writer
     from terra_cli.scenarios.local_writer import InProcessWriter
 

@@ -428,7 +428,7 @@ def test_the_engine_stream_priority_switch(monkeypatch):
     import torch
 
     from terra_cli.errors import InputError
-    from terra_cli.runtime import engine_stream_priority
+    from terra_cli.streams import engine_stream_priority
 
     made, current = [], []
 
@@ -444,3 +444,49 @@ def test_the_engine_stream_priority_switch(monkeypatch):
     assert len(made) == 1 and made[0] < -5 and len(current) == 1 and isinstance(current[0], FakeStream)
     with pytest.raises(InputError, match="TERRA_ENGINE_STREAM_PRIORITY='hihg'"):
         engine_stream_priority(True, {"TERRA_ENGINE_STREAM_PRIORITY": "hihg"})
+
+
+def test_the_engine_stream_block_orders_a_high_priority_stream_between_the_work_around_it(monkeypatch):
+    """The same switch for the single-stream decoder, whose graphs replay on the calling thread's current
+    stream: inside the block that stream is one of the card's highest priority, made to wait for the work
+    queued before, and the stream before waits for it when the block ends; off, or on the CPU, nothing."""
+    import torch
+
+    from terra_cli.streams import engine_stream_block
+
+    log = []
+
+    class FakeStream:
+        def __init__(self, name="engine", priority=0, device=None):
+            self.name, self.priority = name, priority
+
+        def wait_stream(self, other):
+            log.append((self.name, "waits for", other.name))
+
+    before = FakeStream("before")
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: before)
+
+    class Entered:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            log.append(("current", self.stream.name, self.stream.priority))
+
+        def __exit__(self, *exc):
+            log.append(("current", "before"))
+
+    monkeypatch.setattr(torch.cuda, "stream", Entered)
+    cuda = torch.device("cuda")
+    with engine_stream_block(cuda, {}):
+        log.append("steps")
+    with engine_stream_block(torch.device("cpu"), {"TERRA_ENGINE_STREAM_PRIORITY": "high"}):
+        log.append("cpu steps")
+    assert log == ["steps", "cpu steps"]
+    log.clear()
+    with engine_stream_block(cuda, {"TERRA_ENGINE_STREAM_PRIORITY": "high"}) as stream:
+        log.append("steps")
+    assert stream.priority < -5
+    assert log == [("engine", "waits for", "before"), ("current", "engine", stream.priority), "steps",
+                   ("current", "before"), ("before", "waits for", "engine")]

@@ -317,6 +317,14 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
         batch.run_steps(rows, steps)  # graph replays, timed
     torch.cuda.synchronize()
     wall = time.perf_counter() - started
+    # the same replays under the profiler: CUPTI reports a graph's kernels one by one, so the time at least one
+    # kernel runs over the span from the first's start to the last's end is how busy the GPU is (kernels that
+    # overlap, a programmatic launch's early start or the noise's streams, count once)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as replays:
+        batch.run_steps(rows, steps)
+        torch.cuda.synchronize()
+    replay_busy = busy_share([(event.time_range.start, event.time_range.end) for event in replays.events()
+                              if event.device_type == torch.autograd.DeviceType.CUDA])
     batch.cuda_graphs = False  # the same step's kernels launched one by one, so the profiler names each
     # in inference mode, as `advance` runs (outside it dynamo compiles the layers again, the caches' writes as copies)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -339,12 +347,33 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
               "sampler_error": single.sampler.error,
               "ms_per_step_wall": round(wall * 1000 / steps, 4),
               "ms_per_step_kernels": round(busy / steps, 4), "kernels_per_step": round(launches / steps, 1),
-              # the kernels' time over the replays' wall: at one row, how busy the GPU is (issue 41's 95%); kernels
-              # on parallel streams (a row batch's noise) each count, so with many rows it can pass 1
-              "gpu_busy_share": round(busy / (wall * 1000), 3),
+              # the eager kernels' time over the replays' wall: kernels on parallel streams (a row batch's noise)
+              # or launched early each count, so it can pass 1
+              "kernels_over_wall": round(busy / (wall * 1000), 3),
+              # issue 41's 95%: the replays' own kernels, overlaps counted once (None: CUPTI saw none)
+              "gpu_busy_share": replay_busy["share"], "gpu_busy_kernels": replay_busy["kernels"],
+              "gpu_busy_span_ms_per_step": round(replay_busy["span_us"] / 1000 / steps, 4),
               "kernels_ms_per_step": [{"name": name[:160], "ms": round(ms / steps, 4)} for name, ms in top]}
     print(json.dumps(result, indent=1), flush=True)
     return result
+
+
+def busy_share(intervals: list[tuple[float, float]]) -> dict:
+    """The share of the span from the first interval's start to the last one's end covered by at least one
+    interval (in the intervals' unit, microseconds here), and how many there were."""
+    if not intervals:
+        return {"share": None, "kernels": 0, "span_us": 0.0}
+    intervals = sorted(intervals)
+    covered, run_start, run_end = 0.0, intervals[0][0], intervals[0][1]
+    for start, end in intervals[1:]:
+        if start > run_end:
+            covered += run_end - run_start
+            run_start, run_end = start, end
+        else:
+            run_end = max(run_end, end)
+    covered += run_end - run_start
+    span = max(end for _, end in intervals) - intervals[0][0]
+    return {"share": round(covered / span, 4) if span > 0 else None, "kernels": len(intervals), "span_us": span}
 
 
 def lab_switches() -> dict:
@@ -356,7 +385,7 @@ def lab_switches() -> dict:
     names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS",
              "TERRA_NOISE_STREAMS", "TERRA_SAMPLER_CHUNKS", "TORCHINDUCTOR_ENABLE_PDL",
              "TERRA_FEW_ROWS_PDL", "TERRA_SINGLE_STREAM_ROTARY", "TERRA_STEP_PROLOGUE",
-             "TERRA_NOISE_EARLY")
+             "TERRA_ENGINE_STREAM_PRIORITY")
     switches = {name: os.environ[name] for name in names if os.environ.get(name)}
     from terra_cli.backends.step_compile import launch_options
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from terra_cli.actions import preset_actions  # noqa: E402
 from terra_cli.backends.base import Sampling  # noqa: E402
 from terra_cli.backends.single_stream import SingleStreamBackend  # noqa: E402
+from gpu_batched_step import busy_share  # noqa: E402
 
 CONTEXT_FRAMES = 3
 # name, draft_tokens, draft, environment (attention / layer compile switches read at decoder start).
@@ -174,15 +175,9 @@ def gpu_busy(decoder, frame: int, device: str) -> dict:
     top_kernels = [{"kernel": name, "per_step": round(len(times) / steps, 2) if steps else None,
                     "us_per_step": round(sum(times) / steps, 1) if steps else None,
                     "us_each": round(sum(times) / len(times), 2)} for name, times in top]
-    busy, end = 0.0, None
-    for start, stop in intervals:  # microseconds
-        if end is None or start > end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
-    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0
+    covered = busy_share(intervals)  # microseconds
+    span = covered["span_us"]
+    busy = covered["share"] * span if covered["share"] is not None else 0.0
     return {"profiled_frame_s": round(wall, 4), "profiled_steps": steps, "kernels_seen": len(intervals),
             "kernels_per_step": round(len(intervals) / steps, 1) if steps else None,
             "gpu_busy_share_of_kernel_span": round(busy / span, 4) if span else None,

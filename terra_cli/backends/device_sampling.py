@@ -30,11 +30,6 @@ SAMPLER_ENV = "TERRA_SINGLE_STREAM_SAMPLER"
 # TERRA_NOISE_STREAMS=N sets N (1: one stream, as before).
 NOISE_STREAMS_ENV = "TERRA_NOISE_STREAMS"
 NOISE_STREAMS = 4
-# TERRA_NOISE_EARLY=1 (a lab switch, not yet measured): a row batch's noise is drawn at the step's start, on its
-# streams, beside the layers, and joined before the race: it depends on the rows' generators alone, not on the
-# step's logits, so each generator gives the same draws in the same order. On 4 streams after lm_head the draws
-# still took ~0.05 ms of a 32-row step's wall (2026-12-07d: 0.138 ms of kernels).
-NOISE_EARLY_ENV = "TERRA_NOISE_EARLY"
 # The race's argmax over each row's 262,144 scores goes through SAMPLER_CHUNKS equal slices, then the best
 # slice (`first_argmax`: the same index). Compiled as one argmax, it was one program a row: 32 rows kept 32 of
 # an H100's 132 SMs busy for 0.10 ms of a 2.67 ms step (2026-12-07c), and one row one SM. With 64 slices
@@ -114,11 +109,6 @@ def noise_stream_count(environ=None) -> int:
     return whole_number_switch(NOISE_STREAMS_ENV, 32, "a whole number of streams from 1 to 32", environ) or NOISE_STREAMS
 
 
-def noise_early(environ=None) -> bool:
-    """Whether a row batch draws its noise at the step's start (NOISE_EARLY_ENV; off unless set to 1)."""
-    return (choice_switch(NOISE_EARLY_ENV, ("0", "1"), "1 or 0", environ) or "0") == "1"
-
-
 def noise_streams(device: torch.device, environ=None) -> list:
     """The CUDA streams for a row batch's noise draws on `device` (`noise_stream_count`); none on other devices
     or for a count of 1."""
@@ -128,32 +118,20 @@ def noise_streams(device: torch.device, environ=None) -> list:
     return [torch.cuda.Stream(device=device) for _ in range(count)]
 
 
-def draw_noise(noise: torch.Tensor, generators: list[torch.Generator], streams: list = (), join: bool = True) -> list:
+def draw_noise(noise: torch.Tensor, generators: list[torch.Generator], streams: list = ()) -> None:
     """noise[i] <- Exp(1) draws from generators[i], row by row; with `streams` (`noise_streams`), the rows
     spread over them, forked from and joined back to the current stream (so a CUDA graph captures them as
-    parallel branches). `join=False` leaves the streams running beside what the current stream does next:
-    the streams forked (none where the rows were drawn on the current stream) go to `join_noise` later."""
+    parallel branches)."""
     if len(streams) < 2 or len(generators) < 2:
         for row, generator in zip(noise, generators):
             row.exponential_(generator=generator)
-        return []
+        return
     current = torch.cuda.current_stream(noise.device)
     for stream in streams:
         stream.wait_stream(current)
     for index, (row, generator) in enumerate(zip(noise, generators)):
         with torch.cuda.stream(streams[index % len(streams)]):
             row.exponential_(generator=generator)
-    if join:
-        join_noise(noise.device, streams)
-        return []
-    return list(streams)
-
-
-def join_noise(device: torch.device, streams: list) -> None:
-    """The current stream waits for the noise `draw_noise(..., join=False)` put on the `streams` it returned."""
-    if not streams:
-        return
-    current = torch.cuda.current_stream(device)
     for stream in streams:
         current.wait_stream(stream)
 

@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 from terra_cli.backends.base import Sampling
-from terra_cli.backends.device_sampling import (FrameGenerators, StepSampler, draw_codes, draw_noise, join_noise,
-                                                noise_early, noise_streams)
+from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, draw_codes, noise_streams
 from terra_cli.backends.static_kv import StaticKVDecoder, host_to_device
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -120,7 +119,6 @@ class RowBatchDecoder:
         self.noise = torch.zeros(rows, self.layout.image_vocab_size, dtype=torch.float32, device=device)
         self.generators = [torch.Generator(device=device) for _ in range(rows)]
         self.noise_streams = noise_streams(device)  # the rows' noise drawn in parallel (device_sampling.NOISE_STREAMS)
-        self.noise_early = noise_early()  # ... at the step's start, beside the layers (a lab switch)
         self.sampling = Sampling()
         self.sampler = StepSampler(self.core.compiled)
         # a graph needs FlashAttention's path: the torch one reads each row's length on the host
@@ -160,15 +158,9 @@ class RowBatchDecoder:
 
     def step(self, n: int) -> None:
         """Rows 0..n-1: feed each row's code at its position and decide its next code (no host sync)."""
-        early = self.noise_early and not self.sampling.greedy
-        drawing = draw_noise(self.noise[:n], self.generators[:n], self.noise_streams, join=False) if early else []
         logits = self.core.forward_rows(self.codes[:n], self.positions[:n])
-        if early:
-            join_noise(self.noise.device, drawing)
-            codes = self.sampler(logits, self.noise[:n], self.layout, self.sampling)
-        else:
-            codes = draw_codes(logits, self.layout, self.sampling, self.generators[:n], self.noise, self.sampler,
-                               self.noise_streams)
+        codes = draw_codes(logits, self.layout, self.sampling, self.generators[:n], self.noise, self.sampler,
+                           self.noise_streams)
         self.frame_codes[:n].scatter_(1, self.next_index[:n, None], codes[:, None])
         self.codes[:n].copy_(codes)
         self.positions[:n].add_(self.moving[:n])

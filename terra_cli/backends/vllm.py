@@ -27,7 +27,8 @@ from terra_cli.models.checkpoint import check_state_dict, load_config, weight_fi
 from terra_cli.errors import TerraError
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
 from terra_cli.seeds import draw_seed, rollout_seed
-from terra_cli.runtime import engine_stream_priority, sparse_graph_sizes_asked
+from terra_cli.runtime import sparse_graph_sizes_asked
+from terra_cli.streams import engine_stream_priority
 
 
 class VllmUnavailable(TerraError):

@@ -32,7 +32,8 @@ from typing import Callable
 import numpy as np
 
 from terra_cli.errors import InputError, error_summary
-from terra_cli.runtime import decode_sms_asked, decode_stream_asked, host_cores
+from terra_cli.runtime import host_cores
+from terra_cli.streams import decode_sms_asked, decode_stream_asked
 from terra_cli.scenarios.decoder_compile_apart import start_decoder_compile_apart
 from terra_cli.scenarios.held_frames import HELD_FRAMES
 from terra_cli.scenarios.frame_store import FrameStore

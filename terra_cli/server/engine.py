@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from terra_cli.backends.driver import JobFeed, RolloutJob
-from terra_cli.runtime import picture_stream_asked
+from terra_cli.streams import picture_stream_asked
 from terra_cli.server.pictures import PictureBatcher
 
 
@@ -162,7 +162,7 @@ class EngineService:
 
     def _picture_stream(self):
         """On CUDA, by default a stream of its own of normal priority, the pictures' kernels beside the engine's
-        decode steps (at 32 sessions faster than ahead of them, `runtime.PICTURE_STREAM_ENV`, which may ask for
+        decode steps (at 32 sessions faster than ahead of them, `streams.PICTURE_STREAM_ENV`, which may ask for
         one of high priority, or the engine's own)."""
         import contextlib
 

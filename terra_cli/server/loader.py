@@ -33,7 +33,8 @@ def check_engine_config(config: EngineConfig):
     from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
     from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_model
-    from terra_cli.runtime import picture_stream_asked, resolve_device, resolve_dtype_name
+    from terra_cli.runtime import resolve_device, resolve_dtype_name
+    from terra_cli.streams import picture_stream_asked
 
     device = resolve_device(config.device)
     resolve_dtype_name(config.dtype, device)

@@ -6,8 +6,6 @@ what was measured when it was tried.
 
 from __future__ import annotations
 
-import contextlib
-
 from terra_cli.runtime import choice_switch, whole_number_switch
 
 ENGINE_STREAM_ENV = "TERRA_ENGINE_STREAM_PRIORITY"
@@ -20,7 +18,9 @@ def engine_stream_priority(on_gpu: bool, environ=None) -> str:
     to it. The writer's decode-ahead (a stream of its own, default priority, `local_writer`) then only
     fills the SMs the engine's kernels leave; at one priority the engine's steps ran 17% slower beside
     it (15.99 vs 13.62 ms, 4 x H200, 2026-11-27), while the decoder alone needs ~7% of the card.
-    Returns the engine stream's priority: "high" or "default"."""
+    Returns the engine stream's priority: "high" or "default". The single-stream decoder's driver on such
+    a stream (tried, then removed) was slower at `terra serve`'s 32 sessions on an H100, with pictures 0.526
+    frames/s each against 0.544 and tokens only 0.597 against 0.611 (2026-12-07f, benchmarks/README.md)."""
     if choice_switch(ENGINE_STREAM_ENV, ("default", "high"), "high", environ) in (None, "default"):
         return "default"
     if not on_gpu:
@@ -30,36 +30,6 @@ def engine_stream_priority(on_gpu: bool, environ=None) -> str:
     # A priority past the card's range is clamped to its highest (torch.cuda.Stream's rule).
     torch.cuda.set_stream(torch.cuda.Stream(priority=-(1 << 16)))
     return "high"
-
-
-def engine_stream_block(device, environ=None):
-    """The same lab switch for a backend whose steps run on the calling thread's current stream (the
-    single-stream decoder, whose CUDA graphs replay where they are launched): with
-    TERRA_ENGINE_STREAM_PRIORITY=high on CUDA, a context in which that thread's stream is one of the card's
-    highest priority, ordered after the work queued before it and before the work queued after it; at
-    `terra serve`'s 32 sessions the pictures' decoder (its own stream, normal priority) then takes only the
-    SMs the steps leave. Else a context that changes nothing."""
-    if getattr(device, "type", None) != "cuda" or choice_switch(
-            ENGINE_STREAM_ENV, ("default", "high"), "high", environ) in (None, "default"):
-        return contextlib.nullcontext()
-    return _high_priority_stream(device)
-
-
-def _high_priority_stream(device):
-    import torch
-
-    @contextlib.contextmanager
-    def block():
-        before = torch.cuda.current_stream(device)
-        stream = torch.cuda.Stream(device=device, priority=-(1 << 16))  # clamped to the card's highest
-        stream.wait_stream(before)
-        try:
-            with torch.cuda.stream(stream):
-                yield stream
-        finally:
-            before.wait_stream(stream)
-
-    return block()
 
 
 DECODE_STREAM_ENV = "TERRA_DECODE_STREAM"

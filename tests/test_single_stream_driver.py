@@ -291,28 +291,3 @@ def test_rows_that_fail_fail_their_jobs_alone_and_the_next_jobs_run(backends, mo
     expected, _ = run(reference.driver(1), later)
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key])
-
-
-def test_a_drivers_jobs_run_inside_the_engine_stream_block(backends, monkeypatch):
-    """TERRA_ENGINE_STREAM_PRIORITY's stream (streams.engine_stream_block) holds the whole run, its
-    frames and its row batches, on the thread that runs the driver (a server's engine thread)."""
-    import contextlib
-
-    from terra_cli.backends import single_stream_driver
-
-    single, _ = backends
-    inside, asked = [], []
-
-    @contextlib.contextmanager
-    def block(device):
-        asked.append(str(device))
-        inside.append(True)
-        yield
-        inside.append(False)
-
-    monkeypatch.setattr(single_stream_driver, "engine_stream_block", block)
-    for limit, jobs in ((1, [job("a", 3, total=3)]), (4, [job("b", 4, total=3), job("c", 5, total=3)])):
-        seen = []
-        single.driver(limit).run(closed_feed(jobs), on_frame=lambda j, i, t: seen.append(inside[-1]))
-        assert seen == [True] * len(seen) and len(seen) == len(jobs) and inside[-1] is False
-    assert asked == ["cpu", "cpu"]

@@ -384,8 +384,7 @@ def lab_switches() -> dict:
 
     names = ("TERRA_FEW_ROWS_SPLITS", "TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS", "TERRA_SINGLE_STREAM_LAYERS",
              "TERRA_NOISE_STREAMS", "TERRA_SAMPLER_CHUNKS", "TORCHINDUCTOR_ENABLE_PDL",
-             "TERRA_FEW_ROWS_PDL", "TERRA_SINGLE_STREAM_ROTARY", "TERRA_STEP_PROLOGUE",
-             "TERRA_ENGINE_STREAM_PRIORITY")
+             "TERRA_FEW_ROWS_PDL", "TERRA_SINGLE_STREAM_ROTARY", "TERRA_STEP_PROLOGUE")
     switches = {name: os.environ[name] for name in names if os.environ.get(name)}
     from terra_cli.backends.step_compile import launch_options
 

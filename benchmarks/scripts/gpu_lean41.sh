@@ -17,7 +17,9 @@
 #             TERRA_FEW_ROWS_PDL=1 (the few-rows kernel launched so too, its weights read before the wait),
 #             -fewwait TERRA_FEW_ROWS_PDL=wait (launched so, waiting at its start: no early read),
 #             -rotstep TERRA_SINGLE_STREAM_ROTARY=step (rotary's cos and sin computed each step, as before
-#             2026-12-07d, instead of rows of a table; codes_sha256 of one rollout must match); default
+#             2026-12-07d, instead of rows of a table; codes_sha256 of one rollout must match), bf16-fewrows
+#             TERRA_SINGLE_STREAM_LAYERS=few-rows (bf16 layers by terra's few-rows kernel, launched early, not
+#             cuBLAS's: no faster on 2026-11-28, before the kernel's programmatic launch); default
 #             "fp8 fp8-bytes bf16"
 #   one       (carry .gpu/vllm-b) the same setup, then one session alone (--sessions 1 --frames 6 --think-ms 0:
 #             one rollout through the driver) for each of WEIGHTS
@@ -29,8 +31,7 @@
 #             pictures in batches of 8 (--picture-batch 8), pic1 one a call, tokens the sessions' steps ask
 #             for tokens, no picture ("format": "tokens"; server as pic8); -normal or -shared after a row's name
 #             TERRA_PICTURE_STREAM=normal|shared (the pictures' CUDA stream), -graphs TERRA_DECODER_COMPILE_MODE=
-#             reduce-overhead (the decoder as CUDA graphs), -enghigh TERRA_ENGINE_STREAM_PRIORITY=high (the engine's
-#             steps on a stream of the card's highest priority, the pictures' below them); SERVE_ARGS_EXTRA adds server options to every row
+#             reduce-overhead (the decoder as CUDA graphs); SERVE_ARGS_EXTRA adds server options to every row
 #             (e.g. --kv-cache-dtype fp8)
 set -uo pipefail
 source benchmarks/scripts/gpu_common.sh
@@ -44,11 +45,11 @@ setup() {  # part b unpacked, terra installed, FlashAttention-3 loads, the check
   build_checkpoint
 }
 variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) and V_SPLITS, V_UNROLL, V_STREAMS,
-  # V_CHUNKS, V_PDL, V_FEWPDL, V_ROTARY, V_PROLOGUE (lab switches; empty: unset). fp8 or bf16 first, then any of the suffixes above; anything else stops the
+  # V_CHUNKS, V_PDL, V_FEWPDL, V_ROTARY, V_PROLOGUE, V_LAYERS (lab switches; empty: unset). fp8 or bf16 first, then any of the suffixes above; anything else stops the
   # script before a run (a part the old suffix matching missed ran a row with the bf16 cache, 2026-12-07)
   local part parts
   IFS=- read -r -a parts <<< "$1"
-  V_FLAGS="" V_SPLITS=programs V_UNROLL="" V_STREAMS="" V_CHUNKS="" V_PDL="" V_FEWPDL="" V_ROTARY="" V_PROLOGUE=""
+  V_FLAGS="" V_SPLITS=programs V_UNROLL="" V_STREAMS="" V_CHUNKS="" V_PDL="" V_FEWPDL="" V_ROTARY="" V_PROLOGUE="" V_LAYERS=""
   case "${parts[0]}" in fp8) V_FLAGS="--quantization fp8" ;; bf16) ;; *) return 1 ;; esac
   for part in "${parts[@]:1}"; do
     case "$part" in
@@ -66,6 +67,7 @@ variant() {  # NAME: a WEIGHTS name's parts -> V_FLAGS (gpu_batched_step.py's) a
       nopdl) V_PDL=0 V_FEWPDL=0 ;;  # plain launches (programmatic ones are the default since 2026-12-07e)
       proleager) V_PROLOGUE=eager ;;
       eagernorm) V_PROLOGUE=inputs ;;  # the final norm eager (compiled by default since 2026-12-07e)
+      fewrows) [ "${parts[0]}" = bf16 ] || return 1; V_LAYERS=few-rows ;;  # bf16 layers by terra's kernel, not cuBLAS
       *) return 1 ;;
     esac
   done
@@ -74,7 +76,7 @@ check_weights() {  # every WEIGHTS name parses, before minutes of setup
   local weights
   for weights in ${WEIGHTS:-fp8 fp8-bytes bf16}; do
     variant "$weights" || { echo "WEIGHTS: $weights is not fp8 or bf16 followed by -kv8, -bytes, -unroll, -unroll8," \
-      "-tile128, -streams4, -chunks64, -pdl, -fewpdl, -fewwait, -nopdl, -rotstep, -proleager or -eagernorm" >&2; exit 2; }
+      "-tile128, -streams4, -chunks64, -pdl, -fewpdl, -fewwait, -nopdl, -rotstep, -proleager, -eagernorm or (bf16) -fewrows" >&2; exit 2; }
   done
 }
 each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of WEIGHTS, its switches set by the name
@@ -84,7 +86,7 @@ each_weights() {  # KIND LIMIT_S ARGS...: gpu_batched_step.py ARGS for each of W
     variant "$weights"
     TERRA_FEW_ROWS_SPLITS=$V_SPLITS TERRA_SINGLE_STREAM_UNROLL_REDUCTIONS=$V_UNROLL TERRA_NOISE_STREAMS=$V_STREAMS \
       TERRA_SAMPLER_CHUNKS=$V_CHUNKS TORCHINDUCTOR_ENABLE_PDL=$V_PDL TERRA_FEW_ROWS_PDL=$V_FEWPDL \
-      TERRA_SINGLE_STREAM_ROTARY=$V_ROTARY TERRA_STEP_PROLOGUE=$V_PROLOGUE \
+      TERRA_SINGLE_STREAM_ROTARY=$V_ROTARY TERRA_STEP_PROLOGUE=$V_PROLOGUE TERRA_SINGLE_STREAM_LAYERS=$V_LAYERS \
       timeout "$limit" python3 benchmarks/scripts/gpu_batched_step.py "$@" $V_FLAGS \
       --out "$OUT/$kind-$weights.json" > "$OUT/$kind-$weights.log" 2>&1
     echo "$kind $weights exit $?" | tee -a "$STEP_LOG"
@@ -94,7 +96,7 @@ picture_row() {  # NAME: a PICTURE_ROWS name -> P_OPTIONS (server options), P_FO
   # P_MODE (lab switches; empty: unset)
   local part parts
   IFS=- read -r -a parts <<< "$1"
-  P_STREAM="" P_MODE="" P_ENGINE=""
+  P_STREAM="" P_MODE=""
   case "${parts[0]}" in
     pic1) P_OPTIONS="" P_FORMAT=jpeg ;;
     pic2|pic4|pic8|pic16) P_OPTIONS="--picture-batch ${parts[0]#pic}" P_FORMAT=jpeg ;;
@@ -105,7 +107,6 @@ picture_row() {  # NAME: a PICTURE_ROWS name -> P_OPTIONS (server options), P_FO
     case "$part" in
       normal|high|shared) P_STREAM=$part ;;
       graphs) P_MODE=reduce-overhead ;;
-      enghigh) P_ENGINE=high ;;
       *) return 1 ;;
     esac
   done
@@ -128,12 +129,12 @@ case "${1:-}" in
     source_stamp "$OUT/code.txt"
     extra=${SERVE_ARGS_EXTRA:-}
     for row in ${PICTURE_ROWS:-pic8 pic1}; do  # every row parses, before any runs
-      picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic1, pic2, pic4, pic8, pic16 or tokens followed by -normal, -high, -shared," \
-        "-graphs or -enghigh" >&2; exit 2; }
+      picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic1, pic2, pic4, pic8, pic16 or tokens followed by -normal, -high, -shared" \
+        "or -graphs" >&2; exit 2; }
     done
     for row in ${PICTURE_ROWS:-pic8 pic1}; do
       picture_row "$row"
-      TERRA_PICTURE_STREAM=$P_STREAM TERRA_DECODER_COMPILE_MODE=$P_MODE TERRA_ENGINE_STREAM_PRIORITY=$P_ENGINE SERVE_STEPS=${PICTURE_STEPS:-4} \
+      TERRA_PICTURE_STREAM=$P_STREAM TERRA_DECODER_COMPILE_MODE=$P_MODE SERVE_STEPS=${PICTURE_STEPS:-4} \
         SERVE_STEP_FORMAT=$P_FORMAT SERVE_ARGS_EXTRA="$extra $P_OPTIONS" serve_rows 160 32 "-$row"
     done ;;
   *) echo "usage: gpu_lean41.sh driver|one|profile|pictures" >&2; exit 2 ;;

@@ -21,7 +21,6 @@ import numpy as np
 
 from terra_cli.backends.batch_driver import BatchAtATimeDriver, JobSource
 from terra_cli.backends.driver import admit, take_cancelled
-from terra_cli.streams import engine_stream_block
 
 
 class _JobCancelled(Exception):
@@ -53,10 +52,6 @@ class SingleStreamDriver(BatchAtATimeDriver):
 
     def run(self, jobs, on_frame=None, on_done=None, on_cancelled=None, idle_wait: float = 0.05, on_start=None,
             on_error=None) -> None:
-        with engine_stream_block(self.backend.device):
-            self._run(jobs, on_frame, on_done, on_cancelled, idle_wait, on_start, on_error)
-
-    def _run(self, jobs, on_frame, on_done, on_cancelled, idle_wait, on_start, on_error) -> None:
         if self.batch_limit() < 2:  # one job at a time: the base loop
             return super().run(jobs, on_frame, on_done, on_cancelled, idle_wait, on_start, on_error)
         source = JobSource(jobs, self.loop)

@@ -25,6 +25,9 @@
 #             one rollout through the driver) for each of WEIGHTS
 #   profile   (carry .gpu/vllm-b) the same setup, then a 32-row step's kernels at 10-frame contexts for each of
 #             WEIGHTS (gpu_batched_step.py --profile 32 --profile-context 10 [--quantization fp8])
+#   bench     (carry .gpu/vllm-b) the same setup, then `terra bench --hf-vs-vllm --skip-hf --batch 1 --frames
+#             BENCH_FRAMES` (7) on the random Terra checkpoint: vLLM's row and the single-stream rows (plain, and
+#             with --draft), each with its GPU busy share; BENCH_ARGS adds options (e.g. --vllm-arg quantization=fp8)
 #   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB; after driver or profile) `terra serve` at 32
 #             sessions, PICTURE_STEPS frames a session (4; 8 is the driver's, so the first frame, a prompt,
 #             weighs as much in both), one ~90 s run for each of PICTURE_ROWS (default "pic8 pic1"): pic8
@@ -124,6 +127,11 @@ case "${1:-}" in
     check_weights
     setup
     each_weights profile "${PROFILE_S:-150}" --profile "${PROFILE_ROWS:-32}" --profile-context 10 ;;
+  bench)
+    setup
+    timeout "${BENCH_S:-420}" python3 -m terra_cli bench --hf-vs-vllm --skip-hf --batch 1 --frames "${BENCH_FRAMES:-7}" \
+      ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+    echo "bench exit $?" | tee -a "$STEP_LOG" ;;
   pictures)
     for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
     source_stamp "$OUT/code.txt"
@@ -137,6 +145,6 @@ case "${1:-}" in
       TERRA_PICTURE_STREAM=$P_STREAM TERRA_DECODER_COMPILE_MODE=$P_MODE SERVE_STEPS=${PICTURE_STEPS:-4} \
         SERVE_STEP_FORMAT=$P_FORMAT SERVE_ARGS_EXTRA="$extra $P_OPTIONS" serve_rows 160 32 "-$row"
     done ;;
-  *) echo "usage: gpu_lean41.sh driver|one|profile|pictures" >&2; exit 2 ;;
+  *) echo "usage: gpu_lean41.sh driver|one|profile|bench|pictures" >&2; exit 2 ;;
 esac
 pack_out "lean41-$1"

@@ -360,9 +360,10 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
 
 def busy_share(intervals: list[tuple[float, float]]) -> dict:
     """The share of the span from the first interval's start to the last one's end covered by at least one
-    interval (in the intervals' unit, microseconds here), and how many there were."""
+    interval, that covered time and the span (in the intervals' unit, microseconds here), and how many there
+    were."""
     if not intervals:
-        return {"share": None, "kernels": 0, "span_us": 0.0}
+        return {"share": None, "kernels": 0, "span_us": 0.0, "covered_us": 0.0}
     intervals = sorted(intervals)
     covered, run_start, run_end = 0.0, intervals[0][0], intervals[0][1]
     for start, end in intervals[1:]:
@@ -372,8 +373,9 @@ def busy_share(intervals: list[tuple[float, float]]) -> dict:
         else:
             run_end = max(run_end, end)
     covered += run_end - run_start
-    span = max(end for _, end in intervals) - intervals[0][0]
-    return {"share": round(covered / span, 4) if span > 0 else None, "kernels": len(intervals), "span_us": span}
+    span = run_end - intervals[0][0]  # the last run ends last: each starts past the one before's end
+    return {"share": round(covered / span, 4) if span > 0 else None, "kernels": len(intervals), "span_us": span,
+            "covered_us": covered}
 
 
 def lab_switches() -> dict:

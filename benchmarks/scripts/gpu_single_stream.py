@@ -176,8 +176,7 @@ def gpu_busy(decoder, frame: int, device: str) -> dict:
                     "us_per_step": round(sum(times) / steps, 1) if steps else None,
                     "us_each": round(sum(times) / len(times), 2)} for name, times in top]
     covered = busy_share(intervals)  # microseconds
-    span = covered["span_us"]
-    busy = covered["share"] * span if covered["share"] is not None else 0.0
+    span, busy = covered["span_us"], covered["covered_us"]
     return {"profiled_frame_s": round(wall, 4), "profiled_steps": steps, "kernels_seen": len(intervals),
             "kernels_per_step": round(len(intervals) / steps, 1) if steps else None,
             "gpu_busy_share_of_kernel_span": round(busy / span, 4) if span else None,

@@ -25,14 +25,16 @@ gpu_setup() {  # WHEEL...: unpack these into /tmp/site (what the host lacks), in
 }
 
 RUN_MARK=$(mktemp /tmp/terra-run-mark.XXXXXX)  # files in $OUT newer than this are this run's (pack_out)
+touch -d "@$(($(date +%s) - 1))" "$RUN_MARK"  # a second back: a file written within the clock's tick is not newer
 
 pack_out() {  # NAME: the files this run wrote in $OUT as $OUT/NAME.tgz (NAME-2.tgz, ... where an earlier run's
   # tarball holds the name), beside summary.txt: the device returns at most 8 files (a 2026-12-07 call lost two
-  # runs' results to that limit); older files stay as they are
+  # runs' results to that limit); older files stay as they are, and so do this run's earlier tarballs (a chain of
+  # subcommands packs once each)
   local list packed target=$OUT/$1.tgz n=1
   while [ -e "$target" ]; do n=$((n + 1)); target=$OUT/$1-$n.tgz; done
   list=$(mktemp) packed=$(mktemp)
-  (cd "$OUT" && find . -type f ! -name summary.txt -newer "$RUN_MARK" > "$list")
+  (cd "$OUT" && find . -type f ! -name summary.txt ! -name '*.tgz' -newer "$RUN_MARK" > "$list")
   tar czf "$packed" -C "$OUT" -T "$list" && (cd "$OUT" && xargs -d '\n' -r rm -f < "$list") &&
     find "$OUT" -mindepth 1 -type d -empty -newer "$RUN_MARK" -delete && chmod 644 "$packed" && mv -n "$packed" "$target"
   rm -f "$list" "$packed"

@@ -36,6 +36,9 @@
 #             TERRA_PICTURE_STREAM=normal|shared (the pictures' CUDA stream), -graphs TERRA_DECODER_COMPILE_MODE=
 #             reduce-overhead (the decoder as CUDA graphs); SERVE_ARGS_EXTRA adds server options to every row
 #             (e.g. --kv-cache-dtype fp8)
+# Subcommands chain, as device time is scarce (a session of 2026-12-07 lost all of it to machines that did not
+# start): `gpu_lean41.sh one profile bench` sets up once (~35 s each saved) and packs each one's files into a
+# tarball of its own; with pictures in the chain carry .gpu/serve beside .gpu/vllm-b (23 MB: both fit a call).
 set -uo pipefail
 source benchmarks/scripts/gpu_common.sh
 export TERRA_CACHE=/tmp/terra-cache HF_HUB_OFFLINE=1
@@ -114,37 +117,42 @@ picture_row() {  # NAME: a PICTURE_ROWS name -> P_OPTIONS (server options), P_FO
     esac
   done
 }
-case "${1:-}" in
-  driver)
-    check_weights
-    setup
-    each_weights sessions "${SESSIONS_S:-120}" --sessions 32 --frames 8 --think-ms 30 ;;
-  one)
-    check_weights
-    setup
-    each_weights one "${SESSIONS_S:-120}" --sessions 1 --frames 6 --think-ms 0 ;;
-  profile)
-    check_weights
-    setup
-    each_weights profile "${PROFILE_S:-150}" --profile "${PROFILE_ROWS:-32}" --profile-context 10 ;;
-  bench)
-    setup
-    timeout "${BENCH_S:-420}" python3 -m terra_cli bench --hf-vs-vllm --skip-hf --batch 1 --frames "${BENCH_FRAMES:-7}" \
-      ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-    echo "bench exit $?" | tee -a "$STEP_LOG" ;;
-  pictures)
-    for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
-    source_stamp "$OUT/code.txt"
-    extra=${SERVE_ARGS_EXTRA:-}
-    for row in ${PICTURE_ROWS:-pic8 pic1}; do  # every row parses, before any runs
-      picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic1, pic2, pic4, pic8, pic16 or tokens followed by -normal, -high, -shared" \
-        "or -graphs" >&2; exit 2; }
-    done
-    for row in ${PICTURE_ROWS:-pic8 pic1}; do
-      picture_row "$row"
-      TERRA_PICTURE_STREAM=$P_STREAM TERRA_DECODER_COMPILE_MODE=$P_MODE SERVE_STEPS=${PICTURE_STEPS:-4} \
-        SERVE_STEP_FORMAT=$P_FORMAT SERVE_ARGS_EXTRA="$extra $P_OPTIONS" serve_rows 160 32 "-$row"
-    done ;;
-  *) echo "usage: gpu_lean41.sh driver|one|profile|bench|pictures" >&2; exit 2 ;;
-esac
-pack_out "lean41-$1"
+usage() { echo "usage: gpu_lean41.sh SUBCOMMAND... (driver, one, profile, bench, pictures)" >&2; exit 2; }
+[ $# -gt 0 ] || usage
+set_up=""
+for sub in "$@"; do  # every subcommand known and every WEIGHTS name parsed, before minutes of setup
+  case "$sub" in
+    driver|one|profile) check_weights ;;
+    bench) ;;
+    pictures)
+      for row in ${PICTURE_ROWS:-pic8 pic1}; do
+        picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic1, pic2, pic4, pic8, pic16 or tokens followed by -normal," \
+          "-high, -shared or -graphs" >&2; exit 2; }
+      done ;;
+    *) usage ;;
+  esac
+done
+for sub in "$@"; do
+  case "$sub" in
+    driver|one|profile|bench) [ -n "$set_up" ] || setup; set_up=1 ;;
+  esac
+  case "$sub" in
+    driver) each_weights sessions "${SESSIONS_S:-120}" --sessions 32 --frames 8 --think-ms 30 ;;
+    one) each_weights one "${SESSIONS_S:-120}" --sessions 1 --frames 6 --think-ms 0 ;;
+    profile) each_weights profile "${PROFILE_S:-150}" --profile "${PROFILE_ROWS:-32}" --profile-context 10 ;;
+    bench)
+      timeout "${BENCH_S:-420}" python3 -m terra_cli bench --hf-vs-vllm --skip-hf --batch 1 --frames "${BENCH_FRAMES:-7}" \
+        ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+      echo "bench exit $?" | tee -a "$STEP_LOG" ;;
+    pictures)
+      for wheel in .gpu/serve/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site >/dev/null; done
+      source_stamp "$OUT/code.txt"
+      extra=${SERVE_ARGS_EXTRA:-}
+      for row in ${PICTURE_ROWS:-pic8 pic1}; do
+        picture_row "$row"
+        TERRA_PICTURE_STREAM=$P_STREAM TERRA_DECODER_COMPILE_MODE=$P_MODE SERVE_STEPS=${PICTURE_STEPS:-4} \
+          SERVE_STEP_FORMAT=$P_FORMAT SERVE_ARGS_EXTRA="$extra $P_OPTIONS" serve_rows 160 32 "-$row"
+      done ;;
+  esac
+  pack_out "lean41-$sub"
+done

@@ -60,6 +60,15 @@ def test_generate_bad_inputs_give_one_line_errors(tmp_path, tiny_checkpoint):
     assert missing_model.returncode == 2 and "does not exist" in missing_model.stderr
 
 
+def test_too_few_frames_for_the_embedded_road_fails_before_any_model_loads(tmp_path):
+    result = invoke_terra("generate", tmp_path / "out.mp4", "--frames", 3, "--actions", "left", "--backend", "hf")
+    assert result.returncode == 2 and "--frames (3) must be more than the 3 context frame(s)" in result.stderr
+    assert "backend:" not in result.stderr and "encoding" not in result.stderr and not (tmp_path / "out.mp4").exists()
+    two = invoke_terra("generate", "--frames", 3, "--context-frames", 2, "--actions", "left",
+                       "--backend", "hf", "--no-decode", "--save-tokens", tmp_path / "t.npy", "--temperature", 0)
+    assert two.returncode == 0, two.stderr
+
+
 def test_info_describes_a_checkpoint(tiny_checkpoint):
     result = run_terra("info", tiny_checkpoint)
     assert result.returncode == 0, result.stderr

@@ -98,12 +98,13 @@ class VideoRequest:
             raise InputError("actions contain NaN or inf")
 
     @property
-    def context_count(self) -> int | None:
+    def context_count(self) -> int:
         if self.context_tokens is not None:
             return int(self.context_tokens.shape[0])
         if self.context_images is not None:
             return len(self.context_images)
-        return self.context_frames
+        # The embedded road is rendered to any length, so its count is known before any model loads.
+        return self.context_frames or inputs.DEFAULT_CONTEXT_FRAMES
 
 
 @dataclass

@@ -208,10 +208,27 @@ def test_a_tokens_step_answers_codes_and_decodes_no_picture(client, engine):
         replayed = [socket.receive_json() for _ in range(4)]
         assert [m["index"] for m in replayed] == [0, 1, 2, 3] and all(m["replay"] for m in replayed)
         assert np.array_equal(np.array([m["tokens"] for m in replayed]), tokens)
+        # each replayed frame where it was driven (the context's at the start), not where the session is now
+        assert [(m["position"], m["speed_kmh"]) for m in replayed[2:]] == [(f["position"], f["speed_kmh"]) for f in frames]
+        assert [m["position"] for m in replayed[:2]] == [[0.0, 0.0]] * 2 != [frames[-1]["position"]] * 2
         socket.send_json({"action": "right", "format": "tokens"})
         message = socket.receive_json()
         assert message["index"] == 4 and "image" not in message and len(message["tokens"]) == tokens.shape[1]
     assert pictures_decoded() == before + 1
+
+
+def test_a_replayed_frame_carries_its_own_position_and_speed(client):
+    session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(2, seed=3)}}).json()["id"]
+    step = client.post(f"/v1/sessions/{session_id}/step", json={"action": "faster", "frames": 2, "format": "tokens"})
+    assert step.status_code == 200, step.text
+    live = [(f["position"], f["speed_kmh"]) for f in step.json()["frames"]]
+    assert live[0] != live[1]  # it moved and sped up
+    with client.websocket_connect(f"/v1/sessions/{session_id}/stream?format=tokens") as socket:
+        replayed = [socket.receive_json() for _ in range(4)]
+    assert [(m["position"], m["speed_kmh"]) for m in replayed[2:]] == live
+    assert [(m["position"], m["speed_kmh"]) for m in replayed[:2]] == [([0.0, 0.0], replayed[0]["speed_kmh"])] * 2
+    assert replayed[0]["speed_kmh"] < live[0][1]  # the context's speed: the one the session opened with
+    client.delete(f"/v1/sessions/{session_id}")
 
 
 def test_pictures_in_padded_batches_do_not_depend_on_their_batchmates(client, engine, monkeypatch):
@@ -363,6 +380,9 @@ BAD_VIDEOS = [
     ("temperature", {"actions": "left", "temperature": False}),
     ("frames", {"actions": "left", "frames": True}),
     ("actions", {"actions": 5}),
+    ("actions", {"actions": [[[10**400, 0, 0.5]] + [[0, 0, 1]] * 5] * 3, "frames": 4}),  # was a 500: float overflow
+    # was a 202, then a job that failed: no room in a round for a generated frame
+    ("context_frames", {"actions": "left", "frames": SERVE_MAX_FRAMES + 2, "context": {"tokens": context_tokens(SERVE_MAX_FRAMES)}}),
 ]
 
 
@@ -377,6 +397,8 @@ def test_malformed_video_requests_are_4xx_naming_the_field(engine, field, body):
 
 def test_malformed_session_requests(engine):
     api = side_app(engine)
+    unknown = api.post("/v1/videos", json={"actions": "zigzag"})
+    assert unknown.status_code == 422 and unknown.json()["error"]["message"].startswith("'zigzag' is not a preset (")
     for tokens in ([[1, 2]], [[5000] * 576], [[-1] * 576]):  # the same check as a video job's
         reply = api.post("/v1/sessions", json={"context": {"tokens": tokens}})
         assert reply.status_code == 422 and reply.json()["error"]["field"] == "context.tokens"

@@ -113,6 +113,20 @@ def test_an_oversized_message_closes_with_1009_and_one_log_line(server):
     assert len(lines) == 1 and "1009" in lines[0] and "[traceback]" not in lines[0], lines
 
 
+def test_a_refused_socket_gets_its_close_code_not_an_http_403(server):
+    """Through a real server: a close before the handshake's accept would reach the client as HTTP 403."""
+    from websockets.exceptions import ConnectionClosed
+
+    session_id = _session(server, 1)
+    for path, code, reason in ((f"/v1/sessions/s-nope/stream", 4404, "no such session"),
+                               (f"/v1/sessions/{session_id}/stream?format=gif", 4422,
+                                "format must be jpeg, png or tokens, got 'gif'")):
+        with websockets_sync.connect(server["ws"] + path) as client:
+            with pytest.raises(ConnectionClosed) as closed:
+                client.recv(timeout=30)
+        assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (code, reason)
+
+
 @pytest.mark.parametrize("payload, field", [
     (b"\x00\x01binary", "message"),
     ("not json", "message"),

@@ -124,9 +124,11 @@ class Context:
     field: str = "context"  # where the tokens came from, for errors: context.tokens, or a .npy path's context
 
 
-def check_context_tokens(context: Context, layout) -> None:
-    """The one check of a context's tokens against the model, for video jobs and sessions alike:
-    before a 202, not as a job that fails afterwards."""
+def check_context(context: Context, layout) -> None:
+    """The one check of a context against the model, for video jobs and sessions alike: before a
+    202, not as a job that fails afterwards."""
+    if context.count >= layout.max_frames:  # a round must have room for a generated frame
+        raise FieldError("context_frames", f"at most {layout.max_frames - 1} context frames, got {context.count}")
     tokens = context.tokens
     if tokens is None:
         return
@@ -186,12 +188,15 @@ def parse_actions(value, frames: int, speed: float, limits: Limits) -> np.ndarra
         if isinstance(value, list):
             try:
                 array = np.asarray(value, dtype=np.float64)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # an integer past float64's range overflows
                 raise FieldError("actions", "inline actions must be numbers of shape (frames, 6, 3)") from None
             return normalize_actions(array, "inline actions")
         if isinstance(value, dict) and set(value) == {"instruction_trajs"}:
             return instruction_trajs_to_actions(value["instruction_trajs"], "instruction_trajs")
         if isinstance(value, str):
+            if limits.data_root is None:  # so the string can only have meant a preset
+                raise FieldError("actions", f"{value[:40]!r} is not a preset ({', '.join(PRESETS)}), and this server "
+                                            "takes no paths (it was started without --data-root)")
             return resolve_actions(str(confined(value, limits, "actions")), frames=frames, speed_kmh=speed)
     except (ActionsError, TerraError) as exc:
         raise FieldError("actions", str(exc)) from None

@@ -16,7 +16,7 @@ from starlette.websockets import WebSocketDisconnected
 
 from terra_cli.media.files import read_npy
 from terra_cli.server.requests import (PICTURE_FORMATS, STEP_FORMATS, FieldError, SessionBody, StepBody, VideoBody,
-                                      check_context_tokens, check_format, parse_context, parse_video, sampling_of)
+                                      check_context, check_format, parse_context, parse_video, sampling_of)
 from terra_cli.server.sessions import SessionGone
 
 videos = APIRouter(prefix="/v1/videos", tags=["videos"])
@@ -43,7 +43,7 @@ async def create_video(body: VideoBody, request: Request):
     # Images and videos in the body are decoded off the event loop: 24 large PNGs took seconds,
     # and /health, the streams and every other request waited for them.
     spec = await run_in_threadpool(parse_video, body, _state(request).settings.limits)
-    check_context_tokens(spec.context, _state(request).engine.layout)
+    check_context(spec.context, _state(request).engine.layout)
     job = _state(request).jobs.create(spec)
     return JSONResponse(job.public(), status_code=202, headers={"Location": f"/v1/videos/{job.id}"})
 
@@ -109,10 +109,7 @@ async def create_session(body: SessionBody, request: Request):
     if not (np.isfinite(body.speed) and 0 <= body.speed <= 200):
         raise FieldError("speed", f"speed must be from 0 to 200 km/h, got {body.speed}")
     context = await run_in_threadpool(parse_context, body.context, body.context_frames, limits)
-    layout = state.engine.layout
-    if context.count >= layout.max_frames:
-        raise FieldError("context_frames", f"at most {layout.max_frames - 1} context frames, got {context.count}")
-    check_context_tokens(context, layout)
+    check_context(context, state.engine.layout)
     images = context.images
     if context.tokens is None and images is None:
         from terra_cli.models.default import sample_context_frames
@@ -206,20 +203,23 @@ async def stream(websocket: WebSocket, session_id: str, format: str = "jpeg"):
     from terra_cli.server.app import websocket_allowed
 
     state = websocket.app.state
+    session, refusal = None, None
     if not websocket_allowed(websocket):
-        await websocket.close(code=4401, reason="missing or wrong API key")
-        return
-    try:
-        check_format(format, STEP_FORMATS)
-    except FieldError as error:  # HTTP's field check, answered as a WebSocket close code can be
-        await websocket.close(code=4422, reason=error.message)
-        return
-    try:
-        session = state.sessions.get(session_id)
-    except SessionGone:
-        await websocket.close(code=4404, reason="no such session")
-        return
+        refusal = 4401, "missing or wrong API key"
+    else:
+        try:
+            check_format(format, STEP_FORMATS)
+            session = state.sessions.get(session_id)
+        except FieldError as error:  # HTTP's field check, answered as a WebSocket close code can be
+            refusal = 4422, error.message
+        except SessionGone:
+            refusal = 4404, "no such session"
+    # Accepted first even when refused: a close before the handshake's accept reaches the client as
+    # an HTTP 403, and the close code that says why is lost.
     await websocket.accept()
+    if refusal is not None:
+        await websocket.close(code=refusal[0], reason=refusal[1])
+        return
     queue: asyncio.Queue = asyncio.Queue()
     session.listeners.add(queue)
 

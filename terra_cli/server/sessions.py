@@ -54,7 +54,8 @@ class Session:
     start_speed: float
     tokens: list[np.ndarray] = field(default_factory=list)  # every frame so far, context first
     waypoints: list[np.ndarray] = field(default_factory=list)  # row i conditions frame i + 1
-    path: list[tuple[float, float, float]] = field(default_factory=lambda: [(0.0, 0.0, 0.0)])
+    # (x, y, heading, speed after it) at the last context frame, then after each generated frame
+    path: list[tuple[float, float, float, float]] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
     listeners: set = field(default_factory=set)  # asyncio.Queue per WebSocket
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -66,13 +67,14 @@ class Session:
 
     def __post_init__(self):
         self.tokens = list(self.context)
+        self.path = self.path or [(0.0, 0.0, 0.0, self.start_speed)]
         if self.lineage is None:
             self.lineage = Lineage(self.sampling.seed)
 
     def public(self) -> dict:
         return {"id": self.id, "frames": len(self.tokens), "context_frames": int(self.context.shape[0]),
                 "speed_kmh": round(self.speed, 3), "seed": self.sampling.seed, "parent": self.parent,
-                "path": [[round(x, 3), round(y, 3)] for x, y, _ in self.path]}
+                "path": [[round(x, 3), round(y, 3)] for x, y, _, _ in self.path]}
 
 
 def manoeuvre_waypoints(action, speed: float, layout) -> tuple[np.ndarray, float]:
@@ -176,7 +178,7 @@ class Sessions:
             self.engine.cancel(session.in_flight)
         async with session.lock:
             session.tokens = list(session.context)
-            session.waypoints, session.path = [], [(0.0, 0.0, 0.0)]
+            session.waypoints, session.path = [], [(0.0, 0.0, 0.0, session.start_speed)]
             session.speed = session.start_speed
 
     async def step(self, session: Session, action, frames: int, fmt: str) -> list[dict]:
@@ -242,17 +244,18 @@ class Sessions:
     @staticmethod
     def _advance(session: Session, waypoints: np.ndarray, speed_after: float) -> None:
         dx, dy, dtheta = _step_motion(np.asarray(waypoints, dtype=np.float64))
-        x, y, heading = session.path[-1]
+        x, y, heading, _ = session.path[-1]
         c, s = math.cos(heading), math.sin(heading)
-        session.path.append((x + c * dx - s * dy, y + s * dx + c * dy, heading + dtheta))
+        session.path.append((x + c * dx - s * dy, y + s * dx + c * dy, heading + dtheta, speed_after))
         session.speed = speed_after
 
     @staticmethod
     def frame_message(session: Session, index: int, picture: bytes | None, fmt: str) -> dict:
-        """A frame's message: its picture in `fmt` as "image" (base64), or for "tokens" its codes as "tokens"."""
-        x, y, _ = session.path[-1]
+        """A frame's message: its picture in `fmt` as "image" (base64), or for "tokens" its codes as "tokens";
+        its position and speed are the frame's own (a replay's too), the context frames' those of the last."""
+        x, y, _, speed = session.path[max(0, index - (session.context.shape[0] - 1))]
         message = {"type": "frame", "session": session.id, "index": index, "format": fmt,
-                   "speed_kmh": round(session.speed, 3), "position": [round(x, 3), round(y, 3)]}
+                   "speed_kmh": round(speed, 3), "position": [round(x, 3), round(y, 3)]}
         if picture is None:
             message["tokens"] = [int(code) for code in session.tokens[index]]
         else:

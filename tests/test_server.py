@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 import time
 
 import numpy as np
@@ -124,6 +125,24 @@ def test_cancel_a_running_job(client):
     assert job["status"] == "cancelled" and job["generated_frames"] < 11
     assert client.get(f"/v1/videos/{job_id}/content").status_code == 409
     assert client.delete("/v1/videos/v-nope").status_code == 404
+
+
+def test_a_cancel_while_a_job_is_handed_to_the_engine_is_not_lost(client, engine, monkeypatch):
+    """The DELETE lands after the job turned "running" and before the engine holds it."""
+    submit, cancels = engine.submit, []
+
+    def submit_with_a_cancel_between(job, handlers, **kwargs):
+        if job.key.startswith("v-"):
+            cancel = threading.Thread(target=lambda: cancels.append(client.delete(f"/v1/videos/{job.key}")))
+            cancel.start()
+            cancel.join(0.5)  # the cancel waits for the hand-over (fixed), or runs now and finds nothing (the bug)
+        submit(job, handlers, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", submit_with_a_cancel_between)
+    reply = client.post("/v1/videos", json={"context": {"tokens": context_tokens(1)}, "actions": "straight", "frames": 4})
+    job = wait_job(client, reply.json()["id"])
+    wait_for(lambda: cancels, 30)
+    assert cancels[0].status_code == 200 and job["status"] == "cancelled", job
 
 
 def test_session_steps_roll_over_into_rounds_and_stream(client):

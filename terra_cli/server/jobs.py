@@ -62,6 +62,9 @@ class VideoJobs:
         self.jobs: dict[str, VideoJob] = {}
         self.finished_order: collections.deque[str] = collections.deque()
         self.lock = threading.Lock()
+        # Held while a job passes from encoding to the engine and while a cancel decides what to do: a
+        # cancel between the two would find a running job that the engine does not know yet, and be lost.
+        self.hand_over = threading.Lock()
 
     def active(self) -> int:
         with self.lock:
@@ -84,10 +87,11 @@ class VideoJobs:
         job = self.get(job_id)
         if job is None:
             return None
-        if job.status in ACTIVE:
-            if job.status in ("queued", "encoding"):
-                self._end(job, "cancelled")  # the media thread sees it and does not submit
-            self.engine.cancel(job.id)
+        with self.hand_over:
+            if job.status in ACTIVE:
+                if job.status in ("queued", "encoding"):
+                    self._end(job, "cancelled")  # the media thread sees it and does not submit
+                self.engine.cancel(job.id)
         return job
 
     def cancel_all(self) -> None:
@@ -113,16 +117,17 @@ class VideoJobs:
 
                     images = list(sample_context_frames(context.count))
                 tokens = self.engine.encode(images)
-            if job.status != "encoding":
-                return
-            job.status = "running"
-            job.generation_started = time.perf_counter()
             rollout = RolloutJob(job.id, tokens, spec.actions, spec.frames, spec.sampling)
-            self.engine.submit(rollout, Handlers(
-                on_frame=lambda index, t: self._frame(job),
-                on_done=lambda all_tokens: self._generated(job, all_tokens),
-                on_cancelled=lambda: self._end(job, "cancelled"),
-                on_error=lambda exc: self._end(job, "failed", str(exc))))
+            with self.hand_over:
+                if job.status != "encoding":
+                    return
+                job.status = "running"
+                job.generation_started = time.perf_counter()
+                self.engine.submit(rollout, Handlers(
+                    on_frame=lambda index, t: self._frame(job),
+                    on_done=lambda all_tokens: self._generated(job, all_tokens),
+                    on_cancelled=lambda: self._end(job, "cancelled"),
+                    on_error=lambda exc: self._end(job, "failed", str(exc))))
         except Exception as exc:
             self._end(job, "failed", " ".join(str(exc).split()) or type(exc).__name__)
 

@@ -178,7 +178,23 @@ def test_bad_options_and_arguments_are_input_errors(backend, tokenizer):
         env.select([0, 0])
     with pytest.raises(InputError, match="fork"):
         env.fork(2, 1)
+    for indices in ([0.7], np.array([True])):  # a float index or a mask of another length: no guess at what was meant
+        with pytest.raises(InputError, match="select: indices must be integers"):
+            env.select(indices)
+    for actions in (np.full((2, 6, 3), 1 + 1j), np.ones((2, 6, 3), dtype=bool), [[[10**400, 0, 0]] * 6] * 2):
+        with pytest.raises(InputError, match="actions must be real numbers"):
+            env.step(actions)
+    for count in (0, -1, 1.5, True):
+        with pytest.raises(InputError, match="context_frames must be a whole number"):
+            env.reset(seed=0, options={"context": np.zeros((2, 576), dtype=np.int64), "context_frames": count})
+    with pytest.raises(InputError, match="contexts is a list"):
+        env.reset(seed=0, options={"contexts": "ab"})
+    assert env.num_envs == 2
+    env.select(np.array([False, True]))  # a mask of num_envs: the environments where it is True
+    assert env.num_envs == 1
     env.close()
+    with pytest.raises(InputError, match="closed"):
+        env.reset(seed=0, options={"context": np.zeros((2, 576), dtype=np.int64)})
 
 
 def test_loading_on_vllm_configures_vllms_environment_first(monkeypatch):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
@@ -124,6 +125,8 @@ class TerraVectorEnv(VectorEnv):
         per environment); `context_frames` (how many frames of a video or the sample road; 3);
         `context_actions`: the waypoints between the context frames, (K - 1, 6, 3), one per
         environment (N, K - 1, 6, 3), or a preset name; default: the first step's action."""
+        if self.engine.closed:  # else reset would encode and answer, and the next step fail
+            raise InputError("the environment is closed")
         super().reset(seed=seed)
         options = dict(options or {})
         unknown = set(options) - {"context", "contexts", "context_frames", "context_actions"}
@@ -136,9 +139,13 @@ class TerraVectorEnv(VectorEnv):
         if "contexts" in options and "context" in options:
             raise InputError("give context (one for all) or contexts (one per environment), not both")
         contexts = options.get("contexts", [options.get("context")] * self.num_envs)
+        if isinstance(contexts, (str, bytes, Path, dict)):  # a sequence of contexts, not one split into parts
+            raise InputError("contexts is a list of one context per environment; for one for all, give context")
         if len(contexts) != self.num_envs:
             raise InputError(f"contexts holds {len(contexts)} contexts for {self.num_envs} environments")
         count = options.get("context_frames")
+        if count is not None and (isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1):
+            raise InputError(f"context_frames must be a whole number of at least 1, got {count!r}")
         actions = options.get("context_actions")
         per_env = not isinstance(actions, str) and actions is not None and np.asarray(actions).ndim == 4
         states = []
@@ -159,9 +166,12 @@ class TerraVectorEnv(VectorEnv):
     def check_actions(self, actions) -> np.ndarray:
         """(N, 6, 3) finite float32 waypoints, or one InputError; nothing is submitted before."""
         try:
-            array = np.asarray(actions, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"actions must be numbers of shape ({self.num_envs}, 6, 3): {exc}") from None
+            array = np.asarray(actions)
+            if array.dtype.kind not in "iuf":  # bool, complex, strings, or ints past int64 (object)
+                raise TypeError(f"got {array.dtype} values")
+            array = array.astype(np.float64)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InputError(f"actions must be real numbers of shape ({self.num_envs}, 6, 3): {exc}") from None
         expected = (self.num_envs, self.layout.action_tokens, 3)
         if array.shape != expected:
             raise InputError(f"actions must have shape {expected} (one (y, x, t) waypoint row per environment), "
@@ -231,8 +241,15 @@ class TerraVectorEnv(VectorEnv):
         return list(range(first, self.num_envs))
 
     def select(self, indices) -> None:
-        """Keep only the environments `indices` (distinct), in that order."""
-        chosen = [int(i) for i in np.asarray(indices).reshape(-1)]
+        """Keep only the environments `indices` (distinct), in that order, or those where a boolean
+        mask of num_envs entries is True."""
+        array = np.asarray(indices)
+        if array.dtype == bool and array.shape == (self.num_envs,):
+            array = np.flatnonzero(array)
+        elif array.size and array.dtype.kind not in "iu":  # a float index or a mask of another length: no guess
+            raise InputError(f"select: indices must be integers (or a boolean mask of {self.num_envs}), "
+                             f"got {array.dtype} {array.tolist()}")
+        chosen = [int(i) for i in array.reshape(-1)]
         if not chosen or any(not 0 <= i < self.num_envs for i in chosen) or len(set(chosen)) != len(chosen):
             raise InputError(f"select: indices must be distinct, from 0 to {self.num_envs - 1}, at least one; "
                              f"got {chosen}")

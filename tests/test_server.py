@@ -80,6 +80,7 @@ def png_b64(width=64, height=36, color=(90, 120, 160)) -> str:
 def test_health_openapi_and_page(client):
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["backend"] == "hf" and health["quantization"] is None
+    assert (health["max_frames"], health["round_frames"]) == (100, SERVE_MAX_FRAMES)  # the cap, the model's round
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/videos", "/v1/videos/{video_id}/content", "/v1/sessions/{session_id}/step"} <= set(paths)
     assert "swagger" in client.get("/docs").text.lower()

@@ -143,7 +143,7 @@ def create_app(engine: EngineService, settings: Settings = Settings()) -> FastAP
         failure = engine.failure
         body = {"status": "failed" if failure else "draining" if app.state.draining else "ok",
                 "backend": engine.name, "quantization": engine.quantization, "model": engine.model_label,
-                "max_frames": engine.layout.max_frames,
+                "max_frames": settings.limits.max_frames, "round_frames": engine.layout.max_frames,
                 "image_tokens": engine.layout.image_tokens,
                 "sessions": len(app.state.sessions), "queued_jobs": engine.queued_jobs}
         return _json(503 if failure or app.state.draining else 200, body)

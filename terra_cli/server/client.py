@@ -153,6 +153,6 @@ def generate_remote(url: str, request: VideoRequest, observer: Observer | None =
         with atomic_path(outputs.video, overwrite=outputs.overwrite) as tmp:
             tmp.write_bytes(data)
         written.insert(0, f"video -> {outputs.video}")
-    rounds = len(plan_rounds(job["context_frames"], request.frames, health.get("max_frames") or 25))
+    rounds = len(plan_rounds(job["context_frames"], request.frames, health.get("round_frames") or 25))
     return RemoteResult(request.frames, job["context_frames"], job["generated_frames"], rounds, seconds,
                         f"{health.get('backend')} (server)", health.get("model", "?"), written)

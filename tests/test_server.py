@@ -413,6 +413,7 @@ def test_malformed_video_requests_are_4xx_naming_the_field(engine, field, body):
              if isinstance(body, str) else api.post("/v1/videos", json=body))
     assert 400 <= reply.status_code < 500, reply.text
     assert reply.json()["error"]["field"] == field, reply.json()
+    assert reply.json().get("errors", [{"field": field}])[0]["field"] == field, reply.json()
 
 
 def test_malformed_session_requests(engine):

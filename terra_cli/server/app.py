@@ -212,12 +212,13 @@ def install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
+        def field(error: dict) -> str:  # a JSON syntax error's location is a character offset, not a field
+            return "body" if error.get("type") == "json_invalid" else field_of(error.get("loc", ()))
+
         first = exc.errors()[0] if exc.errors() else {}
-        field = "body" if first.get("type") == "json_invalid" else field_of(first.get("loc", ()))
         message = first.get("msg", "invalid request")
-        return _json(422, {"error": {"field": field, "message": f"{field}: {message}"},
-                           "errors": [{"field": field_of(e.get("loc", ())), "message": e.get("msg")}
-                                      for e in exc.errors()[:20]]})
+        return _json(422, {"error": {"field": field(first), "message": f"{field(first)}: {message}"},
+                           "errors": [{"field": field(e), "message": e.get("msg")} for e in exc.errors()[:20]]})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):

@@ -67,6 +67,11 @@ def test_too_few_frames_for_the_embedded_road_fails_before_any_model_loads(tmp_p
     two = invoke_terra("generate", "--frames", 3, "--context-frames", 2, "--actions", "left",
                        "--backend", "hf", "--no-decode", "--save-tokens", tmp_path / "t.npy", "--temperature", 0)
     assert two.returncode == 0, two.stderr
+    np.save(tmp_path / "long.npy", np.zeros((26, 576), dtype=np.int64))  # terra-mini's round holds 25 frames
+    long = invoke_terra("generate", "--context-tokens", tmp_path / "long.npy", "--frames", 30, "--actions", "left",
+                        "--backend", "hf", "--no-decode", "--save-tokens", tmp_path / "l.npy")
+    assert long.returncode == 2 and "26 context frames leave no room in a 25-frame round" in long.stderr
+    assert "backend:" not in long.stderr
 
 
 def test_info_describes_a_checkpoint(tiny_checkpoint):

@@ -169,6 +169,7 @@ def generate_video(
         )
     if request.context_tokens is not None:
         _check_context_tokens(request.context_tokens, layout)
+    plan_rounds(request.context_count, request.frames, layout.max_frames)  # the round rules, before anything loads
     observer.message(f"model: {model.label}")
     owns_world = world is None
     if owns_world:

@@ -46,7 +46,8 @@ async function start() {
   const key = $("key").value.trim();
   socket = new WebSocket(`${scheme}//${location.host}/v1/sessions/${session.id}/stream` + (key ? "?key=" + encodeURIComponent(key) : ""));
   socket.onmessage = (event) => onMessage(JSON.parse(event.data));
-  socket.onclose = () => { status("session closed"); socket = null; };
+  // A refusal (4401 key, 4404 session, 4422 format) says why in its reason.
+  socket.onclose = (event) => { status(event.code >= 4000 ? `closed: ${event.reason}` : "session closed", event.code >= 4000); socket = null; };
   socket.onopen = () => status("drive with the arrow keys (s or space: straight)");
 }
 

@@ -208,6 +208,37 @@ def test_a_users_file_in_out_dir_survives_without_overwrite(tmp_path, model):
     assert not (out / LOCK_NAME).exists()
 
 
+def test_no_output_or_results_log_replaces_an_input_or_a_users_log_even_with_overwrite(tmp_path, model):
+    """--out-dir the scenario file's own folder: a line whose id names its own context or actions
+    file, the scenario file named results.jsonl, a results.jsonl of the user's own lines."""
+    def digests(folder):
+        return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+    common = ["--model", model, "--backend", "hf", "--no-decode", "--overwrite"]
+    path = write_lines(tmp_path, [line("ctx")])  # writes ctx.npy, the line's own context
+    np.save(tmp_path / "acts.npy", np.zeros((3, 6, 3), dtype=np.float32))
+    actions = write_lines(tmp_path, [line("acts", actions="acts.npy")], "a.jsonl")
+    for scenarios, name in ((path, "ctx.npy"), (actions, "acts.npy")):
+        before = digests(tmp_path)
+        result = cli("generate", "--scenarios", scenarios, "--out-dir", tmp_path, *common)
+        assert result.exit_code == 2 and f"{name} (line 1) is an input of this run" in result.output, result.output
+        assert digests(tmp_path) == before
+    (tmp_path / "own").mkdir()
+    log_is_input = write_lines(tmp_path / "own", [line("x")], RESULTS_NAME)
+    result = cli("generate", "--scenarios", log_is_input, "--out-dir", tmp_path / "own", *common)
+    assert result.exit_code == 2 and "results.jsonl is an input of this run" in result.output, result.output
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / RESULTS_NAME).write_text("my own notes line\n")
+    result = cli("generate", "--scenarios", path, "--out-dir", users, *common)
+    assert result.exit_code == 2 and "results.jsonl is not a terra results log" in result.output, result.output
+    assert (users / RESULTS_NAME).read_text() == "my own notes line\n" and not (users / "ctx.npy").exists()
+    ours = cli("generate", "--scenarios", path, "--out-dir", tmp_path / "out", *common)
+    assert ours.exit_code == 0, ours.output
+    again = cli("generate", "--scenarios", path, "--out-dir", tmp_path / "out", *common)  # terra's own log: resumes
+    assert again.exit_code == 0 and "already done" in again.output, again.output
+
+
 def test_a_changed_line_with_the_same_id_is_refused_on_resume(tmp_path, model):
     out = tmp_path / "out"
     common = ["--out-dir", out, "--model", model, "--backend", "hf", "--no-decode"]

@@ -102,7 +102,8 @@ def prepare_job(job: ScenarioJob) -> PreparedJob:
                          "DIR_OR_HUB_ID" + ("" if images else " (or --no-decode for tokens only)"))
     pending = list(file.scenarios)
     if out_dir.is_dir():
-        pending = plan_outputs(file.scenarios, out_dir, decode=job.decode, overwrite=job.overwrite).pending
+        pending = plan_outputs(file.scenarios, out_dir, decode=job.decode, overwrite=job.overwrite,
+                               inputs=file.input_files()).pending
     return PreparedJob(job, file, backend, device, choice.label, needs_tokenizer, pending)
 
 

@@ -7,7 +7,8 @@ never a place where a run replaces a file that terra did not write for that scen
   run that died, so a stale lock file is simply taken over).
 - `plan_outputs`: which scenarios are done (resume), which changed since results.jsonl recorded
   them (refused without --overwrite), and which existing files this run may replace: those an
-  earlier terra run recorded for the same scenario, or any with --overwrite.
+  earlier terra run recorded for the same scenario, or any with --overwrite, but never a file the
+  run reads, nor a results log that is an input or not terra's.
 """
 
 from __future__ import annotations
@@ -162,13 +163,17 @@ class OutputPlan:
     replaceable: set[str] = field(default_factory=set)  # names under --out-dir this run may replace
 
 
-def plan_outputs(scenarios: Iterable[Scenario], out_dir: Path, *, decode: bool, overwrite: bool) -> OutputPlan:
+def plan_outputs(scenarios: Iterable[Scenario], out_dir: Path, *, decode: bool, overwrite: bool,
+                 inputs: frozenset[str] = frozenset()) -> OutputPlan:
     """What this run writes, from results.jsonl (and worker logs) and what is on disk. Raises one
     OutputError listing every file it would replace without leave, and every scenario that
-    changed since it was recorded done (both allowed with --overwrite)."""
+    changed since it was recorded done (both allowed with --overwrite); and every output or
+    results log that is one of the run's `inputs` (real paths, `ScenarioFile.input_files`) or a
+    log terra did not write (never allowed)."""
     out_dir = Path(out_dir)
     done: dict[str, dict] = {}
     recorded: dict[str, set[str]] = defaultdict(set)
+    foreign = [f"{log} is {why}" for log in results_logs(out_dir) if (why := _not_ours(log, inputs))]
     for log in results_logs(out_dir):
         for record in read_results(log):
             key = str(record.get("id"))
@@ -201,11 +206,14 @@ def plan_outputs(scenarios: Iterable[Scenario], out_dir: Path, *, decode: bool, 
                 continue
             if target.is_dir():
                 blocked.append(f"{name} (line {s.line}) is a folder")
+            elif os.path.realpath(target) in inputs:
+                blocked.append(f"{name} (line {s.line}) is an input of this run")
             elif overwrite or name in recorded[s.id]:
                 plan.replaceable.add(name)
             else:
                 taken.append(f"{name} (line {s.line})")
-    problems = []
+    problems = [f"{'; '.join(foreign)}: terra appends a line per scenario to it; move it away or pick another "
+                "--out-dir"] if foreign else []
     if blocked:
         problems.append(f"{len(blocked)} output(s) in --out-dir {out_dir} cannot be written: {_some(blocked)}; move "
                         "those away")
@@ -218,6 +226,19 @@ def plan_outputs(scenarios: Iterable[Scenario], out_dir: Path, *, decode: bool, 
     if problems:
         raise OutputError("; ".join(problems))
     return plan
+
+
+def _not_ours(log: Path, inputs: frozenset[str]) -> str:
+    """Why terra may not append to this results log ("" if it may): it is an input of the run, or
+    holds a JSON object that is no terra record, or no terra record at all."""
+    if not log.is_file() or log.stat().st_size == 0:
+        return ""
+    if os.path.realpath(log) in inputs:
+        return "an input of this run"
+    records = read_results(log)
+    if not records or any(not {"id", "status"} <= set(record) for record in records):
+        return "not a terra results log"
+    return ""
 
 
 def _some(items: list[str], shown: int = 5) -> str:

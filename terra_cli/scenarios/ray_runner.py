@@ -83,7 +83,7 @@ class RayDriver:
         self.job, self.out_dir = prepared.job, prepared.job.out_dir
         make_out_dir(self.out_dir)  # the caller holds it (outdir.OutDirLock)
         self.outputs = plan_outputs(prepared.file.scenarios, self.out_dir, decode=self.job.decode,
-                                    overwrite=self.job.overwrite)
+                                    overwrite=self.job.overwrite, inputs=prepared.file.input_files())
         self.log = ResultsLog(self.out_dir, RESULTS_NAME)
         self.state = RayRun(resumed=self.outputs.resumed)
         self.state.skipped = log_skipped(prepared.file, self.log)

@@ -118,7 +118,7 @@ def run_scenarios(
     decode = decode and tokenizer is not None
     with OutDirLock(out_dir) if lock else contextlib.nullcontext():
         mine = file.scenarios if only_ids is None else [s for s in file.scenarios if s.id in only_ids]
-        plan = plan_outputs(mine, out_dir, decode=decode, overwrite=overwrite)
+        plan = plan_outputs(mine, out_dir, decode=decode, overwrite=overwrite, inputs=file.input_files())
         log = ResultsLog(out_dir, results_name)
         run = ScenarioRun(resumed=plan.resumed)
         if only_ids is None:

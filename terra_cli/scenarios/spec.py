@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,6 +78,7 @@ class Scenario:
     source_format: str = "terra"  # or "act-bench"
     stem: str = ""  # output path without suffix, relative to --out-dir; "" means the id
     digest: str = ""  # of the normalised content (`content_digest`), recorded in results.jsonl
+    actions_file: Path | None = None  # where the actions were read from, if a file
 
     @property
     def output_stem(self) -> str:
@@ -121,6 +123,14 @@ class ScenarioFile:
     scenarios: list[Scenario]
     problems: list[Problem]
     source_format: str
+
+    def input_files(self) -> frozenset[str]:
+        """Real paths of the files this run reads (the scenario file, contexts, action files): no
+        output may replace one, --overwrite or not."""
+        paths = [self.path]
+        for s in self.scenarios:
+            paths += [*s.context_images, s.context_tokens, s.actions_file]
+        return frozenset(os.path.realpath(p) for p in paths if p is not None and os.path.isfile(p))
 
 
 def read_scenarios(path: Path, defaults: Defaults = Defaults(), rollouts: int = 1) -> ScenarioFile:
@@ -295,7 +305,10 @@ def _parse_terra(record: dict, line: int, base: Path, defaults: Defaults) -> Sce
         count = check_images(images, count)
     inputs.check_frame_count(frames, count)
     inputs.check_actions_cover(actions, frames)
-    return Scenario(scenario_id, line, actions, frames, seed, tuple(images), tokens, count, "terra")
+    given = record["actions"]
+    actions_file = base / given if isinstance(given, str) and given.strip().lower() not in PRESETS else None
+    return Scenario(scenario_id, line, actions, frames, seed, tuple(images), tokens, count, "terra",
+                    actions_file=actions_file)
 
 
 def _resolve_actions(value, frames: int, speed: float, base: Path) -> np.ndarray:

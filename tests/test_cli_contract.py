@@ -45,6 +45,13 @@ def test_generate_bad_inputs_give_one_line_errors(tmp_path, tiny_checkpoint):
     base = ["generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / "ctx.npy",
             "--temperature", 0, "--backend", "hf", "--no-decode", "--save-tokens", tmp_path / "o.npy"]
     np.save(tmp_path / "bad_shape.npy", np.zeros((4, 5, 3), dtype=np.float32))
+    for name, tokens, message in (("empty.npy", np.zeros((0, 576), np.int64), "holds no frames"),
+                                  ("huge.npy", np.full((2, 576), 2**63, np.uint64), f"found {2**63}")):
+        np.save(tmp_path / name, tokens)
+        result = invoke_terra("generate", "--model", tiny_checkpoint, "--context-tokens", tmp_path / name,
+                              "--actions", tmp_path / "acts.npy", "--frames", 4, "--backend", "hf", "--no-decode",
+                              "--save-tokens", tmp_path / "o.npy")
+        assert result.returncode == 2 and message in result.stderr and "backend:" not in result.stderr, result.stderr
     cases = {
         "shape (frames, 6, 3)": ["--actions", tmp_path / "bad_shape.npy", "--frames", 4],
         "at least 5 frames": ["--actions", tmp_path / "acts.npy", "--frames", 6],

@@ -46,6 +46,10 @@ def load_context_tokens(path: Path, count: int | None) -> np.ndarray:
     arr = read_npy(path, "context tokens file", max_items=MAX_TOKEN_ITEMS)
     if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
         raise InputError(f"{path}: context tokens must be an int array (frames, 576), got {arr.dtype} {arr.shape}")
+    if arr.shape[0] == 0:
+        raise InputError(f"{path} holds no frames (shape {arr.shape}); context tokens are (frames >= 1, 576)")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:  # it would wrap negative below
+        raise InputError(f"{path}: context tokens must be image codes, found {int(arr.max())}")
     if count is not None:
         if arr.shape[0] < count:
             raise InputError(f"--context-frames {count} asks for {count} frames, but {path} holds {arr.shape[0]}")

@@ -318,6 +318,16 @@ def test_act_bench_refiner_options_are_refused_in_one_line_before_anything_is_bu
         (["bench", "--hf-vs-vllm", "--quantization", "fp8", "--device", "cpu"],
          "--quantization fp8 on --backend single-stream runs terra's Triton kernel on a CUDA GPU"),
         (["bench", "--hf-vs-vllm", "--quantization", "int8"], "--quantization must be none or fp8"),
+        # values checked against Terra's config before its random weights (4 GB) are built
+        (["bench", "--hf-vs-vllm", "--frames", 1000], "--frames 1000 is above the supported maximum"),
+        (["bench", "--hf-vs-vllm", "--hf-frames", -1], "--hf-frames must be at least 1"),
+        (["bench", "--hf-vs-vllm", "--frames", 30], "--hf-vs-vllm measures one round, at most 25 frames"),
+        (["bench", "--hf-vs-vllm", "--context-frames", 25, "--frames", 30], "25 context frames leave no room"),
+        (["bench", "--scenarios", 2, "--backend", "bogus"], "--backend must be auto, vllm, hf or single-stream"),
+        (["bench", "--scenarios", 2, "--frames", 500, "--backend", "hf"], "--frames 500 is above the supported maximum"),
+        ([*act, "--context-frames", 30, "--frames", 40, "--backend", "hf"], "30 context frames leave no room"),
+        (["bench", "--env", 2, "--fork-from", 200, "--backend", "hf"], "--fork-from must be from 4 to 23"),
+        (["bench", "--refiner", "--windows", "x"], "--windows takes comma-separated windows per call"),
     ]
     for args, message in cases:
         result = invoke_terra(*args)

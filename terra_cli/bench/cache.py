@@ -89,3 +89,32 @@ def random_terra_checkpoint(device: str, seed: int, log: Callable[[str], None] =
     return cached_folder(random_model_cache() / f"random-terra-seed{seed}",
                          lambda folder: write_random_terra_checkpoint(folder, device, seed), log,
                          "random Terra-size model (Terra's released config, 2.04B parameters, bf16)")
+
+
+def bench_layout(model: str | None):
+    """The frame layout of the model a bench will run: --model's, or Terra's for the random
+    checkpoint, known before that is built (minutes, 4 GB), so a bench's checks come first."""
+    from terra_cli.models.checkpoint import load_config
+    from terra_cli.models.config import LlamaActionConfig
+    from terra_cli.models.resolve import resolve_world_model_dir
+    from terra_cli.models.testing import TERRA_WORLD_MODEL_CONFIG
+
+    if model:
+        return load_config(resolve_world_model_dir(model)).layout
+    return LlamaActionConfig.from_dict(dict(TERRA_WORLD_MODEL_CONFIG)).layout
+
+
+def check_engine_run(model: str | None, backend: str, options, device: str | None, frames: int,
+                     context_frames: int) -> None:
+    """A scenario-shaped bench's engine and frames, as the product's request layer checks them,
+    before any model is built or loaded."""
+    from terra_cli.pipeline import inputs
+    from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
+    from terra_cli.pipeline.rounds import plan_rounds
+    from terra_cli.runtime import resolve_device
+
+    if context_frames < 1:
+        raise InputError(f"--context-frames must be at least 1, got {context_frames}")
+    inputs.check_frame_count(frames, context_frames)
+    check_backend_options(resolve_backend_name(backend), options, resolve_device(device))
+    plan_rounds(context_frames, frames, bench_layout(model).max_frames)

@@ -37,15 +37,15 @@ EPILOG = (
 )
 
 
-def parse_batches(text: str) -> list[int]:
+def parse_batches(text: str, option: str = "--batch", what: str = "rollout counts like 1,8,32") -> list[int]:
     from terra_cli.backends.base import InputError
 
     try:
         batches = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise InputError(f"--batch takes comma-separated rollout counts like 1,8,32, got {text!r}") from None
+        raise InputError(f"{option} takes comma-separated {what}, got {text!r}") from None
     if not batches or batches[0] < 1:
-        raise InputError(f"--batch needs positive rollout counts, got {text!r}")
+        raise InputError(f"{option} needs positive counts, got {text!r}")
     return batches
 
 
@@ -226,8 +226,19 @@ def bench(
         from terra_cli.cli.bench_scenarios import scenario_bench
 
         return scenario_bench(model, plan, keep_outputs, out_json, overwrite)
-    if context_frames < 1 or frames <= context_frames:
-        raise InputError(f"--frames ({frames}) must be more than --context-frames ({context_frames}), which must be >= 1")
+    if hf_frames is not None and hf_frames < 1:
+        raise InputError(f"--hf-frames must be at least 1, got {hf_frames}")
+    from terra_cli.bench.cache import bench_layout
+    from terra_cli.pipeline import inputs
+    from terra_cli.pipeline.rounds import plan_rounds
+
+    if context_frames < 1:
+        raise InputError(f"--context-frames must be at least 1, got {context_frames}")
+    inputs.check_frame_count(frames, context_frames)
+    round_frames = bench_layout(model).max_frames  # before a random model is built
+    plan_rounds(context_frames, frames, round_frames)
+    if frames > round_frames:
+        raise InputError(f"--frames {frames}: --hf-vs-vllm measures one round, at most {round_frames} frames")
     if not skip_single_stream and vllm_options.get("quantization"):  # the single-stream rows read fp8 weights too
         from terra_cli.pipeline.engine_request import check_backend_options
         from terra_cli.runtime import resolve_device

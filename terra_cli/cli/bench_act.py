@@ -16,18 +16,16 @@ def act_bench(model: str | None, plan, keep_outputs: Path | None, out_json: Path
     """`random_refiner`: with --decoder refiner, the refiner config (refiner.config.RefinerConfig) whose
     random weights go into the folder `plan.refiner` names (bench.refiner.random_refiner_folder)."""
     from terra_cli.bench.act_bench import bench_tokenizer, run_act_bench
-    from terra_cli.bench.cache import random_terra_checkpoint
+    from terra_cli.bench.cache import check_engine_run, random_terra_checkpoint
     from terra_cli.bench.hf_vs_vllm import environment
     from terra_cli.cli.bench_scenarios import engine_shares
     from terra_cli.cli.progress import LazyFrameBar
-    from terra_cli.errors import InputError
     from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.resolve import resolve_world_model_dir
     from terra_cli.runtime import resolve_device
 
     # --out and --keep-outputs were checked with the bench's other outputs (cli/bench.py).
-    if plan.context_frames < 1 or plan.frames <= plan.context_frames:
-        raise InputError(f"--frames ({plan.frames}) must be more than --context-frames ({plan.context_frames}), which must be >= 1")
+    check_engine_run(model, plan.backend, plan.vllm_options, plan.device, plan.frames, plan.context_frames)
     device = resolve_device(plan.device)
     if random_refiner is not None:
         from terra_cli.refiner.cost import check_cpu_time

@@ -14,20 +14,17 @@ from terra_cli.cli.app import console, out
 
 def env_bench(model: str | None, plan, out_json: Path | None, overwrite: bool) -> None:
     from terra_cli.bench.env import check_plan, run_env_bench
-    from terra_cli.bench.cache import random_terra_checkpoint
+    from terra_cli.bench.cache import bench_layout, random_terra_checkpoint
     from terra_cli.bench.hf_vs_vllm import environment
     from terra_cli.media.atomic import atomic_write_json
-    from terra_cli.models.checkpoint import load_config
     from terra_cli.models.resolve import resolve_world_model_dir
     from terra_cli.runtime import resolve_device
 
     # --out was checked with the bench's other outputs (cli/bench.py).
     log = lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)  # noqa: E731
-    if model:
-        checkpoint = resolve_world_model_dir(model)
-        check_plan(plan, load_config(checkpoint).layout)  # before the engine loads
-    else:
-        checkpoint = random_terra_checkpoint(resolve_device(plan.device), plan.seed, log)
+    check_plan(plan, bench_layout(model))  # before a random model is built or the engine loads
+    checkpoint = (resolve_world_model_dir(model) if model else
+                  random_terra_checkpoint(resolve_device(plan.device), plan.seed, log))
     results = run_env_bench(checkpoint, plan, log)
     results["model"] = str(model or checkpoint)
     results["command"] = "terra " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -22,7 +22,7 @@ def refiner_bench(windows: str, compile_mode: str, refiner_dtype: str, full_cfg:
 
     if out_json is not None:
         check_writable(out_json, overwrite)
-    batches = [int(b) for b in parse_batches(windows)]
+    batches = parse_batches(windows, "--windows", "windows per call like 1,2")
     resolved = resolve_device(device)
     from terra_cli.refiner.fp8 import check_fp8_device, check_refiner_dtype
 

@@ -12,17 +12,15 @@ from terra_cli.cli.app import console, out
 
 
 def scenario_bench(model, plan, keep_outputs, out_json, overwrite) -> None:
-    from terra_cli.bench.cache import random_terra_checkpoint
+    from terra_cli.bench.cache import check_engine_run, random_terra_checkpoint
     from terra_cli.bench.hf_vs_vllm import environment
     from terra_cli.bench.scenarios import run_scenario_bench
     from terra_cli.cli.progress import LazyFrameBar
-    from terra_cli.errors import InputError
     from terra_cli.media.atomic import atomic_write_json
     from terra_cli.models.resolve import resolve_world_model_dir
     from terra_cli.runtime import resolve_device
 
-    if plan.context_frames < 1 or plan.frames <= plan.context_frames:
-        raise InputError(f"--frames ({plan.frames}) must be more than --context-frames ({plan.context_frames}), which must be >= 1")
+    check_engine_run(model, plan.backend, plan.vllm_options, plan.device, plan.frames, plan.context_frames)
     device = resolve_device(plan.device)
     log = lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)  # noqa: E731
     checkpoint = resolve_world_model_dir(model) if model else random_terra_checkpoint(device, plan.seed, log)

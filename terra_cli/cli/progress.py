@@ -5,7 +5,19 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.text import Text
+
+# Narrow enough that the counts, rate, elapsed time and ETA fit an 80-column terminal beside the label.
+BAR_WIDTH = 24
+
+
+class RateColumn(ProgressColumn):
+    """Items a second, as rich measures them over the last half minute."""
+
+    def render(self, task) -> Text:
+        return Text("" if task.speed is None else f"{task.speed:,.1f}/s", style="progress.data.speed")
 
 
 class FrameProgress:
@@ -13,7 +25,7 @@ class FrameProgress:
         self.tokens_per_frame = tokens_per_frame * rollouts
         self.progress = Progress(
             TextColumn("[bold]generating"),
-            BarColumn(),
+            BarColumn(bar_width=BAR_WIDTH),
             MofNCompleteColumn(),
             TextColumn("frames  {task.fields[rate]}"),
             TimeElapsedColumn(),
@@ -49,9 +61,9 @@ class StepProgress:
 
     def __init__(self, console: Console, label: str, total: int):
         self.console = console
-        self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("frames"),
-                                 TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
-                                 auto_refresh=False)
+        self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(),
+                                 TextColumn("frames"), RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                                 console=console, transient=False, auto_refresh=False)
         self.task = self.progress.add_task(label, total=total)
         self.label = label
         self.started = 0.0
@@ -85,9 +97,9 @@ class TaskProgress:
 
     def __init__(self, console: Console, label: str, total: int, unit: str = "frames"):
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), TextColumn("{task.fields[note]}", markup=False), BarColumn(),
-            MofNCompleteColumn(), TextColumn("{task.fields[unit]}", markup=False), TimeElapsedColumn(),
-            TimeRemainingColumn(), console=console, transient=False,
+            TextColumn("[bold]{task.description}"), TextColumn("{task.fields[note]}", markup=False),
+            BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(), TextColumn("{task.fields[unit]}", markup=False),
+            RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
         )
         self.task = self.progress.add_task(label, total=total, note="", unit=unit)
 
@@ -123,22 +135,19 @@ class TaskProgress:
 
 
 class LazyFrameBar:
-    """`bar(done, total)`: a TaskProgress of generated frames (frames/s beside it, ETA) that
-    appears with the first frame, for a library call that reports its progress that way (the
-    benches); `close()` ends it. Lines printed on the same console go above it."""
+    """`bar(done, total)`: a TaskProgress of generated frames (rate, ETA) that appears with the
+    first frame, for a library call that reports its progress that way (the benches); `close()`
+    ends it. Lines printed on the same console go above it."""
 
     def __init__(self, console: Console, label: str):
         self.console, self.label = console, label
         self.bar: TaskProgress | None = None
-        self.started = 0.0
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             self.bar = TaskProgress(self.console, self.label, total, unit="generated frames")
             self.bar.__enter__()
-            self.started = time.perf_counter()
-        rate = done / max(time.perf_counter() - self.started, 1e-9)
-        self.bar.set(done, f"{rate:.1f} frames/s")
+        self.bar.set(done, "")
 
     def close(self) -> None:
         if self.bar is not None:

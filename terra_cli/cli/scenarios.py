@@ -4,7 +4,6 @@ here, which checks it, reports progress and the summary, and maps a run's failur
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import typer
@@ -57,24 +56,22 @@ def _run_scenarios(prepared, data_parallel: int, ray: Optional[tuple] = None, pl
     pending = pending_scenarios(prepared)  # a resumed run's bars count what it still makes
     total_frames = sum(s.frames - s.context_frames for s in pending)
     progress = TaskProgress(console, "scenarios", total_frames, unit="generated frames")
-    started = time.perf_counter()
     written = [0]
     # --videos-at-end writes every video after the last frame (minutes on a long run): a bar of its own, rate and ETA
     videos_bar = progress.add_bar("videos", len(pending), "written") if job.videos_at_end and pending else None
 
-    def note(frames: float) -> str:
-        elapsed = time.perf_counter() - started
-        return f"{written[0]} of {len(pending)} written, {frames / max(elapsed, 1e-9):.1f} frames/s"
+    def note() -> str:  # the frames' rate is the bar's own column
+        return f"{written[0]} of {len(pending)} written"
 
     def frame_done(worker: int) -> None:
-        progress.advance(1, note=note(progress.completed + 1))
+        progress.advance(1, note=note())
 
     def scenario_written(worker: int, record: dict) -> None:
         done = record.get("status") == "done"
         written[0] += done
         if videos_bar is not None and done:
             progress.advance_bar(videos_bar)
-        progress.note(note(progress.completed))  # also once no frame is made any more (--videos-at-end's videos)
+        progress.note(note())  # also once no frame is made any more (--videos-at-end's videos)
 
     def engine_ready(worker: int, ready) -> None:
         say(f"engine {worker} ready in {ready.seconds:.1f} s" + (f"; {ready.in_flight_reason}" if ready.in_flight_reason else ""))

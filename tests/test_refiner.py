@@ -248,6 +248,10 @@ def test_float_weights_stored_as_ints_and_empty_files_are_refused(tmp_path):
     (tmp_path / "short.pt").write_bytes(b"PK\x03\x04")
     with pytest.raises(CheckpointError, match="cannot read"):
         read_checkpoint(tmp_path / "short.pt")
+    (tmp_path / "picture.pt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))  # no advice to run it as a pickle
+    with pytest.raises(CheckpointError, match="is not a torch checkpoint") as failure:
+        read_checkpoint(tmp_path / "picture.pt")
+    assert "trust" not in str(failure.value)
 
 
 class _Payload:

@@ -68,6 +68,11 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], RefinerConfig]
         return state, _config_from(meta.get(CONFIG_KEY), path)
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path} is empty (0 bytes), not a refiner checkpoint")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch's zip format, or a legacy pickle
+        raise CheckpointError(f"{path} is not a torch checkpoint (neither torch's zip format nor a pickle); "
+                              "give Terra's refiner .pt or a converted .safetensors")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

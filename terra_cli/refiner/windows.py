@@ -36,7 +36,7 @@ def kept_frames(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def check_frames(frames: int, window: int = 25) -> None:
     if frames < window:
         raise InputError(f"the refiner needs at least {window} frames (one window), got {frames}; "
-                         "use --decoder frames for shorter videos")
+                         "shorter videos decode frame by frame (`terra generate`'s default, --decoder frames)")
 
 
 def count_windows(frames: int, window: int = 25, min_overlap: int = 3) -> int:

@@ -43,7 +43,7 @@ class Sampling:
         if not (0 < self.top_p <= 1):
             raise InputError(f"--top-p must be in (0, 1] (1.0: off), got {self.top_p}")
         if not (0 <= self.seed <= MAX_SEED):
-            raise InputError(f"--seed must be from 0 to {MAX_SEED} (2**63 - rollouts), got {self.seed}")
+            raise InputError(f"--seed must be from 0 to {MAX_SEED} (2**63 - 2**16), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

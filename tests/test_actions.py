@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -267,6 +268,18 @@ def test_cli_plot_writes_a_png_and_refuses_to_overwrite(tmp_path):
     assert again.returncode != 0 and "already exists" in again.stderr and "Traceback" not in again.stderr
     assert out.read_bytes() == before
     assert invoke_terra("actions", "plot", "left", out, "--frames", 20, "--overwrite").returncode == 0
+
+
+@pytest.mark.parametrize("suffix", [".svg", ".pdf"])
+def test_a_plot_is_the_same_bytes_each_time(tmp_path, suffix):
+    """svg and pdf would carry the time they were made and random ids."""
+    made = []
+    for name in ("a", "b"):
+        result = invoke_terra("actions", "plot", "right", tmp_path / f"{name}{suffix}", "--frames", 5)
+        assert result.returncode == 0, result.stderr
+        made.append((tmp_path / f"{name}{suffix}").read_bytes())
+        time.sleep(1.1)  # the clock's second moves on between the two
+    assert made[0] == made[1] and len(made[0]) > 1000
 
 
 def test_cli_bad_inputs_exit_nonzero_without_traceback(tmp_path):

@@ -120,7 +120,7 @@ def plot_heatmaps(results: dict, path, overwrite: bool = False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from terra_cli.media.atomic import atomic_path
+    from terra_cli.media.atomic import save_figure
 
     temps = list(results["temperatures"])
     fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 3.2), squeeze=False)
@@ -132,6 +132,5 @@ def plot_heatmaps(results: dict, path, overwrite: bool = False) -> None:
         fig.colorbar(im, ax=ax, fraction=0.03)
     fig.suptitle("previous-frame draft: acceptance per grid position", fontsize=10)
     fig.tight_layout()
-    with atomic_path(path, overwrite) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+    save_figure(fig, path, overwrite)
     plt.close(fig)

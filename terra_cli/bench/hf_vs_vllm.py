@@ -324,7 +324,7 @@ def plot_results(results: dict, path: Path, overwrite: bool = False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from terra_cli.media.atomic import atomic_path
+    from terra_cli.media.atomic import save_figure
 
     runs = results["runs"]
     singles = [r for r in runs if r["rollouts"] == 1]
@@ -354,8 +354,7 @@ def plot_results(results: dict, path: Path, overwrite: bool = False) -> None:
     fig.suptitle(f"{results['model']}\n{env.get('gpu') or env.get('cpu')}, vLLM {env.get('vllm')}, torch {env.get('torch')}", fontsize=9,
                  parse_math=False)  # a model path with $ is not mathtext
     fig.tight_layout()
-    with atomic_path(Path(path), overwrite) as tmp:
-        fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png", dpi=120)
+    save_figure(fig, Path(path), overwrite, dpi=120)
     plt.close(fig)
 
 

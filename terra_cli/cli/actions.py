@@ -82,15 +82,14 @@ def actions_plot(
 ):
     """Draw each frame's waypoints top-down: lateral across (left on the left), forward up."""
     from terra_cli.actions import resolve_actions
-    from terra_cli.media.atomic import OutputError, atomic_path
+    from terra_cli.media.atomic import OutputError, save_figure
 
     if output.suffix.lower() not in _PLOT_SUFFIXES:
         raise OutputError(f"{output}: the picture must end in {', '.join(_PLOT_SUFFIXES)}")
     _plan(input, output, overwrite)
     actions = resolve_actions(input, frames=frames, speed_kmh=speed)
     fig = draw_actions(actions, title=f"{input}  ({actions.shape[0]} frames)")
-    with atomic_path(output, overwrite) as tmp:
-        fig.savefig(tmp, format=output.suffix.lower().lstrip(".").replace("jpg", "jpeg"), dpi=120)
+    save_figure(fig, output, overwrite, dpi=120)
     console.print(f"{actions.shape[0]} frames drawn -> {output}", highlight=False, soft_wrap=True)
 
 

@@ -32,7 +32,7 @@ def plot_eval(results: dict, path: Path, overwrite: bool = False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from terra_cli.media.atomic import atomic_path
+    from terra_cli.media.atomic import save_figure
 
     presets = results["presets"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
@@ -86,8 +86,7 @@ def plot_eval(results: dict, path: Path, overwrite: bool = False) -> None:
         fontsize=9, parse_math=False,  # a model path with $ is not mathtext
     )
     fig.tight_layout()
-    with atomic_path(Path(path), overwrite) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+    save_figure(fig, Path(path), overwrite)
     plt.close(fig)
 
 

@@ -273,3 +273,14 @@ def read_manifest(directory: Path) -> dict[str, tuple[int, int]]:
                 and isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) for v in entry)):
             found[name] = (entry[0], entry[1])
     return found
+
+
+def save_figure(fig, path: Path, overwrite: bool, dpi: int = 110) -> None:
+    """A matplotlib figure, atomically, in the format its suffix names (png, jpg, svg, pdf), the same
+    bytes for the same figure: svg and pdf would carry the date and random ids."""
+    import matplotlib
+
+    fmt = Path(path).suffix.lower().lstrip(".").replace("jpg", "jpeg") or "png"
+    metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt)
+    with matplotlib.rc_context({"svg.hashsalt": "terra"}), atomic_path(Path(path), overwrite) as tmp:
+        fig.savefig(tmp, format=fmt, dpi=dpi, metadata=metadata)

@@ -49,10 +49,18 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
-    epilog="Docs: README.md, and docs/ in the terra repository (one page per topic).",
+    epilog=("Examples:\n\n"
+            "  terra generate out.mp4 --actions left --frames 25     # terra-mini, built in\n\n"
+            "  terra generate --scenarios s.jsonl --out-dir videos/  # many videos\n\n"
+            "  terra serve                                           # a page to drive it\n\n"
+            "Docs: README.md, and docs/ in the terra repository (one page per topic)."),
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-actions_app = typer.Typer(help="Convert and draw action trajectories.", no_args_is_help=True, epilog="Docs: docs/actions.md")
+actions_app = typer.Typer(help="Convert and draw action trajectories.", no_args_is_help=True, epilog=(
+    "Examples:\n\n"
+    "  terra actions plot left left.png --frames 25       # a preset, drawn\n\n"
+    "  terra actions convert act_bench.jsonl actions.npy  # to (frames, 6, 3)\n\n"
+    "Docs: docs/actions.md"))
 app.add_typer(actions_app, name="actions")
 
 console = Console(stderr=True)

@@ -28,7 +28,11 @@ class _VideoByDefault(TyperGroup):
 
 refine_app = typer.Typer(cls=_VideoByDefault, no_args_is_help=True, help=(
     "Refine saved tokens with Terra's video refiner (terra refine TOKENS.npy OUT.mp4), or convert its "
-    "checkpoint once (terra refine convert)."), epilog="Docs: docs/refiner.md")
+    "checkpoint once (terra refine convert)."), epilog=(
+    "Examples:\n\n"
+    "  terra refine tokens.npy refined.mp4 --model turing-motors/Terra\n\n"
+    "  terra refine convert --trust-checkpoint refiner_model.pt refiner.safetensors\n\n"
+    "Docs: docs/refiner.md"))
 app.add_typer(refine_app, name="refine")
 
 

@@ -85,6 +85,8 @@ def test_info_describes_a_checkpoint(tiny_checkpoint):
     result = run_terra("info", tiny_checkpoint)
     assert result.returncode == 0, result.stderr
     assert "LlamaActionForCausalLM" in result.stdout and "576 per frame" in result.stdout
+    embedded = invoke_terra("info")  # no argument: the embedded terra-mini, as generate runs it
+    assert embedded.returncode == 0 and "terra-mini" in embedded.stdout and "6 layers, hidden 384" in embedded.stdout
 
 
 @pytest.mark.parametrize("args,message", [

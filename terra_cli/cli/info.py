@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
 from terra_cli.cli.app import app, friendly_errors, out
@@ -9,18 +11,21 @@ from terra_cli.cli.app import app, friendly_errors, out
 
 @app.command(epilog=(
     "Examples:\n\n"
+    "  terra info                           # the embedded terra-mini\n\n"
     "  terra info path/to/world_model\n\n"
     "  terra info Terra/world_model_v2      # a local copy of turing-motors/Terra\n\n"
     "Docs: docs/models.md"))
 @friendly_errors
-def info(model: str = typer.Argument(..., help="World-model directory or hub id.")):
+def info(model: Optional[str] = typer.Argument(None, help="World-model directory or hub id (default: the embedded "
+                                                            "terra-mini, as generate's).", show_default=False)):
     """Show a world model's config and size."""
     from rich.markup import escape
 
-    from terra_cli.models.checkpoint import load_config, resolve_checkpoint_dir, weight_files
+    from terra_cli.models.checkpoint import load_config, weight_files
+    from terra_cli.models.resolve import resolve_world_model_dir
     from tokenizer_decoder.checkpoint import check_safetensors_header
 
-    checkpoint_dir = resolve_checkpoint_dir(model)
+    checkpoint_dir = resolve_world_model_dir(model)
     config = load_config(checkpoint_dir)
     files = weight_files(checkpoint_dir)
     for file in files:

@@ -233,6 +233,9 @@ def test_no_output_or_results_log_replaces_an_input_or_a_users_log_even_with_ove
     result = cli("generate", "--scenarios", path, "--out-dir", users, *common)
     assert result.exit_code == 2 and "results.jsonl is not a terra results log" in result.output, result.output
     assert (users / RESULTS_NAME).read_text() == "my own notes line\n" and not (users / "ctx.npy").exists()
+    (users / RESULTS_NAME).write_text('{"digest": "sha256:0", "id": "ctx", "line": 1, "pa')  # a crash's cut line: terra's
+    resumed = cli("generate", "--scenarios", path, "--out-dir", users, *common)
+    assert resumed.exit_code == 0, resumed.output
     ours = cli("generate", "--scenarios", path, "--out-dir", tmp_path / "out", *common)
     assert ours.exit_code == 0, ours.output
     again = cli("generate", "--scenarios", path, "--out-dir", tmp_path / "out", *common)  # terra's own log: resumes

@@ -235,9 +235,13 @@ def _not_ours(log: Path, inputs: frozenset[str]) -> str:
         return ""
     if os.path.realpath(log) in inputs:
         return "an input of this run"
-    records = read_results(log)
-    if not records or any(not {"id", "status"} <= set(record) for record in records):
-        return "not a terra results log"
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError, ValueError):
+            record = {"id": None, "status": None} if line.startswith("{") else None  # one cut short by a crash
+        if line.strip() and not (isinstance(record, dict) and {"id", "status"} <= set(record)):
+            return "not a terra results log"
     return ""
 
 

@@ -291,11 +291,25 @@ def test_session_reset_video_frames_and_cap(client):
     assert client.post(f"/v1/sessions/{session_id}/step", json={}).status_code == 404
 
 
+def test_a_draining_server_answers_new_work_503_and_health_says_so(engine):
+    """A request that reaches the app once a stop signal has marked it draining (the signal handler
+    sets it at once; uvicorn closes its listener and idle connections a moment later)."""
+    api = side_app(engine)
+    api.app.state.draining = True
+    refused = api.post("/v1/videos", json={"actions": "left", "frames": 4})
+    assert refused.status_code == 503 and refused.headers["Retry-After"].isdigit()
+    assert refused.json()["error"]["message"].startswith("the server is shutting down")
+    health = api.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    assert api.get("/v1/videos").status_code == 200  # reading what is there still works
+
+
 def test_idle_session_expires(client):
     sessions = client.app.state.sessions
     saved, sessions.timeout = sessions.timeout, 0.3
     try:
         session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(1)}}).json()["id"]
+        assert client.get(f"/v1/sessions/{session_id}").status_code == 200  # it was there to expire
         wait_for(lambda: client.get(f"/v1/sessions/{session_id}").status_code == 404, 30)
     finally:
         sessions.timeout = saved
@@ -304,7 +318,7 @@ def test_idle_session_expires(client):
 def test_disconnect_mid_stream_frees_the_session(client):
     session_id = client.post("/v1/sessions", json={"context": {"tokens": context_tokens(1)}}).json()["id"]
     with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as socket:
-        socket.receive_json()
+        assert socket.receive_json()["type"] == "frame"  # the held context frame: the session is live
         socket.send_json({"action": "left", "frames": 3})
     wait_for(lambda: client.get(f"/v1/sessions/{session_id}").status_code == 404, 60)
     wait_for(lambda: client.app.state.engine.in_flight == 0, 60)

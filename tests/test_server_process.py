@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -107,13 +106,7 @@ def test_sigterm_drains_and_exits_0(served):
     status, job = _post(url + "/v1/videos", {"actions": "straight", "frames": 8, "context": "sample"})
     assert status == 202, job
     wait_for(lambda: (_get(f"{url}/v1/videos/{job['id']}") or {}).get("status") == "running", 120, 0.2)
-    process.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    try:
-        refused, body = _post(url + "/v1/videos", {"actions": "left", "frames": 4})
-        assert refused == 503 and body["error"]["message"].startswith("the server is shutting down")
-    except (urllib.error.URLError, OSError):
-        pass  # the listener may already be closed: refused just the same
+    process.send_signal(signal.SIGTERM)  # what a request that arrives now is answered: tests/test_server.py
     assert process.wait(timeout=120) == 0, log.read_text()
     assert "drained and stopped" in log.read_text()
 

@@ -427,7 +427,20 @@ def test_malformed_video_requests_are_4xx_naming_the_field(engine, field, body):
              if isinstance(body, str) else api.post("/v1/videos", json=body))
     assert 400 <= reply.status_code < 500, reply.text
     assert reply.json()["error"]["field"] == field, reply.json()
-    assert reply.json().get("errors", [{"field": field}])[0]["field"] == field, reply.json()
+
+
+def test_validation_errors_name_the_field_in_each_part_of_the_body(engine):
+    from terra_cli.server.app import field_of
+
+    api = side_app(engine)
+    for body, field in (("not json", "body"), ('{"actions": "left", "frames": "many"}', "frames")):
+        reply = api.post("/v1/videos", content=body, headers={"Content-Type": "application/json"})
+        answer = reply.json()
+        assert reply.status_code == 422 and answer["error"]["field"] == field, answer
+        assert answer["error"]["message"].startswith(f"{field}: ") and answer["errors"][0]["field"] == field, answer
+    # pydantic's locations: where the field came from and the union member tried are not the client's
+    assert field_of(("body", "actions", 2, "float")) == "actions[2]" and field_of(("query", "format")) == "format"
+    assert field_of(("body",)) == "body" and field_of(("body", "seed", "int")) == "seed"
 
 
 def test_malformed_session_requests(engine):

@@ -303,10 +303,15 @@ def test_a_frames_folder_is_placed_whole_and_only_terra_made_files_go(tmp_path):
     with pytest.raises(OutputError, match="was filled while this run was writing"):
         write_frame_folder(target, frames[:1])
     (target / "frame_0001.png").write_bytes(b"edited by the user")  # no longer what terra made
+    same_size = bytes(len((target / "frame_0002.png").read_bytes()))  # an edit the size check cannot see
+    (target / "frame_0002.png").write_bytes(same_size)
+    made = (target / "frame_0002.png").stat()
+    os.utime(target / "frame_0002.png", ns=(made.st_atime_ns, made.st_mtime_ns + 10**9))
     (target / "mine.txt").write_text("mine")
     write_frame_folder(target, frames[:1], overwrite=True)
-    assert _listing(target) == [MANIFEST_NAME, "frame_0000.png", "frame_0001.png", "mine.txt"]
+    assert _listing(target) == [MANIFEST_NAME, "frame_0000.png", "frame_0001.png", "frame_0002.png", "mine.txt"]
     assert (target / "frame_0001.png").read_bytes() == b"edited by the user"
+    assert (target / "frame_0002.png").read_bytes() == same_size
     # A manifest naming files outside the folder, or the user's files, deletes nothing of theirs.
     (target / MANIFEST_NAME).write_text(json.dumps({"written_by": "terra", "files": {
         "../outside.txt": [3, 0], "mine.txt": [1, 0], "/etc/passwd": [1, 0]}}))

@@ -102,7 +102,8 @@ def test_waiting_on_a_feed_with_nothing_in_flight_is_idle_not_taking_in_jobs(bac
     feed.close()
     thread.join(60)
     loop = driver.loop.as_dict()
-    assert loop["idle_s"] >= 0.5 and loop["admitting_jobs_s"] < 0.2
+    # the 0.6 s of waiting is idle, not intake (no wall-clock bound: a busy CI machine stretches both)
+    assert loop["idle_s"] >= 0.5 and loop["admitting_jobs_s"] < loop["idle_s"] / 2
     parts = sum(loop[k] for k in ("in_engine_step_s", "admitting_jobs_s", "handling_frames_s", "idle_s", "other_s"))
     assert abs(parts - loop["seconds"]) < 0.01
 

@@ -1,7 +1,10 @@
 """Repository contracts: CI runs exactly the README's test command; the product packages have no
 import circles, the tokenizer package imports nothing of terra_cli, and modules stay short."""
 
+import os
 import re
+
+import pytest
 
 from conftest import REPO
 
@@ -81,3 +84,26 @@ def test_modules_stay_readable_in_one_sitting():
         text = path.read_text()
         if text.count("\n") > MAX_MODULE_LINES:
             assert f"over {MAX_MODULE_LINES} lines" in text[:2000], f"{name}: {text.count(chr(10))} lines, no reason given"
+
+
+@pytest.mark.parametrize("where", ["module", "test"])
+def test_a_skip_for_a_module_the_test_command_installs_fails(tmp_path, where):
+    """A broken install must not pass as skipped tests (conftest's REQUIRED_MODULES)."""
+    import subprocess
+    import sys
+
+    probe = 'sys.modules["gymnasium"] = None  # as if it were not installed\n'
+    body = (f"{probe}pytest.importorskip('gymnasium')\n\n\ndef test_nothing():\n    pass\n" if where == "module" else
+            f"\n\ndef test_nothing():\n    {probe}    pytest.importorskip('gymnasium')\n")
+    (tmp_path / "test_probe.py").write_text("import sys\n\nimport pytest\n" + body)
+
+    def run(**env):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                               "test_probe.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO / "tests"), **env})
+
+    strict = run()
+    assert strict.returncode != 0 and "gymnasium could not be imported" in strict.stdout, strict.stdout[-2000:]
+    allowed = run(TERRA_TESTS_ALLOW_MISSING="1")
+    # 5: pytest's "no tests ran", for a module skipped whole
+    assert allowed.returncode in (0, 5) and "1 skipped" in allowed.stdout, allowed.stdout[-2000:]

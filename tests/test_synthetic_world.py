@@ -1,7 +1,6 @@
 """The synthetic driving world (renderer, ego motion, random actions, metrics) and the terra-mini
 training scripts' --smoke runs."""
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -18,7 +17,6 @@ from terra_cli.synthetic import world as world_module
 from tokenizer_decoder import psnr
 
 REPO = Path(__file__).resolve().parents[1]
-HAVE_TOKENIZER = importlib.util.find_spec("tokenizer_decoder") is not None
 
 
 def _two_frames(seed, name, gap=5, speed=30.0):
@@ -138,8 +136,6 @@ def _run_script(name, *args):
 
 @pytest.fixture(scope="module")
 def smoke_tokenizer(tmp_path_factory):
-    if not HAVE_TOKENIZER:
-        pytest.skip("tokenizer_decoder is not there yet")
     out = tmp_path_factory.mktemp("tok_smoke")
     _run_script("train_tokenizer.py", "--smoke", "--out", out)
     return out

@@ -25,7 +25,30 @@ def test_draw_seeds_fit_every_generator_and_differ_per_frame_and_rollout():
     assert len(seeds) == 1600  # no two frames of these rollouts share a stream
     assert all(0 <= s < 2**DRAW_SEED_BITS for s in seeds)
     assert draw_seed(MAX_SEED + 2**16 - 1, 99) < 2**DRAW_SEED_BITS
-    assert draw_seed(5, 9) == draw_seed(5, 9)  # a function of its arguments only
+
+
+def test_the_rule_is_the_documented_one():
+    """rollout r of seed s is s + r; a frame's draw seed is the top 31 bits of SplitMix64's finaliser
+    of (finaliser(s) xor f * golden), recomputed here in numpy's wrapping uint64 arithmetic."""
+    import numpy as np
+
+    from terra_cli.seeds import _mix64
+
+    # SplitMix64 seeded 0 first outputs 0xE220A8397B1DCDAF: the finaliser of its first state, the golden gamma
+    assert _mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+
+    def mix(z):
+        z = np.uint64(z)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        for seed, rollout, frame in ((0, 0, 0), (1, 3, 7), (2**40 + 5, 1, 24), (MAX_SEED, 0, 99)):
+            assert rollout_seed(seed, rollout) == seed + rollout
+            golden = np.uint64((frame * 0x9E3779B97F4A7C15) & (2**64 - 1))
+            expected = int(mix(mix(seed + rollout) ^ golden) >> np.uint64(64 - DRAW_SEED_BITS))
+            assert draw_seed(rollout_seed(seed, rollout), frame) == expected
 
 
 def test_the_whole_range_of_a_run_is_checked_up_front():

@@ -58,6 +58,7 @@ def test_gymnasium_env_checker_passes(backend, tokenizer):
 
 def test_pixels_are_the_tokens_decoded_in_one_batch(backend, tokenizer):
     from terra_cli.actions import preset_actions
+    from terra_cli.errors import InputError
 
     env = vector_env(backend, 2, tokenizer=tokenizer, observation="both", max_frames=4)
     observation, info = env.reset(seed=SEED, options={"context_frames": 2})
@@ -69,7 +70,7 @@ def test_pixels_are_the_tokens_decoded_in_one_batch(backend, tokenizer):
     assert reward.tolist() == [0, 0] and not terminated.any() and not truncated.any()
     observation, _, _, truncated, _ = env.step(step)
     assert truncated.all()  # four frames: the cap
-    with pytest.raises(Exception, match="max_frames"):
+    with pytest.raises(InputError, match="max_frames"):
         env.step(step)
     env.close()
 

@@ -677,7 +677,7 @@ def test_videos_ending_together_share_the_batches_of_their_last_frames(tokenizer
     frames, late = store.take("d", videos["a"][4:5])  # video d's one frame, not decoded ahead
     assert late == 1 and calls[-2:] == [2, 1]  # the batch with e's frame failed; d's frame alone then
     np.testing.assert_array_equal(frames[0], original(videos["a"][4:5], full_batches=True)[0])
-    with pytest.raises(Exception, match=f"got 0?[0-9]*..{tokenizer.codebook_size + 9}"):
+    with pytest.raises(ValueError, match=f"got 0?[0-9]*..{tokenizer.codebook_size + 9}"):
         store.take("e", bad)
 
 

@@ -50,10 +50,12 @@ def test_every_bad_line_is_listed_before_any_model_loads(tmp_path):
 
 
 def test_skip_invalid_records_skipped_lines_and_resume_skips_finished(tmp_path, backend):
+    from terra_cli.errors import InputError
+
     path = scenario_file(tmp_path, [*GOOD, {"id": "x", "actions": "sideways"}])
     file = read_scenarios(path, Defaults())
     out = tmp_path / "out"
-    with pytest.raises(Exception, match="line 4"):
+    with pytest.raises(InputError, match="line 4"):
         run_scenarios(file, out, backend, None, max_rollouts=1)
     run = run_scenarios(file, out, backend, None, max_rollouts=1, skip_invalid=True)
     assert (run.done, run.skipped, run.resumed) == (3, 1, 0)

@@ -356,3 +356,22 @@ def test_a_named_pipe_as_input_is_refused_within_seconds(tmp_path, case):
     assert result.returncode == 2, result.stderr
     assert "is a named pipe (FIFO)" in result.stderr and "Traceback" not in result.stderr
     assert _listing(tmp_path) == [fifo.name]
+
+
+def test_no_output_lands_inside_a_checkpoint_folder_even_with_overwrite(tmp_path):
+    """`eval --out model/config.json --overwrite` replaced the checkpoint's config with the eval's JSON."""
+    from conftest import invoke_terra
+
+    model = write_tiny_checkpoint(tmp_path / "model")
+    before = {p.name: p.read_bytes() for p in Path(model).iterdir()}
+    cases = [
+        ["eval", "--model", model, "--out", Path(model) / "config.json", "--overwrite"],
+        ["generate", "--model", model, "--context-tokens", tmp_path / "c.npy", "--actions", "left", "--frames", 4,
+         "--no-decode", "--save-tokens", Path(model) / "t.npy", "--overwrite", "--backend", "hf"],
+        ["bench", "--scenarios", 2, "--model", model, "--out", Path(model) / "config.json", "--overwrite"],
+    ]
+    np.save(tmp_path / "c.npy", np.zeros((2, 576), np.int64))
+    for args in cases:
+        result = invoke_terra(*args)
+        assert result.returncode == 2 and "lies inside the checkpoint --model" in result.stderr, (args, result.stderr)
+    assert {p.name: p.read_bytes() for p in Path(model).iterdir()} == before

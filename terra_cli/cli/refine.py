@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -74,7 +75,10 @@ def refine_video(
     from terra_cli.refiner.decoder import RefinerDecoder, load_refiner, refiner_choice, refiner_options
     from terra_cli.runtime import resolve_device
 
-    outputs = check_outputs(output, None, None, no_decode=False, overwrite=overwrite)
+    given = [("TOKENS", tokens), *((label, Path(path)) for label, path in
+                                    (("--model", model), ("--tokenizer", tokenizer), ("--refiner", refiner))
+                                    if path and os.path.lexists(path))]
+    outputs = check_outputs(output, None, None, no_decode=False, overwrite=overwrite, inputs=given)
     ids = load_context_tokens(tokens, None)
     choice = refiner_choice("refiner", refiner, model, device, dtype, allow_slow,
                             refiner_options("refiner", refiner_windows, refiner_compile, refiner_dtype, len(ids)))

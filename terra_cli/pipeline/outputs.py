@@ -33,6 +33,9 @@ def _resolved(path: Path, label: str = "output", error: type = OutputError) -> P
     return resolve_path(path, label, error=error)
 
 
+CHECKPOINT_INPUTS = ("--model", "--tokenizer", "--refiner", "--refiner-weights")
+
+
 def _inside(inner: Path, outer: Path) -> bool:
     """`inner` is `outer` or lies somewhere under it (both resolved)."""
     return inner == outer or outer in inner.parents
@@ -119,6 +122,9 @@ class OutputPlan:
             raise OutputError(f"{label} {given} is also the input {in_label}; write to another path")
         if is_folder and _inside(in_resolved, resolved):
             raise OutputError(f"{label} {given} holds the input {in_label} {in_given}; name another folder")
+        if in_label in CHECKPOINT_INPUTS and _inside(resolved, in_resolved):
+            # every file of a checkpoint folder is read (config, weights, tokenizer): none may be replaced
+            raise OutputError(f"{label} {given} lies inside the checkpoint {in_label} {in_given}; write elsewhere")
 
 
 @dataclass(frozen=True)

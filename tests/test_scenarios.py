@@ -65,6 +65,7 @@ def test_skip_invalid_records_skipped_lines_and_resume_skips_finished(tmp_path, 
     assert np.load(out / "b.npy").shape == (5, TOKENS)
     again = run_scenarios(file, out, backend, None, max_rollouts=1, skip_invalid=True)
     assert (again.done, again.resumed) == (0, 3)
+    assert (out / RESULTS_NAME).read_text().count('"skipped"') == 1  # a resume records its skips once
     (out / "a.npy").unlink()  # a lost file: that scenario runs again
     third = run_scenarios(file, out, backend, None, max_rollouts=1, skip_invalid=True)
     assert (third.done, third.resumed) == (1, 2)

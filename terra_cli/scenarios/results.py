@@ -61,8 +61,11 @@ class ResultsLog:
 
 
 def log_skipped(file: ScenarioFile, log: ResultsLog) -> int:
+    """Records each skipped line once: a resumed run does not append the same skips again."""
+    known = {(r.get("line"), r.get("reason")) for r in read_results(log.path) if r.get("status") == "skipped"}
     for problem in file.problems:
-        log.add({"id": None, "line": problem.line, "status": "skipped", "reason": problem.message})
+        if (problem.line, problem.message) not in known:
+            log.add({"id": None, "line": problem.line, "status": "skipped", "reason": problem.message})
     return len(file.problems)
 
 

@@ -328,6 +328,9 @@ def test_act_bench_refiner_options_are_refused_in_one_line_before_anything_is_bu
         ([*act, "--context-frames", 30, "--frames", 40, "--backend", "hf"], "30 context frames leave no room"),
         (["bench", "--env", 2, "--fork-from", 200, "--backend", "hf"], "--fork-from must be from 4 to 23"),
         (["bench", "--refiner", "--windows", "x"], "--windows takes comma-separated windows per call"),
+        (["bench", "--scenarios", 2, "--out", tmp_path / "results.txt"], "--out " + str(tmp_path / "results.txt")
+         + " must end in .json"),
+        (["eval", "--out", tmp_path / "eval.txt"], "--out " + str(tmp_path / "eval.txt") + " must end in .json"),
     ]
     for args, message in cases:
         result = invoke_terra(*args)

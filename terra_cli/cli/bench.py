@@ -164,7 +164,7 @@ def bench(
         if path is not None and not used:
             raise InputError(f"{name} does not go with what this run measures")
     if out_json is not None:
-        outputs.file("--out", out_json)
+        outputs.file("--out", out_json, (".json",))
     if plot is not None:
         outputs.file("--plot", plot, (".png", ".svg", ".pdf"))
     if heatmap is not None:

@@ -68,7 +68,7 @@ def eval_command(
     outputs = OutputPlan(overwrite)
     for label, path in (("--model", model), ("--tokenizer", tokenizer)):
         outputs.input(label, Path(path) if path and os.path.lexists(path) else None)
-    for label, path, suffixes in (("--out", out_json, ()), ("--plot", plot, (".png",)), ("--strip", strip, (".png",))):
+    for label, path, suffixes in (("--out", out_json, (".json",)), ("--plot", plot, (".png",)), ("--strip", strip, (".png",))):
         if path is not None:
             outputs.file(label, path, suffixes)
 

@@ -66,6 +66,7 @@ def test_skip_invalid_records_skipped_lines_and_resume_skips_finished(tmp_path, 
     again = run_scenarios(file, out, backend, None, max_rollouts=1, skip_invalid=True)
     assert (again.done, again.resumed) == (0, 3)
     assert (out / RESULTS_NAME).read_text().count('"skipped"') == 1  # a resume records its skips once
+    assert [r["id"] for r in records if r["status"] == "skipped"] == ["x"]  # the bad line's own id
     (out / "a.npy").unlink()  # a lost file: that scenario runs again
     third = run_scenarios(file, out, backend, None, max_rollouts=1, skip_invalid=True)
     assert (third.done, third.resumed) == (1, 2)

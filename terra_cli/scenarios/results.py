@@ -65,7 +65,7 @@ def log_skipped(file: ScenarioFile, log: ResultsLog) -> int:
     known = {(r.get("line"), r.get("reason")) for r in read_results(log.path) if r.get("status") == "skipped"}
     for problem in file.problems:
         if (problem.line, problem.message) not in known:
-            log.add({"id": None, "line": problem.line, "status": "skipped", "reason": problem.message})
+            log.add({"id": problem.id, "line": problem.line, "status": "skipped", "reason": problem.message})
     return len(file.problems)
 
 

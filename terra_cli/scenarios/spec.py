@@ -112,6 +112,7 @@ def content_digest(scenario: Scenario, context=None) -> str:
 class Problem:
     line: int
     message: str
+    id: str | None = None  # the line's id where it could be read, for results.jsonl's skipped record
 
     def __str__(self) -> str:
         return f"line {self.line}: {self.message}"
@@ -159,11 +160,12 @@ def read_scenarios(path: Path, defaults: Defaults = Defaults(), rollouts: int = 
         try:
             scenario = _parse_line(text, number, base, defaults, rollouts)
         except (InputError, ActionsError) as exc:
-            problems.append(Problem(number, " ".join(str(exc).split())))
+            problems.append(Problem(number, " ".join(str(exc).split()), _readable_id(text)))
             continue
         formats.add(scenario.source_format)
         if scenario.id in first_line_of:
-            problems.append(Problem(number, f"duplicate id {scenario.id!r} (first on line {first_line_of[scenario.id]})"))
+            problems.append(Problem(number, f"duplicate id {scenario.id!r} (first on line {first_line_of[scenario.id]})",
+                                    scenario.id))
             continue
         first_line_of[scenario.id] = number
         scenarios.append(scenario)
@@ -191,7 +193,7 @@ def check_context_tokens(file: ScenarioFile, image_tokens: int, image_vocab: int
             check_token_values(s.context_tokens, s.context_frames, image_tokens, image_vocab)
         except InputError as exc:
             bad_lines.add(s.line)
-            problems.append(Problem(s.line, " ".join(str(exc).split())))
+            problems.append(Problem(s.line, " ".join(str(exc).split()), s.id))
     if not bad_lines:
         return file
     problems.sort(key=lambda p: p.line)
@@ -222,6 +224,14 @@ def _parse_line(text: str, number: int, base: Path, defaults: Defaults, rollouts
     return replace(scenario, digest=content_digest(scenario, context))
 
 
+def _readable_id(text: str) -> str | None:  # a bad line's id, if valid, for the record of its skip
+    try:
+        record = json.loads(text) if len(text) <= MAX_LINE_CHARS else None
+        return _check_id(record.get("id", record.get("sample_id"))) if isinstance(record, dict) else None
+    except (InputError, ValueError, RecursionError):
+        return None
+
+
 def _refuse_shared_files(scenarios: list[Scenario], problems: list[Problem]) -> list[Scenario]:
     """Two scenarios may not write one file: equal output names, or names equal but for case
     (one file on macOS and Windows file systems). The later line is the problem."""
@@ -234,7 +244,7 @@ def _refuse_shared_files(scenarios: list[Scenario], problems: list[Problem]) -> 
             bad_lines.add(s.line)
             same = "is" if other.output_stem == s.output_stem else "differs only in case from"
             problems.append(Problem(s.line, f"id {s.id!r} writes {s.output_stem}.*, which {same} the output of id "
-                                            f"{other.id!r} on line {other.line}; give the scenarios distinct ids"))
+                                            f"{other.id!r} on line {other.line}; give the scenarios distinct ids", s.id))
     return [s for s in scenarios if s.line not in bad_lines]
 
 

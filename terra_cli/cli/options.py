@@ -51,8 +51,8 @@ def device_option():
     return typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1 ... (auto: GPU when there is one).")
 
 
-def dtype_option():
-    return typer.Option("auto", "--dtype", help="World-model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
+def dtype_option(what: str = "The world model's dtype (and the refiner's, with --decoder refiner)"):
+    return typer.Option("auto", "--dtype", help=f"{what}: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
 
 
 def speed_option():

@@ -58,7 +58,7 @@ def refine_video(
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Image tokenizer directory or hub id (overrides the one paired with --model; default: terra-mini's)."),
     seed: int = typer.Option(0, help="Random seed of the refiner's noise; the same seed gives the same video."),
     device: str = opts.device_option(),
-    dtype: str = opts.dtype_option(),
+    dtype: str = opts.dtype_option("The refiner's dtype (--refiner-dtype fp8 adds its UNet's fp8 matmuls)"),
     allow_slow: bool = typer.Option(False, "--allow-slow", help="On a CPU: run even when it is estimated to take over an hour."),
     refiner_compile: str = opts.refiner_compile_option(),
     refiner_windows: Optional[int] = opts.refiner_windows_option(),

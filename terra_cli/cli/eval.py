@@ -38,7 +38,7 @@ def eval_command(
     seed: int = typer.Option(0, help="Sampling seed (rollout i uses seed + i) when --temperature > 0."),
     backend: str = opts.backend_option(),
     device: str = opts.device_option(),
-    dtype: str = opts.dtype_option("The world model's dtype"),
+    dtype: str = opts.dtype_option(),
     out_json: Optional[Path] = typer.Option(None, "--out", "-o", help="Write every number (config, per frame, per seed, summary, environment) as JSON."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG: PSNR per frame and lateral motion per seed."),
     strip: Optional[Path] = typer.Option(None, help="Write a PNG strip: true vs generated frames, first seed of each preset."),

@@ -84,6 +84,7 @@ def arena(tmp_path_factory) -> Path:
     (arena / "empty_dir").mkdir()
     (arena / "a_folder.npy").mkdir()
     (arena / "existing.npy").write_bytes(b"keep me")
+    (arena / "existing.json").write_bytes(b"keep me")
     bad_jsonl = ['{"id": "a", "actions": "sideways"}', "not json", '{"id": "../x", "actions": "left"}']
     (arena / "bad.jsonl").write_text("\n".join(bad_jsonl) + "\n")
     (arena / "empty.jsonl").write_text("\n# only a comment\n")
@@ -294,7 +295,8 @@ CASES = {
     "bench frames below context": lambda a: ["bench", "--hf-vs-vllm", "--frames", "2", "--context-frames", "3"],
     "bench temperatures nan": lambda a: ["bench", "--draft-acceptance", "--temperatures", "nan"],
     "bench kv cache dtype unknown": lambda a: ["bench", "--scenarios", "3", "--kv-cache-dtype", "fp9"],
-    "bench output exists": lambda a: ["bench", "--hf-vs-vllm", "--out", str(a / "existing.npy"), "--model", str(a / "good")],
+    "bench output exists": lambda a: ["bench", "--hf-vs-vllm", "--out", str(a / "existing.json"), "--model", str(a / "good")],
+    "bench out not json": lambda a: ["bench", "--hf-vs-vllm", "--out", str(a / "existing.npy"), "--model", str(a / "good")],
     # issue 30: named pipes and other non-files as inputs
     "context image is a fifo": lambda a: _generate(a, "--context", str(a / "fifo.png")),
     "context video is a fifo": lambda a: _generate(a, "--context", str(a / "fifo.mp4")),
@@ -307,6 +309,7 @@ CASES = {
     "tokenize device": lambda a: ["tokenize", "/dev/zero", "--out", str(a / "t.npy")],
     "actions convert fifo": lambda a: ["actions", "convert", str(a / "fifo.npy"), str(a / "c.npy")],
     # issue 30: two outputs on one path, an output that is an input or holds one
+    # --out must end in .json, --plot and --strip in .png: one path cannot be both (the suffix says so first)
     "eval out and plot one path": lambda a: ["eval", "--out", str(a / "r.png"), "--plot", str(a / "r.png")],
     "eval out and strip one path": lambda a: ["eval", "--out", str(a / "r.png"), "--strip", str(a / "r.png")],
     "eval plot and strip one path": lambda a: ["eval", "--plot", str(a / "r.png"), "--strip", str(a / "r.png")],
@@ -477,14 +480,14 @@ EXPECTED = {
     "eval dtype unknown": "is not a dtype", "bench nothing to measure": "say what to measure",
     "bench two things": "one thing per run", "bench bad batch list": "--batch takes", "bench vllm arg without value": "key=value",
     "bench frames below context": "must be more than", "bench temperatures nan": "--temperatures must be",
-    "bench output exists": "already exists", "info damaged checkpoint": "is damaged", "info config not json": "not valid JSON",
+    "bench output exists": "already exists", "bench out not json": "must end in .json", "info damaged checkpoint": "is damaged", "info config not json": "not valid JSON",
     "info missing": "does not exist",
     "context image is a fifo": "is a named pipe (FIFO)", "context video is a fifo": "is a named pipe (FIFO)",
     "context tokens are a fifo": "is a named pipe (FIFO)", "actions npy is a fifo": "is a named pipe (FIFO)",
     "actions json is a fifo": "is a named pipe (FIFO)", "actions device": "is a character device",
     "checkpoint config is a fifo": "has no config.json", "tokenize fifo": "is a named pipe (FIFO)",
     "tokenize device": "is a character device", "actions convert fifo": "is a named pipe (FIFO)",
-    "eval out and plot one path": "are the same path", "eval out and strip one path": "are the same path",
+    "eval out and plot one path": "must end in .json", "eval out and strip one path": "must end in .json",
     "eval plot and strip one path": "are the same path", "tokenize out and reconstruct one path": "are the same path",
     "tokenize out inside reconstruct": "lies inside --reconstruct",
     "tokenize reconstruct onto the input": "is also the input INPUT",
@@ -494,7 +497,7 @@ EXPECTED = {
     "save frames holds the working directory": "contains the working directory",
     "save frames is the context": "is also the input --context", "video inside save frames": "lies inside --save-frames",
     "save tokens onto context tokens": "is also the input --context-tokens",
-    "actions convert onto its input": "is also the input INPUT", "bench out and plot one path": "are the same path",
+    "actions convert onto its input": "is also the input INPUT", "bench out and plot one path": "must end in .json",
     "bench keep outputs is a file": "is a file", "bench seed negative": "--seed must be",
     "context tokens garbage header": "header is damaged", "context tokens huge header": "more than terra reads",
     "context tokens truncated": "is truncated",

@@ -41,17 +41,25 @@ def results_logs(out_dir: Path) -> list[Path]:
 
 
 def read_results(path: Path) -> list[dict]:
+    return read_log(path)[0]
+
+
+def read_log(path: Path) -> tuple[list[dict], bool]:
+    """A results log's records, and whether every line of it is terra's: a record (an object with
+    an id and a status) or a line a crash cut short (it starts as one; that scenario runs again)."""
     if not Path(path).is_file():
-        return []
-    records = []
+        return [], True
+    records, ours = [], True
     for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, RecursionError, ValueError):
-            continue  # a line cut short by a crash: that scenario runs again
+            ours = ours and (not line.strip() or line.startswith("{"))
+            continue
         if isinstance(record, dict):
             records.append(record)
-    return records
+        ours = ours and isinstance(record, dict) and {"id", "status"} <= set(record)
+    return records, ours
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -173,9 +181,14 @@ def plan_outputs(scenarios: Iterable[Scenario], out_dir: Path, *, decode: bool, 
     out_dir = Path(out_dir)
     done: dict[str, dict] = {}
     recorded: dict[str, set[str]] = defaultdict(set)
-    foreign = [f"{log} is {why}" for log in results_logs(out_dir) if (why := _not_ours(log, inputs))]
+    foreign = []
     for log in results_logs(out_dir):
-        for record in read_results(log):
+        records, ours = read_log(log)
+        if os.path.realpath(log) in inputs:
+            foreign.append(f"{log} is an input of this run")
+        elif not ours:
+            foreign.append(f"{log} is not a terra results log")
+        for record in records:
             key = str(record.get("id"))
             paths = record.get("paths")
             if isinstance(paths, list):
@@ -226,23 +239,6 @@ def plan_outputs(scenarios: Iterable[Scenario], out_dir: Path, *, decode: bool, 
     if problems:
         raise OutputError("; ".join(problems))
     return plan
-
-
-def _not_ours(log: Path, inputs: frozenset[str]) -> str:
-    """Why terra may not append to this results log ("" if it may): it is an input of the run, or
-    holds a JSON object that is no terra record, or no terra record at all."""
-    if not log.is_file() or log.stat().st_size == 0:
-        return ""
-    if os.path.realpath(log) in inputs:
-        return "an input of this run"
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError, ValueError):
-            record = {"id": None, "status": None} if line.startswith("{") else None  # one cut short by a crash
-        if line.strip() and not (isinstance(record, dict) and {"id", "status"} <= set(record)):
-            return "not a terra results log"
-    return ""
 
 
 def _some(items: list[str], shown: int = 5) -> str:

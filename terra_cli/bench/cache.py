@@ -104,17 +104,26 @@ def bench_layout(model: str | None):
     return LlamaActionConfig.from_dict(dict(TERRA_WORLD_MODEL_CONFIG)).layout
 
 
-def check_engine_run(model: str | None, backend: str, options, device: str | None, frames: int,
-                     context_frames: int) -> None:
-    """A scenario-shaped bench's engine and frames, as the product's request layer checks them,
-    before any model is built or loaded."""
+def check_frames(model: str | None, frames: int, context_frames: int) -> int:
+    """A bench's --frames and --context-frames against the round rules of the model it will run,
+    before any model is built or loaded; the model's frames a round."""
     from terra_cli.pipeline import inputs
-    from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
     from terra_cli.pipeline.rounds import plan_rounds
-    from terra_cli.runtime import resolve_device
 
     if context_frames < 1:
         raise InputError(f"--context-frames must be at least 1, got {context_frames}")
     inputs.check_frame_count(frames, context_frames)
+    round_frames = bench_layout(model).max_frames
+    plan_rounds(context_frames, frames, round_frames)
+    return round_frames
+
+
+def check_engine_run(model: str | None, backend: str, options, device: str | None, frames: int,
+                     context_frames: int) -> None:
+    """A scenario-shaped bench's engine and frames, as the product's request layer checks them,
+    before any model is built or loaded."""
+    from terra_cli.pipeline.engine_request import check_backend_options, resolve_backend_name
+    from terra_cli.runtime import resolve_device
+
+    check_frames(model, frames, context_frames)
     check_backend_options(resolve_backend_name(backend), options, resolve_device(device))
-    plan_rounds(context_frames, frames, bench_layout(model).max_frames)

@@ -228,15 +228,9 @@ def bench(
         return scenario_bench(model, plan, keep_outputs, out_json, overwrite)
     if hf_frames is not None and hf_frames < 1:
         raise InputError(f"--hf-frames must be at least 1, got {hf_frames}")
-    from terra_cli.bench.cache import bench_layout
-    from terra_cli.pipeline import inputs
-    from terra_cli.pipeline.rounds import plan_rounds
+    from terra_cli.bench.cache import check_frames
 
-    if context_frames < 1:
-        raise InputError(f"--context-frames must be at least 1, got {context_frames}")
-    inputs.check_frame_count(frames, context_frames)
-    round_frames = bench_layout(model).max_frames  # before a random model is built
-    plan_rounds(context_frames, frames, round_frames)
+    round_frames = check_frames(model, frames, context_frames)  # before a random model is built
     if frames > round_frames:
         raise InputError(f"--frames {frames}: --hf-vs-vllm measures one round, at most {round_frames} frames")
     if not skip_single_stream and vllm_options.get("quantization"):  # the single-stream rows read fp8 weights too

@@ -50,7 +50,6 @@ class Session:
     id: str
     context: np.ndarray  # (K, T) tokens
     sampling: Sampling
-    speed: float
     start_speed: float
     tokens: list[np.ndarray] = field(default_factory=list)  # every frame so far, context first
     waypoints: list[np.ndarray] = field(default_factory=list)  # row i conditions frame i + 1
@@ -70,6 +69,11 @@ class Session:
         self.path = self.path or [(0.0, 0.0, 0.0, self.start_speed)]
         if self.lineage is None:
             self.lineage = Lineage(self.sampling.seed)
+
+    @property
+    def speed(self) -> float:
+        """km/h now: after the last frame generated (or the start's)."""
+        return self.path[-1][3]
 
     def public(self) -> dict:
         return {"id": self.id, "frames": len(self.tokens), "context_frames": int(self.context.shape[0]),
@@ -113,7 +117,7 @@ class Sessions:
             loop = asyncio.get_running_loop()
             if context_tokens is None:
                 context_tokens = await loop.run_in_executor(self.engine.media, self.engine.encode, context_images)
-            session = Session(key, np.asarray(context_tokens, dtype=np.int64), sampling, speed, speed)
+            session = Session(key, np.asarray(context_tokens, dtype=np.int64), sampling, speed)
         except BaseException:
             self.sessions.pop(key, None)
             raise
@@ -135,7 +139,7 @@ class Sessions:
             except InputError as exc:
                 raise FieldError("seed", str(exc)) from None
             child = Session(f"s-{secrets.token_hex(8)}", parent.context, replace(parent.sampling, seed=seed),
-                            parent.speed, parent.start_speed, lineage=parent.lineage, parent=parent.id)
+                            parent.start_speed, lineage=parent.lineage, parent=parent.id)
             child.tokens, child.waypoints, child.path = list(parent.tokens), list(parent.waypoints), list(parent.path)
         self.sessions[child.id] = child
         return child
@@ -179,7 +183,6 @@ class Sessions:
         async with session.lock:
             session.tokens = list(session.context)
             session.waypoints, session.path = [], [(0.0, 0.0, 0.0, session.start_speed)]
-            session.speed = session.start_speed
 
     async def step(self, session: Session, action, frames: int, fmt: str) -> list[dict]:
         if not 1 <= frames <= 25:
@@ -247,7 +250,6 @@ class Sessions:
         x, y, heading, _ = session.path[-1]
         c, s = math.cos(heading), math.sin(heading)
         session.path.append((x + c * dx - s * dy, y + s * dx + c * dy, heading + dtheta, speed_after))
-        session.speed = speed_after
 
     @staticmethod
     def frame_message(session: Session, index: int, picture: bytes | None, fmt: str) -> dict:

@@ -307,7 +307,8 @@ def _parse_terra(record: dict, line: int, base: Path, defaults: Defaults) -> Sce
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not np.isfinite(speed) or speed < 0:
         raise InputError(f"'speed' must be a number of km/h >= 0, got {speed!r}")
     with np.errstate(over="ignore"):  # a value past float32's range becomes inf, which is refused next
-        actions = _finite_actions(_resolve_actions(record["actions"], frames, float(speed), base), frames)
+        resolved, actions_file = _resolve_actions(record["actions"], frames, float(speed), base)
+        actions = _finite_actions(resolved, frames)
     images, tokens = _resolve_context(record.get("context"), base)
     if tokens is not None:
         count = check_tokens_file(tokens, count)
@@ -315,22 +316,21 @@ def _parse_terra(record: dict, line: int, base: Path, defaults: Defaults) -> Sce
         count = check_images(images, count)
     inputs.check_frame_count(frames, count)
     inputs.check_actions_cover(actions, frames)
-    given = record["actions"]
-    actions_file = base / given if isinstance(given, str) and given.strip().lower() not in PRESETS else None
     return Scenario(scenario_id, line, actions, frames, seed, tuple(images), tokens, count, "terra",
                     actions_file=actions_file)
 
 
-def _resolve_actions(value, frames: int, speed: float, base: Path) -> np.ndarray:
+def _resolve_actions(value, frames: int, speed: float, base: Path) -> tuple[np.ndarray, Path | None]:
+    """The actions, and the file they were read from (None: a preset or inline)."""
     if isinstance(value, str):
         if value.strip().lower() in PRESETS:
-            return resolve_actions(value, frames=frames, speed_kmh=speed)
+            return resolve_actions(value, frames=frames, speed_kmh=speed), None
         path = base / value
         if not path.exists():
             raise InputError(f"actions {_short(value)} is neither a preset ({', '.join(PRESETS)}) nor an existing file "
                              f"(paths are relative to the scenario file)")
         check_regular_file(path, "actions file")
-        return resolve_actions(str(path), frames=frames, speed_kmh=speed)
+        return resolve_actions(str(path), frames=frames, speed_kmh=speed), path
     if isinstance(value, list):
         if len(value) > MAX_TOTAL_FRAMES * 6:  # (frames, 6, 3) or (frames * 6, 3): refused before converting
             raise InputError(f"inline 'actions' have {len(value)} rows; a scenario takes at most {MAX_TOTAL_FRAMES} frames")
@@ -341,7 +341,7 @@ def _resolve_actions(value, frames: int, speed: float, base: Path) -> np.ndarray
         actions = normalize_actions(array, "inline actions")
         if actions.shape[0] > MAX_TOTAL_FRAMES:
             raise InputError(f"inline 'actions' have {actions.shape[0]} frames; a scenario takes at most {MAX_TOTAL_FRAMES}")
-        return actions
+        return actions, None
     raise InputError(f"'actions' must be a preset, a file path or an array, got {type(value).__name__}")
 
 

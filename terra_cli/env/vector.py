@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 from gymnasium import spaces

@@ -34,8 +34,10 @@
 #             pictures in batches of 8 (--picture-batch 8), pic1 one a call, tokens the sessions' steps ask
 #             for tokens, no picture ("format": "tokens"; server as pic8); -normal or -shared after a row's name
 #             TERRA_PICTURE_STREAM=normal|shared (the pictures' CUDA stream), -graphs TERRA_DECODER_COMPILE_MODE=
-#             reduce-overhead (the decoder as CUDA graphs); SERVE_ARGS_EXTRA adds server options to every row
-#             (e.g. --kv-cache-dtype fp8)
+#             reduce-overhead (the decoder as CUDA graphs), -vllm the server on vLLM instead of single-stream
+#             (tokens-vllm: the two backends in one call); SERVE_ARGS_EXTRA adds server options to every row
+#             (e.g. --kv-cache-dtype fp8); PICTURE_SESSIONS the sessions at once (32; comma-separated: 1,32),
+#             PICTURE_S each row's limit (160 s)
 # Subcommands chain, as device time is scarce (a session of 2026-12-07 lost all of it to machines that did not
 # start): `gpu_lean41.sh one profile bench` sets up once (~35 s each saved) and packs each one's files into a
 # tarball of its own; with pictures in the chain carry .gpu/serve beside .gpu/vllm-b (23 MB: both fit a call).
@@ -113,6 +115,7 @@ picture_row() {  # NAME: a PICTURE_ROWS name -> P_OPTIONS (server options), P_FO
     case "$part" in
       normal|high|shared) P_STREAM=$part ;;
       graphs) P_MODE=reduce-overhead ;;
+      vllm) P_OPTIONS="$P_OPTIONS --backend vllm" ;;  # the server on vLLM (the last --backend wins)
       *) return 1 ;;
     esac
   done
@@ -151,7 +154,7 @@ for sub in "$@"; do
       for row in ${PICTURE_ROWS:-pic8 pic1}; do
         picture_row "$row"
         TERRA_PICTURE_STREAM=$P_STREAM TERRA_DECODER_COMPILE_MODE=$P_MODE SERVE_STEPS=${PICTURE_STEPS:-4} \
-          SERVE_STEP_FORMAT=$P_FORMAT SERVE_ARGS_EXTRA="$extra $P_OPTIONS" serve_rows 160 32 "-$row"
+          SERVE_STEP_FORMAT=$P_FORMAT SERVE_ARGS_EXTRA="$extra $P_OPTIONS" serve_rows "${PICTURE_S:-160}" "${PICTURE_SESSIONS:-32}" "-$row"
       done ;;
   esac
   pack_out "lean41-$sub"

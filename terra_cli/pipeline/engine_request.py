@@ -22,13 +22,16 @@ DRAFTS = ("none", "previous-frame", "jacobi")
 ATTENTIONS = ("auto", "terra", "vllm")
 
 
-def resolve_backend_name(requested: str) -> str:
-    """--backend: a backend's name, or 'auto' (vllm where it can run here, else hf)."""
+def resolve_backend_name(requested: str, *, rollouts: int | None = None, device: str | None = None,
+                         options: Mapping = ()) -> str:
+    """--backend: a backend's name, or 'auto' (`backends.choose_backend`: single-stream for one
+    rollout on a GPU, vllm where it can run here, else hf). `rollouts`: 1 where the work is one
+    video; None for batches, servers and anything else."""
     if requested not in BACKENDS:
         raise InputError(f"--backend must be auto, vllm, hf or single-stream, got {requested!r}")
     from terra_cli.backends import choose_backend
 
-    return choose_backend(requested)
+    return choose_backend(requested, rollouts=rollouts, device=device, options=options)
 
 
 # The CLI flag behind each vLLM-only backend option, for error messages.

@@ -155,7 +155,7 @@ def generate_video(
     outputs = request.outputs
     device = resolve_device(engine.device)
     resolve_dtype_name(engine.dtype, device)  # a bad --dtype fails before anything loads
-    backend_name = resolve_backend_name(engine.backend)
+    backend_name = resolve_backend_name(engine.backend, rollouts=1, device=device, options=engine.options)
     check_backend_options(backend_name, engine.options, device)
 
     config = load_config(model.world_model_dir)
@@ -174,7 +174,8 @@ def generate_video(
     owns_world = world is None
     if owns_world:
         # The reference's loop threads are this call's business (generation_threads below).
-        world = load_world_model(model, replace(engine, threads=0), needs_tokenizer=needs_tokenizer)
+        world = load_world_model(model, replace(engine, backend=backend_name, threads=0),
+                                 needs_tokenizer=needs_tokenizer)
     elif needs_tokenizer and world.tokenizer is None:
         raise InputError("this loaded world model has no image tokenizer, which this video needs")
     tokenizer = world.tokenizer

@@ -79,7 +79,7 @@ def load_world_model(choice: ModelChoice, engine: Engine = Engine(), *, needs_to
 
     device = resolve_device(engine.device)
     resolve_dtype_name(engine.dtype, device)
-    name = resolve_backend_name(engine.backend)
+    name = resolve_backend_name(engine.backend, rollouts=max_rollouts, device=device, options=engine.options)
     check_backend_options(name, engine.options, device)
     config = load_config(choice.world_model_dir)
     if needs_tokenizer and choice.tokenizer is None:

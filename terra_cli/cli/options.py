@@ -43,8 +43,9 @@ def tokenizer_option():
 
 def backend_option():
     return typer.Option("auto", "--backend", help=(
-        "auto (vLLM when installed and usable, else hf), vllm, hf, or single-stream (terra's own one-rollout "
-        "decoder: static KV cache, CUDA graphs; the reference's codes for a seed; never chosen by auto)."))
+        "auto (single-stream for one video on a GPU, else vLLM when installed and usable, else hf), vllm, hf, "
+        "or single-stream (terra's own one-rollout decoder: static KV cache, CUDA graphs; the reference's codes "
+        "for a seed)."))
 
 
 def device_option():

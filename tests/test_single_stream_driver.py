@@ -313,6 +313,8 @@ def test_auto_picks_single_stream_for_one_rollout_on_a_gpu_and_vllm_for_batches(
     monkeypatch.setattr(vllm_backend, "vllm_available", lambda: vllm_here)
     assert choose_backend("auto", rollouts=rollouts, device=device, options=options) == picked
     assert choose_backend("hf", rollouts=rollouts, device=device, options=options) == "hf"  # a name is kept
+    if not options:  # front-ends that know no rollouts or options pass none
+        assert choose_backend("auto", rollouts=rollouts, device=device) == picked
 
 
 def test_generate_with_auto_and_jacobi_runs_single_stream(checkpoint, tmp_path):

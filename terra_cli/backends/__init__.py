@@ -32,7 +32,7 @@ def __getattr__(name: str):
 
 
 def choose_backend(requested: str, *, rollouts: int | None = None, device: str | None = None,
-                   options: Mapping = ()) -> str:
+                   options: Mapping | None = None) -> str:
     """'auto' -> the backend that runs this work fastest here.
 
     - `single-stream` for one rollout (`rollouts=1`: one `terra generate` video) on a CUDA `device`
@@ -46,6 +46,7 @@ def choose_backend(requested: str, *, rollouts: int | None = None, device: str |
         raise ValueError(f"backend: auto, {', '.join(BACKEND_NAMES)}; got {requested!r}")
     if requested != "auto":
         return requested
+    options = options or {}
     if options.get("draft") == "jacobi":
         return "single-stream"
     from terra_cli.backends.vllm import vllm_available

@@ -23,7 +23,7 @@ ATTENTIONS = ("auto", "terra", "vllm")
 
 
 def resolve_backend_name(requested: str, *, rollouts: int | None = None, device: str | None = None,
-                         options: Mapping = ()) -> str:
+                         options: Mapping | None = None) -> str:
     """--backend: a backend's name, or 'auto' (`backends.choose_backend`: single-stream for one
     rollout on a GPU, vllm where it can run here, else hf). `rollouts`: 1 where the work is one
     video; None for batches, servers and anything else."""

@@ -43,7 +43,8 @@ def test_a_chain_of_packs_gives_each_its_own_files_and_keeps_older_ones(tmp_path
 def test_lean41_refuses_a_bad_chain_before_any_setup(tmp_path):
     for args, env, said in (("", {}, "usage"), ("one foo", {}, "usage"),
                             ("bench one", {"WEIGHTS": "bf16 fp9"}, "WEIGHTS: fp9"),
-                            ("one pictures", {"PICTURE_ROWS": "pic4 pic3"}, "PICTURE_ROWS: pic3")):
+                            ("one pictures", {"PICTURE_ROWS": "pic4 pic3"}, "PICTURE_ROWS: pic3"),
+                            ("pictures", {"PICTURE_ROWS": "tokens-vllm pic4-vllm-x"}, "PICTURE_ROWS: pic4-vllm-x")):
         result = bash(f"bash benchmarks/scripts/gpu_lean41.sh {args}", tmp_path, **env)
         assert result.returncode == 2 and said in result.stderr, (args, result.stderr)
         assert "part b" not in result.stdout  # setup never began

@@ -37,7 +37,8 @@
 #             reduce-overhead (the decoder as CUDA graphs), -vllm the server on vLLM instead of single-stream
 #             (tokens-vllm: the two backends in one call); SERVE_ARGS_EXTRA adds server options to every row
 #             (e.g. --kv-cache-dtype fp8); PICTURE_SESSIONS the sessions at once (32; comma-separated: 1,32),
-#             PICTURE_S each row's limit (160 s)
+#             PICTURE_S each row's limit (160 s); each row's `generate --server` part writes an mp4, so it
+#             needs imageio-ffmpeg (`gpu_bundle.sh ff`, a call of its own) and exits 2 without it
 # Subcommands chain, as device time is scarce (a session of 2026-12-07 lost all of it to machines that did not
 # start): `gpu_lean41.sh one profile bench` sets up once (~35 s each saved) and packs each one's files into a
 # tarball of its own; with pictures in the chain carry .gpu/serve beside .gpu/vllm-b (23 MB: both fit a call).

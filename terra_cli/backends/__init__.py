@@ -13,6 +13,10 @@ from collections.abc import Mapping
 
 BACKEND_NAMES = ("hf", "vllm", "single-stream")
 
+# The rollouts single-stream decides together at most (`row_batch.MAX_ROWS`; a server's sessions as rows):
+# where more may run at once, auto keeps vLLM, which takes them all.
+SINGLE_STREAM_ROWS = 32
+
 # The engine options each backend takes; vLLM takes its engine arguments, any of them.
 BACKEND_OPTIONS = {"hf": (), "single-stream": ("draft", "draft_tokens", "quantization", "kv_cache_dtype")}
 
@@ -35,13 +39,15 @@ def choose_backend(requested: str, *, rollouts: int | None = None, device: str |
                    options: Mapping | None = None) -> str:
     """'auto' -> the backend that runs this work fastest here.
 
-    - `single-stream` for one rollout (`rollouts=1`: one `terra generate` video) on a CUDA `device`
-      where vLLM is installed (its FlashAttention kernels are the ones single-stream was measured
-      with), unless `options` ask for something only vLLM runs: on an H100, 1.15 s a frame against
-      vLLM's 1.40, and ready in 6 s against 25 (`benchmarks/README.md`, 2026-12-07). A
-      `draft="jacobi"` also means single-stream, the one backend that runs it.
-    - else `vllm` when vLLM is importable and a device it supports is present (batches, scenario
-      files, servers, and everything where `rollouts` is not given), else `hf`."""
+    - `single-stream` where at most `SINGLE_STREAM_ROWS` rollouts run at once (`rollouts`: 1 for one
+      `terra generate` video, a server's --max-in-flight) on a CUDA `device` where vLLM is installed
+      (its FlashAttention kernels are the ones single-stream was measured with), unless `options`
+      ask for something only vLLM runs. Measured on H100s, each pair in one call
+      (`benchmarks/README.md`, 2026-12-07/08): one rollout 1.15 s a frame against vLLM's 1.40, ready
+      in 6 s against 25; a server's one session 0.919 frames/s against 0.795, its 32 sessions 0.473
+      against 0.477. A `draft="jacobi"` also means single-stream, the one backend that runs it.
+    - else `vllm` when vLLM is importable and a device it supports is present (more rollouts, scenario
+      files, the simulator, and everything where `rollouts` is not given), else `hf`."""
     if requested not in ("auto", *BACKEND_NAMES):
         raise ValueError(f"backend: auto, {', '.join(BACKEND_NAMES)}; got {requested!r}")
     if requested != "auto":
@@ -53,7 +59,8 @@ def choose_backend(requested: str, *, rollouts: int | None = None, device: str |
 
     if not vllm_available():
         return "hf"
-    if (rollouts == 1 and device is not None and str(device).startswith("cuda")
+    on_gpu = device is not None and str(device).startswith("cuda")
+    if (on_gpu and rollouts is not None and 1 <= rollouts <= SINGLE_STREAM_ROWS
             and not options.get("draft_tokens") and not options_not_taken("single-stream", options)
             and options.get("kv_cache_dtype") in (None, "auto", "fp8", "fp8_e4m3")):
         return "single-stream"

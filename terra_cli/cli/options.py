@@ -43,7 +43,8 @@ def tokenizer_option():
 
 def backend_option():
     return typer.Option("auto", "--backend", help=(
-        "auto (single-stream for one video on a GPU, else vLLM when installed and usable, else hf), vllm, hf, "
+        "auto (on a GPU, single-stream for one video or a server of --max-in-flight 32 or fewer; else vLLM when "
+        "installed and usable, else hf), vllm, hf, "
         "or single-stream (terra's own one-rollout decoder: static KV cache, CUDA graphs; the reference's codes "
         "for a seed)."))
 

@@ -59,7 +59,7 @@ def serve(
     max_sessions: int = typer.Option(32, "--max-sessions", min=1, help="Open sessions at most; more get 429."),
     session_timeout: float = typer.Option(300.0, "--session-timeout", min=0.1, help="Seconds an idle session lives."),
     max_queued_jobs: int = typer.Option(64, "--max-queued-jobs", min=1, help="Video jobs queued or running at most; more get 429."),
-    max_in_flight: int = typer.Option(128, "--max-in-flight", min=1, help="Rollouts at once (sessions + jobs): vLLM's engine; --backend single-stream runs up to 32 sessions' frames as rows of one batch, a session's next frame joining within 16 steps."),
+    max_in_flight: int = typer.Option(128, "--max-in-flight", min=1, help="Rollouts at once (sessions + jobs): vLLM's engine; --backend single-stream runs up to 32 sessions' frames as rows of one batch, a session's next frame joining within 16 steps (auto picks it on a GPU at 32 or fewer)."),
     picture_batch: int = typer.Option(1, "--picture-batch", min=1, max=32, help="Frames in every picture decode, padded: 4 to 8 for a server of many sessions (32 sessions on an H100, fp8: 0.58 frames/s each at 4, 0.57 at 8, 0.55 at 16; bf16: 0.46 at 8 against 0.42 at 1), 1 for one (its every picture decodes the whole batch). A picture is the same whatever was decoded beside it."),
     max_frames: int = typer.Option(100, "--max-frames", min=2, max=100, help="Frames per video or session at most."),
     max_upload_mb: float = typer.Option(32.0, "--max-upload-mb", min=0.001, help="Request body size cap in MiB."),

@@ -38,10 +38,11 @@ def check_engine_config(config: EngineConfig):
 
     device = resolve_device(config.device)
     resolve_dtype_name(config.dtype, device)
-    backend = resolve_backend_name(config.backend)
-    check_backend_options(backend, config.options, device)
     if config.max_in_flight < 1:
         raise InputError(f"--max-in-flight must be at least 1, got {config.max_in_flight}")
+    backend = resolve_backend_name(config.backend, rollouts=config.max_in_flight, device=device,
+                                   options=config.options)
+    check_backend_options(backend, config.options, device)
     if not 1 <= config.picture_batch <= MAX_PICTURE_BATCH:
         raise InputError(f"--picture-batch must be 1 to {MAX_PICTURE_BATCH} frames, got {config.picture_batch}")
     picture_stream_asked()  # its lab switch, before minutes of loading

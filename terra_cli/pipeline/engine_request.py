@@ -24,9 +24,10 @@ ATTENTIONS = ("auto", "terra", "vllm")
 
 def resolve_backend_name(requested: str, *, rollouts: int | None = None, device: str | None = None,
                          options: Mapping | None = None) -> str:
-    """--backend: a backend's name, or 'auto' (`backends.choose_backend`: single-stream for one
-    rollout on a GPU, vllm where it can run here, else hf). `rollouts`: 1 where the work is one
-    video; None for batches, servers and anything else."""
+    """--backend: a backend's name, or 'auto' (`backends.choose_backend`: single-stream on a GPU for
+    up to a row batch of rollouts, vllm where it can run here, else hf). `rollouts`: the most that
+    run at once where the front-end knows it (1 for one video, a server's --max-in-flight); None for
+    scenario files and anything else."""
     if requested not in BACKENDS:
         raise InputError(f"--backend must be auto, vllm, hf or single-stream, got {requested!r}")
     from terra_cli.backends import choose_backend

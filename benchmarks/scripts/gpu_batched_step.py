@@ -295,7 +295,8 @@ def profile_rows(rows: int, steps: int = 64, context: int = 3, kv_cache_dtype: s
 
     from terra_cli.backends.base import Sampling
     from terra_cli.backends.row_batch import RowBatchDecoder, RowWork
-    from terra_cli.backends.single_stream import FP8_CACHE_DTYPES, SingleStreamDecoder
+    from terra_cli.backends import FP8_CACHE_DTYPES
+    from terra_cli.backends.single_stream import SingleStreamDecoder
 
     torch.manual_seed(0)
     model = build_model(LlamaActionConfig(**TERRA_WORLD_MODEL_CONFIG), torch.device("cuda"), torch.bfloat16)

@@ -19,6 +19,8 @@ SINGLE_STREAM_ROWS = 32
 
 # The engine options each backend takes; vLLM takes its engine arguments, any of them.
 BACKEND_OPTIONS = {"hf": (), "single-stream": ("draft", "draft_tokens", "quantization", "kv_cache_dtype")}
+# The fp8 caches single-stream keeps: FlashAttention-3 reads e4m3 only (vLLM's fp8_e5m2 is not taken).
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 __all__ = ["BACKEND_NAMES", "FrameCallback", "Sampling", "WorldModelBackend", "check_generation_inputs",
            "choose_backend", "load_backend", "options_not_taken"]
@@ -62,7 +64,7 @@ def choose_backend(requested: str, *, rollouts: int | None = None, device: str |
     on_gpu = device is not None and str(device).startswith("cuda")
     if (on_gpu and rollouts is not None and 1 <= rollouts <= SINGLE_STREAM_ROWS
             and not options.get("draft_tokens") and not options_not_taken("single-stream", options)
-            and options.get("kv_cache_dtype") in (None, "auto", "fp8", "fp8_e4m3")):
+            and options.get("kv_cache_dtype") in (None, "auto", *FP8_CACHE_DTYPES)):
         return "single-stream"
     return "vllm"
 

@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 
+from terra_cli.backends import FP8_CACHE_DTYPES
 from terra_cli.backends.base import FrameCallback, Sampling, check_generation_inputs
 from terra_cli.backends.device_sampling import FrameGenerators, StepSampler, draw_codes, next_codes
 from terra_cli.backends.jacobi import DRAFTS, MAX_DRAFT_TOKENS, jacobi_step
@@ -34,8 +35,6 @@ from terra_cli.backends.static_kv import StaticKVDecoder
 from terra_cli.errors import InputError
 from terra_cli.seeds import rollout_seed
 from terra_cli.models.modeling_hf import LlamaActionForCausalLM, load_model
-
-FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # FlashAttention-3 reads e4m3 only (vLLM's fp8_e5m2 is not taken)
 
 
 def plain_step(decoder: "SingleStreamDecoder", key_length: int) -> None:
